@@ -1,0 +1,1 @@
+"""hydro_fluid: resource-aware placement and execution of fused trial groups."""
