@@ -1,0 +1,32 @@
+"""Exceptions raised by Hydro.
+
+Every error names what is wrong (a module path, a graph node, a file and key) and says what to do.
+They subclass ``ValueError`` for bad input and ``RuntimeError`` for failures while running, so code
+that already catches those keeps working.
+"""
+
+from __future__ import annotations
+
+
+class HydroError(Exception):
+    """Base class of every exception raised by Hydro."""
+
+
+class TraceError(HydroError, ValueError):
+    """The model could not be traced with torch.fx."""
+
+
+class ScaleError(HydroError, ValueError):
+    """The model cannot be scaled by the requested ratio."""
+
+
+class FuseError(HydroError, ValueError):
+    """Several trials of a model cannot be fused into one model."""
+
+
+class ConfigError(HydroError, ValueError):
+    """A search space, task or config file is malformed."""
+
+
+class StorageError(HydroError, RuntimeError):
+    """An Optuna storage could not be opened."""
