@@ -12,8 +12,8 @@ import contextlib
 import linecache
 import os
 import traceback
-from unittest import mock
 from collections.abc import Iterable, Iterator
+from unittest import mock
 
 import torch
 import torch.fx
