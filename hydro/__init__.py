@@ -1,3 +1,23 @@
-"""Hydro: cheap hyperparameter tuning for PyTorch models."""
+"""Hydro: cheap hyperparameter tuning for PyTorch models.
+
+The pipeline, one module a stage: trace (:mod:`hydro.fx.trace`) → width analysis
+(:mod:`hydro.fx.widths`) → scale (:mod:`hydro.scaling`) → muP parametrization
+(:mod:`hydro.parametrize`) → fuse → optimize → tune → place → export.
+"""
+
+from hydro import parametrize
+from hydro.errors import ConfigError, FuseError, HydroError, ScaleError, StorageError, TraceError
+from hydro.scaling import scale
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "FuseError",
+    "HydroError",
+    "ScaleError",
+    "StorageError",
+    "TraceError",
+    "parametrize",
+    "scale",
+]

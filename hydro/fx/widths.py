@@ -106,7 +106,8 @@ class WidthPlan:
         param_syms: symbols of each parameter or buffer, keyed by ``id(tensor)``.
         tensor_names: the qualified names of each parameter or buffer (tied tensors have several).
         new_size: the solved new size of every class root.
-        width: the class roots that are width (shrunk by ``ratio``).
+        width: the class roots whose size follows the width: shrunk by ``ratio`` directly, or
+            solved from such classes (a concatenation of width and fixed parts, a head count).
         fixed: the class roots tied to inputs or outputs.
         uses: for each parameter id, how ops use it (for roles).
         head_decisions: per product constraint resolved by the head policy, what was kept.
@@ -866,6 +867,9 @@ def _solve(a: _Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
         )
     for r in width:
         new[r] = a.sizes[r] // ratio
+    # classes whose size follows the width (directly, or through a constraint); at ratio 1
+    # nothing changes size, so this, not a size comparison, says which dimensions are width
+    dep: set[int] = set(width)
 
     decisions: list[str] = []
     pending_products = list(a.products)
@@ -891,17 +895,23 @@ def _solve(a: _Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
                         f"{a.sizes[c.whole]} does not shrink to a whole number",
                     )
                 new[a.find(c.part)] = w * c.num // c.den
+                if a.find(c.whole) in dep:
+                    dep.add(a.find(c.part))
                 changed = True
         for c in a.sums:
             parts = [value(s) for s in c.parts]
             out = value(c.out)
             if out is None and all(p is not None for p in parts):
                 new[a.find(c.out)] = sum(parts) + c.const
+                if any(a.find(x) in dep for x in c.parts):
+                    dep.add(a.find(c.out))
                 changed = True
             elif out is not None and sum(p is None for p in parts) == 1:
                 known = sum(p for p in parts if p is not None)
                 missing = next(s for s, p in zip(c.parts, parts) if p is None)
                 new[a.find(missing)] = out - known - c.const
+                if any(a.find(x) in dep for x in [c.out, *c.parts]):
+                    dep.add(a.find(missing))
                 changed = True
         for c in list(pending_products):
             unknown = [s for s in c.lhs + c.rhs if value(s) is None]
@@ -922,24 +932,26 @@ def _solve(a: _Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
                         c.node, f"a dimension of size {a.sizes[s]} would have to become {num}/{den}"
                     )
                 new[a.find(s)] = num // den
+                if any(a.find(x) in dep for x in c.lhs + c.rhs):
+                    dep.add(a.find(s))
                 pending_products.remove(c)
                 changed = True
         if not changed and pending_products:
             changed = _apply_head_policy(a, pending_products, new, value, head_policy, decisions,
-                                         node_error)  # fmt: skip
+                                         node_error, dep)  # fmt: skip
 
     for r in roots:
         new.setdefault(r, a.sizes[r])
     plan = WidthPlan(
         gm=a.gm, ratio=ratio, values=a.values, node_syms=a.node_syms, param_syms=a.param_syms,
         tensor_names=a.tensor_names, sizes=a.sizes, parent=a.parent, new_size=new,
-        width=width, fixed=fixed, uses=a.uses, head_decisions=decisions,
+        width=dep, fixed=fixed, uses=a.uses, head_decisions=decisions,
     )  # fmt: skip
     _verify(a, plan, node_error)
     return plan
 
 
-def _apply_head_policy(a, pending, new, value, policy, decisions, node_error) -> bool:
+def _apply_head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:
     """Resolve a split ``known = outer * inner`` with two unknowns by the head policy."""
     candidates = []
     for c in pending:
@@ -964,6 +976,8 @@ def _apply_head_policy(a, pending, new, value, policy, decisions, node_error) ->
         if target is not None and target % a.sizes[keep] == 0:
             new[a.find(keep)] = a.sizes[keep]
             new[a.find(solve)] = target // a.sizes[keep]
+            if any(a.find(x) in dep for x in known_side):
+                dep.add(a.find(solve))
             decisions.append(
                 f"node '{c.node}': {heads} heads x {dim} -> {new[a.find(outer)]} heads x "
                 f"{new[a.find(inner)]} (kept the {kept_name})"
