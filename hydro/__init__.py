@@ -6,12 +6,18 @@ The pipeline, one module a stage: trace (:mod:`hydro.fx.trace`) → width analys
 """
 
 from hydro import parametrize
+from hydro.coord import CoordCheckResult, coord_check
 from hydro.errors import ConfigError, FuseError, HydroError, ScaleError, StorageError, TraceError
+from hydro.inspection import InspectReport, inspect
 from hydro.scaling import scale
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CoordCheckResult",
+    "InspectReport",
+    "coord_check",
+    "inspect",
     "ConfigError",
     "FuseError",
     "HydroError",

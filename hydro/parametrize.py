@@ -221,11 +221,15 @@ def apply(
     *,
     output_mult: float = 1.0,
     seed: int | None = None,
+    standard: bool = False,
 ) -> SurrogateInfo:
     """Parametrize a rebuilt surrogate with muP relative to ``target``.
 
     Sets each parameter's initialization from the target's statistics by its role, inserts the
     readout multipliers into the graph, and attaches ``mup`` infshapes (base = the target).
+    With ``standard=True`` it builds the naive standard-parametrization model instead: every
+    weight's std scaled by fan-in (the output layer's too), no multipliers, and infshapes with
+    no width dimension (so no learning-rate scaling).
     """
     info = SurrogateInfo(ratio=plan.ratio, output_mult=float(output_mult))
     info.head_decisions = list(plan.head_decisions)
@@ -243,14 +247,15 @@ def apply(
         uses = plan.uses.get(id(old), [])
         role = role_of(mask, uses)
         old_shape, new_shape = tuple(old.shape), tuple(new.shape)
-        mult = _fan_in_ratio(old_shape, new_shape, uses, mask) ** 0.5 if role == "hidden" else 1.0
+        by_fan_in = role == "hidden" or (standard and role == "output")
+        mult = _fan_in_ratio(old_shape, new_shape, uses, mask) ** 0.5 if by_fan_in else 1.0
         new_std = init_like(new, old, mult, generator)
         info.roles[sur_name] = role
         info.target_shapes[sur_name] = old_shape
         info.init_std[sur_name] = (new_std / mult if mult else 0.0, new_std)
         base[sur_name] = old_shape
         delta[sur_name] = tuple(2 * d if w else d for d, w in zip(old_shape, mask))
-        if role == "output":
+        if role == "output" and not standard:
             for u in uses:
                 if any(mask[d] for d in u.fan_in) and not any(mask[d] for d in u.fan_out):
                     fan = math.prod(old_shape[d] for d in u.fan_in) / math.prod(
@@ -258,7 +263,10 @@ def apply(
                     )
                     readouts.append((u.node, output_mult * fan))
     _insert_readout_multipliers(sur, plan, node_map, readouts, info)
-    mup.set_base_shapes(sur, base, delta=delta, rescale_params=False, do_assert=False)
+    if standard:
+        mup.set_base_shapes(sur, None, rescale_params=False, do_assert=False)
+    else:
+        mup.set_base_shapes(sur, base, delta=delta, rescale_params=False, do_assert=False)
     return info
 
 

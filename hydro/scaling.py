@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -44,6 +45,7 @@ def scale(
     output_mult: float = 1.0,
     leaf_modules: Iterable[type[nn.Module]] = (),
     seed: int | None = None,
+    parametrization: Literal["mup", "sp"] = "mup",
 ) -> torch.fx.GraphModule:
     """Build a muP surrogate of ``model`` with every hidden width divided by ``ratio``.
 
@@ -63,6 +65,9 @@ def scale(
         leaf_modules: extra module types to keep opaque while tracing (they must not hold
             width-carrying parameters).
         seed: seed for the surrogate's initialization; ``None`` draws from torch's global RNG.
+        parametrization: ``"mup"`` (default); ``"sp"`` builds the *naively* width-scaled model
+            instead (standard parametrization at the new width: every fan-in-scaled init, no
+            multipliers, no learning-rate scaling), for comparisons such as coord checks.
 
     Returns:
         A ``torch.fx.GraphModule`` with the target's ``state_dict`` keys, whose parameters carry
@@ -85,18 +90,50 @@ def scale(
         >>> sur(torch.randn(4, 16)).shape
         torch.Size([4, 10])
     """
+    return build(
+        model, ratio, example_inputs=example_inputs, head_policy=head_policy,
+        output_mult=output_mult, leaf_modules=leaf_modules, seed=seed,
+        parametrization=parametrization,
+    ).surrogate  # fmt: skip
+
+
+@dataclass
+class Scaled:
+    """A surrogate with the analysis behind it (what :func:`hydro.inspect` reports on)."""
+
+    surrogate: torch.fx.GraphModule
+    plan: WidthPlan
+    node_map: dict[torch.fx.Node, torch.fx.Node]
+    inputs: tuple[Any, ...]
+
+
+def build(
+    model: nn.Module,
+    ratio: int = 8,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    head_policy: HeadPolicy = "keep_head_dim",
+    output_mult: float = 1.0,
+    leaf_modules: Iterable[type[nn.Module]] = (),
+    seed: int | None = None,
+    parametrization: Literal["mup", "sp"] = "mup",
+) -> Scaled:
+    """:func:`scale`, returning the width plan and node map along with the surrogate."""
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ScaleError(f"ratio must be a positive integer (1, 2, 4, 8...), got {ratio!r}")
+    if parametrization not in ("mup", "sp"):
+        raise ScaleError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
     gm = trace(model, leaf_modules=leaf_modules)
     inputs = tuple(example_inputs) if example_inputs is not None else guess_inputs(gm)
     plan = analyze(gm, inputs, ratio, head_policy=head_policy)
     sur, node_map, new_tensors = _rebuild(gm, plan, model)
     info = parametrize.apply(
-        sur, gm, plan, node_map, new_tensors, output_mult=output_mult, seed=seed
-    )
+        sur, gm, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
+        standard=parametrization == "sp",
+    )  # fmt: skip
     _check(sur, plan, node_map, inputs)
     sur.hydro = info
-    return sur
+    return Scaled(sur, plan, node_map, inputs)
 
 
 def guess_inputs(gm: torch.fx.GraphModule) -> tuple[torch.Tensor, ...]:
@@ -496,4 +533,4 @@ def _set_path(root: nn.Module, path: str, value: Any) -> None:
         setattr(obj, last, value)
 
 
-__all__ = ["scale", "guess_inputs"]
+__all__ = ["Scaled", "build", "guess_inputs", "scale"]
