@@ -64,7 +64,7 @@ class CoordCheckResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, self.steps, figsize=(3.2 * self.steps, 3.2), sharey=True)
+        fig, axes = plt.subplots(1, self.steps, figsize=(3.2 * self.steps + 1.6, 3.2), sharey=True)
         axes = [axes] if self.steps == 1 else list(axes)
         widths = [self.widths[r] for r in self.ratios]
         for t, ax in enumerate(axes):
@@ -76,9 +76,10 @@ class CoordCheckResult:
             ax.set_title(f"step {t}")
             ax.set_xlabel("width")
         axes[0].set_ylabel("mean |activation|")
-        axes[-1].legend(fontsize=6, loc="best")
+        handles, labels = axes[0].get_legend_handles_labels()
         fig.suptitle(f"coord check ({self.parametrization})")
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1 - 1.6 / (3.2 * self.steps + 1.6), 1))
+        fig.legend(handles, labels, fontsize=6, loc="center right")
         if path:
             fig.savefig(path, dpi=120)
         return fig
