@@ -119,16 +119,17 @@ def coord_check(
     for ratio in ratios:
         sur = scale(model, ratio, example_inputs=example_inputs, seed=seed,
                     parametrization=parametrization)  # fmt: skip
+        # the layers the graph calls (a leaf's inner modules, like MultiheadAttention's
+        # out_proj, never run on their own)
+        called = [n.target for n in sur.graph.nodes if n.op == "call_module"]
         layers = {
-            name: m
-            for name, m in sur.named_modules()
-            if name
-            and any(True for _ in m.parameters(recurse=False))
-            and not isinstance(m, torch.fx.GraphModule)
+            name: sur.get_submodule(name)
+            for name in dict.fromkeys(called)
+            if any(True for _ in sur.get_submodule(name).parameters())
         }
         roles = sur.hydro.roles
         for name, m in layers.items():
-            weight = next(n for n, _ in m.named_parameters(recurse=False))
+            weight = next(n for n, _ in m.named_parameters())
             result.roles.setdefault(name, roles.get(f"{name}.{weight}", "?"))
         hidden = [
             s for n, s in sur.hydro.target_shapes.items()

@@ -29,7 +29,9 @@ per parameter so that Hydro's fused optimizers and plain ``torch.optim`` users (
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -238,6 +240,7 @@ def apply(
     delta: dict[str, tuple[int, ...]] = {}
     new_names = {id(p): n for n, p in sur.named_parameters()}
     readouts: list[tuple[Any, float]] = []
+    source = _InitSource(target)
     for old in target.parameters():
         new = new_tensors.get(id(old))
         if new is None or id(new) not in new_names:
@@ -249,7 +252,12 @@ def apply(
         old_shape, new_shape = tuple(old.shape), tuple(new.shape)
         by_fan_in = role == "hidden" or (standard and role == "output")
         mult = _fan_in_ratio(old_shape, new_shape, uses, mask) ** 0.5 if by_fan_in else 1.0
-        new_std = init_like(new, old, mult, generator)
+        stats = source.values(old)
+        if stats is None:
+            new.detach().zero_()
+            new_std = 0.0
+        else:
+            new_std = init_like(new, stats, mult, generator)
         info.roles[sur_name] = role
         info.target_shapes[sur_name] = old_shape
         info.init_std[sur_name] = (new_std / mult if mult else 0.0, new_std)
@@ -262,12 +270,55 @@ def apply(
                         new_shape[d] for d in u.fan_in
                     )
                     readouts.append((u.node, output_mult * fan))
+    source.warn_unread(new_names, new_tensors)
     _insert_readout_multipliers(sur, plan, node_map, readouts, info)
     if standard:
         mup.set_base_shapes(sur, None, rescale_params=False, do_assert=False)
     else:
         mup.set_base_shapes(sur, base, delta=delta, rescale_params=False, do_assert=False)
     return info
+
+
+class _InitSource:
+    """Where a target parameter's initialization statistics are read from.
+
+    A materialized target is read directly. A target on the ``meta`` device (built there so that
+    a large model costs no memory) has no values: each of its layers is materialized alone, on
+    the CPU, and initialized by its own ``reset_parameters`` (PyTorch's default for the layer at
+    the target's size), then dropped. Raw ``nn.Parameter``s of a meta target have no recoverable
+    initialization; they start at zero, with a warning.
+    """
+
+    def __init__(self, target: nn.Module) -> None:
+        self.owner: dict[int, tuple[nn.Module, str]] = {}
+        self.unread: list[int] = []
+        for module in target.modules():
+            if hasattr(module, "reset_parameters"):
+                for name, p in module.named_parameters(recurse=False):
+                    self.owner.setdefault(id(p), (module, name))
+
+    def values(self, p: torch.Tensor) -> torch.Tensor | None:
+        if not p.is_meta:
+            return p
+        if id(p) not in self.owner:
+            self.unread.append(id(p))
+            return None
+        module, name = self.owner[id(p)]
+        with torch.no_grad():
+            layer = copy.deepcopy(module).to_empty(device="cpu")
+            layer.reset_parameters()
+        return getattr(layer, name)
+
+    def warn_unread(self, names: dict[int, str], new_tensors: dict[int, torch.Tensor]) -> None:
+        if not self.unread:
+            return
+        unread = [names.get(id(new_tensors[i]), "?") for i in self.unread if i in new_tensors]
+        warnings.warn(
+            f"the target is on the meta device, so the initialization of its raw parameters "
+            f"{', '.join(unread)} cannot be read; they start at zero in the surrogate. "
+            "Initialize them on the surrogate, or pass a materialized target.",
+            stacklevel=4,
+        )
 
 
 def _insert_readout_multipliers(sur, plan, node_map, readouts, info: SurrogateInfo) -> None:

@@ -133,6 +133,9 @@ def build(
     )  # fmt: skip
     _check(sur, plan, node_map, inputs)
     sur.hydro = info
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is not None and device.type != "cpu":
+        sur.to(device)  # keeps the Parameter objects, and so their infshapes
     return Scaled(sur, plan, node_map, inputs)
 
 

@@ -295,17 +295,45 @@ def test_inspect_table_and_data():
     assert report.to_dict()["rows"][0]["path"] == report.rows[0].path
 
 
-@pytest.mark.parametrize(
-    "name, kwargs, lr, mup_max, sp_min",
-    [("mlp", {"width": 256}, 1e-2, 1.5, 2.0), ("gpt", {"n_embd": 256}, 3e-3, 2.5, 3.5)],
-)
+# Each zoo model, widened so that ratio 8 still leaves a few dozen channels. The naive model
+# must fail the same check where its drift is large enough to tell apart at four steps.
+COORD_CASES = [
+    ("mlp", {"width": 256}, 1e-2, 1.5, 2.0),
+    ("resnet", {"width": 32}, 3e-3, 2.0, None),
+    ("gpt", {"n_embd": 256}, 3e-3, 3.0, 3.5),
+    ("encoder", {"d_model": 128}, 3e-3, 2.0, None),
+    ("convnext", {"dim": 128}, 3e-3, 2.0, 2.3),
+    ("mixed", {"width": 64}, 1e-2, 2.5, None),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, lr, mup_max, sp_min", COORD_CASES)
 def test_coord_check_holds_with_mup_and_fails_without(name, kwargs, lr, mup_max, sp_min):
     case = ZOO[name](**kwargs)
     args = (case.model, case.inputs, case.target, case.loss)
     muP = hydro.coord_check(*args, ratios=(1, 2, 4, 8), steps=4, lr=lr)
-    naive = hydro.coord_check(*args, ratios=(1, 2, 4, 8), steps=4, lr=lr, parametrization="sp")
-    last = muP.steps - 1
     hidden = muP.hidden_layers()
     assert hidden
-    assert max(muP.spread(layer, last) for layer in hidden) < mup_max
-    assert max(naive.spread(layer, last) for layer in hidden) > sp_min
+    for step in range(muP.steps):
+        assert max(muP.spread(layer, step) for layer in hidden) < mup_max, step
+    if sp_min is not None:
+        naive = hydro.coord_check(*args, ratios=(1, 2, 4, 8), steps=4, lr=lr, parametrization="sp")
+        assert max(naive.spread(layer, naive.steps - 1) for layer in hidden) > sp_min
+
+
+def test_meta_target_costs_no_memory_and_reads_layer_defaults():
+    from tests.zoo import GPT, ConvNeXt
+
+    with torch.device("meta"):
+        target = GPT()
+    sur = hydro.scale(target, 8, example_inputs=(torch.zeros(2, 16, dtype=torch.long),))
+    assert all(p.device.type == "cpu" for p in sur.parameters())
+    # Linear's default init at the *target* fan-in (128), by the muP rules: hidden bias as is
+    bias = sur.get_parameter("h.0.mlp.0.bias")
+    # (redrawn from the layer's sample statistics, so the bound holds up to sampling error)
+    assert 0.5 / math.sqrt(128) < bias.abs().max().item() <= 1.1 / math.sqrt(128)
+    assert sur(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 65)
+    with torch.device("meta"):
+        convnext = ConvNeXt()
+    with pytest.warns(UserWarning, match=r"raw parameters blocks.0.gamma, blocks.1.gamma"):
+        hydro.scale(convnext, 8, example_inputs=(torch.zeros(2, 3, 8, 8),))

@@ -29,6 +29,10 @@ def propagate(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> dict[torch.f
     sizes read from them (``x.size(1)``) are plain ints.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = next((t.device for t in gm.parameters()), None)
+    if device is not None and device.type == "meta":
+        # a target built on the meta device: meet it there
+        inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     fake_inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
     recorder = _Recorder(gm, mode)
     recorder.run(*fake_inputs)
