@@ -53,18 +53,20 @@ class FusedModel(nn.Module):
         super().__init__()
         if not models:
             raise FuseError("fuse() needs at least one model")
+        original = copy.deepcopy(models[0])
         template = trace(copy.deepcopy(models[0]))
-        traced = [trace(m) for m in models]
-        _check_same_architecture(traced)
+        _check_same_architecture(models)
+        traced = list(models)
         n = len(models)
-        # Kept out of the module tree: the architecture that trial(k) rebuilds.
+        # Kept out of the module tree: the traced graph, and the module that trial(k) copies.
         object.__setattr__(self, "_template", template)
+        object.__setattr__(self, "_original", original)
         self._graphs: dict[tuple, torch.fx.GraphModule] = {}
 
         # One fused parameter per distinct source parameter: ties (a shared embedding) survive.
         params: dict[str, nn.Parameter] = {}
         canonical: dict[int, nn.Parameter] = {}
-        for name, p in template.named_parameters(remove_duplicate=False):
+        for name, p in original.named_parameters(remove_duplicate=False):
             if id(p) not in canonical:
                 trials = [m.get_parameter(name) for m in traced]
                 fused = stack_param(trials)
@@ -101,7 +103,7 @@ class FusedModel(nn.Module):
             if name not in covered:
                 _set_path(self, name, p)
                 self.tensors[name] = p
-        for name, b in template.named_buffers(remove_duplicate=False):
+        for name, b in original.named_buffers(remove_duplicate=False):
             if name in covered:
                 continue
             trials = [m.get_buffer(name) for m in traced]
@@ -178,7 +180,7 @@ class FusedModel(nn.Module):
         and per-trial dropout probabilities come along.
         """
         k = self._check_index(k)
-        module = copy.deepcopy(self._template)
+        module = copy.deepcopy(self._original)
         module.load_state_dict({name: t[k] for name, t in self.state_dict().items() if name != "diverged"})
         src = dict(self.named_parameters(remove_duplicate=False))
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -239,13 +241,15 @@ class FusedModel(nn.Module):
         return k % self.n
 
 
-def _check_same_architecture(traced: Sequence[torch.fx.GraphModule]) -> None:
-    ref = traced[0]
-    ref_graph = [(n.op, str(n.target)) for n in ref.graph.nodes]
+def _check_same_architecture(models: Sequence[nn.Module]) -> None:
+    ref = models[0]
+    ref_types = [(name, type(m)) for name, m in ref.named_modules()]
     ref_shapes = {k: v.shape for k, v in ref.state_dict().items()}
-    for i, m in enumerate(traced[1:], start=1):
-        if [(n.op, str(n.target)) for n in m.graph.nodes] != ref_graph:
-            raise FuseError(f"model {i} does not have the same graph as model 0; fuse needs one architecture")
+    for i, m in enumerate(models[1:], start=1):
+        if [(name, type(sub)) for name, sub in m.named_modules()] != ref_types:
+            raise FuseError(
+                f"model {i} does not have the same modules as model 0; fuse needs one architecture"
+            )
         shapes = {k: v.shape for k, v in m.state_dict().items()}
         if shapes != ref_shapes:
             diff = sorted(k for k in shapes.keys() | ref_shapes.keys() if shapes.get(k) != ref_shapes.get(k))
