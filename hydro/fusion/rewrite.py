@@ -284,6 +284,10 @@ def fuse_graph(
             continue
         if node.op == "get_attr":
             new = graph.get_attr(node.target)
+            if node.target not in tensors:  # a constant the tracer made (not a weight): shared
+                owners[node.target] = getattr(template, node.target)
+                env[node], layout[node] = new, "S"
+                continue
             owners[node.target] = tensors[node.target]
             if node.target in shared_tensors:
                 env[node], layout[node] = graph.call_function(operator.getitem, (new, 0)), "S"
