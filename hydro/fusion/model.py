@@ -16,7 +16,7 @@ from hydro.fx import trace
 
 
 def _set_path(root: nn.Module, path: str, value: object, buffer: bool = False) -> None:
-    """Register ``value`` (module, parameter or buffer) at a dotted ``path``, creating containers."""
+    """Register ``value`` (module, parameter or buffer) at a dotted ``path``, making containers."""
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
@@ -70,8 +70,8 @@ class FusedModel(nn.Module):
             if id(p) not in canonical:
                 trials = [m.get_parameter(name) for m in traced]
                 fused = stack_param(trials)
-                if hasattr(p, "infshape"):
-                    fused.infshape = p.infshape  # muP metadata for hydro.optim
+                if hasattr(trials[0], "infshape"):
+                    fused.infshape = trials[0].infshape  # muP metadata for hydro.optim
                 canonical[id(p)] = fused
             params[name] = canonical[id(p)]
 
@@ -103,7 +103,7 @@ class FusedModel(nn.Module):
             if name not in covered:
                 _set_path(self, name, p)
                 self.tensors[name] = p
-        for name, b in original.named_buffers(remove_duplicate=False):
+        for name, _ in original.named_buffers(remove_duplicate=False):
             if name in covered:
                 continue
             trials = [m.get_buffer(name) for m in traced]
@@ -131,7 +131,9 @@ class FusedModel(nn.Module):
     def _graph_for(self, args: tuple, shared: bool) -> torch.fx.GraphModule:
         key = (shared, tuple(a.dim() if isinstance(a, torch.Tensor) else None for a in args))
         if key not in self._graphs:
-            one = args if shared else tuple(a[0] if isinstance(a, torch.Tensor) else a for a in args)
+            one = (
+                args if shared else tuple(a[0] if isinstance(a, torch.Tensor) else a for a in args)
+            )
             facts = batch_facts(self._template, one)
             self._graphs[key] = fuse_graph(
                 self._template, facts, self.n, shared, self.fused_layers, self.tensors,
@@ -166,9 +168,10 @@ class FusedModel(nn.Module):
         # A diverged trial is frozen: undo what this forward did to its buffers (BatchNorm stats).
         saved = [(b, b[frozen].clone()) for b in self.buffers() if b is not self.diverged]
         out = gm(*bound)
-        with torch.no_grad():
-            for b, old in saved:
-                b[frozen] = old
+        for b, old in saved:
+            # Through .data: autograd saved these buffers (BatchNorm's backward takes them) and
+            # must not see a version bump; the trials it differentiates are untouched anyway.
+            b.data[frozen] = old
         return out
 
     # --- trials in and out ------------------------------------------------------------------
@@ -181,7 +184,9 @@ class FusedModel(nn.Module):
         """
         k = self._check_index(k)
         module = copy.deepcopy(self._original)
-        module.load_state_dict({name: t[k] for name, t in self.state_dict().items() if name != "diverged"})
+        module.load_state_dict(
+            {name: t[k] for name, t in self.state_dict().items() if name != "diverged"}
+        )
         src = dict(self.named_parameters(remove_duplicate=False))
         for name, p in module.named_parameters(remove_duplicate=False):
             if hasattr(src[name], "infshape"):
@@ -252,8 +257,12 @@ def _check_same_architecture(models: Sequence[nn.Module]) -> None:
             )
         shapes = {k: v.shape for k, v in m.state_dict().items()}
         if shapes != ref_shapes:
-            diff = sorted(k for k in shapes.keys() | ref_shapes.keys() if shapes.get(k) != ref_shapes.get(k))
-            raise FuseError(f"model {i} has different parameter/buffer shapes than model 0: {diff[:5]}")
+            diff = sorted(
+                k for k in shapes.keys() | ref_shapes.keys() if shapes.get(k) != ref_shapes.get(k)
+            )
+            raise FuseError(
+                f"model {i} has different parameter/buffer shapes than model 0: {diff[:5]}"
+            )
 
 
 def _reinitialize(model: nn.Module, generator_seed: int | None = None) -> nn.Module:
@@ -266,9 +275,7 @@ def _reinitialize(model: nn.Module, generator_seed: int | None = None) -> nn.Mod
     """
     fresh = copy.deepcopy(model)
     for m in fresh.modules():
-        if hasattr(m, "reset_parameters") and m is not fresh or (
-            m is fresh and hasattr(m, "reset_parameters") and not list(m.children())
-        ):
+        if hasattr(m, "reset_parameters"):
             m.reset_parameters()
     with torch.no_grad():
         for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):

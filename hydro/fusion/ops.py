@@ -89,7 +89,9 @@ class FusedLinear(FusedModule):
         self.bias = bias  # [n, out] or None
 
     @classmethod
-    def from_trials(cls, mods: Sequence[nn.Linear], param: Callable, buffer: Callable) -> FusedLinear:
+    def from_trials(
+        cls, mods: Sequence[nn.Linear], param: Callable, buffer: Callable
+    ) -> FusedLinear:
         return cls(len(mods), param("weight"), param("bias"))
 
     def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
@@ -295,7 +297,7 @@ class FusedEmbedding(FusedModule):
         out = F.embedding(trial_ids, self.weight.flatten(0, 1))
         if self.padding_idx is not None:
             # As nn.Embedding: the padding row reads normally but receives no gradient.
-            pad = (trial_ids - per_trial(offsets, trial_ids.dim()) == self.padding_idx)
+            pad = trial_ids - per_trial(offsets, trial_ids.dim()) == self.padding_idx
             out = torch.where(pad.unsqueeze(-1), out.detach(), out)
         return out.flatten(0, 1) if layout == "F" else out
 
@@ -389,7 +391,11 @@ class FusedMultiheadAttention(FusedModule):
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         x3 = x.reshape(self.n, -1, x.shape[-1])
-        y = torch.bmm(x3, w.transpose(1, 2)) if b is None else torch.baddbmm(b, x3, w.transpose(1, 2))
+        y = (
+            torch.bmm(x3, w.transpose(1, 2))
+            if b is None
+            else torch.baddbmm(b, x3, w.transpose(1, 2))
+        )
         return y.view(*x.shape[:-1], w.shape[1])
 
     def forward(

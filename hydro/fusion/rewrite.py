@@ -94,10 +94,10 @@ def batch_facts(gm: torch.fx.GraphModule, inputs: tuple) -> dict[str, Facts | No
             facts[node.name] = None
             continue
         kinds = {_batch_kind(a, b) for a, b in zip(s1, s2)}
-        if "moved" in kinds or len(kinds) > 1 and node.op != "output":
+        if "moved" in kinds or (len(kinds) > 1 and node.op != "output"):
             raise FuseError(
-                f"cannot fuse node '{node.name}' ({node.format_node()}): its batch dimension is not "
-                f"the leading one (shapes {s1} at the example batch size, {s2} at twice it). "
+                f"cannot fuse node '{node.name}' ({node.format_node()}): its batch dimension is "
+                f"not the leading one (shapes {s1} at the example batch size, {s2} at twice it). "
                 "Fusion stacks trials along the batch; keep the batch first (e.g. batch_first=True)"
             )
         facts[node.name] = Facts(s1, kinds == {"batched"})
@@ -307,10 +307,14 @@ def fuse_graph(
             x_layout = layout[node.args[0]]
             if x_layout == "SB" and mha:
                 x_layout = "F"
+            # The layer's main input may stay shared; its other tensor inputs (masks) are folded.
+            x, expand_x = node.args[0], mha
             args, kwargs = remap(
-                node, lambda a: folded(a) if layout[a] == "SB" and (a is not node.args[0] or mha)
-                else env[a],
-            )  # fmt: skip
+                node,
+                lambda a, x=x, expand_x=expand_x: (
+                    folded(a) if layout[a] == "SB" and (a is not x or expand_x) else env[a]
+                ),
+            )
             in_layout = {"SB": "S"}.get(x_layout, x_layout)
             new = graph.call_module(node.target, args, {**kwargs, "layout": in_layout})
             if in_layout == "S":
@@ -322,7 +326,10 @@ def fuse_graph(
             env[node], layout[node] = new, out
             continue
         if module is not None:
-            if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+            if (
+                next(module.parameters(), None) is not None
+                or next(module.buffers(), None) is not None
+            ):
                 raise FuseError(
                     f"cannot fuse node '{node.name}': module '{node.target}' "
                     f"({type(module).__name__}) has parameters or buffers but no fused form"
@@ -355,7 +362,7 @@ def fuse_graph(
         ) and not (node.target in _MATMULS and min(rank(a) for a in tensor_args) < 2)
         if elementwise:
 
-            def lift(a: Node) -> Node:
+            def lift(a: Node, top: int = top) -> Node:
                 if layout[a] in (None, "S"):
                     return env[a]
                 v = folded(a)
@@ -383,5 +390,3 @@ def fuse_graph(
 
     graph.lint()
     return torch.fx.GraphModule(owners, graph, "FusedGraph")
-
-

@@ -80,6 +80,8 @@ class TrialScheduler:
 
     def step(self) -> None:
         """Advance every trial's schedule by one step."""
+        for opt in self.optimizer.trial_optimizers():
+            opt._opt_called = True  # stand-ins never step; the fused optimizer did
         for s in self.schedulers:
             s.step()
         self._sync()

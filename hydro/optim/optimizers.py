@@ -1,4 +1,4 @@
-"""Fused SGD, Adam and AdamW: one optimizer step for ``n`` trials, each with its own hyperparameters.
+"""Fused SGD, Adam and AdamW: one step for ``n`` trials, each with its own hyperparameters.
 
 Every parameter has a leading trial dimension ``[n, ...]``. Each hyperparameter may be a scalar
 (the same for every trial) or a length-``n`` sequence/tensor; internally it is a float64 tensor
@@ -105,7 +105,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 saved = None
                 if frozen_idx is not None:
-                    saved = {k: v[frozen_idx].clone() for k, v in state.items() if torch.is_tensor(v)}
+                    saved = {
+                        k: v[frozen_idx].clone() for k, v in state.items() if torch.is_tensor(v)
+                    }
                     saved_param = p[frozen_idx].clone()
                 self._update(p, p.grad, state, group, active)
                 if frozen_idx is not None:
@@ -222,7 +224,9 @@ class SGD(FusedOptimizer):
             if buf is None:
                 buf = state["momentum_buffer"] = grad.clone()  # torch: the first buffer is grad
             else:
-                buf.mul_(_trial_view(momentum, p)).add_(grad * _trial_view(1 - group["dampening"], p))
+                buf.mul_(_trial_view(momentum, p)).add_(
+                    grad * _trial_view(1 - group["dampening"], p)
+                )
             nesterov = _trial_view(group["nesterov"], p) > 0
             step = torch.where(nesterov, grad + _trial_view(momentum, p) * buf, buf)
             grad = torch.where(_trial_view(momentum, p) != 0, step, grad)
@@ -230,7 +234,7 @@ class SGD(FusedOptimizer):
 
 
 class Adam(FusedOptimizer):
-    """Fused ``torch.optim.Adam`` (L2 weight decay added to the gradient), per-trial hyperparameters.
+    """Fused ``torch.optim.Adam`` (L2 weight decay added to the gradient), per-trial settings.
 
     Example:
         >>> import torch
@@ -282,7 +286,9 @@ class Adam(FusedOptimizer):
             torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
             ams = _trial_view(group["amsgrad"], p) > 0
             second = torch.where(ams, state["max_exp_avg_sq"], exp_avg_sq)
-        denom = (second.sqrt() / _trial_view(bias_correction2_sqrt, p)).add_(_trial_view(group["eps"], p))
+        denom = (second.sqrt() / _trial_view(bias_correction2_sqrt, p)).add_(
+            _trial_view(group["eps"], p)
+        )
         p.addcdiv_(exp_avg * _trial_view(-lr / bias_correction1, p), denom)
 
 

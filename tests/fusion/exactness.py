@@ -36,7 +36,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol
     assert torch.equal(finite, torch.isfinite(actual)), f"{msg}: non-finite entries differ"
     err = (actual - expected)[finite].abs().max() if finite.any() else 0.0
     scale = expected[finite].abs().max() if finite.any() else 0.0
-    assert err <= rtol * scale + atol, f"{msg}: max error {float(err):.3g} at scale {float(scale):.3g}"
+    assert err <= rtol * scale + atol, (
+        f"{msg}: max error {float(err):.3g} at scale {float(scale):.3g}"
+    )
+
 
 # Hyperparameters that differ per trial (index k of n).
 ADAM_HP = dict(
@@ -53,6 +56,15 @@ SGD_HP = dict(
     nesterov=lambda k: k % 4 == 1,
     weight_decay=lambda k: [0.0, 1e-3, 1e-2, 0.0][k % 4],
 )
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy that keeps mup's ``infshape`` (``deepcopy`` of a Parameter drops attributes)."""
+    copied = copy.deepcopy(model)
+    for (_, p), (_, q) in zip(model.named_parameters(), copied.named_parameters()):
+        if hasattr(p, "infshape"):
+            q.infshape = p.infshape
+    return copied
 
 
 @dataclass
@@ -79,7 +91,7 @@ def build(
 ) -> tuple[Run, list[Case]]:
     cases = [ZOO[name](seed=k, **case_kw) for k in range(n)]
     models = [(make_model(c) if make_model else c.model).to(dtype) for c in cases]
-    fused = fuse([copy.deepcopy(m) for m in models])
+    fused = fuse([clone(m) for m in models])
     hp = ADAM_HP if opt in ("adam", "adamw") else SGD_HP
     per = {key: [f(k) for k in range(n)] for key, f in hp.items()}
     kind = "sgd" if opt == "sgd" else "adam"

@@ -60,8 +60,12 @@ def test_mask_buffer_and_raw_parameter(monkeypatch) -> None:
         g = torch.Generator().manual_seed(seed + 1000)
         torch.manual_seed(seed)
         x = torch.randn(batch, 6, 16, generator=g)
-        return zoo.Case(MaskedAttention(), (x,), torch.randint(0, 3, (batch,), generator=g),
-                        torch.nn.functional.cross_entropy)
+        return zoo.Case(
+            MaskedAttention(),
+            (x,),
+            torch.randint(0, 3, (batch,), generator=g),
+            torch.nn.functional.cross_entropy,
+        )
 
     monkeypatch.setitem(zoo.ZOO, "masked", masked)
     for opt in ("adamw", "sgd"):
