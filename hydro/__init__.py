@@ -1,3 +1,29 @@
-"""Hydro: cheap hyperparameter tuning for PyTorch models."""
+"""Hydro: cheap hyperparameter tuning for PyTorch models.
+
+The pipeline, one module a stage: trace (:mod:`hydro.fx.trace`) → width analysis
+(:mod:`hydro.fx.widths`) → scale (:mod:`hydro.scaling`) → muP parametrization
+(:mod:`hydro.parametrize`) → fuse → optimize → tune → place → export.
+"""
+
+from hydro import parametrize
+from hydro.coord import CoordCheckResult, coord_check
+from hydro.errors import ConfigError, FuseError, HydroError, ScaleError, StorageError, TraceError
+from hydro.inspection import InspectReport, inspect
+from hydro.scaling import scale
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CoordCheckResult",
+    "InspectReport",
+    "coord_check",
+    "inspect",
+    "ConfigError",
+    "FuseError",
+    "HydroError",
+    "ScaleError",
+    "StorageError",
+    "TraceError",
+    "parametrize",
+    "scale",
+]

@@ -29,10 +29,14 @@ per parameter so that Hydro's fused optimizers and plain ``torch.optim`` users (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+import mup
 import torch
+import torch.fx
 from torch import nn
 
 OptimizerKind = Literal["adam", "sgd"]
@@ -129,3 +133,154 @@ def param_groups(
         {"params": ps, "lr": lr * lr_m, "weight_decay": weight_decay * wd_m}
         for (lr_m, wd_m), ps in groups.items()
     ]
+
+
+# --- applying muP to a freshly rebuilt surrogate -------------------------------------------------
+
+Role = Literal["input", "hidden", "output", "vector", "fixed"]
+
+
+@dataclass
+class SurrogateInfo:
+    """What :func:`hydro.scale` did, attached to the surrogate as ``sur.hydro``.
+
+    Attributes:
+        ratio: the width divisor.
+        output_mult: the muP output multiplier.
+        roles: the muP role of each parameter (``input``, ``hidden``, ``output``, ``vector``,
+            ``fixed``), by name.
+        target_shapes: each parameter's shape in the target (the muP base shape).
+        init_std: ``(target std, surrogate std)`` of each parameter's initialization.
+        multipliers: the forward multipliers inserted, by module name.
+        head_decisions: how each attention head split was scaled.
+    """
+
+    ratio: int
+    output_mult: float
+    roles: dict[str, Role] = field(default_factory=dict)
+    target_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    init_std: dict[str, tuple[float, float]] = field(default_factory=dict)
+    multipliers: dict[str, float] = field(default_factory=dict)
+    head_decisions: list[str] = field(default_factory=list)
+
+
+def role_of(width_mask: tuple[bool, ...], uses: list) -> Role:
+    """The muP role of a parameter from which dimensions are width and how ops use it."""
+    ninf = sum(width_mask)
+    if ninf == 0:
+        return "fixed"
+    if ninf >= 2:
+        return "hidden"
+    for u in uses:
+        if any(width_mask[d] for d in u.fan_in) and not any(width_mask[d] for d in u.fan_out):
+            return "output"
+    if any(not any(width_mask[d] for d in u.fan_in) for u in uses):
+        return "input"
+    return "vector"
+
+
+def _fan_in_ratio(old: tuple[int, ...], new: tuple[int, ...], uses: list, mask) -> float:
+    """``target fan-in / surrogate fan-in`` of a parameter (its main width dim if unused)."""
+    dims = uses[0].fan_in if uses else (max(i for i, w in enumerate(mask) if w),)
+    return math.prod(old[d] for d in dims) / math.prod(new[d] for d in dims)
+
+
+@torch.no_grad()
+def init_like(
+    new: torch.Tensor, old: torch.Tensor, std_mult: float, generator: torch.Generator | None
+) -> float:
+    """Initialize ``new`` from ``old``'s statistics with its std multiplied by ``std_mult``.
+
+    A constant tensor (ones of a norm, zeros of a zero-init readout, a layer scale) stays that
+    constant; a tensor whose values fill a bounded interval (PyTorch's default Kaiming-uniform)
+    is redrawn uniformly; anything else is redrawn from a normal. Returns the new std.
+    """
+    flat = old.detach().to(torch.float64).flatten()
+    mean = flat.mean().item() if flat.numel() else 0.0
+    std = flat.std(unbiased=False).item() if flat.numel() > 1 else 0.0
+    if std == 0.0 or not math.isfinite(std):
+        new.fill_(mean)
+        return 0.0
+    s = std * std_mult
+    # uniform distributions have kurtosis 1.8, normals 3: a cheap, robust way to tell them apart
+    kurtosis = (((flat - mean) / std) ** 4).mean().item()
+    if flat.numel() >= 16 and kurtosis < 2.2:
+        half = math.sqrt(3.0) * s
+        new.uniform_(mean - half, mean + half, generator=generator)
+    else:
+        new.normal_(mean, s, generator=generator)
+    return s
+
+
+def apply(
+    sur: torch.fx.GraphModule,
+    target: nn.Module,
+    plan: Any,
+    node_map: dict[torch.fx.Node, torch.fx.Node],
+    new_tensors: dict[int, torch.Tensor],
+    *,
+    output_mult: float = 1.0,
+    seed: int | None = None,
+    standard: bool = False,
+) -> SurrogateInfo:
+    """Parametrize a rebuilt surrogate with muP relative to ``target``.
+
+    Sets each parameter's initialization from the target's statistics by its role, inserts the
+    readout multipliers into the graph, and attaches ``mup`` infshapes (base = the target).
+    With ``standard=True`` it builds the naive standard-parametrization model instead: every
+    weight's std scaled by fan-in (the output layer's too), no multipliers, and infshapes with
+    no width dimension (so no learning-rate scaling).
+    """
+    info = SurrogateInfo(ratio=plan.ratio, output_mult=float(output_mult))
+    info.head_decisions = list(plan.head_decisions)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    base: dict[str, tuple[int, ...]] = {}
+    delta: dict[str, tuple[int, ...]] = {}
+    new_names = {id(p): n for n, p in sur.named_parameters()}
+    readouts: list[tuple[Any, float]] = []
+    for old in target.parameters():
+        new = new_tensors.get(id(old))
+        if new is None or id(new) not in new_names:
+            continue  # not used by forward: not part of the surrogate
+        sur_name = new_names[id(new)]
+        mask = plan.width_mask(old)
+        uses = plan.uses.get(id(old), [])
+        role = role_of(mask, uses)
+        old_shape, new_shape = tuple(old.shape), tuple(new.shape)
+        by_fan_in = role == "hidden" or (standard and role == "output")
+        mult = _fan_in_ratio(old_shape, new_shape, uses, mask) ** 0.5 if by_fan_in else 1.0
+        new_std = init_like(new, old, mult, generator)
+        info.roles[sur_name] = role
+        info.target_shapes[sur_name] = old_shape
+        info.init_std[sur_name] = (new_std / mult if mult else 0.0, new_std)
+        base[sur_name] = old_shape
+        delta[sur_name] = tuple(2 * d if w else d for d, w in zip(old_shape, mask))
+        if role == "output" and not standard:
+            for u in uses:
+                if any(mask[d] for d in u.fan_in) and not any(mask[d] for d in u.fan_out):
+                    fan = math.prod(old_shape[d] for d in u.fan_in) / math.prod(
+                        new_shape[d] for d in u.fan_in
+                    )
+                    readouts.append((u.node, output_mult * fan))
+    _insert_readout_multipliers(sur, plan, node_map, readouts, info)
+    if standard:
+        mup.set_base_shapes(sur, None, rescale_params=False, do_assert=False)
+    else:
+        mup.set_base_shapes(sur, base, delta=delta, rescale_params=False, do_assert=False)
+    return info
+
+
+def _insert_readout_multipliers(sur, plan, node_map, readouts, info: SurrogateInfo) -> None:
+    by_name = {n.name: n for n in plan.gm.graph.nodes}
+    for i, (node_name, value) in enumerate(readouts):
+        if value == 1.0:
+            continue  # the target's own forward: keep the graph (and its numerics) as they are
+        new = node_map[by_name[node_name]]
+        act = new.args[0]
+        module_name = f"mup_readout_{i}"
+        sur.add_submodule(module_name, Multiplier(value))
+        with sur.graph.inserting_before(new):
+            scaled = sur.graph.call_module(module_name, (act,))
+        new.update_arg(0, scaled)
+        info.multipliers[module_name] = value
+    sur.recompile()

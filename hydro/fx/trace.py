@@ -57,6 +57,9 @@ class HydroTracer(torch.fx.Tracer):
     def __init__(self, leaf_modules: Iterable[type[nn.Module]] = ()) -> None:
         super().__init__()
         self.record_stack_traces = True
+        # buffers read in forward (a causal mask sliced to the sequence length) become graph
+        # nodes rather than constants, so they can be sliced by traced sizes and scaled
+        self.proxy_buffer_attributes = True
         self.extra_leaves = tuple(leaf_modules)
         self.hydro_scope: list[str] = []
         self.failed_scope: str | None = None
