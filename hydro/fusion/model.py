@@ -248,10 +248,11 @@ class FusedModel(nn.Module):
 
 def _check_same_architecture(models: Sequence[nn.Module]) -> None:
     ref = models[0]
-    ref_types = [(name, type(m)) for name, m in ref.named_modules()]
+    # By name: every GraphModule (a Hydro surrogate) has a class of its own.
+    ref_types = [(name, type(m).__name__) for name, m in ref.named_modules()]
     ref_shapes = {k: v.shape for k, v in ref.state_dict().items()}
     for i, m in enumerate(models[1:], start=1):
-        if [(name, type(sub)) for name, sub in m.named_modules()] != ref_types:
+        if [(name, type(sub).__name__) for name, sub in m.named_modules()] != ref_types:
             raise FuseError(
                 f"model {i} does not have the same modules as model 0; fuse needs one architecture"
             )

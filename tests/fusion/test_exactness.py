@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hydro
 from tests.fusion.exactness import build, train_and_compare
+from tests.zoo import Case
 
 SMALL = {
     "mlp": dict(width=32, batch=8),
@@ -85,3 +87,25 @@ def test_eval_mode_outputs_after_training() -> None:
     for k, model in enumerate(run.models):
         model.eval()
         torch.testing.assert_close(out[k], model(x), rtol=1e-9, atol=1e-12)
+
+
+def surrogate(case: Case) -> torch.nn.Module:
+    """The case's model as a Hydro muP surrogate at half width (parameters carry infshape)."""
+    return hydro.scale(case.model, ratio=2, example_inputs=case.inputs)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_surrogates_adamw(name: str) -> None:
+    run, cases = build(name, 3, "adamw", make_model=surrogate, **SMALL[name])
+    assert any(hasattr(p, "infshape") for p in run.fused.parameters())
+    train_and_compare(run, cases, steps=3, shared=True)
+    assert all(
+        hasattr(p, "infshape") == hasattr(q, "infshape")
+        for p, q in zip(run.fused.trial(2).parameters(), run.models[2].parameters())
+    )
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt"])
+def test_surrogates_sgd_per_trial_batches(name: str) -> None:
+    run, cases = build(name, 3, "sgd", make_model=surrogate, **SMALL[name])
+    train_and_compare(run, cases, steps=3, shared=False)
