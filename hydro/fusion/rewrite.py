@@ -1,0 +1,392 @@
+"""The graph rewrite from one model to ``n`` fused trials.
+
+Two small passes over the traced ``GraphModule`` of one trial:
+
+1. :func:`batch_facts` propagates shapes (``ShapeProp``) twice, at the example batch size ``B`` and
+   at ``2B``. A tensor whose leading dimension doubles (and nothing else changes) carries the batch;
+   one that does not change is batch-free. Anything else means the batch left the leading position,
+   which fusion cannot follow.
+2. :func:`fuse_graph` rebuilds the graph for ``n`` trials. Batched tensors are *folded*: the ``n``
+   per-trial batches stacked trial-major as ``[n * B, ...]``, so user code (``view(B, T, H, D)``,
+   attention, pooling, residual adds) runs unchanged with ``B`` reading ``n * B``. Layers with
+   parameters become fused layers (``ops.py``). Per-trial values without a batch (parameters read
+   with ``get_attr``, embeddings of positions) are stacked ``[n, ...]``; elementwise ops that mix
+   them with folded tensors are rewritten to broadcast over an explicit trial dimension, and other
+   ops on them fall back to ``torch.func.vmap`` with a logged warning.
+
+Layouts of values in the fused graph (see ``ops.py``): ``"F"`` folded, ``"T"`` trial-stacked,
+``"S"`` shared by all trials, ``"SB"`` a shared model input that carries the batch (fed to the
+layers that can read it without a copy, and expanded to ``"F"`` for everything else).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from hydro.errors import FuseError
+from hydro.fusion.ops import FusedModule, unfold
+from hydro.parametrize import Multiplier
+
+logger = logging.getLogger("hydro.fusion")
+
+Node = torch.fx.Node
+
+
+@dataclass
+class Facts:
+    """What shape propagation says about one node's value."""
+
+    shapes: list[tuple[int, ...]]  # shapes of its tensor leaves at the example batch size
+    batched: bool  # True: every tensor leaf carries the batch in dimension 0
+
+
+def _leaf_shapes(node: Node) -> list[tuple[int, ...]] | None:
+    meta = node.meta.get("tensor_meta")
+    if meta is None:
+        return None
+    leaves, _ = tree_flatten(meta, is_leaf=lambda m: isinstance(m, TensorMetadata))
+    return [tuple(m.shape) for m in leaves if isinstance(m, TensorMetadata)]
+
+
+def _propagate(gm: torch.fx.GraphModule, inputs: tuple) -> dict[str, list[tuple[int, ...]] | None]:
+    ShapeProp(gm).propagate(*inputs)
+    return {node.name: _leaf_shapes(node) for node in gm.graph.nodes}
+
+
+def _double_batch(x: object) -> object:
+    return torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+
+def batch_facts(gm: torch.fx.GraphModule, inputs: tuple) -> dict[str, Facts | None]:
+    """Which values of ``gm`` carry the batch, from shape propagation at batch ``B`` and ``2B``.
+
+    Runs on a ``meta`` copy when possible (no compute, no change to ``gm``'s buffers or the RNG);
+    a model that creates tensors on a fixed device falls back to a real copy.
+
+    Raises:
+        FuseError: a value whose batch is not its leading dimension, naming the node.
+    """
+    try:
+        probe = copy.deepcopy(gm).to("meta")
+        args = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+        small, big = _propagate(probe, args), _propagate(probe, tree_map(_double_batch, args))
+    except Exception:  # noqa: BLE001 - any failure on meta: retry for real
+        probe = copy.deepcopy(gm)
+        with torch.random.fork_rng():
+            small = _propagate(probe, inputs)
+            big = _propagate(probe, tree_map(_double_batch, inputs))
+    facts: dict[str, Facts | None] = {}
+    for node in gm.graph.nodes:
+        s1, s2 = small[node.name], big[node.name]
+        if not s1:
+            facts[node.name] = None
+            continue
+        kinds = {_batch_kind(a, b) for a, b in zip(s1, s2)}
+        if "moved" in kinds or (len(kinds) > 1 and node.op != "output"):
+            raise FuseError(
+                f"cannot fuse node '{node.name}' ({node.format_node()}): its batch dimension is "
+                f"not the leading one (shapes {s1} at the example batch size, {s2} at twice it). "
+                "Fusion stacks trials along the batch; keep the batch first (e.g. batch_first=True)"
+            )
+        facts[node.name] = Facts(s1, kinds == {"batched"})
+    return facts
+
+
+def _batch_kind(small: tuple[int, ...], big: tuple[int, ...]) -> str:
+    if small == big:
+        return "free"
+    if len(small) == len(big) and small[1:] == big[1:] and big[0] == 2 * small[0]:
+        return "batched"
+    return "moved"
+
+
+# Ops that broadcast their tensor arguments elementwise (or over leading dims, like matmul): with a
+# trial-stacked argument they run once on an explicit trial dimension instead of under vmap.
+_BROADCASTING = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.neg,
+    operator.matmul, operator.iadd, operator.imul, torch.add, torch.sub, torch.mul, torch.div,
+    torch.matmul, torch.where, torch.maximum, torch.minimum, torch.exp, torch.tanh, torch.sigmoid,
+    torch.relu, torch.sqrt, torch.rsqrt, torch.abs, F.relu, F.gelu, F.silu, F.tanh, F.sigmoid,
+    "add", "sub", "mul", "div", "matmul", "masked_fill", "pow", "exp", "tanh", "sigmoid", "relu",
+    "sqrt", "rsqrt", "abs", "neg", "to", "float", "double", "type_as", "clone", "contiguous",
+}  # fmt: skip
+_ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, Multiplier,
+)  # fmt: skip
+_MATMULS = {operator.matmul, torch.matmul, "matmul"}
+
+# Ops whose `dim` argument (at this position) would act across the batch if it were 0.
+_DIM_POSITION = {
+    "cat": 1, "concat": 1, "softmax": 1, "log_softmax": 1, "cumsum": 1, "cumprod": 1, "flip": 1,
+    "roll": 2, "sort": 1, "argsort": 1, "split": 2, "chunk": 2, "index_select": 1, "gather": 1,
+    "narrow": 1, "select": 1, "unbind": 1, "sum": 1, "mean": 1, "amax": 1, "amin": 1,
+}  # fmt: skip
+
+
+def _op_name(node: Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _dims_of(value: object) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
+        return list(value)
+    return []
+
+
+def _acts_on_batch_dim(node: Node, rank: int) -> bool:
+    """Whether the op names dimension 0 of a batched tensor of rank ``rank`` as a `dim`."""
+    dims = _dims_of(node.kwargs.get("dim", node.kwargs.get("dims")))
+    pos = _DIM_POSITION.get(_op_name(node))
+    if pos is not None and len(node.args) > pos:
+        dims += _dims_of(node.args[pos])
+    return any(d == 0 or d == -rank for d in dims)
+
+
+class VmapOp(nn.Module):
+    """Runs one op per trial under ``torch.func.vmap``: the fallback for ops without a fused form.
+
+    ``layouts`` gives, for every leaf of ``(args, kwargs)``, ``"F"`` (folded, unfolded to
+    ``[n, B, ...]`` and mapped), ``"T"`` (mapped) or ``None`` (passed to every trial as is).
+    """
+
+    def __init__(self, op: Callable | str, n: int, layouts: list, fold_out: bool) -> None:
+        super().__init__()
+        self.op, self.n, self.layouts, self.fold_out = op, n, layouts, fold_out
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        leaves, spec = tree_flatten((args, kwargs))
+        mapped = [i for i, lay in enumerate(self.layouts) if lay in ("F", "T")]
+
+        def one_trial(*xs: torch.Tensor) -> object:
+            values = list(leaves)
+            for i, x in zip(mapped, xs):
+                values[i] = x
+            a, k = tree_unflatten(values, spec)
+            if isinstance(self.op, str):
+                return getattr(a[0], self.op)(*a[1:], **k)
+            return self.op(*a, **k)
+
+        xs = [unfold(leaves[i], self.n) if self.layouts[i] == "F" else leaves[i] for i in mapped]
+        out = torch.func.vmap(one_trial, randomness="different")(*xs)
+        return tree_map(lambda t: t.flatten(0, 1), out) if self.fold_out else out
+
+
+def fuse_graph(
+    template: torch.fx.GraphModule,
+    facts: dict[str, Facts | None],
+    n: int,
+    shared: bool,
+    fused_layers: dict[str, FusedModule],
+    tensors: dict[str, torch.Tensor],
+    shared_tensors: set[str],
+) -> torch.fx.GraphModule:
+    """Rewrite one trial's graph into a graph that runs ``n`` trials.
+
+    Args:
+        template: one trial's traced graph.
+        facts: :func:`batch_facts` of ``template`` for one trial's inputs.
+        n: the number of trials.
+        shared: inputs are one model's inputs fed to every trial (``True``), or carry a leading
+            ``n`` with each trial's own batch (``False``).
+        fused_layers: the fused layer for every ``call_module`` target that has parameters.
+        tensors: the fused ``[n, ...]`` tensor for every ``get_attr`` target.
+        shared_tensors: ``get_attr`` targets equal for every trial (read as trial 0's value).
+
+    Returns:
+        A ``GraphModule`` whose outputs all carry a leading trial dimension ``[n, ...]``.
+
+    Raises:
+        FuseError: naming the node that cannot be fused.
+    """
+    graph = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    layout: dict[Node, str | None] = {}
+    owners: dict[str, object] = {}
+    expanded: dict[Node, Node] = {}
+
+    def fact(node: Node) -> Facts | None:
+        return facts[node.name]
+
+    def rank(node: Node) -> int:
+        return len(fact(node).shapes[0])
+
+    def folded(node: Node) -> Node:
+        """``node``'s new value, with a shared batched input expanded to layout F (once)."""
+        if layout[node] != "SB":
+            return env[node]
+        if node not in expanded:
+            grown = graph.call_method("unsqueeze", (env[node], 0))
+            grown = graph.call_method("expand", (grown, n, *([-1] * rank(node))))
+            expanded[node] = graph.call_method("flatten", (grown, 0, 1))
+        return expanded[node]
+
+    def arg_nodes(node: Node) -> list[Node]:
+        found: list[Node] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+        return found
+
+    def remap(node: Node, convert: Callable[[Node], Node]) -> tuple[tuple, dict]:
+        return torch.fx.node.map_arg((node.args, node.kwargs), convert)
+
+    def out_layout(node: Node, inputs: set) -> str | None:
+        f = fact(node)
+        if f is None:
+            return None
+        if f.batched:
+            return "F"
+        if inputs & {"F", "SB"} and "T" not in inputs:
+            raise FuseError(
+                f"cannot fuse node '{node.name}' ({node.format_node()}): it reduces over the "
+                "batch dimension (or mixes samples of a batch), which would mix trials. Keep "
+                "reductions over the batch in the loss, outside the model"
+            )
+        return "T"
+
+    def call(node: Node, args: tuple, kwargs: dict) -> Node:
+        return graph.create_node(node.op, node.target, args, kwargs)
+
+    def to_output(node: Node) -> Node:
+        """Give an output value its leading trial dimension ``[n, ...]``."""
+        if layout[node] == "F":
+            return graph.call_method("unflatten", (env[node], 0, (n, -1)))
+        if layout[node] in ("S", "SB"):
+            grown = graph.call_method("unsqueeze", (env[node], 0))
+            return graph.call_method("expand", (grown, n, *([-1] * rank(node))))
+        return env[node]
+
+    for node in template.graph.nodes:
+        if node.op == "placeholder":
+            default = node.args[0] if node.args else inspect.Signature.empty
+            new = graph.placeholder(node.target, default_value=default)
+            f = fact(node)
+            if f is None:
+                env[node], layout[node] = new, None
+            elif not shared:
+                env[node], layout[node] = graph.call_method("flatten", (new, 0, 1)), "F"
+            else:
+                env[node], layout[node] = new, ("SB" if f.batched else "S")
+            continue
+        if node.op == "get_attr":
+            new = graph.get_attr(node.target)
+            if node.target not in tensors:  # a constant the tracer made (not a weight): shared
+                owners[node.target] = getattr(template, node.target)
+                env[node], layout[node] = new, "S"
+                continue
+            owners[node.target] = tensors[node.target]
+            if node.target in shared_tensors:
+                env[node], layout[node] = graph.call_function(operator.getitem, (new, 0)), "S"
+            else:
+                env[node], layout[node] = new, "T"
+            continue
+        if node.op == "output":
+            env[node] = graph.output(remap(node, to_output)[0][0])
+            continue
+
+        inputs = {layout[a] for a in arg_nodes(node)} - {None}
+        module = template.get_submodule(node.target) if node.op == "call_module" else None
+        if module is not None and node.target in fused_layers:
+            # A fused layer reads a shared input directly and returns it trial-stacked [n, ...].
+            owners[node.target] = fused_layers[node.target]
+            mha = isinstance(module, nn.MultiheadAttention)
+            x_layout = layout[node.args[0]]
+            if x_layout == "SB" and mha:
+                x_layout = "F"
+            # The layer's main input may stay shared; its other tensor inputs (masks) are folded.
+            x, expand_x = node.args[0], mha
+            args, kwargs = remap(
+                node,
+                lambda a, x=x, expand_x=expand_x: (
+                    folded(a) if layout[a] == "SB" and (a is not x or expand_x) else env[a]
+                ),
+            )
+            in_layout = {"SB": "S"}.get(x_layout, x_layout)
+            new = graph.call_module(node.target, args, {**kwargs, "layout": in_layout})
+            if in_layout == "S":
+                out = "F" if fact(node).batched else "T"
+                if out == "F":
+                    new = graph.call_method("flatten", (new, 0, 1))
+            else:
+                out = out_layout(node, {in_layout})
+            env[node], layout[node] = new, out
+            continue
+        if module is not None:
+            if (
+                next(module.parameters(), None) is not None
+                or next(module.buffers(), None) is not None
+            ):
+                raise FuseError(
+                    f"cannot fuse node '{node.name}': module '{node.target}' "
+                    f"({type(module).__name__}) has parameters or buffers but no fused form"
+                )
+            owners[node.target] = module
+
+        if not inputs & {"F", "SB", "T"}:
+            env[node] = call(node, *remap(node, env.__getitem__))
+            layout[node] = None if fact(node) is None else "S"
+            continue
+        out = out_layout(node, inputs)
+        layout[node] = out
+        if "T" not in inputs:
+            for a in arg_nodes(node):
+                if layout[a] in ("F", "SB") and _acts_on_batch_dim(node, rank(a)):
+                    raise FuseError(
+                        f"cannot fuse node '{node.name}' ({node.format_node()}): it works along "
+                        "the batch dimension (dim 0), which would mix trials"
+                    )
+            env[node] = call(node, *remap(node, folded))
+            continue
+
+        # A trial-stacked operand: broadcast over an explicit trial dimension, or vmap.
+        tensor_args = [a for a in arg_nodes(node) if layout[a] is not None]
+        top = max(rank(a) for a in tensor_args)
+        elementwise = (
+            node.target in _BROADCASTING
+            or module is not None
+            and isinstance(module, _ELEMENTWISE_MODULES)
+        ) and not (node.target in _MATMULS and min(rank(a) for a in tensor_args) < 2)
+        if elementwise:
+
+            def lift(a: Node, top: int = top) -> Node:
+                if layout[a] in (None, "S"):
+                    return env[a]
+                v = folded(a)
+                if layout[a] in ("F", "SB"):
+                    v = graph.call_method("unflatten", (v, 0, (n, -1)))
+                for _ in range(top - rank(a)):
+                    v = graph.call_method("unsqueeze", (v, 1))
+                return v
+
+            new = call(node, *remap(node, lift))
+            env[node] = graph.call_method("flatten", (new, 0, 1)) if out == "F" else new
+            continue
+        logger.warning(
+            "hydro.fuse: node '%s' (%s) has no fused form for per-trial operands; running it "
+            "under torch.func.vmap (slower)",
+            node.name,
+            node.format_node(),
+        )
+        leaves, _ = tree_flatten((list(node.args), dict(node.kwargs)))
+        lays = [layout[a] if isinstance(a, Node) else None for a in leaves]
+        lays = [{"SB": "F"}.get(lay, lay) if lay in ("F", "SB", "T") else None for lay in lays]
+        name = f"_hydro_vmap_{node.name}"
+        owners[name] = VmapOp(module if module is not None else node.target, n, lays, out == "F")
+        env[node] = graph.call_module(name, *remap(node, folded))
+
+    graph.lint()
+    return torch.fx.GraphModule(owners, graph, "FusedGraph")
