@@ -1,0 +1,252 @@
+"""Training one trial group: n surrogates fused into one model, trained in lockstep.
+
+Every member reports its own validation value at every ``eval_every`` steps; a member the caller
+prunes is dropped from the fused model (``select``) so it stops costing compute; a member whose
+loss or gradients stop being finite is frozen by the fused optimizer and ends as a failure.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+import hydro.optim as fused_optim
+from hydro.fusion import fuse, trial_loss
+from hydro.scaling import scale
+from hydro.tuning.task import Task
+
+# report(member, step, value) -> True when the caller prunes that member
+Report = Callable[[int, int, float], bool]
+
+DEFAULTS = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "adam": {"lr": 1e-3, "weight_decay": 0.0},
+            "sgd": {"lr": 1e-2, "weight_decay": 0.0}}  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    """How one member of a group ended."""
+
+    state: Literal["complete", "pruned", "fail"]
+    value: float | None
+    step: int
+    reason: str = ""
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GroupInfo:
+    """Facts about a trained group, recorded with each of its trials."""
+
+    ratio: int
+    size: int
+    widths: dict[str, list[int]]
+    seconds: float = 0.0
+
+
+def group_key(params: dict[str, Any], task: Task) -> tuple:
+    """Trials can share one fused model when their batch size and architecture agree."""
+    arch = tuple(sorted((k, params[k]) for k in task.model_args() if k in params))
+    return (params.get("batch_size", task.batch_size), arch)
+
+
+def train_group(
+    task: Task,
+    params: Sequence[dict[str, Any]],
+    *,
+    ratio: int,
+    seeds: Sequence[int],
+    report: Report | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[list[Outcome], GroupInfo]:
+    """Train ``len(params)`` trials of ``task`` fused, and return how each ended.
+
+    Args:
+        task: what to train.
+        params: each member's hyperparameters (all with the same :func:`group_key`).
+        ratio: surrogate width divisor (1 trains the target itself).
+        seeds: each member's initialization and data seed.
+        report: called with ``(member, step, value)`` at every evaluation; returns ``True`` to
+            prune that member.
+        device: where to train.
+    """
+    start = time.perf_counter()
+    params = [dict(p) for p in params]
+    n = len(params)
+    arch = {k: params[0][k] for k in task.model_args() if k in params[0]}
+    batch_size = int(params[0].get("batch_size", task.batch_size))
+    batches = task.train_batches(batch_size, seed=int(seeds[0]))
+    first_x, _ = next(task.train_batches(min(batch_size, 2), seed=int(seeds[0])))
+    example = task.example_inputs or task.inputs_of(first_x)
+    target = task.build_model(**arch)
+
+    members = []
+    for p, seed in zip(params, seeds):
+        sur = scale(target, ratio, example_inputs=example, seed=int(seed))
+        _apply_model_params(sur, p)
+        members.append(sur)
+    widths = _widths(members[0])
+    fused = fuse(members).to(device)
+    fused.train()
+    opt = _optimizer(task, fused, params)
+    sched = _scheduler(task, opt, params)
+    clip = [p.get("grad_clip") for p in params]
+
+    alive = list(range(n))  # original member index of each fused position
+    outcomes: dict[int, Outcome] = {}
+    history: dict[int, list[tuple[int, float]]] = {k: [] for k in range(n)}
+    for step in range(1, task.steps + 1):
+        losses = _train_step(task, fused, opt, next(batches), [clip[k] for k in alive], device)
+        if sched is not None:
+            sched.step()
+        _fail_diverged(fused, alive, outcomes, history, step, losses)
+        if step % task.eval_every == 0 or step == task.steps:
+            values = evaluate(task, fused, batch_size, device)
+            drop = []
+            for pos, k in enumerate(alive):
+                if k in outcomes:
+                    drop.append(pos)
+                    continue
+                v = float(values[pos])
+                history[k].append((step, v))
+                if not math.isfinite(v):
+                    outcomes[k] = Outcome("fail", None, step, "non-finite validation value",
+                                          history[k])  # fmt: skip
+                    drop.append(pos)
+                elif report is not None and report(k, step, v) and step < task.steps:
+                    outcomes[k] = Outcome("pruned", v, step, "", history[k])
+                    drop.append(pos)
+            if drop:
+                keep = [pos for pos in range(len(alive)) if pos not in drop]
+                if not keep:
+                    break
+                fused.select(keep)
+                opt.select(keep)
+                alive = [alive[pos] for pos in keep]
+    for k in alive:
+        if k not in outcomes:
+            last = history[k][-1][1] if history[k] else None
+            outcomes[k] = Outcome("complete", last, task.steps, "", history[k])
+    info = GroupInfo(ratio=ratio, size=n, widths=widths, seconds=time.perf_counter() - start)
+    return [outcomes[k] for k in range(n)], info
+
+
+def _train_step(task, fused, opt, batch, clip, device) -> list[float]:  # noqa: ANN001
+    """One step of every member; returns their losses as floats.
+
+    Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
+    which autograd accepts only once no graph still refers to them.
+    """
+    x, y = batch
+    out = fused(*(_to(t, device) for t in task.inputs_of(x)))
+    losses = trial_loss(task.loss, out, _to(y, device))
+    opt.zero_grad(set_to_none=True)
+    # non-finite losses give non-finite gradients: the optimizer freezes those members
+    losses.sum().backward()
+    if any(c is not None for c in clip):
+        fused_optim.clip_grad_norm_(fused, [c if c is not None else math.inf for c in clip])
+    opt.step()
+    return losses.detach().tolist()
+
+
+@torch.no_grad()
+def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list[float]:
+    """Each member's metric (or loss) averaged over the validation data."""
+    fused.eval()
+    fn = task.metric or task.loss
+    total, count = None, 0
+    for x, y in task.val_batches(max(batch_size, 64)):
+        out = fused(*(_to(t, device) for t in task.inputs_of(x)))
+        v = trial_loss(fn, out, _to(y, device)).double() * len(y)
+        total = v if total is None else total + v
+        count += len(y)
+    fused.train()
+    return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
+
+
+def _fail_diverged(fused, alive, outcomes, history, step, losses) -> None:  # noqa: ANN001
+    flags = fused.diverged.tolist()
+    for pos, k in enumerate(alive):
+        if k not in outcomes and (flags[pos] or not math.isfinite(losses[pos])):
+            outcomes[k] = Outcome("fail", None, step, f"diverged at step {step}: non-finite "
+                                  "loss or gradient", history[k])  # fmt: skip
+
+
+def _apply_model_params(sur: nn.Module, p: dict[str, Any]) -> None:
+    if "dropout" in p:
+        for m in sur.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = float(p["dropout"])
+    if "init_scale" in p:
+        with torch.no_grad():
+            for param in sur.parameters():
+                if param.dim() >= 2:
+                    param.mul_(float(p["init_scale"]))
+
+
+def _optimizer(task: Task, fused: nn.Module, params: Sequence[dict]) -> fused_optim.FusedOptimizer:
+    defaults = DEFAULTS[task.optimizer]
+
+    def column(name: str, default: float) -> list[float]:
+        return [float(p.get(name, default)) for p in params]
+
+    lr = column("lr", defaults["lr"])
+    wd = column("weight_decay", defaults["weight_decay"])
+    if task.optimizer == "sgd":
+        return fused_optim.SGD(fused.parameters(), lr=lr, momentum=column("momentum", 0.0),
+                               weight_decay=wd)  # fmt: skip
+    cls = fused_optim.AdamW if task.optimizer == "adamw" else fused_optim.Adam
+    return cls(fused.parameters(), lr=lr, betas=(column("beta1", 0.9), column("beta2", 0.999)),
+               eps=column("eps", 1e-8), weight_decay=wd)  # fmt: skip
+
+
+def _scheduler(task: Task, opt: fused_optim.FusedOptimizer, params: Sequence[dict]) -> Any:
+    steps = task.steps
+    warm = [int(p.get("warmup", 0)) for p in params]
+    if any(w >= steps for w in warm):
+        from hydro.errors import ConfigError
+
+        raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps})")
+    S = fused_optim.lr_scheduler
+    if task.scheduler == "none" and not any(warm):
+        return None
+    # a member without warm-up spends one step at its base lr: one schedule shape for all
+    w1 = [max(w, 1) for w in warm]
+    rest = [steps - w for w in w1]
+    if task.scheduler == "cosine":
+        main = S.CosineAnnealingLR(opt, T_max=rest)
+    elif task.scheduler == "linear":
+        main = S.LinearLR(opt, start_factor=1.0, end_factor=1e-3, total_iters=rest)
+    elif task.scheduler == "step":
+        main = S.StepLR(opt, step_size=[max(1, r // 3) for r in rest], gamma=0.1)
+    else:
+        main = S.LinearLR(opt, start_factor=1.0, end_factor=1.0, total_iters=1)
+    if not any(warm):
+        return main
+    warmup = S.LinearLR(opt, start_factor=[1.0 / (w + 1) if w else 1.0 for w in warm],
+                        end_factor=1.0, total_iters=w1)  # fmt: skip
+    return S.SequentialLR(opt, [warmup, main], milestones=[[w] for w in w1])
+
+
+def _widths(sur: nn.Module) -> dict[str, list[int]]:
+    """The distinct hidden widths of the target and of the surrogate."""
+    target, surrogate = set(), set()
+    info = sur.hydro
+    for name, p in sur.named_parameters():
+        old = info.target_shapes.get(name)
+        if old is None:
+            continue
+        for d_old, d_new in zip(old, p.shape):
+            if d_old != d_new:
+                target.add(int(d_old))
+                surrogate.add(int(d_new))
+    return {"target": sorted(target), "surrogate": sorted(surrogate)}
+
+
+def _to(x: Any, device: Any) -> Any:
+    return x.to(device) if isinstance(x, torch.Tensor) else x

@@ -1,0 +1,116 @@
+"""Search spaces: which hyperparameters Hydro knows, and how a config file states them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
+
+from hydro.errors import ConfigError
+
+# name -> what it does; every one transfers from the surrogate to the target unchanged
+HYPERPARAMETERS: dict[str, str] = {
+    "lr": "base learning rate (muP scales it per parameter)",
+    "momentum": "SGD momentum",
+    "beta1": "Adam beta1",
+    "beta2": "Adam beta2",
+    "eps": "Adam epsilon",
+    "weight_decay": "weight decay (decoupled for AdamW)",
+    "warmup": "linear warm-up steps in front of the schedule",
+    "dropout": "the p of every nn.Dropout",
+    "batch_size": "batch size (trials with different batch sizes train in separate groups)",
+    "grad_clip": "per-trial gradient-norm clipping threshold",
+    "init_scale": "multiplier of the initial weights of every matrix",
+}
+
+Space = Mapping[str, BaseDistribution] | Callable[[optuna.Trial], Any]
+
+
+def check_space(space: Any, model_args: set[str]) -> None:
+    """Raise a ConfigError naming an unknown hyperparameter, with the known ones."""
+    if callable(space) and not isinstance(space, Mapping):
+        return  # checked when the trial's parameters are known
+    if not isinstance(space, Mapping):
+        raise ConfigError("space must be a dict of Optuna distributions or a function of a trial")
+    for name, dist in space.items():
+        if not isinstance(dist, BaseDistribution):
+            raise ConfigError(
+                f"space[{name!r}] is {type(dist).__name__}, not an Optuna distribution; use e.g. "
+                "optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)"
+            )
+    check_names(space.keys(), model_args)
+
+
+def check_names(names: Any, model_args: set[str]) -> None:
+    for name in names:
+        if name not in HYPERPARAMETERS and name not in model_args:
+            known = ", ".join(sorted(HYPERPARAMETERS))
+            extra = (
+                f"; model factory arguments: {', '.join(sorted(model_args))}" if model_args else ""
+            )
+            raise ConfigError(
+                f"unknown hyperparameter {name!r} in the search space. Known: {known}{extra}"
+            )
+
+
+def sample(trial: optuna.Trial, space: Space) -> dict[str, Any]:
+    """Draw a trial's hyperparameters from ``space``."""
+    if isinstance(space, Mapping):
+        return {name: suggest(trial, name, dist) for name, dist in space.items()}
+    result = space(trial)
+    return dict(trial.params) if result is None else dict(result)
+
+
+def suggest(trial: optuna.Trial, name: str, dist: BaseDistribution) -> Any:
+    """``trial.suggest_*`` for a distribution object."""
+    if isinstance(dist, FloatDistribution):
+        return trial.suggest_float(name, dist.low, dist.high, log=dist.log, step=dist.step)
+    if isinstance(dist, IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, log=dist.log, step=dist.step)
+    if isinstance(dist, CategoricalDistribution):
+        return trial.suggest_categorical(name, dist.choices)
+    raise ConfigError(f"unsupported distribution for {name!r}: {type(dist).__name__}")
+
+
+def from_config(spec: Mapping[str, Any], where: str = "space") -> dict[str, BaseDistribution]:
+    """Distributions from a config mapping such as ``{lr: {type: float, low: 1e-4, ...}}``."""
+    if not isinstance(spec, Mapping) or not spec:
+        raise ConfigError(f"{where} must be a non-empty mapping of hyperparameter -> distribution")
+    space: dict[str, BaseDistribution] = {}
+    for name, d in spec.items():
+        key = f"{where}.{name}"
+        if not isinstance(d, Mapping) or "type" not in d:
+            raise ConfigError(f"{key} must be a mapping with a 'type' (float, int, categorical)")
+        kind = d["type"]
+        allowed = {"float": {"low", "high", "log", "step"}, "int": {"low", "high", "log", "step"},
+                   "categorical": {"choices"}}.get(kind)  # fmt: skip
+        if allowed is None:
+            raise ConfigError(f"{key}.type is {kind!r}; use float, int or categorical")
+        unknown = set(d) - allowed - {"type"}
+        if unknown:
+            raise ConfigError(
+                f"{key} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
+        try:
+            if kind == "categorical":
+                space[name] = CategoricalDistribution(list(d["choices"]))
+            elif kind == "float":
+                log = bool(d.get("log", False))
+                space[name] = FloatDistribution(
+                    float(d["low"]), float(d["high"]), log=log, step=d.get("step")
+                )
+            else:
+                log = bool(d.get("log", False))
+                space[name] = IntDistribution(
+                    int(d["low"]), int(d["high"]), log=log, step=int(d.get("step", 1))
+                )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConfigError(f"{key}: {exc}") from exc
+    return space
