@@ -98,11 +98,15 @@ def optimize(
             raise ConfigError(f"the study's direction is {study.direction.name.lower()} but the "
                               f"task's is {task_or_callback.direction}")  # fmt: skip
     _recover_interrupted(study)
+    if study.user_attrs.get("hydro_sampler_exhausted"):
+        study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
     start = time.perf_counter()
     group_id = _next_group_id(study)
     while True:
         remaining = n_trials - _finished(study)
         if remaining <= 0 or (timeout is not None and time.perf_counter() - start > timeout):
+            break
+        if study.user_attrs.get("hydro_sampler_exhausted"):
             break
         trials = [study.ask() for _ in range(min(fuse, remaining))]
         told: set[int] = set()
@@ -119,7 +123,7 @@ def optimize(
                 if t.number not in told:
                     reason = _INTERRUPTED if stopped else f"{type(exc).__name__}: {exc}"[:500]
                     t.set_user_attr("fail_reason", reason)
-                    study.tell(t, state=TrialState.FAIL)
+                    _tell_safely(study, t, state=TrialState.FAIL)
                     if stopped:  # asked again when the study resumes
                         study.enqueue_trial(t.params, skip_if_exists=False)
             raise
@@ -167,12 +171,12 @@ def _tell(study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: Grou
     trial.set_user_attr("surrogate_widths", info.widths)
     trial.set_user_attr("group_seconds", round(info.seconds, 3))
     if outcome.state == "complete" and outcome.value is not None and math.isfinite(outcome.value):
-        study.tell(trial, outcome.value)
+        _tell_safely(study, trial, outcome.value)
     elif outcome.state == "pruned":
-        study.tell(trial, state=TrialState.PRUNED)
+        _tell_safely(study, trial, state=TrialState.PRUNED)
     else:
         trial.set_user_attr("fail_reason", outcome.reason or "no finite value")
-        study.tell(trial, state=TrialState.FAIL)
+        _tell_safely(study, trial, state=TrialState.FAIL)
 
 
 def _run_callback_batch(study, callback, space, trials, group_id, told) -> None:  # noqa: ANN001
@@ -188,13 +192,28 @@ def _run_callback_batch(study, callback, space, trials, group_id, told) -> None:
                           f"{len(trials)} trials")  # fmt: skip
     for t, r in zip(trials, results):
         if isinstance(r, optuna.TrialPruned):
-            study.tell(t, state=TrialState.PRUNED)
+            _tell_safely(study, t, state=TrialState.PRUNED)
         elif isinstance(r, BaseException):
             t.set_user_attr("fail_reason", f"{type(r).__name__}: {r}")
-            study.tell(t, state=TrialState.FAIL)
+            _tell_safely(study, t, state=TrialState.FAIL)
         else:
-            study.tell(t, float(r))
+            _tell_safely(study, t, float(r))
         told.add(t.number)
+
+
+def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:
+    """``study.tell``, for a sampler that asks to stop when told (GridSampler, exhausted).
+
+    Such a sampler calls ``study.stop()``, which Optuna allows only inside ``study.optimize``;
+    the trial is already told by then, and the driver stops by itself once the sampler's space is
+    exhausted, so the request is recorded instead of raised.
+    """
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+        study.set_user_attr("hydro_sampler_exhausted", True)
 
 
 def _finished(study: optuna.Study) -> int:

@@ -1,0 +1,290 @@
+"""hydro.tune and the Optuna integration: real Optuna, real SQLite files, a real killed process."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import yaml
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+
+import hydro
+from hydro.integrations.optuna import TransferSampler, optimize
+from hydro.tuning.group import train_group
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_task(steps: int = 30, **kw) -> hydro.Task:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=g)
+    y = (x @ torch.randn(16, 5, generator=g)).argmax(-1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 5))  # fmt: skip
+    kw.setdefault("eval_every", 10)
+    kw.setdefault("batch_size", 32)
+    kw.setdefault("loss", "cross_entropy")
+    return hydro.Task(model=model, train_data=(x[:384], y[:384]), val_data=(x[384:], y[384:]),
+                      steps=steps, **kw)  # fmt: skip
+
+
+SPACE = {
+    "lr": FloatDistribution(1e-4, 1e-1, log=True),
+    "weight_decay": FloatDistribution(0.0, 0.2),
+    "warmup": IntDistribution(0, 5),
+}
+
+
+def states(study: optuna.Study) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in study.trials:
+        out[t.state.name] = out.get(t.state.name, 0) + 1
+    return out
+
+
+def test_tune_sqlite_export_and_resume(tmp_path):
+    db = f"sqlite:///{tmp_path / 'hydro.db'}"
+    task = make_task()
+    result = hydro.tune(task, SPACE, n_trials=6, ratio=2, fuse=3, storage=db, seed=0)
+    assert (tmp_path / "hydro.db").exists()
+    assert sorted(result.best_params) == ["lr", "warmup", "weight_decay"]
+    assert math.isfinite(result.best_value)
+    assert len(result.trials) == 6 and {r["group"] for r in result.trials} == {0, 1}
+    best = result.best_trial
+    assert best.user_attrs["ratio"] == 2 and best.user_attrs["fused"] == 3
+    assert best.user_attrs["surrogate_widths"] == {"target": [64], "surrogate": [32]}
+    data = result.export(tmp_path / "best.yaml")
+    on_disk = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert on_disk == data
+    assert on_disk["hyperparameters"] == result.best_params
+    assert on_disk["provenance"]["ratio"] == 2 and on_disk["provenance"]["study"] == "hydro"
+    assert on_disk["provenance"]["hydro_version"] == hydro.__version__
+    # the same call again trains nothing; a larger budget trains only the difference
+    values = {t.number: t.value for t in result.study.trials}
+    again = hydro.tune(task, SPACE, n_trials=6, ratio=2, fuse=3, storage=db, seed=0)
+    assert {t.number: t.value for t in again.study.trials} == values
+    more = hydro.tune(task, SPACE, n_trials=8, ratio=2, fuse=3, storage=db, seed=0)
+    assert len(more.study.trials) == 8
+    assert all(more.study.trials[n].value == v for n, v in values.items())
+
+
+def test_killed_run_resumes_without_retraining(tmp_path):
+    db = tmp_path / "kill.db"
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import optuna
+        import hydro
+        from tests.test_tune import make_task, SPACE
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        hydro.tune(make_task(steps=int(sys.argv[1])), SPACE, n_trials=8, ratio=2, fuse=2,
+                   storage="sqlite:///{db}", seed=0)
+    """)
+    )
+    proc = subprocess.Popen([sys.executable, str(script), "150"], cwd=tmp_path)
+    storage = f"sqlite:///{db}"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            time.sleep(0.5)
+            if not db.exists():
+                continue
+            try:
+                study = optuna.load_study(study_name="hydro", storage=storage)
+            except KeyError:
+                continue
+            s = states(study)
+            if s.get("COMPLETE", 0) >= 1 and s.get("RUNNING", 0) >= 1:
+                break
+        else:
+            pytest.fail("the tuning process never got going")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    study = optuna.load_study(study_name="hydro", storage=storage)
+    done = {t.number: (t.params, t.value) for t in study.trials if t.state == TrialState.COMPLETE}
+    running = [t for t in study.trials if t.state == TrialState.RUNNING]
+    assert done and running
+    subprocess.run([sys.executable, str(script), "20"], cwd=tmp_path, check=True, timeout=300)
+    study = optuna.load_study(study_name="hydro", storage=storage)
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    for number, (_, value) in done.items():  # never trained twice
+        assert study.trials[number].state == TrialState.COMPLETE
+        assert study.trials[number].value == value
+    for t in running:
+        again = study.trials[t.number]
+        assert again.state == TrialState.FAIL
+        assert again.user_attrs["fail_reason"].startswith("interrupted")
+        retried = [u for u in study.trials if u.number > t.number and u.params == t.params]
+        assert retried and retried[0].state.is_finished()
+    finished = [t for t in study.trials if t.state.is_finished()]
+    interrupted = [t for t in finished if t.user_attrs.get("fail_reason", "").startswith("inter")]
+    assert len(finished) - len(interrupted) == 8
+
+
+def test_members_are_pruned_individually_and_dropped():
+    task = make_task(steps=40)
+    seen: dict[int, list[int]] = {}
+
+    def report(k: int, step: int, value: float) -> bool:
+        seen.setdefault(k, []).append(step)
+        return k == 1 and step == 10
+
+    params = [{"lr": 1e-2}, {"lr": 1e-2}, {"lr": 3e-3}]
+    outcomes, info = train_group(task, params, ratio=2, seeds=[0, 1, 2], report=report)
+    assert [o.state for o in outcomes] == ["complete", "pruned", "complete"]
+    assert seen[1] == [10] and seen[0] == [10, 20, 30, 40]
+    assert outcomes[1].step == 10 and outcomes[1].history == [(10, outcomes[1].value)]
+    # the survivors trained on exactly as if the pruned member had never been there
+    alone, _ = train_group(task, [params[0], params[2]], ratio=2, seeds=[0, 2])
+    assert alone[0].value == pytest.approx(outcomes[0].value, rel=1e-5)
+    assert alone[1].value == pytest.approx(outcomes[2].value, rel=1e-5)
+
+
+def test_median_pruner_prunes_members_of_a_study(tmp_path):
+    task = make_task(steps=40)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    study = optuna.create_study(pruner=pruner, sampler=optuna.samplers.RandomSampler(seed=1))
+    optimize(study, task, SPACE, n_trials=12, ratio=2, fuse=4)
+    assert states(study).get("PRUNED", 0) >= 1
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    assert all(t.intermediate_values for t in pruned)
+
+
+def test_diverged_member_fails_with_reason_and_others_continue():
+    task = make_task(steps=20)
+    params = [{"lr": 1e-2}, {"lr": 1e12}, {"lr": 3e-3}]
+    outcomes, _ = train_group(task, params, ratio=2, seeds=[0, 1, 2])
+    assert outcomes[1].state == "fail" and "non-finite" in outcomes[1].reason
+    assert outcomes[0].state == outcomes[2].state == "complete"
+    alone, _ = train_group(task, [params[0], params[2]], ratio=2, seeds=[0, 2])
+    assert alone[0].value == pytest.approx(outcomes[0].value, rel=1e-5)
+    assert alone[1].value == pytest.approx(outcomes[2].value, rel=1e-5)
+
+
+def test_batch_size_and_architecture_split_groups():
+    def factory(width: int = 32) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
+                                   torch.nn.Linear(width, 5))  # fmt: skip
+
+    task = make_task()
+    task.model = factory
+    space = {"lr": FloatDistribution(1e-3, 1e-2, log=True),
+             "batch_size": CategoricalDistribution([16, 32]),
+             "width": CategoricalDistribution([32, 64])}  # fmt: skip
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    optimize(study, task, space, n_trials=8, ratio=2, fuse=8)
+    by_group: dict[int, set] = {}
+    for t in study.trials:
+        by_group.setdefault(t.user_attrs["group"], set()).add(
+            (t.params["batch_size"], t.params["width"])
+        )
+    assert len(by_group) > 1 and all(len(keys) == 1 for keys in by_group.values())
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        optuna.samplers.RandomSampler(seed=0),
+        optuna.samplers.TPESampler(seed=0, constant_liar=True),
+        optuna.samplers.CmaEsSampler(seed=0),
+        optuna.samplers.QMCSampler(seed=0),
+        optuna.samplers.GPSampler(seed=0),
+        optuna.samplers.GridSampler({"lr": [1e-3, 1e-2], "weight_decay": [0.0, 0.1]}),
+    ],
+    ids=lambda s: type(s).__name__,
+)
+def test_any_sampler(sampler):
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True),
+             "weight_decay": FloatDistribution(0.0, 0.2)}  # fmt: skip
+    study = optuna.create_study(sampler=sampler)
+    optimize(study, make_task(steps=10), space, n_trials=4, ratio=2, fuse=2)
+    assert len(study.trials) == 4
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+
+
+def test_group_callback_for_your_own_loop():
+    def evaluate(trials):
+        out = []
+        for t in trials:
+            x = t.suggest_float("x", -2, 2)
+            if x > 1.5:
+                out.append(optuna.TrialPruned())
+            elif x < -1.5:
+                out.append(RuntimeError("exploded"))
+            else:
+                out.append((x - 0.5) ** 2)
+        return out
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    optimize(study, evaluate, n_trials=30, fuse=5)
+    s = states(study)
+    assert sum(s.values()) == 30 and s.get("RUNNING", 0) == 0
+    assert s.get("PRUNED", 0) and s.get("FAIL", 0)
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert all(t.user_attrs["fail_reason"] == "RuntimeError: exploded" for t in failed)
+
+
+def test_a_crashing_group_leaves_no_trial_running():
+    def evaluate(trials):
+        raise ValueError("user code broke")
+
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match="user code broke"):
+        optimize(study, evaluate, n_trials=4, fuse=4)
+    assert states(study) == {"FAIL": 4}
+    assert all("user code broke" in t.user_attrs["fail_reason"] for t in study.trials)
+
+
+def test_transfer_sampler_replays_the_best_first():
+    source = optuna.create_study()
+    source.optimize(lambda t: (t.suggest_float("lr", 1e-4, 1e-1, log=True) - 0.01) ** 2,
+                    n_trials=15)  # fmt: skip
+    ranked = sorted((t for t in source.trials), key=lambda t: t.value)
+    full = optuna.create_study(sampler=TransferSampler(source, top_k=3))
+    full.optimize(lambda t: t.suggest_float("lr", 1e-4, 1e-1, log=True), n_trials=5)
+    assert [t.params for t in full.trials[:3]] == [t.params for t in ranked[:3]]
+
+
+def test_verify_top_k_trains_the_full_model():
+    task = make_task(steps=20)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    optimize(study, task, SPACE, n_trials=4, ratio=2, fuse=4)
+    report = hydro.tuning.verify(task, study, 3)
+    assert len(report["configs"]) == 3
+    assert report["winner"] in {c["trial"] for c in report["configs"]}
+    assert all(math.isfinite(c["full_value"]) for c in report["configs"])
+    assert -1.0 <= report["spearman"] <= 1.0
+
+
+def test_errors_are_clear(tmp_path):
+    task = make_task()
+    with pytest.raises(hydro.ConfigError, match=r"unknown hyperparameter 'learning_rate'.*Known: "):
+        hydro.tune(task, {"learning_rate": FloatDistribution(1e-3, 1e-1)}, n_trials=1,
+                   storage=f"sqlite:///{tmp_path / 'a.db'}")  # fmt: skip
+    with pytest.raises(hydro.ConfigError, match="not an Optuna distribution"):
+        hydro.tune(task, {"lr": (1e-3, 1e-1)}, n_trials=1)
+    with pytest.raises(
+        hydro.StorageError, match=r"cannot open Optuna storage 'sqlite:////nonexistent"
+    ):
+        hydro.tune(task, SPACE, n_trials=1, storage="sqlite:////nonexistent/dir/x.db")
+    with pytest.raises(hydro.ConfigError, match="unknown loss 'hinge'"):
+        make_task(loss="hinge")
+    with pytest.raises(hydro.ConfigError, match="direction"):
+        optimize(optuna.create_study(direction="maximize"), task, SPACE, n_trials=1)
+    with pytest.raises(hydro.ConfigError, match="warmup 40 must be shorter than steps"):
+        train_group(make_task(steps=30), [{"warmup": 40}], ratio=2, seeds=[0])
