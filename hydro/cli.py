@@ -1,4 +1,4 @@
-"""The ``hydro`` command: ``hydro inspect`` and ``hydro coord-check``.
+"""The ``hydro`` command: tune, export, report, inspect and coord-check.
 
 Models are named as ``module:callable`` (the callable returns an ``nn.Module``, or a
 ``(model, example_inputs)`` pair); the current directory is importable, as for ``python -m``.
@@ -102,6 +102,78 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    import optuna
+
+    from hydro.tuning import config as config_module
+    from hydro.tuning.tune import TuneResult, open_study, verify
+
+    cfg = config_module.load(
+        args.config, storage=args.storage, study=args.study, trials=args.trials,
+        ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
+    )  # fmt: skip
+    if args.executor not in (None, "inline"):
+        raise ConfigError(f"--executor {args.executor}: this version trains groups inline "
+                          "(in this process)")  # fmt: skip
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from hydro.integrations.optuna import optimize
+
+    study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
+    before = len(study.trials)
+    print(f"study '{cfg.study}' in {cfg.storage or 'sqlite:///hydro.db'}: {before} trials so far, "
+          f"target {cfg.trials}; ratio {cfg.ratio}, {cfg.fuse} trials per fused group",
+          file=sys.stderr)  # fmt: skip
+    optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
+             seed=cfg.seed, progress=True)  # fmt: skip
+    result = TuneResult(study, cfg.ratio)
+    if cfg.verify_top_k:
+        result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed)
+        study.set_user_attr("hydro_verification", result.verification)
+    print(f"best value {result.best_value:.6g} (trial {result.best_trial.number})")
+    for key, value in result.best_params.items():
+        print(f"  {key}: {value}")
+    if result.verification:
+        v = result.verification
+        print(f"verified top {len(v['configs'])} on the full model: winner trial {v['winner']}, "
+              f"rank agreement (Spearman) {v['spearman']}")  # fmt: skip
+    if args.output:
+        result.export(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hydro.tuning.tune import export
+
+    study = _load_study(args.storage, args.study)
+    data = export(study, args.output, verification=study.user_attrs.get("hydro_verification"))
+    print(f"wrote {args.output}: trial {data['provenance']['trial']}, value "
+          f"{data['provenance']['surrogate_value']:.6g}")  # fmt: skip
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hydro.tuning.report import write_report
+
+    study = _load_study(args.storage, args.study)
+    write_report(study, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _load_study(storage: str, name: str):  # noqa: ANN202
+    import optuna
+
+    from hydro.errors import StorageError
+
+    try:
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError as exc:
+        raise ConfigError(f"storage {storage!r} has no study named {name!r}") from exc
+    except Exception as exc:  # noqa: BLE001
+        raise StorageError(f"cannot open Optuna storage {storage!r}: {exc}") from exc
+
+
 def _vocab(model: nn.Module) -> int:
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return min(sizes) if sizes else 2
@@ -111,6 +183,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hydro", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tune", help="tune a model described by a YAML config (resumable)")
+    p.add_argument("config", help="the YAML config file (see docs/tuning.md)")
+    p.add_argument("--storage", help="Optuna storage URL (default: the config's, or hydro.db)")
+    p.add_argument("--study", help="study name")
+    p.add_argument("--trials", type=int, help="trials to finish")
+    p.add_argument("--ratio", type=int, help="surrogate width divisor")
+    p.add_argument("--fuse", type=int, help="trials per fused group")
+    p.add_argument("--executor", choices=["inline"], default=None, help="where groups train")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")
+    p.add_argument("-o", "--output", help="also export the best hyperparameters here")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("export", help="write a study's best hyperparameters (YAML or JSON)")
+    p.add_argument("--storage", default="sqlite:///hydro.db")
+    p.add_argument("--study", default="hydro")
+    p.add_argument("-o", "--output", default="best.yaml")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="an HTML or PNG report of a study")
+    p.add_argument("--storage", default="sqlite:///hydro.db")
+    p.add_argument("--study", default="hydro")
+    p.add_argument("-o", "--output", default="report.html")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")

@@ -194,6 +194,7 @@ def tune(
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed)
+        the_study.set_user_attr("hydro_verification", result.verification)  # for report/export
     return result
 
 

@@ -1,0 +1,215 @@
+"""The ``hydro tune`` config file: YAML in, a Task, a space, a sampler and a pruner out.
+
+Every mistake is a :class:`hydro.ConfigError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+import yaml
+
+from hydro.errors import ConfigError
+from hydro.tuning.space import check_names, from_config
+from hydro.tuning.task import LOSSES, Task
+
+TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
+            "pruner", "pruner_args", "task", "space", "verify_top_k"}  # fmt: skip
+TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
+             "optimizer", "scheduler", "steps", "eval_every", "batch_size"}  # fmt: skip
+SAMPLERS = {
+    "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
+        seed=seed, **{"constant_liar": True, **kw}
+    ),
+    "random": lambda seed, **kw: optuna.samplers.RandomSampler(seed=seed, **kw),
+    "cmaes": lambda seed, **kw: optuna.samplers.CmaEsSampler(seed=seed, **kw),
+    "gp": lambda seed, **kw: optuna.samplers.GPSampler(seed=seed, **kw),
+    "qmc": lambda seed, **kw: optuna.samplers.QMCSampler(seed=seed, **kw),
+}
+PRUNERS = {
+    "median": optuna.pruners.MedianPruner,
+    "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+    "hyperband": optuna.pruners.HyperbandPruner,
+    "none": optuna.pruners.NopPruner,
+}
+
+
+@dataclass
+class TuneConfig:
+    """A parsed config file."""
+
+    path: str
+    study: str
+    storage: str | None
+    trials: int
+    ratio: int
+    fuse: int
+    seed: int
+    verify_top_k: int
+    task: Task
+    space: dict
+    sampler: optuna.samplers.BaseSampler
+    pruner: optuna.pruners.BasePruner
+
+
+def import_object(spec: str, key: str, path: str) -> Any:
+    """``package.module:attribute`` (the config's directory and the working directory import)."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ConfigError(f"{path}: {key} must look like 'package.module:callable', got {spec!r}")
+    module_name, attr = spec.split(":", 1)
+    for folder in (os.getcwd(), os.path.dirname(os.path.abspath(path))):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{path}: {key}: cannot import module {module_name!r} ({exc}). Run from the "
+            "directory that contains it, or install it."
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{path}: {key}: module {module_name!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{path}: {key}: {spec} is not callable")
+    return obj
+
+
+def load(path: str, **overrides: Any) -> TuneConfig:
+    """Read and check a config file; ``overrides`` (from the command line) win when not None."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path!r} does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path} must hold a mapping with 'task' and 'space'")
+    _unknown(raw, TOP_KEYS, path, "")
+    for key in ("task", "space"):
+        if key not in raw:
+            raise ConfigError(f"{path}: missing key '{key}'")
+    raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    task = _task(raw["task"], path)
+    space = from_config(raw["space"], where=f"{path}: space")
+    try:
+        check_names(space, task.model_args())
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: space: {exc}") from exc
+    seed = _int(raw.get("seed", 0), "seed", path, minimum=0)
+    return TuneConfig(
+        path=path,
+        study=str(raw.get("study", "hydro")),
+        storage=raw.get("storage"),
+        trials=_int(raw.get("trials", 32), "trials", path),
+        ratio=_int(raw.get("ratio", 8), "ratio", path),
+        fuse=_int(raw.get("fuse", 16), "fuse", path),
+        seed=seed,
+        verify_top_k=_int(raw.get("verify_top_k", 0), "verify_top_k", path, minimum=0),
+        task=task,
+        space=space,
+        sampler=_sampler(raw, space, seed, path),
+        pruner=_pruner(raw, path),
+    )
+
+
+def _task(spec: Any, path: str) -> Task:
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{path}: task must be a mapping")
+    _unknown(spec, TASK_KEYS, path, "task.")
+    for key in ("model", "data"):
+        if key not in spec:
+            raise ConfigError(f"{path}: missing key 'task.{key}'")
+    model = import_object(spec["model"], "task.model", path)
+    model_args = _mapping(spec.get("model_args", {}), "task.model_args", path)
+    data_fn = import_object(spec["data"], "task.data", path)
+    data = data_fn(**_mapping(spec.get("data_args", {}), "task.data_args", path))
+    if not isinstance(data, Mapping) or not {"train", "val"} <= set(data):
+        raise ConfigError(f"{path}: task.data {spec['data']} must return a dict with 'train' "
+                          "and 'val'")  # fmt: skip
+    loss = spec.get("loss", "cross_entropy")
+    if loss not in LOSSES:
+        loss = import_object(loss, "task.loss", path)
+    metric = spec.get("metric")
+    if metric is not None:
+        metric = import_object(metric, "task.metric", path)
+
+    def factory(**arch: Any) -> Any:
+        return model(**{**model_args, **arch})
+
+    factory.__signature__ = _signature_of(model)  # searchable architecture arguments
+    kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
+                                   "batch_size") if k in spec}  # fmt: skip
+    try:
+        return Task(model=factory, train_data=tuple(data["train"]), val_data=tuple(data["val"]),
+                    loss=loss, metric=metric, **kwargs)  # fmt: skip
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: task: {exc}") from exc
+
+
+def _signature_of(fn: Any) -> Any:
+    import inspect
+
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return inspect.Signature()
+
+
+def _sampler(raw: Mapping, space: dict, seed: int, path: str) -> optuna.samplers.BaseSampler:
+    name = raw.get("sampler", "tpe")
+    args = _mapping(raw.get("sampler_args", {}), "sampler_args", path)
+    if name == "grid":
+        grid = {}
+        for key, dist in space.items():
+            if not isinstance(dist, optuna.distributions.CategoricalDistribution):
+                raise ConfigError(f"{path}: sampler 'grid' needs categorical distributions; "
+                                  f"space.{key} is not one")  # fmt: skip
+            grid[key] = list(dist.choices)
+        return optuna.samplers.GridSampler(grid, seed=seed)
+    if name not in SAMPLERS:
+        raise ConfigError(f"{path}: sampler {name!r} is unknown; use one of "
+                          f"{sorted([*SAMPLERS, 'grid'])}")  # fmt: skip
+    try:
+        return SAMPLERS[name](seed, **args)
+    except TypeError as exc:
+        raise ConfigError(f"{path}: sampler_args: {exc}") from exc
+
+
+def _pruner(raw: Mapping, path: str) -> optuna.pruners.BasePruner:
+    name = raw.get("pruner", "median")
+    if name not in PRUNERS:
+        raise ConfigError(f"{path}: pruner {name!r} is unknown; use one of {sorted(PRUNERS)}")
+    try:
+        return PRUNERS[name](**_mapping(raw.get("pruner_args", {}), "pruner_args", path))
+    except TypeError as exc:
+        raise ConfigError(f"{path}: pruner_args: {exc}") from exc
+
+
+def _unknown(spec: Mapping, allowed: set[str], path: str, prefix: str) -> None:
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key '{prefix}{unknown[0]}'; allowed keys: "
+                          f"{', '.join(sorted(allowed))}")  # fmt: skip
+
+
+def _mapping(value: Any, key: str, path: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: {key} must be a mapping")
+    return dict(value)
+
+
+def _int(value: Any, key: str, path: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{path}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value

@@ -1,0 +1,111 @@
+"""``hydro report``: a study at a glance, as an HTML page or a PNG."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+
+def write_report(study: optuna.Study, path: str) -> None:
+    """Optimization history, value per hyperparameter, learning curves and, when the study was
+    verified on the full model, surrogate-vs-target agreement. ``.png`` writes one figure;
+    anything else writes a self-contained HTML page."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    figure = _figure(study)
+    if path.endswith(".png"):
+        figure.savefig(path, dpi=110)
+        return
+    buf = io.BytesIO()
+    figure.savefig(buf, format="png", dpi=110)
+    image = base64.b64encode(buf.getvalue()).decode()
+    rows = "".join(
+        f"<tr><td>{t.number}</td><td>{t.state.name}</td><td>{_fmt(t.value)}</td>"
+        f"<td>{html.escape(str(t.params))}</td>"
+        f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
+        for t in study.get_trials(deepcopy=False)
+    )
+    try:
+        best = (
+            f"best value {study.best_value:.6g} (trial {study.best_trial.number}): "
+            + html.escape(str(study.best_params))
+        )
+    except ValueError:
+        best = "no completed trial yet"
+    page = f"""<!doctype html><html><head><meta charset="utf-8">
+<title>Hydro study {html.escape(study.study_name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head><body>
+<h1>Study {html.escape(study.study_name)}</h1><p>{best}</p>
+<img src="data:image/png;base64,{image}" style="max-width:100%">
+<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>value</th><th>params</th>
+<th>fail reason</th></tr>{rows}</table></body></html>"""
+    with open(path, "w") as f:
+        f.write(page)
+
+
+def _figure(study: optuna.Study) -> Any:
+    import matplotlib.pyplot as plt
+
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    params = sorted({k for t in complete for k in t.params})
+    verification = study.user_attrs.get("hydro_verification")
+    panels = 2 + len(params) + (1 if verification else 0)
+    cols = min(3, panels)
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
+    axes = [ax for row in axes for ax in row]
+    ax = axes[0]
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    xs = [t.number for t in complete]
+    ys = [t.value for t in complete]
+    ax.scatter(xs, ys, s=12, label="trial")
+    best, running = [], None
+    for y in ys:
+        running = y if running is None else (max(running, y) if maximize else min(running, y))
+        best.append(running)
+    ax.plot(xs, best, color="C1", label="best so far")
+    ax.set(title="optimization history", xlabel="trial", ylabel="value")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    for t in trials:
+        if t.intermediate_values:
+            steps = sorted(t.intermediate_values)
+            color = "C3" if t.state == TrialState.PRUNED else "C0"
+            ax.plot(steps, [t.intermediate_values[s] for s in steps], color=color, alpha=0.5, lw=1)
+    ax.set(title="learning curves (red: pruned)", xlabel="step", ylabel="value")
+    for i, name in enumerate(params):
+        ax = axes[2 + i]
+        pts = [(t.params[name], t.value) for t in complete if name in t.params]
+        if pts and all(isinstance(p, (int, float)) for p, _ in pts):
+            ax.scatter([p for p, _ in pts], [v for _, v in pts], s=12)
+            if all(p > 0 for p, _ in pts) and max(p for p, _ in pts) / min(p for p, _ in pts) > 50:
+                ax.set_xscale("log")
+        elif pts:
+            labels = sorted({str(p) for p, _ in pts})
+            ax.scatter([labels.index(str(p)) for p, _ in pts], [v for _, v in pts], s=12)
+            ax.set_xticks(range(len(labels)), labels)
+        ax.set(title=f"value per {name}", xlabel=name, ylabel="value")
+    if verification:
+        ax = axes[2 + len(params)]
+        pts = [(c["surrogate_value"], c["full_value"]) for c in verification["configs"]
+               if c["full_value"] is not None]  # fmt: skip
+        ax.scatter([p for p, _ in pts], [q for _, q in pts])
+        ax.set(title=f"surrogate vs full model (Spearman {_fmt(verification.get('spearman'))})",
+               xlabel="surrogate value", ylabel="full-model value")  # fmt: skip
+    for ax in axes[panels:]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) else "-"
