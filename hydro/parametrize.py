@@ -164,6 +164,8 @@ class SurrogateInfo:
     init_std: dict[str, tuple[float, float]] = field(default_factory=dict)
     multipliers: dict[str, float] = field(default_factory=dict)
     head_decisions: list[str] = field(default_factory=list)
+    init_mult: dict[str, float] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
 
 
 def role_of(width_mask: tuple[bool, ...], uses: list) -> Role:
@@ -187,6 +189,40 @@ def _fan_in_ratio(old: tuple[int, ...], new: tuple[int, ...], uses: list, mask) 
     return math.prod(old[d] for d in dims) / math.prod(new[d] for d in dims)
 
 
+@dataclass(frozen=True)
+class InitStats:
+    """What Hydro keeps of a target tensor's initialization: its mean, std and shape family."""
+
+    mean: float
+    std: float
+    uniform: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> InitStats:
+        flat = t.detach().to(torch.float64).flatten()
+        mean = flat.mean().item() if flat.numel() else 0.0
+        std = flat.std(unbiased=False).item() if flat.numel() > 1 else 0.0
+        if std == 0.0 or not math.isfinite(std):
+            return cls(mean, 0.0, False)
+        # uniform distributions have kurtosis 1.8, normals 3: a cheap, robust way to tell them
+        kurtosis = (((flat - mean) / std) ** 4).mean().item()
+        return cls(mean, std, flat.numel() >= 16 and kurtosis < 2.2)
+
+    @torch.no_grad()
+    def draw(self, new: torch.Tensor, std_mult: float, generator: torch.Generator | None) -> float:
+        """Fill ``new`` from these statistics with the std times ``std_mult``; the new std."""
+        if self.std == 0.0:
+            new.fill_(self.mean)  # constants stay constants: norm ones, zero readouts, layer scales
+            return 0.0
+        s = self.std * std_mult
+        if self.uniform:
+            half = math.sqrt(3.0) * s
+            new.uniform_(self.mean - half, self.mean + half, generator=generator)
+        else:
+            new.normal_(self.mean, s, generator=generator)
+        return s
+
+
 @torch.no_grad()
 def init_like(
     new: torch.Tensor, old: torch.Tensor, std_mult: float, generator: torch.Generator | None
@@ -197,21 +233,7 @@ def init_like(
     constant; a tensor whose values fill a bounded interval (PyTorch's default Kaiming-uniform)
     is redrawn uniformly; anything else is redrawn from a normal. Returns the new std.
     """
-    flat = old.detach().to(torch.float64).flatten()
-    mean = flat.mean().item() if flat.numel() else 0.0
-    std = flat.std(unbiased=False).item() if flat.numel() > 1 else 0.0
-    if std == 0.0 or not math.isfinite(std):
-        new.fill_(mean)
-        return 0.0
-    s = std * std_mult
-    # uniform distributions have kurtosis 1.8, normals 3: a cheap, robust way to tell them apart
-    kurtosis = (((flat - mean) / std) ** 4).mean().item()
-    if flat.numel() >= 16 and kurtosis < 2.2:
-        half = math.sqrt(3.0) * s
-        new.uniform_(mean - half, mean + half, generator=generator)
-    else:
-        new.normal_(mean, s, generator=generator)
-    return s
+    return InitStats.of(old).draw(new, std_mult, generator)
 
 
 def apply(
@@ -241,7 +263,7 @@ def apply(
     new_names = {id(p): n for n, p in sur.named_parameters()}
     readouts: list[tuple[Any, float]] = []
     source = _InitSource(target)
-    for old in target.parameters():
+    for target_name, old in target.named_parameters():
         new = new_tensors.get(id(old))
         if new is None or id(new) not in new_names:
             continue  # not used by forward: not part of the surrogate
@@ -259,6 +281,8 @@ def apply(
         else:
             new_std = init_like(new, stats, mult, generator)
         info.roles[sur_name] = role
+        info.init_mult[sur_name] = mult
+        info.source[sur_name] = target_name
         info.target_shapes[sur_name] = old_shape
         info.init_std[sur_name] = (new_std / mult if mult else 0.0, new_std)
         base[sur_name] = old_shape
@@ -277,6 +301,35 @@ def apply(
     else:
         mup.set_base_shapes(sur, base, delta=delta, rescale_params=False, do_assert=False)
     return info
+
+
+@torch.no_grad()
+def redraw(
+    sur: nn.Module,
+    target: nn.Module,
+    seed: int | None = None,
+    cache: dict[str, InitStats | None] | None = None,
+) -> None:
+    """Draw a surrogate's parameters again, by the same rules, from another seed.
+
+    This is how a group gets independent trials without repeating the width analysis: copy
+    one surrogate and redraw each copy. ``cache`` keeps the target's statistics between calls.
+    """
+    info: SurrogateInfo = sur.hydro
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    cache = {} if cache is None else cache
+    source = None
+    for name, p in sur.named_parameters():
+        if name not in info.source:
+            continue
+        if name not in cache:
+            source = source or _InitSource(target)
+            values = source.values(target.get_parameter(info.source[name]))
+            cache[name] = None if values is None else InitStats.of(values)
+        if cache[name] is None:
+            p.zero_()
+        else:
+            cache[name].draw(p, info.init_mult[name], generator)
 
 
 class _InitSource:

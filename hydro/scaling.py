@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -105,6 +105,44 @@ class Scaled:
     plan: WidthPlan
     node_map: dict[torch.fx.Node, torch.fx.Node]
     inputs: tuple[Any, ...]
+    target: nn.Module | None = None
+    _stats: dict = field(default_factory=dict, repr=False)
+
+    def sample(self, seed: int | None = None) -> torch.fx.GraphModule:
+        """Another surrogate with the same structure, independently initialized from ``seed``.
+
+        Much cheaper than :func:`scale` again: no tracing, analysis or shape check.
+        """
+        sur = _clone(self.surrogate)
+        sur.hydro = self.surrogate.hydro
+        originals = dict(self.surrogate.named_parameters())
+        for name, p in sur.named_parameters():
+            if hasattr(originals[name], "infshape"):
+                p.infshape = originals[name].infshape
+        parametrize.redraw(sur, self.target, seed, self._stats)
+        return sur
+
+
+def _clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A deep copy that keeps the class name and the tensors forward never reads.
+
+    (``copy.deepcopy`` of a GraphModule renames its class and drops unreferenced tensors.)
+    """
+    memo: dict[int, Any] = {}
+    root = nn.Module()
+    for name, child in gm.named_children():
+        root.add_module(name, copy.deepcopy(child, memo))
+    for name, p in gm.named_parameters(recurse=False):
+        root.register_parameter(name, copy.deepcopy(p, memo))
+    for name, b in gm.named_buffers(recurse=False):
+        root.register_buffer(name, copy.deepcopy(b, memo))
+    clone = torch.fx.GraphModule(root, copy.deepcopy(gm.graph), type(gm).__name__)
+    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]:
+        if not _has_path(clone, name):
+            _set_path(clone, name, _get_path(root, name))
+    # the same registration order as the original: module lists compare equal
+    clone._modules = {k: clone._modules[k] for k in gm._modules if k in clone._modules}
+    return clone
 
 
 def build(
@@ -136,7 +174,7 @@ def build(
     device = next((p.device for p in model.parameters() if not p.is_meta), None)
     if device is not None and device.type != "cpu":
         sur.to(device)  # keeps the Parameter objects, and so their infshapes
-    return Scaled(sur, plan, node_map, inputs)
+    return Scaled(sur, plan, node_map, inputs, model)
 
 
 def guess_inputs(gm: torch.fx.GraphModule) -> tuple[torch.Tensor, ...]:

@@ -232,7 +232,8 @@ def _recover_interrupted(study: optuna.Study) -> None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         optuna.trial.Trial(study, t._trial_id).set_user_attr("fail_reason", _INTERRUPTED)
         study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(t.params, skip_if_exists=False)
+        if t.params:  # a trial killed before it was sampled has nothing to repeat
+            study.enqueue_trial(t.params, skip_if_exists=False)
 
 
 def _progress(study: optuna.Study, n_trials: int, start: float) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 import hydro.optim as fused_optim
 from hydro.fusion import fuse, trial_loss
-from hydro.scaling import scale
+from hydro.scaling import build
 from hydro.tuning.task import Task
 
 # report(member, step, value) -> True when the caller prunes that member
@@ -85,9 +85,11 @@ def train_group(
     example = task.example_inputs or task.inputs_of(first_x)
     target = task.build_model(**arch)
 
+    # one width analysis for the group; each member is an independent draw of the same surrogate
+    scaled = build(target, ratio, example_inputs=example, seed=int(seeds[0]))
     members = []
-    for p, seed in zip(params, seeds):
-        sur = scale(target, ratio, example_inputs=example, seed=int(seed))
+    for k, (p, seed) in enumerate(zip(params, seeds)):
+        sur = scaled.surrogate if k == 0 else scaled.sample(int(seed))
         _apply_model_params(sur, p)
         members.append(sur)
     widths = _widths(members[0])
