@@ -70,22 +70,32 @@ MODELS = {
 }
 
 
-def timed(step: Callable[[], None], repeats: int, min_time: float) -> float:
-    """Median seconds per call of ``step`` over ``repeats`` runs of at least ``min_time`` each."""
+def calibrate(step: Callable[[], None], min_time: float) -> int:
+    """Warm ``step`` up and return how many calls make a run of at least ``min_time`` seconds."""
     step()
     step()
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < min_time:
         step()
         calls += 1
-    per_run = max(1, calls)
-    samples = []
+    return max(1, calls)
+
+
+def timed(steps: dict[str, Callable[[], None]], repeats: int, min_time: float) -> dict[str, float]:
+    """Median seconds per call of each step, measured in interleaved rounds.
+
+    Round r times every method once, so a burst of load from other processes hits all methods
+    alike instead of one of them.
+    """
+    calls = {name: calibrate(step, min_time) for name, step in steps.items()}
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(per_run):
-            step()
-        samples.append((time.perf_counter() - start) / per_run)
-    return statistics.median(samples)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                step()
+            samples[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def sequential_step(make, n: int) -> Callable[[], None]:
@@ -148,7 +158,7 @@ def flops_of(fn: Callable[[], None]) -> int:
 
 def matmul_peak(size: int = 2048) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    seconds = timed(lambda: torch.mm(a, b), repeats=5, min_time=0.3)
+    seconds = timed({"mm": lambda: torch.mm(a, b)}, repeats=5, min_time=0.3)["mm"]
     return 2 * size**3 / seconds / 1e9
 
 
@@ -157,9 +167,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(fused)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ns = [1, 32] if args.quick else [1, 4, 16, 32, 64]
     models = ["MLP w64", "MLP w256"] if args.quick else list(MODELS)
@@ -177,27 +192,24 @@ def main() -> None:
     for name in models:
         make = MODELS[name]
         for n in ns:
-            t_seq = timed(sequential_step(make, n), args.repeats, args.min_time)
+            steps = {"seq": sequential_step(make, n)}
             try:
-                t_vmap = timed(vmap_step(make, n), args.repeats, args.min_time)
+                steps["vmap"] = vmap_step(make, n)
             except Exception as exc:  # noqa: BLE001 - report, keep going
-                t_vmap = float("nan")
-                print(f"  (vmap failed on {name}: {type(exc).__name__}: {exc})".split("\n")[0])
-            step, fwd_bwd = fused_step(make, n)
-            t_fuse = timed(step, args.repeats, args.min_time)
-            gflops = flops_of(fwd_bwd) / t_fuse / 1e9
+                print(f"  (vmap cannot run {name}: {type(exc).__name__}: {exc})".split("\n")[0])
+            steps["fuse"], fwd_bwd = fused_step(make, n)
+            if args.compile:
+                steps["compiled"], _ = fused_step(make, n, compiled=True)
+            t = timed(steps, args.repeats, args.min_time)
+            t_vmap = t.get("vmap", float("nan"))
+            gflops = flops_of(fwd_bwd) / t["fuse"] / 1e9
             row = (
-                f"| {name} | {n} | {n / t_seq:.0f} | {n / t_vmap:.0f} | {n / t_fuse:.0f} | "
-                f"{t_seq / t_fuse:.1f}x | {t_vmap / t_fuse:.1f}x | {gflops:.1f} | "
+                f"| {name} | {n} | {n / t['seq']:.0f} | {n / t_vmap:.0f} | {n / t['fuse']:.0f} | "
+                f"{t['seq'] / t['fuse']:.1f}x | {t_vmap / t['fuse']:.1f}x | {gflops:.1f} | "
                 f"{100 * gflops / peak:.0f}% |"
             )
             if args.compile:
-                try:
-                    compiled, _ = fused_step(make, n, compiled=True)
-                    t_comp = timed(compiled, args.repeats, args.min_time)
-                    row += f" {n / t_comp:.0f} |"
-                except Exception as exc:  # noqa: BLE001
-                    row += f" failed ({type(exc).__name__}) |"
+                row += f" {n / t['compiled']:.0f} |"
             print(row, flush=True)
     print("\nColumns sequential/vmap/hydro.fuse: trial-steps per second (higher is better).")
 
