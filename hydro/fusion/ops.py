@@ -64,6 +64,31 @@ def per_trial(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view(v.shape[0], *([1] * (ndim - v.dim())), *v.shape[1:])
 
 
+class _BatchedLinear(torch.autograd.Function):
+    """``y[k] = x[k] @ weight[k].T + bias[k]`` for every trial ``k``, as one ``baddbmm``.
+
+    A custom backward only to produce the weight gradient directly in the weight's ``[n, out,
+    in]`` layout (``grad.T @ x``); autograd's transpose-of-``x.T @ grad`` would need an extra
+    copy of every weight gradient per step.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        wt = weight.transpose(1, 2)
+        return torch.bmm(x, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, wt)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(dim=1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
 class FusedModule(nn.Module):
     """Base class of fused layers: knows ``n`` and how to drop trials."""
 
@@ -101,12 +126,7 @@ class FusedLinear(FusedModule):
             w = self.weight.reshape(n * out_f, in_f)
             y = F.linear(x, w, None if self.bias is None else self.bias.reshape(-1))
             return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
-        x3 = x.reshape(n, -1, in_f)
-        wt = self.weight.transpose(1, 2)
-        if self.bias is None:
-            y = torch.bmm(x3, wt)
-        else:
-            y = torch.baddbmm(self.bias.unsqueeze(1), x3, wt)
+        y = _BatchedLinear.apply(x.reshape(n, -1, in_f), self.weight, self.bias)
         return y.view(*x.shape[:-1], out_f)
 
 

@@ -1,19 +1,20 @@
 """Fused SGD, Adam and AdamW: one step for ``n`` trials, each with its own hyperparameters.
 
 Every parameter has a leading trial dimension ``[n, ...]``. Each hyperparameter may be a scalar
-(the same for every trial) or a length-``n`` sequence/tensor; internally it is a float64 tensor
-``[n]`` in the parameter group, broadcast over the trial dimension. The update of trial ``k`` is
-the update ``torch.optim`` would make with trial ``k``'s hyperparameters (the same formulas, in the
-same order, checked step by step in ``tests/fusion``).
+(the same for every trial) or a length-``n`` sequence/tensor; it is kept as a float64 tensor
+``[n]`` in the parameter group (where the schedulers of ``lr_scheduler`` write it). The update of
+trial ``k`` is torch's own fused kernel (``torch._fused_adam_``, ``_fused_adamw_``,
+``_fused_sgd_``, what ``torch.optim.Adam(fused=True)`` runs) applied to trial ``k``'s slices of
+all parameters at once, with trial ``k``'s hyperparameters: one pass over memory per step, and the
+result ``torch.optim`` gives (checked step by step in ``tests/fusion``).
 
 muP: a parameter carrying ``infshape`` (every parameter of a Hydro surrogate) gets the learning
 rate and weight decay multipliers of :func:`hydro.parametrize.optimizer_multipliers`; a plain
 parameter gets none.
 
 Isolation: before each step, a trial with a non-finite gradient is marked in the fused model's
-``diverged`` flags. Diverged trials are frozen: their parameters and optimizer state are restored
-after the step, so they stop changing, while every other trial's update is computed exactly as
-without them (all update math is elementwise per trial).
+``diverged`` flags. Diverged trials are frozen: the kernels skip them, so their parameters and
+optimizer state (step counts included) stop changing, and no other trial's update depends on them.
 """
 
 from __future__ import annotations
@@ -38,9 +39,17 @@ def per_trial(value: HyperParam, n: int, name: str) -> torch.Tensor:
     return t
 
 
-def _trial_view(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A ``[n]`` vector shaped ``[n, 1, ..., 1]`` to broadcast against ``like``."""
-    return v.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
+def _trial_slices(**tensors: list[torch.Tensor]) -> dict[str, list[list[torch.Tensor]]]:
+    """For each named list of ``[n, ...]`` tensors, trial k's slices: ``out[name][k]``.
+
+    (``unbind`` makes all of a tensor's trial views in one call.)
+    """
+    out = {}
+    for name, ts in tensors.items():
+        per_tensor = [t.unbind(0) for t in ts]
+        n = len(per_tensor[0]) if per_tensor else 0  # empty: never indexed
+        out[name] = [[views[k] for views in per_tensor] for k in range(n)]
+    return out
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -86,40 +95,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not with_grad:
             return loss
-        bad = torch.zeros(self.n, dtype=torch.bool, device=with_grad[0].device)
-        for p in with_grad:
-            bad |= ~torch.isfinite(p.grad).flatten(1).all(dim=1)
+        # One reduction per gradient: a trial's sum is finite iff all its entries are (barring an
+        # overflow of the sum itself, which only an exploding trial reaches).
+        sums = torch.stack([p.grad.flatten(1).sum(dim=1).float() for p in with_grad])
+        frozen = ~torch.isfinite(sums).all(dim=0).cpu()
         flags = self._diverged()
         if flags is not None:
-            flags |= bad.to(flags.device)
-            frozen = flags.to(bad.device)
-        else:
-            frozen = bad
-        frozen_idx = frozen.nonzero().flatten() if bool(frozen.any()) else None
-        active = (~frozen).to(torch.float64)
-
+            flags |= frozen.to(flags.device)
+            frozen = flags.cpu()
+        active = [k for k, f in enumerate(frozen.tolist()) if not f]
         for group in self.param_groups:
+            # Parameters sharing muP multipliers are updated together, one kernel call per trial.
+            by_mults: dict[tuple[float, float], list[torch.Tensor]] = {}
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                saved = None
-                if frozen_idx is not None:
-                    saved = {
-                        k: v[frozen_idx].clone() for k, v in state.items() if torch.is_tensor(v)
-                    }
-                    saved_param = p[frozen_idx].clone()
-                self._update(p, p.grad, state, group, active)
-                if frozen_idx is not None:
-                    p[frozen_idx] = saved_param
-                    for k, v in saved.items():
-                        state[k][frozen_idx] = v
+                if p.grad is not None:
+                    by_mults.setdefault(optimizer_multipliers(p, self.kind), []).append(p)
+            for (lr_mult, wd_mult), params in by_mults.items():
+                self._update(params, group, lr_mult, wd_mult, active, (~frozen).to(torch.float64))
         return loss
 
-    def _multipliers(self, p: torch.Tensor) -> tuple[float, float]:
-        return optimizer_multipliers(p, self.kind)
-
-    def _update(self, p, grad, state, group, active) -> None:  # noqa: ANN001
+    def _update(self, params, group, lr_mult, wd_mult, active, stepping) -> None:  # noqa: ANN001
+        """Update ``params`` (sharing muP multipliers) for the trials in ``active``."""
         raise NotImplementedError
 
     # --- dropping trials, schedulers ------------------------------------------------------------
@@ -212,25 +208,38 @@ class SGD(FusedOptimizer):
             if bool(bad.any()):
                 raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def _update(self, p, grad, state, group, active) -> None:  # noqa: ANN001
-        lr_mult, wd_mult = self._multipliers(p)
-        lr = _trial_view(group["lr"] * lr_mult, p)
-        wd = group["weight_decay"] * wd_mult
-        if bool((wd != 0).any()):
-            grad = grad + _trial_view(wd, p) * p
-        momentum = group["momentum"]
-        if bool((momentum != 0).any()):
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = grad.clone()  # torch: the first buffer is grad
-            else:
-                buf.mul_(_trial_view(momentum, p)).add_(
-                    grad * _trial_view(1 - group["dampening"], p)
-                )
-            nesterov = _trial_view(group["nesterov"], p) > 0
-            step = torch.where(nesterov, grad + _trial_view(momentum, p) * buf, buf)
-            grad = torch.where(_trial_view(momentum, p) != 0, step, grad)
-        p.add_(grad * -lr)
+    def _update(self, params, group, lr_mult, wd_mult, active, stepping) -> None:  # noqa: ANN001
+        hp = {k: group[k].tolist() for k in self.per_trial_keys}
+        states = [self.state[p] for p in params]
+        if any(m != 0 for m in hp["momentum"]) and not states[0]:
+            for p, state in zip(params, states):
+                state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_started"] = torch.zeros(self.n, dtype=torch.bool)
+        # unbind: every trial's views in one call, not one indexing op per trial and tensor.
+        slices = _trial_slices(
+            params=params,
+            grads=[p.grad for p in params],
+            bufs=[s["momentum_buffer"] for s in states if "momentum_buffer" in s],
+        )
+        for k in active:
+            momentum = hp["momentum"][k]
+            started = bool(states[0]["momentum_started"][k]) if momentum != 0 else True
+            # torch's own fused SGD kernel on trial k's slices, with trial k's hyperparameters.
+            torch._fused_sgd_(
+                slices["params"][k],
+                slices["grads"][k],
+                slices["bufs"][k] if momentum != 0 else [],
+                weight_decay=hp["weight_decay"][k] * wd_mult,
+                momentum=momentum,
+                lr=hp["lr"][k] * lr_mult,
+                dampening=hp["dampening"][k],
+                nesterov=bool(hp["nesterov"][k]),
+                maximize=False,
+                is_first_step=not started,
+            )
+            if momentum != 0:
+                for s in states:
+                    s["momentum_started"][k] = True
 
 
 class Adam(FusedOptimizer):
@@ -259,37 +268,45 @@ class Adam(FusedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         super().__init__(params, defaults)
 
-    def _update(self, p, grad, state, group, active) -> None:  # noqa: ANN001
-        lr_mult, wd_mult = self._multipliers(p)
-        lr = group["lr"] * lr_mult
-        wd = group["weight_decay"] * wd_mult
-        beta1, beta2 = group["betas"]
-        if not state:
-            state["step"] = torch.zeros(self.n, dtype=torch.float64)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-            if bool(group["amsgrad"].any()):
-                state["max_exp_avg_sq"] = torch.zeros_like(p)
-        state["step"] += active
-        step = state["step"]
-        if self.decoupled:
-            p.mul_(_trial_view(1 - lr * wd, p))
-        elif bool((wd != 0).any()):
-            grad = grad + _trial_view(wd, p) * p
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, _trial_view(1 - beta1, p))
-        exp_avg_sq.mul_(_trial_view(beta2, p)).addcmul_(grad, grad * _trial_view(1 - beta2, p))
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        second = exp_avg_sq
-        if "max_exp_avg_sq" in state:
-            torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
-            ams = _trial_view(group["amsgrad"], p) > 0
-            second = torch.where(ams, state["max_exp_avg_sq"], exp_avg_sq)
-        denom = (second.sqrt() / _trial_view(bias_correction2_sqrt, p)).add_(
-            _trial_view(group["eps"], p)
+    def _update(self, params, group, lr_mult, wd_mult, active, stepping) -> None:  # noqa: ANN001
+        hp = {k: group[k].tolist() for k in self.per_trial_keys if k != "betas"}
+        beta1, beta2 = (b.tolist() for b in group["betas"])
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.zeros(self.n, dtype=torch.float64, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+                if any(hp["amsgrad"]):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += stepping.to(state["step"].device)
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        slices = _trial_slices(
+            params=params,
+            grads=[p.grad for p in params],
+            exp_avg=[s["exp_avg"] for s in states],
+            exp_avg_sq=[s["exp_avg_sq"] for s in states],
+            max_exp_avg_sq=[s["max_exp_avg_sq"] for s in states if "max_exp_avg_sq" in s],
+            step=[s["step"] for s in states],
         )
-        p.addcdiv_(exp_avg * _trial_view(-lr / bias_correction1, p), denom)
+        for k in active:
+            amsgrad = bool(hp["amsgrad"][k])
+            # torch's own fused Adam(W) kernel on trial k's slices, with trial k's settings.
+            kernel(
+                slices["params"][k],
+                slices["grads"][k],
+                slices["exp_avg"][k],
+                slices["exp_avg_sq"][k],
+                slices["max_exp_avg_sq"][k] if amsgrad else [],
+                slices["step"][k],
+                lr=hp["lr"][k] * lr_mult,
+                beta1=beta1[k],
+                beta2=beta2[k],
+                weight_decay=hp["weight_decay"][k] * wd_mult,
+                eps=hp["eps"][k],
+                amsgrad=amsgrad,
+                maximize=False,
+            )
 
 
 class AdamW(Adam):
