@@ -13,7 +13,7 @@ that column is trained once and shared. It prints validation loss per learning r
 the best learning rate per width, and the Spearman rank correlation over the learning-rate grid
 between the ratio-8 model and the target, and saves a plot (``docs/img/transfer.png``).
 
-Not a test: run it by hand (about 15 minutes on 2 CPU cores with the defaults)::
+Not a test: run it by hand (about 5 minutes per seed on an idle CPU core with the defaults)::
 
     python benchmarks/transfer.py
     python benchmarks/transfer.py --seeds 1 --steps 100    # a quick look
@@ -163,17 +163,19 @@ def plot(lrs, widths, sp, mu, path: Path, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128, 256])
+    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr-exp", type=int, nargs=2, default=[-12, -4], help="log2 lr range")
-    p.add_argument("--steps", type=int, default=250)
-    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    # One thread: these models are too small to gain from more, and on a shared CPU extra threads
+    # spin against other processes (we measured a 20x slowdown with 2 threads on a busy 2-core box).
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", type=Path, default=Path("docs/img/transfer.png"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -59,3 +59,8 @@ def cnn(width: int = 64, dropout: float = 0.0) -> nn.Module:
         dropout: dropout probability before the classifier (tunable per trial).
     """
     return CNN(width, dropout)
+
+
+def error_rate(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Fraction of misclassified images: the tuning metric of ``tune.yaml`` (lower is better)."""
+    return (output.argmax(dim=-1) != target).float().mean()
