@@ -1,0 +1,248 @@
+"""Does the best learning rate transfer across width?  SP vs Hydro's muP surrogates, char LM.
+
+For the character-level GPT of ``examples/charlm`` this sweeps the AdamW learning rate on a log
+grid at several widths, two ways:
+
+* **SP** (standard parametrization): a plain ``gpt(n_embd=width)`` of each width, every parameter
+  trained with the same learning rate. This is what you get by shrinking a model naively.
+* **Hydro**: ``hydro.scale(target, ratio=target_width // width)`` of the widest model, trained
+  with ``hydro.parametrize.param_groups`` (muP learning rates relative to the target).
+
+At the target width both are the same model (a ratio-1 surrogate *is* the target in SP), so
+that column is trained once and shared. It prints validation loss per learning rate and width,
+the best learning rate per width, and the Spearman rank correlation over the learning-rate grid
+between the ratio-8 model and the target, and saves a plot (``docs/img/transfer.png``).
+
+Not a test: run it by hand (about 5 minutes per seed on an idle CPU core with the defaults)::
+
+    python benchmarks/transfer.py
+    python benchmarks/transfer.py --seeds 1 --steps 100    # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+import hydro  # noqa: E402
+from examples.charlm.data import load  # noqa: E402
+from examples.charlm.model import gpt  # noqa: E402
+
+
+def lr_lambda(warmup: int, steps: int):
+    """Linear warm-up, then cosine decay to 10% of the peak (a multiplier for LambdaLR)."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 256) -> float:
+    """Mean validation cross-entropy (nats per character)."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(x), chunk):
+        logits = model(x[i : i + chunk])
+        total += F.cross_entropy(logits.flatten(0, 1), y[i : i + chunk].flatten(), reduction="sum")
+    model.train()
+    return float(total) / y.numel()
+
+
+def train(
+    model: nn.Module,
+    groups: list[dict],
+    data: dict,
+    batches: torch.Tensor,
+    args: argparse.Namespace,
+) -> float:
+    """Train ``model`` with AdamW on ``groups`` over the given batch indices; validation loss."""
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
+    x, y = data["train"]
+    for idx in batches:
+        loss = F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten())
+        if not torch.isfinite(loss):
+            return float("nan")  # diverged: no point in training on
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    loss = evaluate(model, *data["val"])
+    return loss if math.isfinite(loss) else float("nan")
+
+
+def sweep(model: nn.Module, make_groups, lrs: list[float], data, batches, args) -> list[float]:
+    """Validation loss for each learning rate, every run starting from the same initialization."""
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = []
+    for lr in lrs:
+        model.load_state_dict(init)
+        losses.append(train(model, make_groups(model, lr), data, batches, args))
+    return losses
+
+
+def ranks(v: np.ndarray) -> np.ndarray:
+    """Ranks (1 = smallest), ties averaged; NaN (a diverged run) counts as the worst loss."""
+    v = np.where(np.isnan(v), np.inf, v)
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(1, len(v) + 1)
+    for value in np.unique(v):
+        tied = v == value
+        r[tied] = r[tied].mean()
+    return r
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman rank correlation: the Pearson correlation of the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def table(name: str, lrs: list[float], widths: list[int], losses: dict[int, np.ndarray]) -> str:
+    """A text table: one row per learning rate, one column per width, then the best lr."""
+    head = f"{name:>6} | " + " ".join(f"{'w=' + str(w):>8}" for w in widths)
+    lines = [head, "-" * len(head)]
+    for i, lr in enumerate(lrs):
+        cells = []
+        for w in widths:
+            v = losses[w][i]
+            best = not np.isnan(v) and v == np.nanmin(losses[w])
+            cells.append(f"{'nan' if np.isnan(v) else f'{v:.3f}':>7}{'*' if best else ' '}")
+        lines.append(f"2^{int(round(math.log2(lr))):<4} | " + " ".join(cells))
+    best = [f"{'2^' + str(int(round(math.log2(best_lr(lrs, losses[w]))))):>8}" for w in widths]
+    lines.append(f"{'best':>6} | " + " ".join(best))
+    return "\n".join(lines)
+
+
+def best_lr(lrs: list[float], losses: np.ndarray) -> float:
+    return lrs[int(np.nanargmin(losses))]
+
+
+def plot(lrs, widths, sp, mu, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    finite = np.concatenate([v[np.isfinite(v)] for d in (sp, mu) for v in d.values()])
+    top = min(float(finite.max()), float(finite.min()) + 1.5)  # keep diverged runs off-scale
+    for ax, losses, name in ((axes[0], sp, "SP (plain models)"), (axes[1], mu, "Hydro (muP)")):
+        for w in widths:
+            (line,) = ax.plot(lrs, losses[w], marker="o", label=f"width {w}")
+            i = int(np.nanargmin(losses[w]))
+            ax.plot(lrs[i], losses[w][i], marker="*", markersize=14, color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("learning rate (AdamW)")
+        ax.set_title(name)
+        ax.set_ylim(float(finite.min()) - 0.05, top)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats/char)")
+    axes[1].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr-exp", type=int, nargs=2, default=[-12, -4], help="log2 lr range")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seeds", type=int, default=2)
+    # One thread: these models are too small to gain from more, and on a shared CPU extra threads
+    # spin against other processes (we measured a 20x slowdown with 2 threads on a busy 2-core box).
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--plot", type=Path, default=Path("docs/img/transfer.png"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    widths = sorted(args.widths)
+    target_width = widths[-1]
+    lrs = [2.0**e for e in range(args.lr_exp[0], args.lr_exp[1] + 1)]
+    data = load(block_size=args.block_size)
+    model_args = dict(n_layer=args.n_layer, n_head=args.n_head, block_size=args.block_size)
+
+    def plain_groups(model, lr):
+        return [{"params": list(model.parameters()), "lr": lr, "weight_decay": args.weight_decay}]
+
+    def mup_groups(model, lr):
+        return hydro.parametrize.param_groups(model, lr=lr, weight_decay=args.weight_decay)
+
+    sp_runs: dict[int, list] = {w: [] for w in widths}
+    mu_runs: dict[int, list] = {w: [] for w in widths}
+    start = time.time()
+    for seed in range(args.seeds):
+        # The same batches for every width and learning rate of a seed: fewer differences to blame.
+        g = torch.Generator().manual_seed(seed)
+        batches = torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
+        torch.manual_seed(seed)
+        target = gpt(n_embd=target_width, **model_args)
+        example = (data["train"][0][:2],)
+        for w in widths:
+            torch.manual_seed(seed)
+            plain = gpt(n_embd=w, **model_args)
+            sp_runs[w].append(sweep(plain, plain_groups, lrs, data, batches, args))
+            if w == target_width:
+                mu_runs[w].append(sp_runs[w][-1])  # ratio 1: the surrogate is the target
+            else:
+                sur = hydro.scale(target, target_width // w, example_inputs=example, seed=seed)
+                mu_runs[w].append(sweep(sur, mup_groups, lrs, data, batches, args))
+            print(f"seed {seed} width {w:4d} done at {time.time() - start:6.0f} s", flush=True)
+
+        # Report after every seed, so that an interrupted run still leaves numbers behind.
+        sp = {w: np.nanmedian(np.array(v, dtype=float), axis=0) for w, v in sp_runs.items()}
+        mu = {w: np.nanmedian(np.array(v, dtype=float), axis=0) for w, v in mu_runs.items()}
+        n = seed + 1
+        print(f"\nValidation loss after {args.steps} steps, median over {n} seed(s); * = best lr")
+        print(table("SP", lrs, widths, sp))
+        print()
+        print(table("Hydro", lrs, widths, mu))
+        print()
+        for name, losses in (("SP", sp), ("Hydro", mu)):
+            shifts = [
+                math.log2(best_lr(lrs, losses[w]) / best_lr(lrs, losses[target_width]))
+                for w in widths
+            ]
+            print(
+                f"{name:>5}: best-lr shift vs target (log2): "
+                + ", ".join(f"{s:+.0f}" for s in shifts)
+            )
+        small = widths[0]
+        r = target_width // small
+        print(f"Spearman over the lr grid, width {small} (ratio {r}) vs target {target_width}:")
+        print(f"  Hydro surrogate {spearman(mu[small], mu[target_width]):+.3f}   ", end="")
+        print(f"SP small model {spearman(sp[small], sp[target_width]):+.3f}", flush=True)
+        title = (
+            f"char GPT ({args.n_layer} layers), {args.steps} steps, target width {target_width}, "
+            f"median of {n} seed(s)"
+        )
+        plot(lrs, widths, sp, mu, args.plot, title)
+        print(f"plot: {args.plot}   elapsed {time.time() - start:.0f} s\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
