@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -153,6 +154,18 @@ class TrialGroup:
             )
             for k, part in enumerate(parts)
         )
+
+    def remaining(self, budgets: Sequence[float]) -> TrialGroup:
+        """The group with each member's budget replaced by its steps still to go.
+
+        Members with nothing left are dropped. Skips validation: it is called on every
+        event of a simulation with budgets derived from an already valid group.
+        """
+        keep = [i for i, steps in enumerate(budgets) if steps > 0]
+        clone = copy.copy(self)
+        object.__setattr__(clone, "trial_ids", tuple(self.trial_ids[i] for i in keep))
+        object.__setattr__(clone, "budgets", tuple(budgets[i] for i in keep))
+        return clone
 
     def without(self, trial_ids: Sequence[Hashable]) -> TrialGroup | None:
         """The group minus ``trial_ids`` (e.g. pruned members); ``None`` if none remain."""

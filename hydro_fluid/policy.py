@@ -12,6 +12,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice
 
 import numpy as np
 
@@ -194,14 +195,46 @@ class _Bin:
     free: float  # share of the device not yet given out
     slots: int  # groups that may still be packed on it
     memory: float  # GiB not yet given out
+    device_c: int  # most groups on this device (the policy's c)
 
 
-def _bins(devices: Sequence[Device], c: int) -> dict[str, _Bin]:
-    return {dev.name: _Bin(dev, 1.0, c, dev.memory) for dev in devices}
+class _Capacity(dict):
+    """Device name -> :class:`_Bin`, with an index of idle devices per node.
+
+    The index lets data-parallel groups find whole devices on one node without scanning
+    every device, which keeps planning for 1,000 devices well under a second.
+    """
+
+    def __init__(self, devices: Sequence[Device], c: int) -> None:
+        super().__init__((dev.name, _Bin(dev, 1.0, c, dev.memory, c)) for dev in devices)
+        self._idle: dict[str, dict[str, _Bin]] | None = None
+        # Smallest device memory per node: a group that fits it fits any idle device there.
+        self.node_memory: dict[str, float] = {}
+        for dev in devices:
+            self.node_memory[dev.node] = min(self.node_memory.get(dev.node, dev.memory), dev.memory)
+
+    def used(self, b: _Bin) -> None:
+        """Note that ``b`` is no longer idle (call after changing ``b.free``)."""
+        if self._idle is not None and b.free < 1 - _EPS:
+            node = self._idle.get(b.device.node)
+            if node is not None and node.pop(b.device.name, None) is not None and not node:
+                del self._idle[b.device.node]
+
+    def idle_by_node(self) -> dict[str, dict[str, _Bin]]:
+        if self._idle is None:
+            self._idle = {}
+            for name, b in self.items():
+                if b.free >= 1 - _EPS:
+                    self._idle.setdefault(b.device.node, {})[name] = b
+        return self._idle
+
+
+def _bins(devices: Sequence[Device], c: int) -> _Capacity:
+    return _Capacity(devices, c)
 
 
 def _allocate(
-    groups: list[TrialGroup], bins: dict[str, _Bin], c: int, d: int, weights: list[float]
+    groups: list[TrialGroup], bins: _Capacity, c: int, d: int, weights: list[float]
 ) -> Allocation:
     """StaticFluid on whatever capacity ``bins`` has left; takes the capacity it gives out."""
     capacity = sum(b.free for b in bins.values())
@@ -248,28 +281,35 @@ def _water_fill(weights: np.ndarray, capacity: float, low: float, high: float) -
     return np.clip(math.exp(lo) * weights, low, high)
 
 
-def _place_whole(group: TrialGroup, k: int, bins: dict[str, _Bin]) -> tuple[Slot, ...]:
+def _place_whole(group: TrialGroup, k: int, bins: _Capacity) -> tuple[Slot, ...]:
     """Take up to ``k`` whole idle devices for ``group``, on as few nodes as possible."""
-    by_node: dict[str, list[_Bin]] = {}
-    for b in bins.values():
-        if b.free >= 1 - _EPS and b.memory >= group.memory:
-            by_node.setdefault(b.device.node, []).append(b)
-    total = sum(len(v) for v in by_node.values())
-    k = min(k, total)
+    idle = bins.idle_by_node()
+    if not idle or k < 1:
+        return ()
+    need = group.memory
+    pools = []
+    for node, members in idle.items():
+        if bins.node_memory[node] < need:  # only then is filtering by memory needed
+            members = {name: b for name, b in members.items() if b.memory >= need}
+        if members:
+            pools.append(members)
+    k = min(k, sum(len(p) for p in pools))
     if k < 1:
         return ()
     # One node that fits the whole group, the tightest such; else spill over the fullest.
-    fitting = [v for v in by_node.values() if len(v) >= k]
+    fitting = [p for p in pools if len(p) >= k]
     if fitting:
-        chosen = min(fitting, key=len)[:k]
+        chosen = list(islice(min(fitting, key=len).values(), k))
     else:
-        chosen = [b for v in sorted(by_node.values(), key=len, reverse=True) for b in v][:k]
+        pools.sort(key=len, reverse=True)
+        chosen = list(islice(chain.from_iterable(p.values() for p in pools), k))
     for b in chosen:
-        b.free, b.slots, b.memory = 0.0, 0, b.memory - group.memory
+        b.free, b.slots, b.memory = 0.0, 0, b.memory - need
+        bins.used(b)
     return tuple((b.device.name, 1.0) for b in chosen)
 
 
-def _pack(packed: list[tuple[float, TrialGroup]], bins: dict[str, _Bin]) -> Allocation:
+def _pack(packed: list[tuple[float, TrialGroup]], bins: _Capacity) -> Allocation:
     """Pack fractional shares, largest first, each on the device with the most room left."""
     heap = [(-b.free, -b.slots, name) for name, b in bins.items() if b.free > _EPS and b.slots]
     heapq.heapify(heap)
@@ -288,12 +328,16 @@ def _pack(packed: list[tuple[float, TrialGroup]], bins: dict[str, _Bin]) -> Allo
             heapq.heappush(heap, item)
         if b is None:
             continue  # no device has the memory left: the group waits
+        if b.free < 1 / b.device_c - _EPS:
+            heapq.heappush(heap, (-b.free, -b.slots, name))
+            continue  # even the roomiest device has less than 1/c left: the group waits
         # The roomiest device may have less than the share asked for: take what it has,
         # rounded down to 1/k of a device.
         share = min(share, 1 / math.ceil(1 / b.free - _EPS))
         b.free -= share
         b.slots -= 1
         b.memory -= group.memory
+        bins.used(b)
         allocation[group.name] = ((name, share),)
         if b.free > _EPS and b.slots:
             heapq.heappush(heap, (-b.free, -b.slots, name))
@@ -301,7 +345,7 @@ def _pack(packed: list[tuple[float, TrialGroup]], bins: dict[str, _Bin]) -> Allo
     return allocation
 
 
-def _top_up(allocation: Allocation, bins: dict[str, _Bin]) -> None:
+def _top_up(allocation: Allocation, bins: _Capacity) -> None:
     """Grow the shares just packed so that no device keeps an unused sliver.
 
     Shares are rounded down to 1/k when packed, which would leave part of a device unused.
@@ -319,29 +363,30 @@ def _top_up(allocation: Allocation, bins: dict[str, _Bin]) -> None:
 
 
 def _hand_out_idle(
-    allocation: Allocation, admitted: list[TrialGroup], bins: dict[str, _Bin], d: int
+    allocation: Allocation, admitted: list[TrialGroup], bins: _Capacity, d: int
 ) -> None:
     """Give devices left idle by rounding to the data-parallel groups that gain the most."""
-    idle = sum(1 for b in bins.values() if b.free >= 1 - _EPS)
-    if not idle:
+    idle = sum(len(v) for v in bins.idle_by_node().values())
+    whole = [g for g in admitted if g.name in allocation and allocation[g.name][0][1] >= 1 - _EPS]
+    if not idle or not whole:
         return
-    whole = [g for g in admitted if len(allocation.get(g.name, ())) >= 1
-             and allocation[g.name][0][1] >= 1 - _EPS]
-    # Most remaining seconds per device first: that group gains the most from one more.
-    heap = [(-g.seconds(len(allocation[g.name])), i) for i, g in enumerate(whole)]
+    # Decide the counts first (most seconds saved by one more device first), then place.
+    count = {g.name: len(allocation[g.name]) for g in whole}
+    heap = [(g.seconds(count[g.name] + 1) - g.seconds(count[g.name]), i)
+            for i, g in enumerate(whole) if count[g.name] < d]
     heapq.heapify(heap)
     while idle and heap:
         _, i = heapq.heappop(heap)
         group = whole[i]
-        have = allocation[group.name]
-        if len(have) >= d:
-            continue
-        extra = _place_whole(group, 1, bins)
-        if not extra:
-            continue
+        count[group.name] += 1
         idle -= 1
-        allocation[group.name] = have + extra
-        heapq.heappush(heap, (-group.seconds(len(have) + 1), i))
+        if count[group.name] < d:
+            n = count[group.name]
+            heapq.heappush(heap, (group.seconds(n + 1) - group.seconds(n), i))
+    for group in whole:
+        extra = count[group.name] - len(allocation[group.name])
+        if extra:
+            allocation[group.name] += _place_whole(group, extra, bins)
 
 
 def estimate_seconds(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .groups import TrialGroup, packed_slowdown
 from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
@@ -298,6 +298,7 @@ class _Simulation:
         self.since: dict[str, float] = {}
         self.paused_until: dict[str, float] = {}
         self.started: set[str] = set()
+        self.views: dict[str, TrialGroup] = {}  # remaining-budget views, dropped on progress
         self.now = 0.0
 
     def run(self) -> SimResult:
@@ -342,17 +343,15 @@ class _Simulation:
                 self._stop(name)
 
     def _ready(self) -> list[TrialGroup]:
+        """Unfinished groups whose dependencies are done, with their remaining budgets."""
         ready = []
         for name, g in self.groups.items():
             if name in self.result.group_finish or self.waits_on[name]:
                 continue
-            left = self.left[name]
-            keep = [i for i, steps in enumerate(left) if steps > _TOL]
-            ready.append(replace(
-                g,
-                trial_ids=tuple(g.trial_ids[i] for i in keep),
-                budgets=tuple(left[i] for i in keep),
-            ))
+            if name not in self.views:  # only groups that progressed need a fresh view
+                left = [steps if steps > _TOL else 0.0 for steps in self.left[name]]
+                self.views[name] = g.remaining(left)
+            ready.append(self.views[name])
         return ready
 
     def _schedule(self) -> None:
@@ -424,6 +423,7 @@ class _Simulation:
             if busy <= 0:
                 continue
             done = busy / seconds
+            self.views.pop(name, None)
             left = self.left[name]
             for i, steps in enumerate(left):
                 if steps > _TOL:
