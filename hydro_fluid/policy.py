@@ -169,19 +169,20 @@ def deadline(
     exploit = min(1.0, max(0.0, (now - start) / (end - start))) * len(devices)
     time_left = max(end - now, _EPS)
     ranked = sorted((g for g in groups if g.score is not None), key=lambda g: g.score)
-    target: Allocation = {}
+    running = running or {}
+    reserved: Allocation = {}
     for group in ranked:
         if exploit < 1:
             break
         need = next((w for w in range(1, d + 1) if group.seconds(w) <= time_left), d)
-        slots = _place_whole(group, min(need, int(exploit)), bins)
+        slots = _place_whole(group, min(need, int(exploit)), bins, running.get(group.name, ()))
         if not slots:
             break
-        target[group.name] = slots
+        reserved[group.name] = slots
         exploit -= len(slots)
-    rest = [g for g in groups if g.name not in target]
-    target.update(_allocate(rest, bins, c, d, [g.work for g in rest]))
-    return _rebalance(groups, devices, c, d, running or {}, restart_cost, target)
+    rest = [g for g in groups if g.name not in reserved]
+    target = {**reserved, **_allocate(rest, bins, c, d, [g.work for g in rest])}
+    return _rebalance(groups, devices, c, d, running, restart_cost, target, reserved)
 
 
 # --- shared machinery ---------------------------------------------------------------------
@@ -281,12 +282,25 @@ def _water_fill(weights: np.ndarray, capacity: float, low: float, high: float) -
     return np.clip(math.exp(lo) * weights, low, high)
 
 
-def _place_whole(group: TrialGroup, k: int, bins: _Capacity) -> tuple[Slot, ...]:
-    """Take up to ``k`` whole idle devices for ``group``, on as few nodes as possible."""
+def _place_whole(
+    group: TrialGroup, k: int, bins: _Capacity, prefer: Sequence[Slot] = ()
+) -> tuple[Slot, ...]:
+    """Take up to ``k`` whole idle devices for ``group``, on as few nodes as possible.
+
+    Devices in ``prefer`` (where the group runs now) are taken first, to avoid a restart.
+    """
+    need = group.memory
+    kept = []
+    for name, _ in prefer:
+        b = bins.get(name)
+        if len(kept) < k and b is not None and b.free >= 1 - _EPS and b.memory >= need:
+            b.free, b.slots, b.memory = 0.0, 0, b.memory - need
+            bins.used(b)
+            kept.append((name, 1.0))
+    k -= len(kept)
     idle = bins.idle_by_node()
     if not idle or k < 1:
-        return ()
-    need = group.memory
+        return tuple(kept)
     pools = []
     for node, members in idle.items():
         if bins.node_memory[node] < need:  # only then is filtering by memory needed
@@ -295,7 +309,7 @@ def _place_whole(group: TrialGroup, k: int, bins: _Capacity) -> tuple[Slot, ...]
             pools.append(members)
     k = min(k, sum(len(p) for p in pools))
     if k < 1:
-        return ()
+        return tuple(kept)
     # One node that fits the whole group, the tightest such; else spill over the fullest.
     fitting = [p for p in pools if len(p) >= k]
     if fitting:
@@ -306,7 +320,7 @@ def _place_whole(group: TrialGroup, k: int, bins: _Capacity) -> tuple[Slot, ...]
     for b in chosen:
         b.free, b.slots, b.memory = 0.0, 0, b.memory - need
         bins.used(b)
-    return tuple((b.device.name, 1.0) for b in chosen)
+    return tuple(kept) + tuple((b.device.name, 1.0) for b in chosen)
 
 
 def _pack(packed: list[tuple[float, TrialGroup]], bins: _Capacity) -> Allocation:
@@ -413,15 +427,23 @@ def _rebalance(
     running: Mapping[str, tuple[Slot, ...]],
     restart_cost: float,
     target: Allocation,
+    reserved: Allocation | None = None,
 ) -> Allocation:
-    """Keep running groups where they are unless moving to ``target`` saves > restart_cost."""
+    """Keep running groups where they are unless moving to ``target`` saves > restart_cost.
+
+    Groups in ``reserved`` get their target slots regardless, and nobody else is kept on
+    those devices.
+    """
     by_name = {g.name: g for g in groups}
     speeds = {dev.name: dev.speed for dev in devices}
-    kept: Allocation = {}
+    kept: Allocation = dict(reserved or {})
+    taken = {dev for slots in kept.values() for dev, _ in slots}
     for name, slots in running.items():
         group = by_name.get(name)
-        if group is None or any(dev not in speeds for dev, _ in slots):
-            continue  # finished, or its device left: it must be placed afresh
+        if name in kept or group is None or any(dev not in speeds for dev, _ in slots):
+            continue  # reserved, finished, or its device left: placed afresh
+        if any(dev in taken for dev, _ in slots):
+            continue
         new = target.get(name, ())
         if tuple(slots) == tuple(new):
             kept[name] = tuple(slots)

@@ -136,6 +136,7 @@ def simulate(
     d: int = 8,
     restart_cost: float = 30.0,
     end: float | None = None,
+    tick: float | None = None,
 ) -> SimResult:
     """Simulate ``workload`` on ``cluster`` under ``policy`` until every trial has finished.
 
@@ -148,6 +149,8 @@ def simulate(
         d: Most devices for one data-parallel group.
         restart_cost: Seconds a running group loses when its slots change.
         end: The deadline for ``policy="deadline"``.
+        tick: Also re-plan every ``tick`` seconds, not only on events (default: never,
+            except ``end / 20`` for the deadline policy, whose plan changes with the clock).
 
     Example:
         >>> from hydro_fluid import Cluster, TrialGroup, simulate
@@ -171,7 +174,11 @@ def simulate(
                 )
     decide = _policy(policy, c, d, restart_cost, end)
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-    return _Simulation(groups, cluster, decide, c, d, restart_cost, str(name)).run()
+    if tick is None and policy == "deadline":
+        tick = end / 20
+    if tick is not None and not tick > 0:
+        raise ValueError(f"tick must be > 0 seconds, got {tick}.")
+    return _Simulation(groups, cluster, decide, c, d, restart_cost, str(name), tick).run()
 
 
 def lower_bound(workload: Sequence[TrialGroup], cluster: Cluster, d: int = 8) -> float:
@@ -286,12 +293,12 @@ def _policy(policy: str | PolicyFn, c: int, d: int, restart_cost: float, end: fl
 class _Simulation:
     """Mutable state of one simulated run; ``run`` advances it event by event."""
 
-    def __init__(self, groups, cluster: Cluster, decide, c: int, d: int, restart_cost, name):
+    def __init__(self, groups, cluster: Cluster, decide, c: int, d: int, restart_cost, name, tick):
         self.groups: dict[str, TrialGroup] = {g.name: g for g in groups}
         self.left: dict[str, list[float]] = {g.name: [float(b) for b in g.budgets] for g in groups}
         self.waits_on = {g.name: set(g.after) for g in groups}
         self.cluster, self.decide, self.restart_cost = cluster, decide, restart_cost
-        self.c, self.d = c, d
+        self.c, self.d, self.tick = c, d, tick
         self.result = SimResult(name, 0.0, {}, {}, [], [])
         self.devices: dict[str, Device] = {}
         self.running: Allocation = {}
@@ -314,6 +321,9 @@ class _Simulation:
             self._schedule()
             step, finishing = self._rates()
             horizon = events[0].time - self.now if events else math.inf
+            if self.tick and step:
+                horizon = min(horizon, self.tick * (math.floor(self.now / self.tick + _TOL) + 1)
+                              - self.now)
             dt = min([horizon] + list(finishing.values()))
             if math.isinf(dt):
                 stuck = sorted(set(self.groups) - set(self.result.group_finish))[:5]
