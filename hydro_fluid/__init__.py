@@ -7,6 +7,7 @@ worker processes (:class:`LocalExecutor`) or on a Ray cluster (:class:`RayExecut
 ``pip install 'hydro-surrogate[ray]'``).
 """
 
+from .executors import GroupResult, LocalExecutor, TrialOutcome, WorkerContext
 from .groups import TrialGroup
 from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
 from .resources import Cluster, Device
@@ -16,8 +17,12 @@ __all__ = [
     "Allocation",
     "Cluster",
     "Device",
+    "GroupResult",
+    "LocalExecutor",
     "SimResult",
     "TrialGroup",
+    "TrialOutcome",
+    "WorkerContext",
     "deadline",
     "dynamic_fluid",
     "fifo",
