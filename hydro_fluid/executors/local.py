@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
-import queue
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Hashable, Mapping, Sequence
@@ -50,7 +51,9 @@ class LocalExecutor:
         max_retries: Restarts of a group whose worker died, before its trials FAIL.
         checkpoint_dir: Where each group gets its checkpoint directory (default: a
             temporary directory removed after ``run``).
-        start_method: ``multiprocessing`` start method; ``"spawn"`` is safe with CUDA.
+        start_method: ``multiprocessing`` start method. Default ``"forkserver"`` (workers
+            fork from a server that has imported torch once, so they start in a fraction
+            of a second, and CUDA is never initialized before the fork), else ``"spawn"``.
         collective_timeout: Seconds a data-parallel collective may wait for a peer.
 
     Example:
@@ -75,7 +78,7 @@ class LocalExecutor:
         threads: int | None = None,
         max_retries: int = 1,
         checkpoint_dir: str | Path | None = None,
-        start_method: str = "spawn",
+        start_method: str | None = None,
         collective_timeout: float = 300.0,
     ) -> None:
         cores = os.cpu_count() or 1
@@ -92,7 +95,10 @@ class LocalExecutor:
             raise ValueError(f"groups_per_device must be >= 1, got {groups_per_device}.")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}.")
-        if start_method not in mp.get_all_start_methods():
+        available = mp.get_all_start_methods()
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in available else "spawn"
+        if start_method not in available:
             raise ValueError(
                 f"start_method {start_method!r} is not available here; use one of "
                 f"{mp.get_all_start_methods()}."
@@ -172,8 +178,9 @@ class _Attempt:
     group: TrialGroup
     attempt: int
     slots: list[int]
-    procs: list[Any]
-    prune_queues: list[Any]
+    procs: list[Any] = field(default_factory=list)
+    inboxes: list[Any] = field(default_factory=list)  # worker -> parent, one pipe per rank
+    outboxes: list[Any] = field(default_factory=list)  # parent -> worker: pruned trial ids
     values: dict[int, Any] = field(default_factory=dict)
 
 
@@ -182,7 +189,6 @@ class _Spec:
     """Everything a worker process needs to start (pickled to the child)."""
 
     group: TrialGroup
-    key: str
     rank: int
     world_size: int
     device: str
@@ -194,28 +200,36 @@ class _Spec:
     pruned: set
 
 
-class _QueueChannel:
-    """The worker's end of the line to the parent: one shared result queue, one prune queue."""
+class _PipeChannel:
+    """The worker's end of its two private pipes to the parent.
 
-    def __init__(self, key: str, out: Any, prune: Any) -> None:
-        self.key, self.out, self.prune = key, out, prune
+    Each worker has its own pipes rather than one shared queue: a worker killed in the middle
+    of a write then damages only its own pipe, never the other workers' line to the parent.
+    """
+
+    def __init__(self, outbox: Any, inbox: Any) -> None:
+        self.outbox, self.inbox = outbox, inbox
+        self.lock = threading.Lock()  # fn may report from several threads
 
     def send(self, message: tuple) -> None:
-        self.out.put((message[0], self.key, *message[1:]))
+        # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
+        # sender's memory, which is gone once a finished worker exits.
+        data = pickle.dumps(message)
+        with self.lock:
+            self.outbox.send_bytes(data)
 
     def pruned(self) -> set:
         found = set()
-        while True:
-            try:
-                found.add(self.prune.get_nowait())
-            except queue.Empty:
-                return found
+        while self.inbox.poll():
+            found.add(pickle.loads(self.inbox.recv_bytes()))
+        return found
 
 
-def _worker_main(spec: _Spec, fn: WorkerFn, out: Any, prune: Any) -> None:
+def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
     """Entry point of a worker process."""
     torch.set_num_threads(spec.threads)
     distributed = spec.world_size > 1
+    channel = _PipeChannel(outbox, inbox)
     try:
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(spec.device)
@@ -231,7 +245,7 @@ def _worker_main(spec: _Spec, fn: WorkerFn, out: Any, prune: Any) -> None:
             )
         ctx = WorkerContext(
             spec.group.name, spec.device, spec.threads, spec.rank, spec.world_size,
-            spec.attempt, spec.checkpoint_dir, _QueueChannel(spec.key, out, prune), spec.pruned,
+            spec.attempt, spec.checkpoint_dir, channel, spec.pruned,
         )
         kind, payload = call_worker_fn(fn, spec.group, ctx)
     except Exception as exc:  # set-up failed before fn ran
@@ -241,9 +255,8 @@ def _worker_main(spec: _Spec, fn: WorkerFn, out: Any, prune: Any) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    out.put((kind, spec.key, spec.rank, payload))
-    out.close()
-    out.join_thread()  # make sure the message left before the process exits
+    channel.send((kind, payload))
+    outbox.close()
 
 
 class _Run:
@@ -254,14 +267,19 @@ class _Run:
         self.sizes: dict[str, int] = dict(sizes)
         self.root = root
         self.ctx = mp.get_context(executor.start_method)
-        self.out = self.ctx.Queue()
+        if executor.start_method == "forkserver":
+            self.ctx.set_forkserver_preload(["torch", "hydro_fluid"])
         self.free = set(range(len(executor.slots)))
         self.running: dict[str, _Attempt] = {}
 
     def loop(self) -> None:
         while self.ledger.pending or self.running:
             self._launch_what_fits()
-            self._drain(timeout=0.05)
+            waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
+            waitables += [p.sentinel for run in self.running.values() for p in run.procs]
+            mp_connection.wait(waitables, timeout=0.5)
+            for key in list(self.running):
+                self._read(key)
             self._reap_dead_workers()
 
     # -- starting ------------------------------------------------------------------------
@@ -297,59 +315,62 @@ class _Run:
             (self.root / ".rendezvous").mkdir(exist_ok=True)
             store = self.root / ".rendezvous" / f"{safe}-{attempt}-{uuid.uuid4().hex}"
         self.free -= set(slots)
-        run = _Attempt(group, attempt, slots, [], [])
+        run = _Attempt(group, attempt, slots)
         self.running[key] = run
         for rank, slot in enumerate(slots):
-            prune = self.ctx.Queue()
+            inbox, worker_outbox = self.ctx.Pipe(duplex=False)
+            worker_inbox, outbox = self.ctx.Pipe(duplex=False)
             spec = _Spec(
-                group, key, rank, len(slots), self.ex.slots[slot], self.ex.threads_per_worker,
+                group, rank, len(slots), self.ex.slots[slot], self.ex.threads_per_worker,
                 attempt, checkpoint_dir, store, self.ex.collective_timeout,
                 set(self.ledger.pruned[group.name]),
             )
             proc = self.ctx.Process(
-                target=_worker_main, args=(spec, self.fn, self.out, prune),
+                target=_worker_main, args=(spec, self.fn, worker_outbox, worker_inbox),
                 name=f"hydro-fluid-{key}-rank{rank}",
             )
             proc.start()
+            worker_outbox.close()  # the worker's copies; closing ours lets EOF show a death
+            worker_inbox.close()
             run.procs.append(proc)
-            run.prune_queues.append(prune)
+            run.inboxes.append(inbox)
+            run.outboxes.append(outbox)
 
     # -- messages ------------------------------------------------------------------------
 
-    def _drain(self, timeout: float) -> None:
-        """Handle every message waiting, blocking up to ``timeout`` for the first one."""
-        try:
-            message = self.out.get(timeout=timeout)
-        except queue.Empty:
-            return
-        while True:
-            self._handle(message)
+    def _read(self, key: str) -> None:
+        """Handle every message the attempt's workers have sent so far."""
+        for rank in range(len(self.running[key].inboxes)):
+            run = self.running.get(key)
+            if run is None:
+                return  # ended by an earlier message
+            inbox = run.inboxes[rank]
             try:
-                message = self.out.get_nowait()
-            except queue.Empty:
-                return
+                while not inbox.closed and inbox.poll():
+                    self._handle(key, rank, pickle.loads(inbox.recv_bytes()))
+                    if key not in self.running:
+                        return
+            except (EOFError, OSError):
+                inbox.close()  # the worker is gone; _reap_dead_workers decides what it means
 
-    def _handle(self, message: tuple) -> None:
-        kind, key, *rest = message
-        run = self.running.get(key)
-        if run is None:
-            return  # from an attempt that was already ended
+    def _handle(self, key: str, rank: int, message: tuple) -> None:
+        run = self.running[key]
+        kind, *rest = message
         if kind == "report":
             self._on_report(run, *rest)
         elif kind == "done":
-            rank, value = rest
-            run.values[rank] = value
+            run.values[rank] = rest[0]
             if len(run.values) == len(run.procs):
                 self._end(key, kill=False)
                 self.ledger.done(run.group, run.attempt, run.values[0])
         elif kind == "oom":
             self._end(key)
-            self.ledger.out_of_memory(run.group, run.attempt, rest[1])
+            self.ledger.out_of_memory(run.group, run.attempt, rest[0])
             for part in (f"{run.group.name}/0", f"{run.group.name}/1"):
                 self.sizes[part] = self.sizes[run.group.name]
         else:
             self._end(key)
-            self.ledger.failed(run.group, run.attempt, rest[1])
+            self.ledger.failed(run.group, run.attempt, rest[0])
 
     def _on_report(self, run: _Attempt, trial_id: Hashable, step: int, value: float) -> None:
         pruned = self.ledger.pruned[run.group.name]
@@ -357,31 +378,27 @@ class _Run:
             return
         if self.report(trial_id, step, value):
             self.ledger.prune(run.group, trial_id)
-            for prune in run.prune_queues:
-                prune.put(trial_id)
+            for outbox in run.outboxes:
+                try:
+                    outbox.send_bytes(pickle.dumps(trial_id))
+                except OSError:
+                    pass  # that worker already exited; nothing left to tell it
 
     # -- failures and clean-up -----------------------------------------------------------
 
     def _reap_dead_workers(self) -> None:
-        dead = [
-            key for key, run in self.running.items()
-            if any(p.exitcode is not None and r not in run.values
-                   for r, p in enumerate(run.procs))
-        ]
-        if not dead:
-            return
-        self._drain(timeout=0.0)  # a last message may have arrived just before the exit
-        for key in dead:
-            run = self.running.get(key)
-            if run is None:
-                continue
-            codes = [
+        for key in list(self.running):
+            run = self.running[key]
+            dead = [
                 (rank, p.exitcode) for rank, p in enumerate(run.procs)
                 if p.exitcode is not None and rank not in run.values
             ]
-            if not codes:
+            if not dead:
                 continue
-            rank, code = codes[0]
+            self._read(key)  # a last message may have arrived just before the exit
+            if key not in self.running:
+                continue
+            rank, code = dead[0]
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             self._end(key)
             self.ledger.failed(run.group, run.attempt, f"worker process rank {rank} died ({how})")
@@ -399,11 +416,10 @@ class _Run:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for prune in run.prune_queues:
-            prune.close()
+        for conn in run.inboxes + run.outboxes:
+            conn.close()
         self.free |= set(run.slots)
 
     def stop_all(self) -> None:
         for key in list(self.running):
             self._end(key)
-        self.out.close()
