@@ -8,6 +8,7 @@ worker processes (:class:`LocalExecutor`) or on a Ray cluster (:class:`RayExecut
 """
 
 from .executors import GroupResult, LocalExecutor, TrialOutcome, WorkerContext
+from .executors.ray import RayExecutor
 from .groups import TrialGroup
 from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
 from .resources import Cluster, Device
@@ -19,6 +20,7 @@ __all__ = [
     "Device",
     "GroupResult",
     "LocalExecutor",
+    "RayExecutor",
     "SimResult",
     "TrialGroup",
     "TrialOutcome",

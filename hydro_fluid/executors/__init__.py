@@ -2,5 +2,6 @@
 
 from .base import GroupResult, TrialOutcome, WorkerContext
 from .local import LocalExecutor
+from .ray import RayExecutor
 
-__all__ = ["GroupResult", "LocalExecutor", "TrialOutcome", "WorkerContext"]
+__all__ = ["GroupResult", "LocalExecutor", "RayExecutor", "TrialOutcome", "WorkerContext"]
