@@ -13,13 +13,19 @@ Run:  python benchmarks/packing.py            (full table, a few minutes)
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 # Runnable from a source checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -114,36 +120,57 @@ def make_cluster(rng: np.random.Generator, devices: int, churn: bool) -> Cluster
     return cluster.with_events(events)
 
 
-def run_table(sizes: list[int], seeds: int, gantt_dir: Path | None) -> list[dict]:
-    rows = []
-    print(f"{'workload':<10} {'devices':>7} {'churn':>5} {'FIFO':>9} {'Static':>9} "
-          f"{'Dynamic':>9} {'bound':>9} {'dyn/FIFO':>9} {'dyn/bound':>9}")
+def one_run(task: tuple[str, int, bool, int, tuple[float, float]]) -> dict[str, float]:
+    """Makespan of every policy, and the bound, for one workload, cluster size and seed."""
+    workload, devices, churn, seed, utilization = task
+    global UTILIZATION  # worker processes get the setting passed along explicitly
+    UTILIZATION = utilization
+    rng = np.random.default_rng(seed)
+    groups = WORKLOADS[workload](rng, devices)
+    cluster = make_cluster(rng, devices, churn)
+    spans = {p: simulate(groups, cluster, p, c=C, d=D).makespan for p in POLICIES}
+    spans["bound"] = lower_bound(groups, cluster, d=D)
+    return spans
+
+
+def draw_gantt(folder: Path, devices: int) -> None:
+    """Gantt charts of seed 0 of every workload and policy, without churn."""
     for workload, make in WORKLOADS.items():
-        for devices in sizes:
-            for churn in (False, True):
-                spans: dict[str, list[float]] = {p: [] for p in (*POLICIES, "bound")}
-                for seed in range(seeds):
-                    rng = np.random.default_rng(seed)
-                    groups = make(rng, devices)
-                    cluster = make_cluster(rng, devices, churn)
-                    for policy in POLICIES:
-                        result = simulate(groups, cluster, policy, c=C, d=D)
-                        spans[policy].append(result.makespan)
-                        if gantt_dir and seed == 0 and devices == sizes[0] and not churn:
-                            result.plot_gantt(
-                                str(gantt_dir / f"gantt_{workload}_{policy}.png"),
-                                title=f"{workload}, {devices} GPUs, {policy}: "
-                                f"makespan {result.makespan:,.0f} s",
-                            )
-                    spans["bound"].append(lower_bound(groups, cluster, d=D))
-                med = {k: statistics.median(v) for k, v in spans.items()}
-                row = dict(workload=workload, devices=devices, churn=churn, **med)
-                rows.append(row)
-                print(f"{workload:<10} {devices:>7} {'yes' if churn else 'no':>5} "
-                      f"{med['fifo']:>9.0f} {med['static_fluid']:>9.0f} "
-                      f"{med['dynamic_fluid']:>9.0f} {med['bound']:>9.0f} "
-                      f"{med['dynamic_fluid'] / med['fifo']:>9.2f} "
-                      f"{med['dynamic_fluid'] / med['bound']:>9.2f}", flush=True)
+        rng = np.random.default_rng(0)
+        groups = make(rng, devices)
+        cluster = make_cluster(rng, devices, churn=False)
+        for policy in POLICIES:
+            result = simulate(groups, cluster, policy, c=C, d=D)
+            fig = result.plot_gantt(
+                str(folder / f"gantt_{workload}_{policy}.png"),
+                title=f"{workload}, {devices} GPUs, {policy}: makespan {result.makespan:,.0f} s, "
+                f"utilization {result.mean_utilization:.0%}",
+            )
+            plt.close(fig)
+
+
+def run_table(sizes: list[int], seeds: dict[int, int], processes: int) -> list[dict]:
+    tasks = [
+        (workload, devices, churn, seed, UTILIZATION)
+        for workload in WORKLOADS for devices in sizes for churn in (False, True)
+        for seed in range(seeds[devices])
+    ]
+    with multiprocessing.Pool(processes) as pool:
+        outcomes = pool.map(one_run, tasks, chunksize=1)
+    by_row: dict[tuple, list[dict[str, float]]] = {}
+    for task, spans in zip(tasks, outcomes, strict=True):
+        by_row.setdefault(task[:3], []).append(spans)
+
+    print(f"{'workload':<10} {'devices':>7} {'churn':>5} {'seeds':>5} {'FIFO':>8} {'Static':>8} "
+          f"{'Dynamic':>8} {'bound':>8} {'dyn/FIFO':>8} {'dyn/bound':>9}")
+    rows = []
+    for (workload, devices, churn), runs in by_row.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rows.append(dict(workload=workload, devices=devices, churn=churn, **med))
+        print(f"{workload:<10} {devices:>7} {'yes' if churn else 'no':>5} {len(runs):>5} "
+              f"{med['fifo']:>8.0f} {med['static_fluid']:>8.0f} {med['dynamic_fluid']:>8.0f} "
+              f"{med['bound']:>8.0f} {med['dynamic_fluid'] / med['fifo']:>8.2f} "
+              f"{med['dynamic_fluid'] / med['bound']:>9.2f}")
     return rows
 
 
@@ -168,22 +195,26 @@ def main(argv: list[str] | None = None) -> int:
     global UTILIZATION  # the workload builders read it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 and 32 devices, 3 seeds")
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=5, help="seeds per row (3 at 512 devices)")
     parser.add_argument("--gantt", type=Path, help="folder for Gantt chart PNGs")
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--utilization", type=float, nargs=2, metavar=("LOW", "HIGH"),
                         default=UTILIZATION, help="range of group utilization (default 0.2 1.0)")
     args = parser.parse_args(argv)
     UTILIZATION = tuple(args.utilization)
     sizes = [8, 32] if args.quick else [8, 64, 512]
-    seeds = 3 if args.quick else args.seeds
-    if args.gantt:
-        args.gantt.mkdir(parents=True, exist_ok=True)
+    seeds = {n: 3 if args.quick or n >= 512 else args.seeds for n in sizes}
     print(f"c={C} (groups per device), d={D} (devices per group), fusion size {FUSION}, "
-          f"group utilization {UTILIZATION[0]}-{UTILIZATION[1]}, median of {seeds} seeds; "
+          f"group utilization {UTILIZATION[0]}-{UTILIZATION[1]}; medians over seeds; "
           "makespans in simulated seconds\n")
-    run_table(sizes, seeds, args.gantt)
+    start = time.perf_counter()
+    run_table(sizes, seeds, args.processes)
+    print(f"(simulated in {time.perf_counter() - start:.0f} s)")
     seconds = planning_time()
     print(f"\nStaticFluid plan of 10,000 trials on 1,000 devices: {seconds * 1000:.0f} ms")
+    if args.gantt:
+        args.gantt.mkdir(parents=True, exist_ok=True)
+        draw_gantt(args.gantt, sizes[0])
     return 0
 
 
