@@ -324,7 +324,10 @@ class _Simulation:
             if self.tick and step:
                 horizon = min(horizon, self.tick * (math.floor(self.now / self.tick + _TOL) + 1)
                               - self.now)
-            dt = min([horizon] + list(finishing.values()))
+            # A restart ending changes the utilization, so it is an event too.
+            resumes = [t - self.now for name, t in self.paused_until.items()
+                       if name in self.running and t > self.now + _TOL]
+            dt = min([horizon] + list(finishing.values()) + resumes)
             if math.isinf(dt):
                 stuck = sorted(set(self.groups) - set(self.result.group_finish))[:5]
                 raise RuntimeError(

@@ -89,6 +89,8 @@ def test_data_parallel_speeds_up_the_long_tail():
     dynamic = simulate(groups, cluster, "dynamic_fluid", d=8, restart_cost=10.0)
     assert fifo.makespan == pytest.approx(1000.0)
     assert dynamic.makespan < 0.3 * fifo.makespan
+    # After scaling out and its restart, the long group keeps 8 devices busy (sublinearly).
+    assert dynamic.utilization[-1][1] == pytest.approx(groups[0].speedup(8) / 8)
 
 
 def test_deadline_policy_trains_the_best_group_first():
