@@ -12,7 +12,7 @@ from .executors.ray import RayExecutor
 from .groups import TrialGroup
 from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
 from .resources import Cluster, Device
-from .simulate import SimResult, simulate
+from .simulate import SimResult, lower_bound, simulate
 
 __all__ = [
     "Allocation",
@@ -28,6 +28,7 @@ __all__ = [
     "deadline",
     "dynamic_fluid",
     "fifo",
+    "lower_bound",
     "simulate",
     "static_fluid",
 ]

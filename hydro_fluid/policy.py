@@ -403,7 +403,7 @@ def _hand_out_idle(
             allocation[group.name] += _place_whole(group, extra, bins)
 
 
-def estimate_seconds(
+def _estimate_seconds(
     group: TrialGroup, slots: Sequence[Slot], speeds: Mapping[str, float]
 ) -> float:
     """Estimated seconds for ``group`` to finish on ``slots`` (used to judge a move)."""
@@ -448,7 +448,7 @@ def _rebalance(
         if tuple(slots) == tuple(new):
             kept[name] = tuple(slots)
             continue
-        gain = estimate_seconds(group, slots, speeds) - estimate_seconds(group, new, speeds)
+        gain = _estimate_seconds(group, slots, speeds) - _estimate_seconds(group, new, speeds)
         if gain <= restart_cost:
             kept[name] = tuple(slots)
     if all(target.get(n) == s for n, s in kept.items()):
