@@ -1,0 +1,249 @@
+"""What executors share: the worker's view (WorkerContext) and the per-group results.
+
+The contract between an executor and the code it runs (for example the tuner's fused
+training loop) is::
+
+    results = executor.run(groups, fn, report=on_report)
+
+``fn(group, ctx)`` runs in a worker process for every :class:`~hydro_fluid.TrialGroup`; it
+must be picklable (a module-level function or a ``functools.partial`` of one) and returns
+any picklable value. ``ctx`` is a :class:`WorkerContext`. Every value the worker sends with
+``ctx.report(trial_id, step, value)`` reaches ``on_report(trial_id, step, value)`` in the
+parent as it arrives; if ``on_report`` returns ``True`` the trial is pruned and the worker
+sees it in ``ctx.is_pruned(trial_id)``. ``run`` returns one :class:`GroupResult` per group
+that ran (a group halved after running out of memory returns its two halves), in which
+every trial is ``COMPLETE``, ``PRUNED`` or ``FAIL`` with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..groups import TrialGroup
+
+__all__ = ["WorkerContext", "GroupResult", "TrialOutcome", "ReportFn", "WorkerFn"]
+
+COMPLETE, PRUNED, FAIL = "COMPLETE", "PRUNED", "FAIL"
+
+ReportFn = Callable[[Hashable, int, float], "bool | None"]
+WorkerFn = Callable[[TrialGroup, "WorkerContext"], Any]
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """How a trial ended: ``state`` is ``"COMPLETE"``, ``"PRUNED"`` or ``"FAIL"``."""
+
+    state: str
+    reason: str | None = None
+
+
+@dataclass
+class GroupResult:
+    """The outcome of one group.
+
+    Attributes:
+        group: The group as it ran (a half of the submitted group after an out-of-memory).
+        value: What ``fn`` returned on rank 0, or ``None`` if the group failed.
+        trials: Outcome of every member trial.
+        attempts: How many times the group was started.
+        error: Why the group failed, if it did.
+    """
+
+    group: TrialGroup
+    value: Any
+    trials: dict[Hashable, TrialOutcome]
+    attempts: int
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether ``fn`` finished (its trials are COMPLETE or PRUNED)."""
+        return self.error is None
+
+
+class WorkerContext:
+    """The worker's view of its placement and its line back to the parent.
+
+    Attributes:
+        group_name: Name of the group being run.
+        device: Torch device string to train on, e.g. ``"cpu"`` or ``"cuda:0"``.
+        num_threads: CPU threads this worker may use (already applied with
+            ``torch.set_num_threads``).
+        rank: Rank of this process in a data-parallel group (0 if not data parallel).
+        world_size: Processes training this group together. When it is above 1 the default
+            ``torch.distributed`` process group is initialized (gloo on CPU, nccl on GPU), so
+            ``DistributedDataParallel(model)`` works as is.
+        attempt: 0 on the first run, then 1, 2, ... after the worker died.
+        checkpoint_dir: A directory private to this group that survives retries.
+
+    Example:
+        A ``fn`` that resumes from its checkpoint and reports every step::
+
+            def train(group, ctx):
+                state = ctx.load_checkpoint() or {"step": 0}
+                for step in range(state["step"], max(group.budgets)):
+                    ...  # one fused training step on ctx.device
+                    for trial in group.trial_ids:
+                        if not ctx.is_pruned(trial):
+                            ctx.report(trial, step, loss_of[trial])
+                    ctx.save_checkpoint({"step": step + 1})
+                return final_losses
+    """
+
+    def __init__(
+        self,
+        group_name: str,
+        device: str,
+        num_threads: int,
+        rank: int,
+        world_size: int,
+        attempt: int,
+        checkpoint_dir: str | Path,
+        channel: Any,
+        pruned: Iterable[Hashable] = (),
+    ) -> None:
+        self.group_name = group_name
+        self.device = device
+        self.num_threads = num_threads
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self._channel = channel
+        self._pruned = set(pruned)
+
+    def report(self, trial_id: Hashable, step: int, value: float) -> None:
+        """Send an intermediate value of ``trial_id`` to the parent (rank 0 only; others no-op)."""
+        if self.rank == 0:
+            self._channel.send(("report", trial_id, int(step), float(value)))
+
+    def is_pruned(self, trial_id: Hashable) -> bool:
+        """Whether the parent has pruned ``trial_id`` (so the worker can drop it)."""
+        self._pruned |= self._channel.pruned()
+        return trial_id in self._pruned
+
+    @property
+    def pruned(self) -> frozenset:
+        """All trials of this group pruned so far."""
+        self._pruned |= self._channel.pruned()
+        return frozenset(self._pruned)
+
+    def save_checkpoint(self, state: Any) -> None:
+        """Atomically save ``state`` (anything ``torch.save`` takes); only rank 0 writes."""
+        if self.rank != 0:
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint_dir / f".checkpoint.{os.getpid()}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint_dir / "checkpoint.pt")
+
+    def load_checkpoint(self) -> Any | None:
+        """The last saved state of this group, or ``None`` if there is none yet."""
+        path = self.checkpoint_dir / "checkpoint.pt"
+        if not path.exists():
+            return None
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def call_worker_fn(fn: WorkerFn, group: TrialGroup, ctx: WorkerContext) -> tuple[str, Any]:
+    """Run ``fn``; the outcome is ``("done", value)``, ``("oom", message)`` or ``("error", tb)``.
+
+    Shared by the executors so that out-of-memory is recognised the same way everywhere.
+    """
+    try:
+        value = fn(group, ctx)
+        pickle.dumps(value)  # fail here, with a clear message, rather than in a queue thread
+        return "done", value
+    except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
+        return "oom", f"{type(exc).__name__}: {exc}"
+    except pickle.PicklingError as exc:
+        return "error", f"fn returned a value that cannot be pickled: {exc}"
+    except Exception:
+        return "error", traceback.format_exc()
+
+
+@dataclass
+class Ledger:
+    """Book-keeping of the parent: pending groups, attempts, pruned trials and results.
+
+    Both executors drive it, so retries, out-of-memory splits and the final trial states
+    follow exactly the same rules locally and on Ray.
+    """
+
+    max_retries: int
+    pending: list[tuple[TrialGroup, int]] = field(default_factory=list)
+    pruned: dict[str, set] = field(default_factory=dict)
+    results: list[GroupResult] = field(default_factory=list)
+    order: dict[str, int] = field(default_factory=dict)
+
+    def submit(self, groups: Sequence[TrialGroup]) -> None:
+        for g in groups:
+            if not isinstance(g, TrialGroup):
+                raise ValueError(f"Expected TrialGroup objects, got {type(g).__name__}: {g!r}.")
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names):
+            raise ValueError("Group names must be unique within one run.")
+        trials = [t for g in groups for t in g.trial_ids]
+        if len(set(trials)) != len(trials):
+            raise ValueError("A trial appears in two groups; each trial must be in one group.")
+        for i, g in enumerate(groups):
+            self.order[g.name] = i
+            self.pending.append((g, 0))
+            self.pruned[g.name] = set()
+
+    def prune(self, group: TrialGroup, trial_id: Hashable) -> None:
+        self.pruned[group.name].add(trial_id)
+
+    def done(self, group: TrialGroup, attempt: int, value: Any) -> None:
+        pruned = self.pruned[group.name]
+        trials = {
+            t: TrialOutcome(PRUNED) if t in pruned else TrialOutcome(COMPLETE)
+            for t in group.trial_ids
+        }
+        self.results.append(GroupResult(group, value, trials, attempt + 1))
+
+    def failed(self, group: TrialGroup, attempt: int, reason: str) -> None:
+        """The group's worker died or raised: retry it, or fail its trials for good."""
+        if attempt < self.max_retries:
+            self.pending.append((group, attempt + 1))
+        else:
+            self.give_up(group, attempt, f"failed after {attempt + 1} attempt(s): {reason}")
+
+    def out_of_memory(self, group: TrialGroup, attempt: int, message: str) -> None:
+        """Halve the fusion size and run both halves afresh; a single trial fails."""
+        live = group.without(self.pruned[group.name])
+        if live is None:  # everything was pruned already
+            self.done(group, attempt, None)
+            return
+        if live.size < 2:
+            self.give_up(group, attempt, f"out of memory even with a single trial: {message}")
+            return
+        gone = group.without(live.trial_ids)
+        if gone is not None:  # pruned members are not re-run; they end here, PRUNED
+            self.results.append(GroupResult(
+                gone, None, {t: TrialOutcome(PRUNED) for t in gone.trial_ids}, attempt + 1
+            ))
+        for part in live.split():
+            self.order[part.name] = self.order[group.name]
+            self.pruned[part.name] = set()
+            self.pending.append((part, 0))
+
+    def give_up(self, group: TrialGroup, attempt: int, reason: str) -> None:
+        """End the group: its trials FAIL with ``reason`` (pruned ones stay PRUNED)."""
+        pruned = self.pruned[group.name]
+        trials = {
+            t: TrialOutcome(PRUNED) if t in pruned else TrialOutcome(FAIL, reason)
+            for t in group.trial_ids
+        }
+        self.results.append(GroupResult(group, None, trials, attempt + 1, reason))
+
+    def ordered_results(self) -> list[GroupResult]:
+        return sorted(self.results, key=lambda r: (self.order[r.group.name], r.group.name))

@@ -1,0 +1,425 @@
+"""LocalExecutor: fused trial groups in worker processes on this machine."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..groups import TrialGroup
+from .base import GroupResult, Ledger, ReportFn, WorkerContext, WorkerFn, call_worker_fn
+
+__all__ = ["LocalExecutor"]
+
+
+class LocalExecutor:
+    """Run fused trial groups in worker processes on this machine, one per device slot.
+
+    With GPUs, each GPU offers ``groups_per_device`` slots (packing small groups on one GPU).
+    Without, there are ``num_workers`` CPU slots and the CPU threads are split between them
+    (``torch.set_num_threads`` in each worker). A group given ``world_size > 1`` trains with
+    real data parallelism: that many processes, each on its own slot (its own GPU), joined
+    in a ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
+
+    See :mod:`hydro_fluid.executors.base` for the contract of ``fn``. A worker that dies
+    (killed, crashed, or ``fn`` raised) is started again up to ``max_retries`` times, from
+    the group's last checkpoint; after that its trials FAIL with the reason. A worker that
+    runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``) has its group
+    split in two halves that run separately, so no trial is lost.
+
+    Args:
+        devices: GPUs to use, e.g. ``["cuda:0", "cuda:1"]``. Default: every visible GPU, or
+            the CPU when there is none. Pass ``[]`` to force the CPU.
+        num_workers: Concurrent CPU workers when running on the CPU (default: up to 4, at
+            most one per core).
+        groups_per_device: Workers that share one GPU.
+        threads: CPU threads to split between workers (default: all cores).
+        max_retries: Restarts of a group whose worker died, before its trials FAIL.
+        checkpoint_dir: Where each group gets its checkpoint directory (default: a
+            temporary directory removed after ``run``).
+        start_method: ``multiprocessing`` start method. Default ``"forkserver"`` (workers
+            fork from a server that has imported torch once, so they start in a fraction
+            of a second, and CUDA is never initialized before the fork), else ``"spawn"``.
+        collective_timeout: Seconds a data-parallel collective may wait for a peer.
+
+    Example:
+        >>> from hydro_fluid import LocalExecutor, TrialGroup
+        >>> from hydro_fluid.executors.examples import count_steps
+        >>> groups = [TrialGroup("a", (0, 1), (3, 3)), TrialGroup("b", (2,), (2,))]
+        >>> seen = []
+        >>> results = LocalExecutor(devices=[], num_workers=2).run(
+        ...     groups, count_steps, report=lambda trial, step, value: seen.append(trial))
+        >>> [r.value for r in results], sorted(set(seen))
+        ([3, 2], [0, 1, 2])
+        >>> {t: o.state for r in results for t, o in r.trials.items()}
+        {0: 'COMPLETE', 1: 'COMPLETE', 2: 'COMPLETE'}
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        *,
+        num_workers: int | None = None,
+        groups_per_device: int = 1,
+        threads: int | None = None,
+        max_retries: int = 1,
+        checkpoint_dir: str | Path | None = None,
+        start_method: str | None = None,
+        collective_timeout: float = 300.0,
+    ) -> None:
+        cores = os.cpu_count() or 1
+        if devices is None:
+            devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        devices = list(devices)
+        for dev in devices:
+            if not re.fullmatch(r"cuda(:\d+)?", dev):
+                raise ValueError(
+                    f"devices lists GPUs such as 'cuda:0', got {dev!r}; "
+                    "pass devices=[] and num_workers=N to run on the CPU."
+                )
+        if groups_per_device < 1:
+            raise ValueError(f"groups_per_device must be >= 1, got {groups_per_device}.")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}.")
+        available = mp.get_all_start_methods()
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in available else "spawn"
+        if start_method not in available:
+            raise ValueError(
+                f"start_method {start_method!r} is not available here; use one of "
+                f"{mp.get_all_start_methods()}."
+            )
+        if devices:
+            self.slots = [dev for dev in devices for _ in range(groups_per_device)]
+        else:
+            workers = num_workers if num_workers is not None else min(4, cores)
+            if workers < 1:
+                raise ValueError(f"num_workers must be >= 1, got {workers}.")
+            self.slots = ["cpu"] * workers
+        self.threads_per_worker = max(1, (threads or cores) // len(self.slots))
+        self.max_retries = max_retries
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.start_method = start_method
+        self.collective_timeout = collective_timeout
+
+    def run(
+        self,
+        groups: Sequence[TrialGroup],
+        fn: WorkerFn,
+        *,
+        report: ReportFn | None = None,
+        world_size: int | Mapping[str, int] = 1,
+    ) -> list[GroupResult]:
+        """Run ``fn(group, ctx)`` for every group and return one result per group that ran.
+
+        Args:
+            groups: The groups; names and trial ids must be unique.
+            fn: Picklable ``fn(group, ctx) -> value`` run in a worker process.
+            report: Called in this process as ``report(trial_id, step, value)`` for every
+                value a worker reports; return ``True`` to prune that trial.
+            world_size: Data-parallel processes per group: one number for all, or per group
+                name (e.g. the number of devices :func:`~hydro_fluid.static_fluid` gave it).
+        """
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise ValueError(
+                f"fn must be picklable to reach worker processes (a module-level function or "
+                f"a functools.partial of one), got {fn!r}: {exc}"
+            ) from exc
+        sizes = {g.name: _world_size(world_size, g.name) for g in groups}
+        for name, size in sizes.items():
+            if size > self._max_world_size():
+                raise ValueError(
+                    f"Group {name!r} asks for world_size={size} but this executor has only "
+                    f"{self._max_world_size()} slot(s) for one group; lower it or add devices."
+                )
+        ledger = Ledger(self.max_retries)
+        ledger.submit(groups)
+        root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-"))
+        run = _Run(self, ledger, fn, report, sizes, root)
+        try:
+            run.loop()
+        finally:
+            run.stop_all()
+            if self.checkpoint_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        return ledger.ordered_results()
+
+    def _max_world_size(self) -> int:
+        return len(set(self.slots)) if self.slots[0] != "cpu" else len(self.slots)
+
+
+def _world_size(world_size: int | Mapping[str, int], name: str) -> int:
+    size = world_size.get(name, 1) if isinstance(world_size, Mapping) else world_size
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"world_size of group {name!r} must be an int >= 1, got {size!r}.")
+    return size
+
+
+@dataclass
+class _Attempt:
+    """One start of one group: its worker processes and what they have sent back."""
+
+    group: TrialGroup
+    attempt: int
+    slots: list[int]
+    procs: list[Any] = field(default_factory=list)
+    inboxes: list[Any] = field(default_factory=list)  # worker -> parent, one pipe per rank
+    outboxes: list[Any] = field(default_factory=list)  # parent -> worker: pruned trial ids
+    values: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Spec:
+    """Everything a worker process needs to start (pickled to the child)."""
+
+    group: TrialGroup
+    rank: int
+    world_size: int
+    device: str
+    threads: int
+    attempt: int
+    checkpoint_dir: Path
+    store: Path | None
+    timeout: float
+    pruned: set
+
+
+class _PipeChannel:
+    """The worker's end of its two private pipes to the parent.
+
+    Each worker has its own pipes rather than one shared queue: a worker killed in the middle
+    of a write then damages only its own pipe, never the other workers' line to the parent.
+    """
+
+    def __init__(self, outbox: Any, inbox: Any) -> None:
+        self.outbox, self.inbox = outbox, inbox
+        self.lock = threading.Lock()  # fn may report from several threads
+
+    def send(self, message: tuple) -> None:
+        # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
+        # sender's memory, which is gone once a finished worker exits.
+        data = pickle.dumps(message)
+        with self.lock:
+            self.outbox.send_bytes(data)
+
+    def pruned(self) -> set:
+        found = set()
+        while self.inbox.poll():
+            found.add(pickle.loads(self.inbox.recv_bytes()))
+        return found
+
+
+def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
+    """Entry point of a worker process."""
+    torch.set_num_threads(spec.threads)
+    distributed = spec.world_size > 1
+    channel = _PipeChannel(outbox, inbox)
+    try:
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(spec.device)
+        if distributed:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "nccl" if spec.device.startswith("cuda") else "gloo",
+                store=dist.FileStore(str(spec.store), spec.world_size),
+                rank=spec.rank,
+                world_size=spec.world_size,
+                timeout=timedelta(seconds=spec.timeout),
+            )
+        ctx = WorkerContext(
+            spec.group.name, spec.device, spec.threads, spec.rank, spec.world_size,
+            spec.attempt, spec.checkpoint_dir, channel, spec.pruned,
+        )
+        kind, payload = call_worker_fn(fn, spec.group, ctx)
+    except Exception as exc:  # set-up failed before fn ran
+        kind, payload = "error", f"worker set-up failed: {type(exc).__name__}: {exc}"
+    if distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    channel.send((kind, payload))
+    outbox.close()
+
+
+class _Run:
+    """The parent's event loop for one ``LocalExecutor.run`` call."""
+
+    def __init__(self, executor: LocalExecutor, ledger: Ledger, fn, report, sizes, root: Path):
+        self.ex, self.ledger, self.fn, self.report = executor, ledger, fn, report
+        self.sizes: dict[str, int] = dict(sizes)
+        self.root = root
+        self.ctx = mp.get_context(executor.start_method)
+        if executor.start_method == "forkserver":
+            self.ctx.set_forkserver_preload(["torch", "hydro_fluid"])
+        self.free = set(range(len(executor.slots)))
+        self.running: dict[str, _Attempt] = {}
+
+    def loop(self) -> None:
+        while self.ledger.pending or self.running:
+            self._launch_what_fits()
+            waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
+            waitables += [p.sentinel for run in self.running.values() for p in run.procs]
+            mp_connection.wait(waitables, timeout=0.5)
+            for key in list(self.running):
+                self._read(key)
+            self._reap_dead_workers()
+
+    # -- starting ------------------------------------------------------------------------
+
+    def _launch_what_fits(self) -> None:
+        for group, attempt in list(self.ledger.pending):
+            slots = self._pick_slots(self.sizes[group.name])
+            if slots is None:
+                continue
+            self.ledger.pending.remove((group, attempt))
+            self._start(group, attempt, slots)
+
+    def _pick_slots(self, k: int) -> list[int] | None:
+        """``k`` free slots, on ``k`` different GPUs (any ``k`` CPU slots)."""
+        chosen, devices = [], set()
+        for slot in sorted(self.free):
+            device = self.ex.slots[slot]
+            if device != "cpu" and device in devices:
+                continue
+            chosen.append(slot)
+            devices.add(device)
+            if len(chosen) == k:
+                return chosen
+        return None
+
+    def _start(self, group: TrialGroup, attempt: int, slots: list[int]) -> None:
+        key = f"{group.name}#{attempt}"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
+        checkpoint_dir = self.root / safe
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        store = None
+        if len(slots) > 1:  # a fresh rendezvous file per attempt
+            (self.root / ".rendezvous").mkdir(exist_ok=True)
+            store = self.root / ".rendezvous" / f"{safe}-{attempt}-{uuid.uuid4().hex}"
+        self.free -= set(slots)
+        run = _Attempt(group, attempt, slots)
+        self.running[key] = run
+        for rank, slot in enumerate(slots):
+            inbox, worker_outbox = self.ctx.Pipe(duplex=False)
+            worker_inbox, outbox = self.ctx.Pipe(duplex=False)
+            spec = _Spec(
+                group, rank, len(slots), self.ex.slots[slot], self.ex.threads_per_worker,
+                attempt, checkpoint_dir, store, self.ex.collective_timeout,
+                set(self.ledger.pruned[group.name]),
+            )
+            proc = self.ctx.Process(
+                target=_worker_main, args=(spec, self.fn, worker_outbox, worker_inbox),
+                name=f"hydro-fluid-{key}-rank{rank}",
+            )
+            proc.start()
+            worker_outbox.close()  # the worker's copies; closing ours lets EOF show a death
+            worker_inbox.close()
+            run.procs.append(proc)
+            run.inboxes.append(inbox)
+            run.outboxes.append(outbox)
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _read(self, key: str) -> None:
+        """Handle every message the attempt's workers have sent so far."""
+        for rank in range(len(self.running[key].inboxes)):
+            run = self.running.get(key)
+            if run is None:
+                return  # ended by an earlier message
+            inbox = run.inboxes[rank]
+            try:
+                while not inbox.closed and inbox.poll():
+                    self._handle(key, rank, pickle.loads(inbox.recv_bytes()))
+                    if key not in self.running:
+                        return
+            except (EOFError, OSError):
+                inbox.close()  # the worker is gone; _reap_dead_workers decides what it means
+
+    def _handle(self, key: str, rank: int, message: tuple) -> None:
+        run = self.running[key]
+        kind, *rest = message
+        if kind == "report":
+            self._on_report(run, *rest)
+        elif kind == "done":
+            run.values[rank] = rest[0]
+            if len(run.values) == len(run.procs):
+                self._end(key, kill=False)
+                self.ledger.done(run.group, run.attempt, run.values[0])
+        elif kind == "oom":
+            self._end(key)
+            self.ledger.out_of_memory(run.group, run.attempt, rest[0])
+            for part in (f"{run.group.name}/0", f"{run.group.name}/1"):
+                self.sizes[part] = self.sizes[run.group.name]
+        else:
+            self._end(key)
+            self.ledger.failed(run.group, run.attempt, rest[0])
+
+    def _on_report(self, run: _Attempt, trial_id: Hashable, step: int, value: float) -> None:
+        pruned = self.ledger.pruned[run.group.name]
+        if trial_id in pruned or self.report is None:
+            return
+        if self.report(trial_id, step, value):
+            self.ledger.prune(run.group, trial_id)
+            for outbox in run.outboxes:
+                try:
+                    outbox.send_bytes(pickle.dumps(trial_id))
+                except OSError:
+                    pass  # that worker already exited; nothing left to tell it
+
+    # -- failures and clean-up -----------------------------------------------------------
+
+    def _reap_dead_workers(self) -> None:
+        for key in list(self.running):
+            run = self.running[key]
+            dead = [
+                (rank, p.exitcode) for rank, p in enumerate(run.procs)
+                if p.exitcode is not None and rank not in run.values
+            ]
+            if not dead:
+                continue
+            self._read(key)  # a last message may have arrived just before the exit
+            if key not in self.running:
+                continue
+            rank, code = dead[0]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            self._end(key)
+            self.ledger.failed(run.group, run.attempt, f"worker process rank {rank} died ({how})")
+
+    def _end(self, key: str, kill: bool = True) -> None:
+        """Stop an attempt's processes and free its slots.
+
+        After a failure the peers of the failed rank are killed: they would wait for it in
+        the next collective. After success they are given a moment to exit on their own.
+        """
+        run = self.running.pop(key)
+        deadline = time.monotonic() + (0.0 if kill else 5.0)
+        for proc in run.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in run.inboxes + run.outboxes:
+            conn.close()
+        self.free |= set(run.slots)
+
+    def stop_all(self) -> None:
+        for key in list(self.running):
+            self._end(key)

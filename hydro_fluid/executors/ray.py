@@ -1,0 +1,404 @@
+"""RayExecutor: the same groups and the same contract as LocalExecutor, as Ray tasks.
+
+Ray is an optional dependency, imported only when a RayExecutor is created.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..groups import TrialGroup
+from .base import GroupResult, Ledger, ReportFn, WorkerContext, WorkerFn, call_worker_fn
+
+__all__ = ["RayExecutor"]
+
+_INSTALL_HINT = "RayExecutor needs Ray: pip install 'hydro-surrogate[ray]'"
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError(f"{_INSTALL_HINT} ({exc}).") from exc
+    return ray
+
+
+class RayExecutor:
+    """Run fused trial groups as Ray tasks, on an existing Ray cluster or a local one.
+
+    Each group is one task asking for ``1 / groups_per_device`` of a GPU (fractional
+    ``num_gpus`` packs small groups on one GPU) and ``cpus_per_worker`` CPUs. A group with
+    ``world_size > 1`` gets a placement group of that many bundles (one GPU each, packed on
+    as few nodes as possible) and trains with ``torch.distributed`` across them (nccl on
+    GPUs, gloo otherwise). Reports stream back through a small Ray actor.
+
+    The contract of ``fn``, the retries, the out-of-memory halving and the trial states are
+    those of :class:`~hydro_fluid.LocalExecutor` (see :mod:`hydro_fluid.executors.base`).
+    Ray's own task retries are switched off so that a retried group restarts from its
+    checkpoint and failures end with the same reasons everywhere. On a multi-node cluster
+    ``checkpoint_dir`` must be on a file system every node sees, and ``hydro_fluid`` and the
+    module defining ``fn`` must be importable on every node.
+
+    Args:
+        address: Ray cluster to connect to (e.g. ``"auto"`` or ``"ray://head:10001"``).
+            ``None`` connects to the running Ray of this process or starts a local one.
+        groups_per_device: Groups that share one GPU (each asks for ``1/groups_per_device``).
+        cpus_per_worker: CPUs per worker; also its ``torch.set_num_threads``.
+        use_gpus: Ask for GPUs; default: when the cluster has any.
+        max_retries: Restarts of a group whose worker died, before its trials FAIL.
+        checkpoint_dir: Where each group gets its checkpoint directory (default: a
+            temporary directory, removed after ``run``).
+        init_kwargs: Extra arguments for ``ray.init`` when this executor starts Ray.
+
+    Example:
+        >>> from hydro_fluid import RayExecutor, TrialGroup  # doctest: +SKIP
+        >>> from hydro_fluid.executors.examples import count_steps  # doctest: +SKIP
+        >>> executor = RayExecutor(address="auto", groups_per_device=4)  # doctest: +SKIP
+        >>> results = executor.run([TrialGroup("g", (0, 1), (100, 100))], count_steps,
+        ...                        report=lambda trial, step, value: None)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        groups_per_device: int = 1,
+        cpus_per_worker: int = 1,
+        use_gpus: bool | None = None,
+        max_retries: int = 1,
+        checkpoint_dir: str | Path | None = None,
+        init_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        ray = _import_ray()
+        if groups_per_device < 1:
+            raise ValueError(f"groups_per_device must be >= 1, got {groups_per_device}.")
+        if cpus_per_worker < 1:
+            raise ValueError(f"cpus_per_worker must be >= 1, got {cpus_per_worker}.")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}.")
+        self._started_ray = False
+        self._hub = None
+        if not ray.is_initialized():
+            ray.init(address=address, **dict(init_kwargs or {}))
+            self._started_ray = True
+        resources = ray.cluster_resources()
+        self.gpus = float(resources.get("GPU", 0.0))
+        self.use_gpus = self.gpus > 0 if use_gpus is None else use_gpus
+        if self.use_gpus and self.gpus == 0:
+            raise ValueError("use_gpus=True but the Ray cluster reports no GPU resources.")
+        self.groups_per_device = groups_per_device
+        self.cpus_per_worker = cpus_per_worker
+        self.max_retries = max_retries
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+
+    def _get_hub(self, ray):
+        """The reporting actor, started once and waited for: reports sent before it is up
+        would otherwise queue in the workers and reach the callback late."""
+        if self._hub is None:
+            self._hub = _hub_class(ray).remote()
+        ray.get(self._hub.flush.remote())
+        return self._hub
+
+    def shutdown(self) -> None:
+        """Stop the reporting actor, and Ray if this executor started it."""
+        if self._hub is not None:
+            _import_ray().kill(self._hub)
+            self._hub = None
+        if self._started_ray:
+            _import_ray().shutdown()
+            self._started_ray = False
+
+    def run(
+        self,
+        groups: Sequence[TrialGroup],
+        fn: WorkerFn,
+        *,
+        report: ReportFn | None = None,
+        world_size: int | Mapping[str, int] = 1,
+    ) -> list[GroupResult]:
+        """Run ``fn(group, ctx)`` for every group; same contract as :meth:`LocalExecutor.run`."""
+        ray = _import_ray()
+        sizes = {}
+        for g in groups:
+            size = world_size.get(g.name, 1) if isinstance(world_size, Mapping) else world_size
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"world_size of group {g.name!r} must be an int >= 1.")
+            if self.use_gpus and size > self.gpus:
+                raise ValueError(
+                    f"Group {g.name!r} asks for world_size={size} but the cluster has "
+                    f"{self.gpus:g} GPU(s); lower it or add GPUs."
+                )
+            sizes[g.name] = size
+        ledger = Ledger(self.max_retries)
+        ledger.submit(groups)
+        root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-ray-"))
+        run = _RayRun(self, ray, ledger, fn, report, sizes, root, self._get_hub(ray))
+        try:
+            run.loop()
+        finally:
+            run.stop_all()
+            self._hub.forget.remote(run.run_id)
+            if self.checkpoint_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        return ledger.ordered_results()
+
+
+# --- the pieces that live in Ray --------------------------------------------------------
+
+_HUB = None
+
+
+def _hub_class(ray):
+    """The reporting actor; defined lazily so that importing this module needs no Ray."""
+    global _HUB
+    if _HUB is None:
+
+        class Hub:
+            """Collects reports from workers and hands out pruned trials and rendezvous."""
+
+            def __init__(self) -> None:
+                self.reports: list[tuple] = []
+                self.pruned_ids: dict[str, set] = {}
+                self.addresses: dict[str, str] = {}
+
+            def report(self, key: str, trial: Hashable, step: int, value: float) -> None:
+                self.reports.append((key, trial, step, value))
+
+            def drain(self) -> list[tuple]:
+                reports, self.reports = self.reports, []
+                return reports
+
+            def prune(self, group: str, trial: Hashable) -> None:
+                self.pruned_ids.setdefault(group, set()).add(trial)
+
+            def pruned(self, group: str) -> set:
+                return self.pruned_ids.get(group, set())
+
+            def publish(self, key: str, address: str) -> None:
+                self.addresses[key] = address
+
+            def lookup(self, key: str) -> str | None:
+                return self.addresses.get(key)
+
+            def flush(self) -> None:
+                """A worker's last call: it returns after all its earlier reports."""
+
+            def forget(self, run_id: str) -> None:
+                """Drop what one ``run`` left behind (keys start with its id)."""
+                for table in (self.pruned_ids, self.addresses):
+                    for key in [k for k in table if k.startswith(run_id)]:
+                        del table[key]
+
+        _HUB = ray.remote(num_cpus=0)(Hub)
+    return _HUB
+
+
+class _HubChannel:
+    """The worker's line to the parent through the hub actor."""
+
+    def __init__(self, ray, hub, key: str, group: str) -> None:
+        self.ray, self.hub, self.key, self.group = ray, hub, key, group
+        self.cache: set = set()
+        self.checked = 0.0
+
+    def send(self, message: tuple) -> None:
+        # Calls from one worker to an actor run in order, so reports keep their order.
+        self.hub.report.remote(self.key, *message[1:])
+
+    def pruned(self) -> set:
+        if time.monotonic() - self.checked > 0.2:  # a round trip per step would be slow
+            self.cache = self.ray.get(self.hub.pruned.remote(self.group))
+            self.checked = time.monotonic()
+        return self.cache
+
+
+@dataclass
+class _RaySpec:
+    group: TrialGroup
+    key: str  # names this attempt in the hub
+    prune_key: str  # names this group's pruned trials in the hub
+    rank: int
+    world_size: int
+    threads: int
+    attempt: int
+    checkpoint_dir: Path
+    pruned: set
+    timeout: float = 300.0
+
+
+def _ray_worker(spec: _RaySpec, fn: WorkerFn, hub: Any) -> tuple[str, Any]:
+    """Body of the Ray task for one rank of one group."""
+    import ray
+
+    torch.set_num_threads(spec.threads)
+    # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it granted, so ours is always cuda:0.
+    device = "cuda:0" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+    distributed = spec.world_size > 1
+    try:
+        if distributed:
+            _join_process_group(spec, device, hub)
+        ctx = WorkerContext(
+            spec.group.name, device, spec.threads, spec.rank, spec.world_size, spec.attempt,
+            spec.checkpoint_dir, _HubChannel(ray, hub, spec.key, spec.prune_key), spec.pruned,
+        )
+        return call_worker_fn(fn, spec.group, ctx)
+    except Exception as exc:
+        return "error", f"worker set-up failed: {type(exc).__name__}: {exc}"
+    finally:
+        ray.get(hub.flush.remote())  # the parent must see every report before the result
+        if distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _join_process_group(spec: _RaySpec, device: str, hub: Any) -> None:
+    """Rendezvous through a TCPStore on rank 0, whose address goes through the hub."""
+    import ray
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=spec.timeout)
+    if spec.rank == 0:
+        host = ray.util.get_node_ip_address()
+        # Port 0: the OS picks a free one. Do not wait for the peers here: they can only
+        # connect once they have learnt the address published below.
+        store = dist.TCPStore(host, 0, spec.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        ray.get(hub.publish.remote(spec.key, f"{host}:{store.port}"))
+    else:
+        deadline = time.monotonic() + spec.timeout
+        while (address := ray.get(hub.lookup.remote(spec.key))) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("rank 0 never published its rendezvous address")
+            time.sleep(0.05)
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), spec.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout,
+    )
+
+
+# --- the parent's loop ----------------------------------------------------------------
+
+
+@dataclass
+class _RayAttempt:
+    group: TrialGroup
+    attempt: int
+    refs: list[Any]
+    placement: Any = None
+    values: dict[int, Any] = field(default_factory=dict)
+
+
+class _RayRun:
+    def __init__(self, ex: RayExecutor, ray, ledger: Ledger, fn, report, sizes, root, hub):
+        self.ex, self.ray, self.ledger, self.fn, self.report = ex, ray, ledger, fn, report
+        self.sizes: dict[str, int] = dict(sizes)
+        self.root, self.hub = Path(root), hub
+        self.task = ray.remote(max_retries=0)(_ray_worker)
+        self.run_id = uuid.uuid4().hex  # keeps this run's keys apart in the shared hub
+        self.running: dict[str, _RayAttempt] = {}
+        self.rank_of: dict[Any, tuple[str, int]] = {}
+
+    def loop(self) -> None:
+        while self.ledger.pending or self.running:
+            # Ray queues tasks until resources free up, so everything pending is submitted.
+            while self.ledger.pending:
+                self._start(*self.ledger.pending.pop(0))
+            ready, _ = self.ray.wait(list(self.rank_of), num_returns=1, timeout=0.1)
+            self._deliver_reports()
+            ready, _ = self.ray.wait(list(self.rank_of), num_returns=len(self.rank_of), timeout=0)
+            for ref in ready:
+                if ref in self.rank_of:
+                    self._finished(ref)
+
+    def _start(self, group: TrialGroup, attempt: int) -> None:
+        key = f"{self.run_id}/{group.name}#{attempt}"
+        checkpoint_dir = self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        size = self.sizes[group.name]
+        gpus = (1.0 if size > 1 else 1.0 / self.ex.groups_per_device) if self.ex.use_gpus else 0
+        options: dict[str, Any] = {"num_cpus": self.ex.cpus_per_worker, "num_gpus": gpus}
+        run = _RayAttempt(group, attempt, [])
+        if size > 1:
+            bundle = {"CPU": self.ex.cpus_per_worker, **({"GPU": 1} if self.ex.use_gpus else {})}
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            run.placement = placement_group([bundle] * size, strategy="PACK")
+        for rank in range(size):
+            if run.placement is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    run.placement, placement_group_bundle_index=rank
+                )
+            spec = _RaySpec(group, key, f"{self.run_id}/{group.name}", rank, size,
+                            self.ex.cpus_per_worker, attempt, checkpoint_dir,
+                            set(self.ledger.pruned[group.name]))
+            ref = self.task.options(**options).remote(spec, self.fn, self.hub)
+            run.refs.append(ref)
+            self.rank_of[ref] = (key, rank)
+        self.running[key] = run
+
+    def _deliver_reports(self) -> None:
+        for key, trial, step, value in self.ray.get(self.hub.drain.remote()):
+            run = self.running.get(key)
+            if run is None or self.report is None:
+                continue
+            if trial in self.ledger.pruned[run.group.name]:
+                continue
+            if self.report(trial, step, value):
+                self.ledger.prune(run.group, trial)
+                self.hub.prune.remote(f"{self.run_id}/{run.group.name}", trial)
+
+    def _finished(self, ref: Any) -> None:
+        key, rank = self.rank_of.pop(ref)
+        run = self.running.get(key)
+        if run is None:
+            return
+        try:
+            kind, payload = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:  # the worker died or was cancelled
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            kind, payload = "died", f"worker rank {rank} died: {type(exc).__name__}: {first_line}"
+        if kind == "done":
+            run.values[rank] = payload
+            if len(run.values) == len(run.refs):
+                self._end(key)
+                self.ledger.done(run.group, run.attempt, run.values[0])
+        elif kind == "oom":
+            self._end(key)
+            self.ledger.out_of_memory(run.group, run.attempt, payload)
+            for part in (f"{run.group.name}/0", f"{run.group.name}/1"):
+                self.sizes[part] = self.sizes[run.group.name]
+        else:
+            self._end(key)
+            self.ledger.failed(run.group, run.attempt, payload)
+
+    def _end(self, key: str) -> None:
+        """Forget an attempt; cancel ranks still running (they would wait for a dead peer)."""
+        self._deliver_reports()  # reports sent just before the end still reach the callback
+        run = self.running.pop(key)
+        for ref in run.refs:
+            if self.rank_of.pop(ref, None) is not None:
+                self.ray.cancel(ref, force=True)
+        if run.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(run.placement)
+
+    def stop_all(self) -> None:
+        for key in list(self.running):
+            self._end(key)
