@@ -47,16 +47,18 @@ def _groups(
     groups = []
     for start in range(0, len(budgets), FUSION):
         part = budgets[start : start + FUSION]
-        groups.append(TrialGroup(
-            f"{prefix}-{start // FUSION}",
-            trial_ids=tuple(f"{prefix}-t{start + i}" for i in range(len(part))),
-            budgets=tuple(part),
-            cost_per_step=float(rng.uniform(0.05, 0.15)),  # seconds per step per trial
-            memory_per_trial=float(rng.uniform(0.5, 4.0)),
-            utilization=float(rng.uniform(*UTILIZATION)),
-            comm=0.05,
-            after=after,
-        ))
+        groups.append(
+            TrialGroup(
+                f"{prefix}-{start // FUSION}",
+                trial_ids=tuple(f"{prefix}-t{start + i}" for i in range(len(part))),
+                budgets=tuple(part),
+                cost_per_step=float(rng.uniform(0.05, 0.15)),  # seconds per step per trial
+                memory_per_trial=float(rng.uniform(0.5, 4.0)),
+                utilization=float(rng.uniform(*UTILIZATION)),
+                comm=0.05,
+                after=after,
+            )
+        )
     return groups
 
 
@@ -67,8 +69,13 @@ def random_search(rng: np.random.Generator, devices: int) -> list[TrialGroup]:
 
 
 def successive_halving(
-    rng: np.random.Generator, devices: int, prefix: str = "sha", trials: int | None = None,
-    min_steps: float = 250.0, eta: int = 4, rungs: int = 4,
+    rng: np.random.Generator,
+    devices: int,
+    prefix: str = "sha",
+    trials: int | None = None,
+    min_steps: float = 250.0,
+    eta: int = 4,
+    rungs: int = 4,
 ) -> list[TrialGroup]:
     """Synchronous SHA: each rung trains 1/eta of the last rung's trials eta times longer."""
     n = trials or 8 * devices
@@ -92,8 +99,12 @@ def hyperband(rng: np.random.Generator, devices: int) -> list[TrialGroup]:
     for bracket, rungs in enumerate((4, 3, 2)):
         trials = max(4, 8 * devices // 4**bracket)
         groups += successive_halving(
-            rng, devices, prefix=f"hb{bracket}", trials=trials,
-            min_steps=250.0 * 4**bracket, rungs=rungs,
+            rng,
+            devices,
+            prefix=f"hb{bracket}",
+            trials=trials,
+            min_steps=250.0 * 4**bracket,
+            rungs=rungs,
         )
     return groups
 
@@ -152,7 +163,9 @@ def draw_gantt(folder: Path, devices: int) -> None:
 def run_table(sizes: list[int], seeds: dict[int, int], processes: int) -> list[dict]:
     tasks = [
         (workload, devices, churn, seed, UTILIZATION)
-        for workload in WORKLOADS for devices in sizes for churn in (False, True)
+        for workload in WORKLOADS
+        for devices in sizes
+        for churn in (False, True)
         for seed in range(seeds[devices])
     ]
     with multiprocessing.Pool(processes) as pool:
@@ -161,16 +174,20 @@ def run_table(sizes: list[int], seeds: dict[int, int], processes: int) -> list[d
     for task, spans in zip(tasks, outcomes, strict=True):
         by_row.setdefault(task[:3], []).append(spans)
 
-    print(f"{'workload':<10} {'devices':>7} {'churn':>5} {'seeds':>5} {'FIFO':>8} {'Static':>8} "
-          f"{'Dynamic':>8} {'bound':>8} {'dyn/FIFO':>8} {'dyn/bound':>9}")
+    print(
+        f"{'workload':<10} {'devices':>7} {'churn':>5} {'seeds':>5} {'FIFO':>8} {'Static':>8} "
+        f"{'Dynamic':>8} {'bound':>8} {'dyn/FIFO':>8} {'dyn/bound':>9}"
+    )
     rows = []
     for (workload, devices, churn), runs in by_row.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         rows.append(dict(workload=workload, devices=devices, churn=churn, **med))
-        print(f"{workload:<10} {devices:>7} {'yes' if churn else 'no':>5} {len(runs):>5} "
-              f"{med['fifo']:>8.0f} {med['static_fluid']:>8.0f} {med['dynamic_fluid']:>8.0f} "
-              f"{med['bound']:>8.0f} {med['dynamic_fluid'] / med['fifo']:>8.2f} "
-              f"{med['dynamic_fluid'] / med['bound']:>9.2f}")
+        print(
+            f"{workload:<10} {devices:>7} {'yes' if churn else 'no':>5} {len(runs):>5} "
+            f"{med['fifo']:>8.0f} {med['static_fluid']:>8.0f} {med['dynamic_fluid']:>8.0f} "
+            f"{med['bound']:>8.0f} {med['dynamic_fluid'] / med['fifo']:>8.2f} "
+            f"{med['dynamic_fluid'] / med['bound']:>9.2f}"
+        )
     return rows
 
 
@@ -178,8 +195,13 @@ def planning_time(trials: int = 10_000, devices: int = 1_000) -> float:
     """Seconds for one StaticFluid plan of ``trials`` single-trial groups on ``devices``."""
     rng = np.random.default_rng(0)
     groups = [
-        TrialGroup(f"g{i}", (i,), (float(rng.integers(100, 10_000)),),
-                   memory_per_trial=1.0, utilization=0.3)
+        TrialGroup(
+            f"g{i}",
+            (i,),
+            (float(rng.integers(100, 10_000)),),
+            memory_per_trial=1.0,
+            utilization=0.3,
+        )
         for i in range(trials)
     ]
     cluster = Cluster.homogeneous(devices // 8, 8)
@@ -198,15 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="seeds per row (3 at 512 devices)")
     parser.add_argument("--gantt", type=Path, help="folder for Gantt chart PNGs")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--utilization", type=float, nargs=2, metavar=("LOW", "HIGH"),
-                        default=UTILIZATION, help="range of group utilization (default 0.2 1.0)")
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        default=UTILIZATION,
+        help="range of group utilization (default 0.2 1.0)",
+    )
     args = parser.parse_args(argv)
     UTILIZATION = tuple(args.utilization)
     sizes = [8, 32] if args.quick else [8, 64, 512]
     seeds = {n: 3 if args.quick or n >= 512 else args.seeds for n in sizes}
-    print(f"c={C} (groups per device), d={D} (devices per group), fusion size {FUSION}, "
-          f"group utilization {UTILIZATION[0]}-{UTILIZATION[1]}; medians over seeds; "
-          "makespans in simulated seconds\n")
+    print(
+        f"c={C} (groups per device), d={D} (devices per group), fusion size {FUSION}, "
+        f"group utilization {UTILIZATION[0]}-{UTILIZATION[1]}; medians over seeds; "
+        "makespans in simulated seconds\n"
+    )
     start = time.perf_counter()
     run_table(sizes, seeds, args.processes)
     print(f"(simulated in {time.perf_counter() - start:.0f} s)")

@@ -106,16 +106,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
     from hydro.tuning import config as config_module
-    from hydro.tuning.tune import TuneResult, open_study, verify
+    from hydro.tuning.tune import TuneResult, make_executor, open_study, verify
 
     cfg = config_module.load(
         args.config, storage=args.storage, study=args.study, trials=args.trials,
         ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
     )  # fmt: skip
-    if args.executor not in (None, "inline"):
-        raise ConfigError(f"--executor {args.executor}: this version trains groups inline "
-                          "(in this process)")  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    executor = make_executor(args.executor)
     from hydro.integrations.optuna import optimize
 
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
@@ -124,7 +122,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"target {cfg.trials}; ratio {cfg.ratio}, {cfg.fuse} trials per fused group",
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
-             seed=cfg.seed, progress=True)  # fmt: skip
+             seed=cfg.seed, progress=True, executor=executor)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed)
@@ -191,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, help="trials to finish")
     p.add_argument("--ratio", type=int, help="surrogate width divisor")
     p.add_argument("--fuse", type=int, help="trials per fused group")
-    p.add_argument("--executor", choices=["inline"], default=None, help="where groups train")
+    p.add_argument("--executor", choices=["inline", "local", "ray"], default=None,
+                   help="where groups train: this process (default), local worker processes, "
+                   "or a Ray cluster (RAY_ADDRESS, else a local one)")  # fmt: skip
     p.add_argument("--seed", type=int)
     p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")

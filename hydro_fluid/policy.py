@@ -386,8 +386,11 @@ def _hand_out_idle(
         return
     # Decide the counts first (most seconds saved by one more device first), then place.
     count = {g.name: len(allocation[g.name]) for g in whole}
-    heap = [(g.seconds(count[g.name] + 1) - g.seconds(count[g.name]), i)
-            for i, g in enumerate(whole) if count[g.name] < d]
+    heap = [
+        (g.seconds(count[g.name] + 1) - g.seconds(count[g.name]), i)
+        for i, g in enumerate(whole)
+        if count[g.name] < d
+    ]
     heapq.heapify(heap)
     while idle and heap:
         _, i = heapq.heappop(heap)

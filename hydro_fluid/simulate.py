@@ -93,7 +93,10 @@ class SimResult:
         shown = self.devices[:max_devices]
         row = {name: i for i, name in enumerate(shown)}
         fig, (ax, ax_util) = plt.subplots(
-            2, 1, figsize=(10, 1.2 + 0.28 * len(shown) + 1.6), sharex=True,
+            2,
+            1,
+            figsize=(10, 1.2 + 0.28 * len(shown) + 1.6),
+            sharex=True,
             gridspec_kw={"height_ratios": [max(len(shown), 4), 3]},
         )
         cmap = plt.get_cmap("tab20")
@@ -108,7 +111,9 @@ class SimResult:
             ax.broken_barh(
                 [(seg.start, seg.end - seg.start)],
                 (row[seg.device] - 0.4 + 0.8 * base, 0.8 * seg.share),
-                facecolors=colour.get(seg.group, "grey"), edgecolor="white", linewidth=0.3,
+                facecolors=colour.get(seg.group, "grey"),
+                edgecolor="white",
+                linewidth=0.3,
             )
         ax.set_yticks(range(len(shown)))
         ax.set_yticklabels(shown, fontsize=7)
@@ -196,9 +201,7 @@ def lower_bound(workload: Sequence[TrialGroup], cluster: Cluster, d: int = 8) ->
     """
     times = [0.0] + [e.time for e in cluster.events]
     capacity = max(sum(dev.speed for dev in cluster.devices_at(t)) for t in times)
-    fastest = max(
-        [dev.speed for dev in cluster.devices] + [e.device.speed for e in cluster.events]
-    )
+    fastest = max([dev.speed for dev in cluster.devices] + [e.device.speed for e in cluster.events])
     by_name = {g.name: g for g in workload}
     total = sum(g.work * g.utilization for g in workload) / capacity
     longest: dict[str, float] = {}
@@ -274,7 +277,8 @@ def _policy(policy: str | PolicyFn, c: int, d: int, restart_cost: float, end: fl
     # FIFO and StaticFluid never touch a running group; they only fill idle devices.
     if policy == "fifo":
         return lambda now, ready, devices, running: {
-            **running, **fifo(waiting(ready, running), idle(devices, running))
+            **running,
+            **fifo(waiting(ready, running), idle(devices, running)),
         }
     if policy == "static_fluid":
         return lambda now, ready, devices, running: {
@@ -322,11 +326,15 @@ class _Simulation:
             step, finishing = self._rates()
             horizon = events[0].time - self.now if events else math.inf
             if self.tick and step:
-                horizon = min(horizon, self.tick * (math.floor(self.now / self.tick + _TOL) + 1)
-                              - self.now)
+                horizon = min(
+                    horizon, self.tick * (math.floor(self.now / self.tick + _TOL) + 1) - self.now
+                )
             # A restart ending changes the utilization, so it is an event too.
-            resumes = [t - self.now for name, t in self.paused_until.items()
-                       if name in self.running and t > self.now + _TOL]
+            resumes = [
+                t - self.now
+                for name, t in self.paused_until.items()
+                if name in self.running and t > self.now + _TOL
+            ]
             dt = min([horizon] + list(finishing.values()) + resumes)
             if math.isinf(dt):
                 stuck = sorted(set(self.groups) - set(self.result.group_finish))[:5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -290,3 +291,24 @@ def test_errors_are_clear(tmp_path):
         optimize(optuna.create_study(direction="maximize"), task, SPACE, n_trials=1)
     with pytest.raises(hydro.ConfigError, match="warmup 40 must be shorter than steps"):
         train_group(make_task(steps=30), [{"warmup": 40}], ratio=2, seeds=[0])
+
+
+class PruneOdd(optuna.pruners.BasePruner):
+    """Prunes odd-numbered trials at their first report: a pruner whose answer is known."""
+
+    def prune(self, study, trial):  # noqa: ANN001, ANN201
+        return trial.number % 2 == 1
+
+
+def test_groups_train_in_local_worker_processes_and_prune_there():
+    from hydro_fluid import LocalExecutor
+
+    study = optuna.create_study(pruner=PruneOdd(), sampler=optuna.samplers.RandomSampler(seed=0))
+    executor = LocalExecutor(devices=[], num_workers=2)
+    optimize(study, make_task(steps=40), SPACE, n_trials=4, ratio=2, fuse=2, executor=executor)
+    # the parent's pruner decides; the worker drops the member and trains the others on
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED"] * 2
+    assert all(max(t.intermediate_values) < 40 for t in study.trials[1::2])
+    assert all(max(t.intermediate_values) == 40 for t in study.trials[::2])
+    pids = {t.user_attrs["worker_pid"] for t in study.trials}
+    assert os.getpid() not in pids and len({t.user_attrs["group"] for t in study.trials}) == 2

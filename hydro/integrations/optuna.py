@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -60,6 +61,7 @@ def optimize(
     device: str = "cpu",
     progress: bool = False,
     timeout: float | None = None,
+    executor: Any = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -84,10 +86,19 @@ def optimize(
         device: where groups train.
         progress: print a one-line progress report to stderr after every group.
         timeout: stop asking new groups after this many seconds.
+        executor: ``None`` trains groups in this process, one after another; a
+            ``hydro_fluid`` executor (``LocalExecutor`` for worker processes on this machine,
+            ``RayExecutor`` for a Ray cluster) trains one group per slot at once, streaming
+            every member's intermediate values back here for the pruner. With an executor the
+            task must be picklable (module-level functions, not lambdas).
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
     is_task = isinstance(task_or_callback, Task)
+    if executor is not None and not is_task:
+        raise ConfigError("an executor runs Hydro's training loop: pass a Task, not a callback")
+    # with an executor, ask enough trials to give every slot a group
+    batch = fuse * (len(getattr(executor, "slots", None) or [None]) if executor else 1)
     if is_task:
         if space is None:
             raise ConfigError("optimize(study, task, space, ...) needs a search space")
@@ -108,14 +119,17 @@ def optimize(
             break
         if study.user_attrs.get("hydro_sampler_exhausted"):
             break
-        trials = [study.ask() for _ in range(min(fuse, remaining))]
+        trials = [study.ask() for _ in range(min(batch, remaining))]
         told: set[int] = set()
         try:
-            if is_task:
-                _run_task_batch(study, task_or_callback, space, trials, ratio, seed, device,
-                                group_id, told)  # fmt: skip
+            if executor is not None:
+                used = _run_on_executor(study, task_or_callback, space, trials, ratio, seed,
+                                        fuse, group_id, told, executor)  # fmt: skip
+            elif is_task:
+                used = _run_task_batch(study, task_or_callback, space, trials, ratio, seed,
+                                       device, group_id, told)  # fmt: skip
             else:
-                _run_callback_batch(study, task_or_callback, space, trials, group_id, told)
+                used = _run_callback_batch(study, task_or_callback, space, trials, group_id, told)
         except BaseException as exc:
             # whatever happened, no trial of this batch stays RUNNING
             stopped = isinstance(exc, KeyboardInterrupt)
@@ -127,16 +141,12 @@ def optimize(
                     if stopped:  # asked again when the study resumes
                         study.enqueue_trial(t.params, skip_if_exists=False)
             raise
-        group_id += len({_key_or_none(t, task_or_callback) for t in trials})
+        group_id += used
         if progress:
             _progress(study, n_trials, start)
 
 
-def _key_or_none(trial: optuna.Trial, task: Any) -> Any:
-    return group_key(trial.params, task) if isinstance(task, Task) else None
-
-
-def _run_task_batch(study, task, space, trials, ratio, seed, device, group_id, told) -> None:  # noqa: ANN001
+def _run_task_batch(study, task, space, trials, ratio, seed, device, group_id, told) -> int:  # noqa: ANN001
     params = []
     for t in trials:
         p = sample(t, space)
@@ -165,11 +175,73 @@ def _run_task_batch(study, task, space, trials, ratio, seed, device, group_id, t
         for t, outcome in zip(member_trials, outcomes):
             _tell(study, t, outcome, info)
             told.add(t.number)
+    return len(groups)
 
 
-def _tell(study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo) -> None:
-    trial.set_user_attr("surrogate_widths", info.widths)
-    trial.set_user_attr("group_seconds", round(info.seconds, 3))
+def _run_on_executor(study, task, space, trials, ratio, seed, fuse, group_id, told, executor):  # noqa: ANN001, ANN202
+    from hydro_fluid import TrialGroup
+
+    by_number = {t.number: t for t in trials}
+    params: dict[int, dict] = {}
+    for t in trials:
+        params[t.number] = sample(t, space)
+        check_names(params[t.number], task.model_args())
+    by_key: dict[tuple, list[int]] = {}
+    for number, p in params.items():
+        by_key.setdefault(group_key(p, task), []).append(number)
+    groups = []
+    for numbers in by_key.values():
+        for i in range(0, len(numbers), fuse):
+            members = tuple(numbers[i : i + fuse])
+            gid = group_id + len(groups)
+            for n in members:
+                by_number[n].set_user_attr("group", gid)
+                by_number[n].set_user_attr("ratio", ratio)
+                by_number[n].set_user_attr("fused", len(members))
+            groups.append(TrialGroup(f"group-{gid}", members, (task.steps,) * len(members)))
+
+    def on_report(number: int, step: int, value: float) -> bool:
+        trial = by_number[number]
+        trial.report(value, step)
+        return trial.should_prune()
+
+    fn = functools.partial(_train_in_worker, task, params, ratio, seed)
+    for result in executor.run(groups, fn, report=on_report):
+        outcomes, info = result.value if result.value is not None else ({}, None)
+        for number in result.group.trial_ids:
+            outcome = outcomes.get(number)
+            if outcome is None:  # the worker never returned: the executor says why
+                why = result.trials[number].reason or result.error or "the worker failed"
+                outcome = Outcome("fail", None, 0, why)
+            _tell(study, by_number[number], outcome, info)
+            told.add(number)
+    return len(groups)
+
+
+def _train_in_worker(task, params, ratio, seed, group, ctx):  # noqa: ANN001, ANN202
+    """A group's training in a hydro_fluid worker; reports and prunes through ``ctx``."""
+    ids = list(group.trial_ids)
+
+    def report(k: int, step: int, value: float) -> bool:
+        ctx.report(ids[k], step, value)
+        return ctx.is_pruned(ids[k])
+
+    def pruned() -> set[int]:
+        return {ids.index(t) for t in ctx.pruned if t in ids}
+
+    outcomes, info = train_group(task, [params[i] for i in ids], ratio=ratio,
+                                 seeds=[seed + i for i in ids], report=report,
+                                 device=ctx.device, pruned=pruned)  # fmt: skip
+    return dict(zip(ids, outcomes)), info
+
+
+def _tell(
+    study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None
+) -> None:
+    if info is not None:
+        trial.set_user_attr("surrogate_widths", info.widths)
+        trial.set_user_attr("group_seconds", round(info.seconds, 3))
+        trial.set_user_attr("worker_pid", info.pid)
     if outcome.state == "complete" and outcome.value is not None and math.isfinite(outcome.value):
         _tell_safely(study, trial, outcome.value)
     elif outcome.state == "pruned":
@@ -179,7 +251,7 @@ def _tell(study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: Grou
         _tell_safely(study, trial, state=TrialState.FAIL)
 
 
-def _run_callback_batch(study, callback, space, trials, group_id, told) -> None:  # noqa: ANN001
+def _run_callback_batch(study, callback, space, trials, group_id, told) -> int:  # noqa: ANN001
     if space is not None:
         for t in trials:
             sample(t, space)
@@ -199,6 +271,7 @@ def _run_callback_batch(study, callback, space, trials, group_id, told) -> None:
         else:
             _tell_safely(study, t, float(r))
         told.add(t.number)
+    return 1
 
 
 def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:

@@ -5,6 +5,7 @@ Every mistake is a :class:`hydro.ConfigError` naming the file and the key.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -142,10 +143,9 @@ def _task(spec: Any, path: str) -> Task:
     if metric is not None:
         metric = import_object(metric, "task.metric", path)
 
-    def factory(**arch: Any) -> Any:
-        return model(**{**model_args, **arch})
-
-    factory.__signature__ = _signature_of(model)  # searchable architecture arguments
+    # a partial pickles (worker processes need it) and keeps the factory's signature, whose
+    # keyword arguments are the searchable architecture choices
+    factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
                                    "batch_size") if k in spec}  # fmt: skip
     try:
@@ -153,15 +153,6 @@ def _task(spec: Any, path: str) -> Task:
                     loss=loss, metric=metric, **kwargs)  # fmt: skip
     except ConfigError as exc:
         raise ConfigError(f"{path}: task: {exc}") from exc
-
-
-def _signature_of(fn: Any) -> Any:
-    import inspect
-
-    try:
-        return inspect.signature(fn)
-    except (TypeError, ValueError):
-        return inspect.Signature()
 
 
 def _sampler(raw: Mapping, space: dict, seed: int, path: str) -> optuna.samplers.BaseSampler:

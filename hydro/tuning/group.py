@@ -8,6 +8,7 @@ loss or gradients stop being finite is frozen by the fused optimizer and ends as
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class GroupInfo:
     size: int
     widths: dict[str, list[int]]
     seconds: float = 0.0
+    pid: int = field(default_factory=os.getpid)  # the process that trained the group
 
 
 def group_key(params: dict[str, Any], task: Task) -> tuple:
@@ -63,6 +65,7 @@ def train_group(
     seeds: Sequence[int],
     report: Report | None = None,
     device: str | torch.device = "cpu",
+    pruned: Callable[[], set[int]] | None = None,
 ) -> tuple[list[Outcome], GroupInfo]:
     """Train ``len(params)`` trials of ``task`` fused, and return how each ended.
 
@@ -74,6 +77,8 @@ def train_group(
         report: called with ``(member, step, value)`` at every evaluation; returns ``True`` to
             prune that member.
         device: where to train.
+        pruned: polled every step for members pruned meanwhile (when reports travel to
+            another process and the answer comes later).
     """
     start = time.perf_counter()
     params = [dict(p) for p in params]
@@ -107,29 +112,30 @@ def train_group(
         if sched is not None:
             sched.step()
         _fail_diverged(fused, alive, outcomes, history, step, losses)
+        for k in pruned() if pruned is not None else ():
+            if k in alive and k not in outcomes:
+                last = history[k][-1][1] if history[k] else None
+                outcomes[k] = Outcome("pruned", last, step, "", history[k])
         if step % task.eval_every == 0 or step == task.steps:
             values = evaluate(task, fused, batch_size, device)
-            drop = []
             for pos, k in enumerate(alive):
                 if k in outcomes:
-                    drop.append(pos)
                     continue
                 v = float(values[pos])
                 history[k].append((step, v))
                 if not math.isfinite(v):
                     outcomes[k] = Outcome("fail", None, step, "non-finite validation value",
                                           history[k])  # fmt: skip
-                    drop.append(pos)
                 elif report is not None and report(k, step, v) and step < task.steps:
                     outcomes[k] = Outcome("pruned", v, step, "", history[k])
-                    drop.append(pos)
-            if drop:
-                keep = [pos for pos in range(len(alive)) if pos not in drop]
-                if not keep:
-                    break
-                fused.select(keep)
-                opt.select(keep)
-                alive = [alive[pos] for pos in keep]
+        # members that ended (pruned, failed) leave the fused model and stop costing compute
+        keep = [pos for pos, k in enumerate(alive) if k not in outcomes]
+        if len(keep) < len(alive):
+            if not keep:
+                break
+            fused.select(keep)
+            opt.select(keep)
+            alive = [alive[pos] for pos in keep]
     for k in alive:
         if k not in outcomes:
             last = history[k][-1][1] if history[k] else None

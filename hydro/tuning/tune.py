@@ -134,7 +134,7 @@ def tune(
     storage: str | None = None,
     sampler: optuna.samplers.BaseSampler | None = None,
     pruner: optuna.pruners.BasePruner | None = None,
-    executor: str | None = None,
+    executor: Any = None,
     seed: int | None = None,
     verify_top_k: int = 0,
     progress: bool = False,
@@ -155,7 +155,11 @@ def tune(
             directory, readable by optuna-dashboard). Rerunning resumes the study there.
         sampler: default TPE with ``constant_liar`` (so a batch asked at once spreads out).
         pruner: default Optuna's ``MedianPruner``.
-        executor: ``None`` or ``"inline"`` trains groups in this process.
+        executor: where groups train: ``None``/``"inline"`` in this process, one after another;
+            ``"local"`` in worker processes on this machine (``hydro_fluid.LocalExecutor``: one
+            group per GPU slot, or CPU threads split between workers); ``"ray"`` on a Ray
+            cluster (``hydro_fluid.RayExecutor``; ``RAY_ADDRESS`` or a local one); or an
+            executor object.
         seed: seeds the sampler, the surrogates' initializations and the data order.
         verify_top_k: afterwards, train the full model (unmodified, standard parametrization)
             with the best ``k`` configurations and report which wins and the rank agreement.
@@ -178,8 +182,7 @@ def tune(
     """
     from hydro.integrations.optuna import optimize
 
-    if executor not in (None, "inline"):
-        raise ConfigError(f"unknown executor {executor!r}; this version runs groups inline")
+    executor = make_executor(executor)
     if not isinstance(task, Task):
         raise ConfigError(f"task must be a hydro.Task, got {type(task).__name__}")
     check_space(space, task.model_args())
@@ -190,12 +193,30 @@ def tune(
         sampler = sampler or optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
-             progress=progress)  # fmt: skip
+             progress=progress, executor=executor)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed)
         the_study.set_user_attr("hydro_verification", result.verification)  # for report/export
     return result
+
+
+def make_executor(executor: Any) -> Any:
+    """``None``/"inline", "local", "ray" or an executor object -> an executor (or None)."""
+    if executor in (None, "inline"):
+        return None
+    if executor == "local":
+        from hydro_fluid import LocalExecutor
+
+        return LocalExecutor()
+    if executor == "ray":
+        from hydro_fluid import RayExecutor
+
+        return RayExecutor()
+    if hasattr(executor, "run"):
+        return executor
+    raise ConfigError(f"unknown executor {executor!r}: use 'inline', 'local', 'ray' or a "
+                      "hydro_fluid executor")  # fmt: skip
 
 
 def verify(task: Task, study: optuna.Study, top_k: int, *, seed: int = 0) -> dict[str, Any]:

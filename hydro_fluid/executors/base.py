@@ -228,9 +228,11 @@ class Ledger:
             return
         gone = group.without(live.trial_ids)
         if gone is not None:  # pruned members are not re-run; they end here, PRUNED
-            self.results.append(GroupResult(
-                gone, None, {t: TrialOutcome(PRUNED) for t in gone.trial_ids}, attempt + 1
-            ))
+            self.results.append(
+                GroupResult(
+                    gone, None, {t: TrialOutcome(PRUNED) for t in gone.trial_ids}, attempt + 1
+                )
+            )
         for part in live.split():
             self.order[part.name] = self.order[group.name]
             self.pruned[part.name] = set()

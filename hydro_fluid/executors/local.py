@@ -244,8 +244,15 @@ def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
                 timeout=timedelta(seconds=spec.timeout),
             )
         ctx = WorkerContext(
-            spec.group.name, spec.device, spec.threads, spec.rank, spec.world_size,
-            spec.attempt, spec.checkpoint_dir, channel, spec.pruned,
+            spec.group.name,
+            spec.device,
+            spec.threads,
+            spec.rank,
+            spec.world_size,
+            spec.attempt,
+            spec.checkpoint_dir,
+            channel,
+            spec.pruned,
         )
         kind, payload = call_worker_fn(fn, spec.group, ctx)
     except Exception as exc:  # set-up failed before fn ran
@@ -321,12 +328,20 @@ class _Run:
             inbox, worker_outbox = self.ctx.Pipe(duplex=False)
             worker_inbox, outbox = self.ctx.Pipe(duplex=False)
             spec = _Spec(
-                group, rank, len(slots), self.ex.slots[slot], self.ex.threads_per_worker,
-                attempt, checkpoint_dir, store, self.ex.collective_timeout,
+                group,
+                rank,
+                len(slots),
+                self.ex.slots[slot],
+                self.ex.threads_per_worker,
+                attempt,
+                checkpoint_dir,
+                store,
+                self.ex.collective_timeout,
                 set(self.ledger.pruned[group.name]),
             )
             proc = self.ctx.Process(
-                target=_worker_main, args=(spec, self.fn, worker_outbox, worker_inbox),
+                target=_worker_main,
+                args=(spec, self.fn, worker_outbox, worker_inbox),
                 name=f"hydro-fluid-{key}-rank{rank}",
             )
             proc.start()
@@ -390,7 +405,8 @@ class _Run:
         for key in list(self.running):
             run = self.running[key]
             dead = [
-                (rank, p.exitcode) for rank, p in enumerate(run.procs)
+                (rank, p.exitcode)
+                for rank, p in enumerate(run.procs)
                 if p.exitcode is not None and rank not in run.values
             ]
             if not dead:

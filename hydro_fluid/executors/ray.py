@@ -249,8 +249,15 @@ def _ray_worker(spec: _RaySpec, fn: WorkerFn, hub: Any) -> tuple[str, Any]:
         if distributed:
             _join_process_group(spec, device, hub)
         ctx = WorkerContext(
-            spec.group.name, device, spec.threads, spec.rank, spec.world_size, spec.attempt,
-            spec.checkpoint_dir, _HubChannel(ray, hub, spec.key, spec.prune_key), spec.pruned,
+            spec.group.name,
+            device,
+            spec.threads,
+            spec.rank,
+            spec.world_size,
+            spec.attempt,
+            spec.checkpoint_dir,
+            _HubChannel(ray, hub, spec.key, spec.prune_key),
+            spec.pruned,
         )
         return call_worker_fn(fn, spec.group, ctx)
     except Exception as exc:
@@ -274,8 +281,9 @@ def _join_process_group(spec: _RaySpec, device: str, hub: Any) -> None:
         host = ray.util.get_node_ip_address()
         # Port 0: the OS picks a free one. Do not wait for the peers here: they can only
         # connect once they have learnt the address published below.
-        store = dist.TCPStore(host, 0, spec.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            host, 0, spec.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         ray.get(hub.publish.remote(spec.key, f"{host}:{store.port}"))
     else:
         deadline = time.monotonic() + spec.timeout
@@ -287,7 +295,10 @@ def _join_process_group(spec: _RaySpec, device: str, hub: Any) -> None:
         store = dist.TCPStore(host, int(port), spec.world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout,
+        store=store,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timeout,
     )
 
 
@@ -344,9 +355,17 @@ class _RayRun:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     run.placement, placement_group_bundle_index=rank
                 )
-            spec = _RaySpec(group, key, f"{self.run_id}/{group.name}", rank, size,
-                            self.ex.cpus_per_worker, attempt, checkpoint_dir,
-                            set(self.ledger.pruned[group.name]))
+            spec = _RaySpec(
+                group,
+                key,
+                f"{self.run_id}/{group.name}",
+                rank,
+                size,
+                self.ex.cpus_per_worker,
+                attempt,
+                checkpoint_dir,
+                set(self.ledger.pruned[group.name]),
+            )
             ref = self.task.options(**options).remote(spec, self.fn, self.hub)
             run.refs.append(ref)
             self.rank_of[ref] = (key, rank)

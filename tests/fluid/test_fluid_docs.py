@@ -31,10 +31,25 @@ def test_import_needs_no_ray_and_exports_the_public_names():
 
     # In a fresh interpreter where Ray cannot be imported, the package still imports.
     code = "import sys; sys.modules['ray'] = None; import hydro_fluid; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(hydro_fluid.__file__).parents[1], timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(hydro_fluid.__file__).parents[1],
+        timeout=120,
+    )
     assert out.stdout.strip() == "ok", out.stderr
 
-    for name in ["TrialGroup", "Device", "Cluster", "static_fluid", "dynamic_fluid", "simulate",
-                 "LocalExecutor", "RayExecutor", "fifo", "deadline"]:
+    for name in [
+        "TrialGroup",
+        "Device",
+        "Cluster",
+        "static_fluid",
+        "dynamic_fluid",
+        "simulate",
+        "LocalExecutor",
+        "RayExecutor",
+        "fifo",
+        "deadline",
+    ]:
         assert name in hydro_fluid.__all__ and hasattr(hydro_fluid, name)

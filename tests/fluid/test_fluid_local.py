@@ -47,8 +47,12 @@ def train_fused_regression(group, ctx, barrier: str, steps: int = 30):
             ctx.report(trial, step, losses[i].item())
         first = losses.detach() if first is None else first
         last = losses.detach()
-    return {"threads": torch.get_num_threads(), "device": ctx.device,
-            "first": first.tolist(), "last": last.tolist()}
+    return {
+        "threads": torch.get_num_threads(),
+        "device": ctx.device,
+        "first": first.tolist(),
+        "last": last.tolist(),
+    }
 
 
 def slow_counter(group, ctx, steps: int = 40):
@@ -124,7 +128,8 @@ def test_two_fused_groups_run_at_once_with_threads_split(tmp_path):
     reports = []
     executor = LocalExecutor(devices=[], num_workers=2, threads=4)
     results = executor.run(
-        groups, functools.partial(train_fused_regression, barrier=str(barrier)),
+        groups,
+        functools.partial(train_fused_regression, barrier=str(barrier)),
         report=lambda trial, step, value: reports.append((trial, step, value)),
     )
     assert [r.group.name for r in results] == ["a", "b"]
@@ -132,8 +137,10 @@ def test_two_fused_groups_run_at_once_with_threads_split(tmp_path):
         assert result.ok and result.attempts == 1
         assert result.value["threads"] == 2  # 4 threads split over 2 workers
         assert result.value["device"] == "cpu"
-        assert all(last < first for first, last in zip(
-            result.value["first"], result.value["last"], strict=True))
+        assert all(
+            last < first
+            for first, last in zip(result.value["first"], result.value["last"], strict=True)
+        )
         assert all(o.state == "COMPLETE" for o in result.trials.values())
     # Every value of every trial streamed back, in step order per trial.
     for trial in range(5):
@@ -164,8 +171,9 @@ def test_killed_worker_resumes_from_its_checkpoint(tmp_path):
             os.kill(pid, signal.SIGKILL)  # a real worker process, really killed
             killed.append(pid)
 
-    executor = LocalExecutor(devices=[], num_workers=1, max_retries=1,
-                             checkpoint_dir=tmp_path / "ckpt")
+    executor = LocalExecutor(
+        devices=[], num_workers=1, max_retries=1, checkpoint_dir=tmp_path / "ckpt"
+    )
     [result] = executor.run(
         [TrialGroup("g", (7,), (30,))],
         functools.partial(checkpointed_counter, pid_file=str(pid_file)),

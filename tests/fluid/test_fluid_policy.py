@@ -28,8 +28,14 @@ def mixed_cluster(rng, nodes):
     devices = []
     for n in range(nodes):
         for i in range(int(rng.integers(1, 9))):
-            devices.append(Device(f"n{n}/d{i}", memory=float(rng.choice([16.0, 40.0, 80.0])),
-                                  speed=float(rng.choice([0.5, 1.0, 2.0])), node=f"n{n}"))
+            devices.append(
+                Device(
+                    f"n{n}/d{i}",
+                    memory=float(rng.choice([16.0, 40.0, 80.0])),
+                    speed=float(rng.choice([0.5, 1.0, 2.0])),
+                    node=f"n{n}",
+                )
+            )
     return devices
 
 
@@ -79,17 +85,28 @@ def test_dynamic_fluid_and_deadline_respect_bounds_with_running_groups(seed):
     survivors = devices[1:]  # one device left the cluster
     alloc = dynamic_fluid(groups, survivors, c=4, d=8, running=running, restart_cost=5.0)
     assert_valid(alloc, survivors, groups, 4, 8)
-    scored = [TrialGroup(g.name, g.trial_ids, g.budgets, utilization=g.utilization,
-                         memory_per_trial=g.memory_per_trial, score=float(i))
-              for i, g in enumerate(groups)]
+    scored = [
+        TrialGroup(
+            g.name,
+            g.trial_ids,
+            g.budgets,
+            utilization=g.utilization,
+            memory_per_trial=g.memory_per_trial,
+            score=float(i),
+        )
+        for i, g in enumerate(groups)
+    ]
     alloc = deadline(scored, survivors, c=4, d=8, now=50.0, end=100.0, running=running)
     assert_valid(alloc, survivors, scored, 4, 8)
 
 
 def test_static_fluid_shares_follow_budget():
     devices = Cluster.homogeneous(1, 8).devices
-    groups = [TrialGroup("long", (0,), (8000,)), TrialGroup("mid", (1,), (4000,)),
-              TrialGroup("short", (2,), (100,))]
+    groups = [
+        TrialGroup("long", (0,), (8000,)),
+        TrialGroup("mid", (1,), (4000,)),
+        TrialGroup("short", (2,), (100,)),
+    ]
     alloc = static_fluid(groups, devices, c=4, d=8)
     assert len(alloc["long"]) > len(alloc["mid"]) >= 1
     assert len(alloc["short"]) == 1 and alloc["short"][0][1] <= 1.0
@@ -191,8 +208,10 @@ def test_check_allocation_catches_over_commitment():
 
 def test_planning_10k_trials_on_1k_devices_is_fast():
     rng = np.random.default_rng(0)
-    groups = [TrialGroup(f"g{i}", (i,), (float(rng.integers(100, 10_000)),), utilization=0.3)
-              for i in range(10_000)]
+    groups = [
+        TrialGroup(f"g{i}", (i,), (float(rng.integers(100, 10_000)),), utilization=0.3)
+        for i in range(10_000)
+    ]
     devices = Cluster.homogeneous(125, 8).devices
     start = time.perf_counter()
     alloc = static_fluid(groups, devices, c=4, d=8)

@@ -27,12 +27,14 @@ def batch(n):
 
 
 def test_analytic_estimate_counts_weights_optimizer_and_activations():
-    m = estimate_memory(lambda n: nn.Linear(100, 50), lambda n: torch.zeros(4, 100), 1,
-                        optimizer_slots=2)
+    m = estimate_memory(
+        lambda n: nn.Linear(100, 50), lambda n: torch.zeros(4, 100), 1, optimizer_slots=2
+    )
     weights = (100 * 50 + 50) * 4
     assert m == weights * 4 + 4 * 50 * 4 + 4 * 100 * 4
-    sgd = estimate_memory(lambda n: nn.Linear(100, 50), lambda n: torch.zeros(4, 100), 1,
-                          optimizer_slots=0)
+    sgd = estimate_memory(
+        lambda n: nn.Linear(100, 50), lambda n: torch.zeros(4, 100), 1, optimizer_slots=0
+    )
     assert m - sgd == 2 * weights
 
 

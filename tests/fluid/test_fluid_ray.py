@@ -24,8 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def local_ray():
     """A local Ray with 2 CPUs and 2 fake GPUs; workers import this checkout."""
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *sys.path])
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        num_cpus=2,
+        num_gpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     yield
     ray.shutdown()
 
@@ -79,7 +84,8 @@ def test_two_groups_share_one_fake_gpu_and_stream_reports(make_executor, tmp_pat
     executor = make_executor(groups_per_device=2)
     assert executor.use_gpus and executor.gpus == 2
     results = executor.run(
-        groups, functools.partial(packed_worker, barrier=str(barrier)),
+        groups,
+        functools.partial(packed_worker, barrier=str(barrier)),
         report=lambda trial, step, value: reports.append((trial, step)),
     )
     assert [r.group.name for r in results] == ["a", "b"]

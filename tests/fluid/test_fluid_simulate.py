@@ -16,11 +16,16 @@ def sha_workload(rng, trials=32, eta=4, rungs=3):
         for k in range(0, n, 4):
             name = f"r{rung}-{k // 4}"
             size = min(4, n - k)
-            groups.append(TrialGroup(
-                name, tuple(f"{name}-t{i}" for i in range(size)), (100.0 * eta**rung,) * size,
-                cost_per_step=float(rng.uniform(0.05, 0.15)),
-                utilization=float(rng.uniform(0.2, 1.0)), after=previous,
-            ))
+            groups.append(
+                TrialGroup(
+                    name,
+                    tuple(f"{name}-t{i}" for i in range(size)),
+                    (100.0 * eta**rung,) * size,
+                    cost_per_step=float(rng.uniform(0.05, 0.15)),
+                    utilization=float(rng.uniform(0.2, 1.0)),
+                    after=previous,
+                )
+            )
             names.append(name)
         previous, n = tuple(names), n // eta
     return groups
@@ -68,8 +73,9 @@ def test_no_device_is_over_committed_at_any_time():
 
 
 def test_fluid_beats_fifo_when_small_models_leave_devices_idle():
-    groups = [TrialGroup(f"g{i}", (i,), (1000,), cost_per_step=0.1, utilization=0.25)
-              for i in range(16)]
+    groups = [
+        TrialGroup(f"g{i}", (i,), (1000,), cost_per_step=0.1, utilization=0.25) for i in range(16)
+    ]
     cluster = Cluster.homogeneous(1, 4)
     fifo = simulate(groups, cluster, "fifo")
     static = simulate(groups, cluster, "static_fluid")
@@ -82,8 +88,10 @@ def test_fluid_beats_fifo_when_small_models_leave_devices_idle():
 
 
 def test_data_parallel_speeds_up_the_long_tail():
-    groups = [TrialGroup("long", (0,), (10_000,), cost_per_step=0.1, utilization=1.0),
-              TrialGroup("short", (1,), (100,), cost_per_step=0.1, utilization=1.0)]
+    groups = [
+        TrialGroup("long", (0,), (10_000,), cost_per_step=0.1, utilization=1.0),
+        TrialGroup("short", (1,), (100,), cost_per_step=0.1, utilization=1.0),
+    ]
     cluster = Cluster.homogeneous(1, 8)
     fifo = simulate(groups, cluster, "fifo")
     dynamic = simulate(groups, cluster, "dynamic_fluid", d=8, restart_cost=10.0)
@@ -94,8 +102,9 @@ def test_data_parallel_speeds_up_the_long_tail():
 
 
 def test_deadline_policy_trains_the_best_group_first():
-    groups = [TrialGroup(f"g{i}", (i,), (3000,), cost_per_step=0.1, score=float(i))
-              for i in range(8)]
+    groups = [
+        TrialGroup(f"g{i}", (i,), (3000,), cost_per_step=0.1, score=float(i)) for i in range(8)
+    ]
     cluster = Cluster.homogeneous(1, 8)
     fair = simulate(groups, cluster, "dynamic_fluid")
     rushed = simulate(groups, cluster, "deadline", end=200.0, restart_cost=1.0)
