@@ -13,10 +13,10 @@ that column is trained once and shared. It prints validation loss per learning r
 the best learning rate per width, and the Spearman rank correlation over the learning-rate grid
 between the ratio-8 model and the target, and saves a plot (``docs/img/transfer.png``).
 
-Not a test: run it by hand (about 5 minutes per seed on an idle CPU core with the defaults)::
+Not a test: run it by hand (22 minutes for the default 3 seeds, one thread, busy 2-core CPU)::
 
     python benchmarks/transfer.py
-    python benchmarks/transfer.py --seeds 1 --steps 100    # a quick look
+    python benchmarks/transfer.py --seeds 1 --steps 100    # a quick look (not the same optimum)
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
     # One thread: these models are too small to gain from more, and on a shared CPU extra threads
     # spin against other processes (we measured a 20x slowdown with 2 threads on a busy 2-core box).
     p.add_argument("--threads", type=int, default=1)
