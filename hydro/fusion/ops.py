@@ -104,6 +104,10 @@ class FusedModule(nn.Module):
         """Per-trial plain attributes (e.g. dropout ``p``) to set on trial ``k``'s module."""
         return {}
 
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        """Set trial ``k``'s plain attribute ``name`` (one of :meth:`trial_attributes`)."""
+        raise KeyError(name)
+
 
 class FusedLinear(FusedModule):
     """``n`` ``nn.Linear`` layers as one batched matmul (``baddbmm``)."""
@@ -354,6 +358,9 @@ class FusedDropout(FusedModule):
     def trial_attributes(self, k: int) -> dict[str, object]:
         return {"p": float(self.p[k])}
 
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        self.p[k] = float(value)
+
     def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
         if layout == "S":
             x = x.unsqueeze(0).expand(self.n, *x.shape).flatten(0, 1)
@@ -408,6 +415,9 @@ class FusedMultiheadAttention(FusedModule):
 
     def trial_attributes(self, k: int) -> dict[str, object]:
         return {"dropout": float(self.p[k])}
+
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        self.p[k] = float(value)
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         x3 = x.reshape(self.n, -1, x.shape[-1])

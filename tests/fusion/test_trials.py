@@ -106,6 +106,9 @@ def test_dropout_masks_independent_with_per_trial_rate() -> None:
         torch.testing.assert_close(out[k][kept], clean[k][kept] / (1 - p))
     assert not torch.equal(dropped[1], dropped[2])  # same rate, independent masks
     assert fused.trial(3)[1].p == 0.9
+    fused.load_trial(0, nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3)))
+    assert fused.trial(0)[1].p == 0.3
+    fused.load_trial(0, models[0])
     fused.eval()
     torch.testing.assert_close(fused(x), clean)
     # One rate for all trials: the plain path, still independent masks.
