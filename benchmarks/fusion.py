@@ -114,7 +114,16 @@ def sequential_step(make, n: int) -> Callable[[], None]:
 def vmap_step(make, n: int) -> Callable[[], None]:
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
-    params, buffers = torch.func.stack_module_state([m for m, *_ in built])
+    # (stack_module_state refuses GraphModules: each has a class of its own)
+    models = [m for m, *_ in built]
+    params = {
+        name: torch.stack([m.get_parameter(name).detach() for m in models]).requires_grad_()
+        for name, _ in models[0].named_parameters()
+    }
+    buffers = {
+        name: torch.stack([m.get_buffer(name) for m in models])
+        for name, _ in models[0].named_buffers()
+    }
     base = copy.deepcopy(built[0][0])
 
     def one(p, b, *inputs):  # noqa: ANN001

@@ -259,3 +259,15 @@ def test_fuse_errors_name_the_node() -> None:
         fuse([Custom(), Custom()])(torch.randn(3, 4))
     with pytest.raises(FuseError):
         fuse([MLP(width=16), MLP(width=32)])
+
+
+def test_dtype_conversion_after_fusing() -> None:
+    cases = [ZOO["convnext"](dim=16, batch=2, seed=k) for k in range(2)]
+    fused = fuse([c.model for c in cases])
+    x = cases[0].inputs[0]
+    fused(x)  # build the float32 graph first: .double() must invalidate it
+    fused.double()
+    out = fused(x.double())
+    assert out.dtype == torch.float64
+    for k, c in enumerate(cases):
+        torch.testing.assert_close(out[k], c.model.double()(x.double()), rtol=1e-12, atol=1e-12)
