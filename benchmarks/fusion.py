@@ -178,6 +178,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="a subset of models")
     parser.add_argument(
+        "--ns", nargs="*", type=int, help="numbers of trials (default 1 4 16 32 64)"
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
@@ -189,6 +192,7 @@ def main() -> None:
     ns = [1, 32] if args.quick else [1, 4, 16, 32, 64]
     models = ["MLP w64", "MLP w256"] if args.quick else list(MODELS)
     models = args.models or models
+    ns = args.ns or ns
 
     peak = matmul_peak()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
