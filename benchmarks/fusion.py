@@ -70,6 +70,11 @@ MODELS = {
 }
 
 
+def LRS(n: int) -> list[float]:  # noqa: N802 - a constant-like helper
+    """A different learning rate per trial, as in a real study."""
+    return [1e-3 * (1 + k / n) for k in range(n)]
+
+
 def calibrate(step: Callable[[], None], min_time: float) -> int:
     """Warm ``step`` up and return how many calls make a run of at least ``min_time`` seconds."""
     step()
@@ -100,7 +105,7 @@ def timed(steps: dict[str, Callable[[], None]], repeats: int, min_time: float) -
 
 def sequential_step(make, n: int) -> Callable[[], None]:
     built = [make() for _ in range(n)]
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m, *_ in built]
+    opts = [torch.optim.Adam(m.parameters(), lr=lr) for (m, *_), lr in zip(built, LRS(n))]
 
     def step() -> None:
         for (model, x, y, loss_fn), opt in zip(built, opts):
@@ -130,7 +135,7 @@ def vmap_step(make, n: int) -> Callable[[], None]:
         return torch.func.functional_call(base, (p, b), inputs)
 
     forward = torch.func.vmap(one, in_dims=(0, 0) + (None,) * len(x), randomness="different")
-    opt = hydro.optim.Adam(list(params.values()), lr=1e-3)
+    opt = hydro.optim.Adam(list(params.values()), lr=LRS(n))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -145,7 +150,7 @@ def fused_step(make, n: int, compiled: bool = False) -> Callable[[], None]:
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
     fused = fuse([m for m, *_ in built])
-    opt = hydro.optim.Adam(fused.parameters(), lr=1e-3)
+    opt = hydro.optim.Adam(fused.parameters(), lr=LRS(n))
     forward = torch.compile(fused) if compiled else fused
 
     def step() -> None:

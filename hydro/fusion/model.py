@@ -98,12 +98,10 @@ class FusedModel(nn.Module):
             covered.update(f"{node.target}.{k}" for k in module.state_dict(keep_vars=True))
 
         # Everything else (get_attr tensors, unused weights) is stacked under its own name.
-        self.tensor_names: list[str] = []
         self.shared_tensors: set[str] = set()
         for name, p in params.items():
             if name not in covered:
                 _set_path(self, name, p)
-                self.tensor_names.append(name)
         constants = any(
             node.op == "get_attr" and not _has_attr(original, node.target)
             for node in template.graph.nodes
@@ -113,7 +111,6 @@ class FusedModel(nn.Module):
                 continue
             trials = [m.get_buffer(name) for m in sources]
             _set_path(self, name, stack_buffer(trials), buffer=True)
-            self.tensor_names.append(name)
             if all(torch.equal(t, trials[0]) for t in trials):
                 self.shared_tensors.add(name)  # e.g. a causal mask: read once, not per trial
             elif constants:
@@ -148,7 +145,9 @@ class FusedModel(nn.Module):
                 args if shared else tuple(a[0] if isinstance(a, torch.Tensor) else a for a in args)
             )
             facts = batch_facts(self._template, one)
-            tensors = {name: _get_attr(self, name) for name in self.tensor_names}
+            # Every weight the graph reads directly (a tied head reads a fused layer's weight too).
+            targets = [n.target for n in self._template.graph.nodes if n.op == "get_attr"]
+            tensors = {t: _get_attr(self, t) for t in targets if _has_attr(self, t)}
             self._graphs[key] = fuse_graph(
                 self._template, facts, self.n, shared, self.fused_layers, tensors,
                 self.shared_tensors,
@@ -388,7 +387,7 @@ def trial_loss(
         >>> trial_loss(F.cross_entropy, fused(torch.randn(8, 4)), torch.randint(0, 3, (8,))).shape
         torch.Size([2])
     """
-    if loss_fn is F.cross_entropy:
+    if loss_fn is F.cross_entropy and output.dim() >= 3:  # batched logits [n, B, C, ...]
         return _cross_entropy(output, target, shared)
     in_dims = (0, None if shared else 0)
     try:

@@ -124,14 +124,25 @@ class FusedLinear(FusedModule):
         return cls(len(mods), param("weight"), param("bias"))
 
     def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        n, (out_f, in_f) = self.n, self.weight.shape[1:]
-        if layout == "S":
-            # One GEMM against all trials' weights side by side: x is read once, not n times.
-            w = self.weight.reshape(n * out_f, in_f)
-            y = F.linear(x, w, None if self.bias is None else self.bias.reshape(-1))
-            return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
-        y = _BatchedLinear.apply(x.reshape(n, -1, in_f), self.weight, self.bias)
-        return y.view(*x.shape[:-1], out_f)
+        return trial_linear(x, self.weight, self.bias, layout=layout)
+
+
+def trial_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: Layout = "F"
+) -> torch.Tensor:
+    """``F.linear`` with per-trial ``weight[n, out, in]`` and ``bias[n, out]``.
+
+    Also what the rewrite calls for a functional ``F.linear(x, w)`` whose weight is per trial
+    (e.g. an output head tied to an embedding table).
+    """
+    n, out_f, in_f = weight.shape
+    if layout == "S":
+        # One GEMM against all trials' weights side by side: x is read once, not n times.
+        w = weight.reshape(n * out_f, in_f)
+        y = F.linear(x, w, None if bias is None else bias.reshape(-1))
+        return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
+    y = _BatchedLinear.apply(x.reshape(n, -1, in_f), weight, bias)
+    return y.view(*x.shape[:-1], out_f)
 
 
 _CONV_FN = {

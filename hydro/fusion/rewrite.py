@@ -36,7 +36,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hydro.errors import FuseError
-from hydro.fusion.ops import FusedModule, unfold
+from hydro.fusion.ops import FusedModule, trial_linear, unfold
 from hydro.parametrize import Multiplier
 
 logger = logging.getLogger("hydro.fusion")
@@ -300,6 +300,8 @@ class _Rewriter:
             self.layout[node] = None if self.facts[node.name] is None else "S"
         elif "T" not in inputs:
             self.batched_op(node, found)
+        elif node.target is F.linear and self._per_trial_linear(node):
+            self.functional_linear(node)
         elif _broadcasts(node, module, [self.rank(a) for a in found if self.layout[a]]):
             self.broadcast_op(node, found, inputs)
         else:
@@ -368,6 +370,28 @@ class _Rewriter:
             out = self.out_layout(node, {in_layout})
         self.env[node], self.layout[node] = new, out
 
+    def _per_trial_linear(self, node: Node) -> bool:
+        x, weight, bias = _linear_args(node)
+        return (
+            isinstance(x, Node)
+            and self.layout[x] in ("F", "SB", "S")
+            and isinstance(weight, Node)
+            and self.layout[weight] == "T"
+            and self.rank(weight) == 2
+            and (bias is None or isinstance(bias, Node) and self.layout[bias] == "T")
+        )
+
+    def functional_linear(self, node: Node) -> None:
+        """``F.linear(x, w, b)`` with a per-trial weight: the fused linear op."""
+        x, weight, bias = _linear_args(node)
+        in_layout = {"SB": "S"}.get(self.layout[x], self.layout[x])
+        args = (self.env[x], self.env[weight], None if bias is None else self.env[bias])
+        new = self.graph.call_function(trial_linear, args, {"layout": in_layout})
+        out = "F" if self.facts[node.name].batched else "T"
+        if in_layout == "S" and out == "F":
+            new = self.method("flatten", new, 0, 1)
+        self.env[node], self.layout[node] = new, out
+
     def batched_op(self, node: Node, found: list[Node]) -> None:
         """Folded (and shared) operands only: the op runs unchanged on ``[n * B, ...]``."""
         for a in found:
@@ -417,6 +441,13 @@ class _Rewriter:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.folded)
         self.env[node] = self.graph.call_module(name, args, kwargs)
         self.layout[node] = out
+
+
+def _linear_args(node: Node) -> tuple[object, object, object]:
+    """``(input, weight, bias)`` of an ``F.linear`` call, positional or keyword."""
+    names = ("input", "weight", "bias")
+    values = list(node.args) + [node.kwargs.get(k) for k in names[len(node.args) :]]
+    return values[0], values[1], values[2] if len(values) > 2 else None
 
 
 def _broadcasts(node: Node, module: nn.Module | None, ranks: list[int]) -> bool:

@@ -271,3 +271,35 @@ def test_dtype_conversion_after_fusing() -> None:
     assert out.dtype == torch.float64
     for k, c in enumerate(cases):
         torch.testing.assert_close(out[k], c.model.double()(x.double()), rtol=1e-12, atol=1e-12)
+
+
+class TiedHead(nn.Module):
+    """An output head tied to the embedding through functional F.linear (a get_attr weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, idx):
+        h = torch.tanh(self.lin(self.emb(idx)))
+        return F.linear(h, self.emb.weight).mean(dim=1)
+
+
+def test_functional_linear_with_per_trial_weight(monkeypatch, caplog) -> None:
+    from tests import zoo
+
+    def tied(seed: int = 0, batch: int = 4) -> zoo.Case:
+        g = torch.Generator().manual_seed(seed + 1000)
+        torch.manual_seed(seed)
+        idx = torch.randint(0, 20, (batch, 5), generator=g)
+        target = torch.randint(0, 20, (batch,), generator=g)
+        return zoo.Case(TiedHead(), (idx,), target, F.cross_entropy)
+
+    monkeypatch.setitem(zoo.ZOO, "tied", tied)
+    with caplog.at_level(logging.WARNING, logger="hydro.fusion"):
+        run, cases = build("tied", 3, "adamw")
+        train_and_compare(run, cases, steps=3)
+        fused = fuse(nn.Linear(4, 3), n=2)  # traced through: a functional F.linear
+        fused(torch.randn(5, 4))
+    assert "vmap" not in caplog.text  # both went through the fused linear op
