@@ -70,6 +70,11 @@ MODELS = {
 }
 
 
+def LRS(n: int) -> list[float]:  # noqa: N802 - a constant-like helper
+    """A different learning rate per trial, as in a real study."""
+    return [1e-3 * (1 + k / n) for k in range(n)]
+
+
 def calibrate(step: Callable[[], None], min_time: float) -> int:
     """Warm ``step`` up and return how many calls make a run of at least ``min_time`` seconds."""
     step()
@@ -100,7 +105,7 @@ def timed(steps: dict[str, Callable[[], None]], repeats: int, min_time: float) -
 
 def sequential_step(make, n: int) -> Callable[[], None]:
     built = [make() for _ in range(n)]
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m, *_ in built]
+    opts = [torch.optim.Adam(m.parameters(), lr=lr) for (m, *_), lr in zip(built, LRS(n))]
 
     def step() -> None:
         for (model, x, y, loss_fn), opt in zip(built, opts):
@@ -114,14 +119,23 @@ def sequential_step(make, n: int) -> Callable[[], None]:
 def vmap_step(make, n: int) -> Callable[[], None]:
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
-    params, buffers = torch.func.stack_module_state([m for m, *_ in built])
-    base = copy.deepcopy(built[0][0]).to("meta")
+    # (stack_module_state refuses GraphModules: each has a class of its own)
+    models = [m for m, *_ in built]
+    params = {
+        name: torch.stack([m.get_parameter(name).detach() for m in models]).requires_grad_()
+        for name, _ in models[0].named_parameters()
+    }
+    buffers = {
+        name: torch.stack([m.get_buffer(name) for m in models])
+        for name, _ in models[0].named_buffers()
+    }
+    base = copy.deepcopy(built[0][0])
 
     def one(p, b, *inputs):  # noqa: ANN001
         return torch.func.functional_call(base, (p, b), inputs)
 
     forward = torch.func.vmap(one, in_dims=(0, 0) + (None,) * len(x), randomness="different")
-    opt = hydro.optim.Adam(list(params.values()), lr=1e-3)
+    opt = hydro.optim.Adam(list(params.values()), lr=LRS(n))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -132,27 +146,27 @@ def vmap_step(make, n: int) -> Callable[[], None]:
     return step
 
 
-def fused_step(make, n: int, compiled: bool = False) -> tuple[Callable[[], None], Callable]:
+def fused_step(make, n: int, compiled: bool = False) -> Callable[[], None]:
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
     fused = fuse([m for m, *_ in built])
-    opt = hydro.optim.Adam(fused.parameters(), lr=1e-3)
+    opt = hydro.optim.Adam(fused.parameters(), lr=LRS(n))
     forward = torch.compile(fused) if compiled else fused
-
-    def fwd_bwd() -> None:
-        trial_loss(loss_fn, forward(*x), y).sum().backward()
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        fwd_bwd()
+        trial_loss(loss_fn, forward(*x), y).sum().backward()
         opt.step()
 
-    return step, fwd_bwd
+    return step
 
 
-def flops_of(fn: Callable[[], None]) -> int:
+def flops_per_trial(make) -> int:
+    """Forward + backward FLOPs of one model (counted on the unfused model: the counter's
+    formulas for grouped convolutions do not apply to the fused form)."""
+    model, x, y, loss_fn = make()
     with FlopCounterMode(display=False) as counter:
-        fn()
+        loss_fn(model(*x), y).backward()
     return counter.get_total_flops()
 
 
@@ -167,6 +181,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(fused)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", nargs="*", choices=list(MODELS), help="a subset of models")
+    parser.add_argument(
+        "--ns", nargs="*", type=int, help="numbers of trials (default 1 4 16 32 64)"
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
@@ -178,6 +196,8 @@ def main() -> None:
     torch.manual_seed(0)
     ns = [1, 32] if args.quick else [1, 4, 16, 32, 64]
     models = ["MLP w64", "MLP w256"] if args.quick else list(MODELS)
+    models = args.models or models
+    ns = args.ns or ns
 
     peak = matmul_peak()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -195,14 +215,16 @@ def main() -> None:
             steps = {"seq": sequential_step(make, n)}
             try:
                 steps["vmap"] = vmap_step(make, n)
+                steps["vmap"]()
             except Exception as exc:  # noqa: BLE001 - report, keep going
+                steps.pop("vmap", None)
                 print(f"  (vmap cannot run {name}: {type(exc).__name__}: {exc})".split("\n")[0])
-            steps["fuse"], fwd_bwd = fused_step(make, n)
+            steps["fuse"] = fused_step(make, n)
             if args.compile:
-                steps["compiled"], _ = fused_step(make, n, compiled=True)
+                steps["compiled"] = fused_step(make, n, compiled=True)
             t = timed(steps, args.repeats, args.min_time)
             t_vmap = t.get("vmap", float("nan"))
-            gflops = flops_of(fwd_bwd) / t["fuse"] / 1e9
+            gflops = n * flops_per_trial(make) / t["fuse"] / 1e9
             row = (
                 f"| {name} | {n} | {n / t['seq']:.0f} | {n / t_vmap:.0f} | {n / t['fuse']:.0f} | "
                 f"{t['seq'] / t['fuse']:.1f}x | {t_vmap / t['fuse']:.1f}x | {gflops:.1f} | "

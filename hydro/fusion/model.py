@@ -57,7 +57,7 @@ class FusedModel(nn.Module):
         original = copy.deepcopy(models[0])
         template = trace(copy.deepcopy(models[0]))
         _check_same_architecture(models)
-        traced = list(models)
+        sources = list(models)
         n = len(models)
         # Kept out of the module tree: the traced graph, and the module that trial(k) copies.
         object.__setattr__(self, "_template", template)
@@ -69,7 +69,7 @@ class FusedModel(nn.Module):
         canonical: dict[int, nn.Parameter] = {}
         for name, p in original.named_parameters(remove_duplicate=False):
             if id(p) not in canonical:
-                trials = [m.get_parameter(name) for m in traced]
+                trials = [m.get_parameter(name) for m in sources]
                 fused = stack_param(trials)
                 if hasattr(trials[0], "infshape"):
                     fused.infshape = trials[0].infshape  # muP metadata for hydro.optim
@@ -80,7 +80,7 @@ class FusedModel(nn.Module):
             return lambda name: params.get(f"{prefix}.{name}")
 
         def buffer_of(prefix: str) -> Callable[[str], torch.Tensor | None]:
-            return lambda name: stack_buffer([m.get_buffer(f"{prefix}.{name}") for m in traced])
+            return lambda name: stack_buffer([m.get_buffer(f"{prefix}.{name}") for m in sources])
 
         self.fused_layers: dict[str, FusedModule] = {}
         covered: set[str] = set()
@@ -91,28 +91,34 @@ class FusedModel(nn.Module):
             cls = fused_class(module)
             if cls is None:
                 continue
-            mods = [m.get_submodule(node.target) for m in traced]
+            mods = [m.get_submodule(node.target) for m in sources]
             layer = cls.from_trials(mods, param_of(node.target), buffer_of(node.target))
             _set_path(self, node.target, layer)
             self.fused_layers[node.target] = layer
             covered.update(f"{node.target}.{k}" for k in module.state_dict(keep_vars=True))
 
         # Everything else (get_attr tensors, unused weights) is stacked under its own name.
-        self.tensors: dict[str, torch.Tensor] = {}
         self.shared_tensors: set[str] = set()
         for name, p in params.items():
             if name not in covered:
                 _set_path(self, name, p)
-                self.tensors[name] = p
+        constants = any(
+            node.op == "get_attr" and not _has_attr(original, node.target)
+            for node in template.graph.nodes
+        )
         for name, _ in original.named_buffers(remove_duplicate=False):
             if name in covered:
                 continue
-            trials = [m.get_buffer(name) for m in traced]
-            stacked = stack_buffer(trials)
-            _set_path(self, name, stacked, buffer=True)
-            self.tensors[name] = stacked
+            trials = [m.get_buffer(name) for m in sources]
+            _set_path(self, name, stack_buffer(trials), buffer=True)
             if all(torch.equal(t, trials[0]) for t in trials):
                 self.shared_tensors.add(name)  # e.g. a causal mask: read once, not per trial
+            elif constants:
+                raise FuseError(
+                    f"buffer '{name}' differs between the models, but the traced graph reads "
+                    "buffers as constants (trial 0's values); make it equal in every model or "
+                    "a parameter with requires_grad=False"
+                )
         self.register_buffer("diverged", torch.zeros(n, dtype=torch.bool))
         for p in self.parameters():
             p.hydro_diverged = self.diverged  # lets hydro.optim freeze diverged trials
@@ -124,6 +130,9 @@ class FusedModel(nn.Module):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
+        # The unregistered copies follow (dtype, device), for shape propagation and trial(k).
+        self._template._apply(fn, recurse)
+        self._original._apply(fn, recurse)
         self._graphs.clear()  # buffers may have been replaced
         for p in self.parameters():
             p.hydro_diverged = self.diverged
@@ -136,8 +145,11 @@ class FusedModel(nn.Module):
                 args if shared else tuple(a[0] if isinstance(a, torch.Tensor) else a for a in args)
             )
             facts = batch_facts(self._template, one)
+            # Every weight the graph reads directly (a tied head reads a fused layer's weight too).
+            targets = [n.target for n in self._template.graph.nodes if n.op == "get_attr"]
+            tensors = {t: _get_attr(self, t) for t in targets if _has_attr(self, t)}
             self._graphs[key] = fuse_graph(
-                self._template, facts, self.n, shared, self.fused_layers, self.tensors,
+                self._template, facts, self.n, shared, self.fused_layers, tensors,
                 self.shared_tensors,
             )  # fmt: skip
         return self._graphs[key]
@@ -245,6 +257,21 @@ class FusedModel(nn.Module):
         if not -self.n <= k < self.n:
             raise IndexError(f"trial {k} out of range for {self.n} fused trials")
         return k % self.n
+
+
+def _has_attr(module: nn.Module, path: str) -> bool:
+    try:
+        _get_attr(module, path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _get_attr(module: nn.Module, path: str) -> object:
+    *parents, leaf = path.split(".")
+    for name in parents:
+        module = getattr(module, name)
+    return getattr(module, leaf)
 
 
 def _check_same_architecture(models: Sequence[nn.Module]) -> None:
@@ -360,7 +387,7 @@ def trial_loss(
         >>> trial_loss(F.cross_entropy, fused(torch.randn(8, 4)), torch.randint(0, 3, (8,))).shape
         torch.Size([2])
     """
-    if loss_fn is F.cross_entropy:
+    if loss_fn is F.cross_entropy and output.dim() >= 3:  # batched logits [n, B, C, ...]
         return _cross_entropy(output, target, shared)
     in_dims = (0, None if shared else 0)
     try:

@@ -104,6 +104,10 @@ class FusedModule(nn.Module):
         """Per-trial plain attributes (e.g. dropout ``p``) to set on trial ``k``'s module."""
         return {}
 
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        """Set trial ``k``'s plain attribute ``name`` (one of :meth:`trial_attributes`)."""
+        raise KeyError(name)
+
 
 class FusedLinear(FusedModule):
     """``n`` ``nn.Linear`` layers as one batched matmul (``baddbmm``)."""
@@ -120,14 +124,25 @@ class FusedLinear(FusedModule):
         return cls(len(mods), param("weight"), param("bias"))
 
     def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        n, (out_f, in_f) = self.n, self.weight.shape[1:]
-        if layout == "S":
-            # One GEMM against all trials' weights side by side: x is read once, not n times.
-            w = self.weight.reshape(n * out_f, in_f)
-            y = F.linear(x, w, None if self.bias is None else self.bias.reshape(-1))
-            return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
-        y = _BatchedLinear.apply(x.reshape(n, -1, in_f), self.weight, self.bias)
-        return y.view(*x.shape[:-1], out_f)
+        return trial_linear(x, self.weight, self.bias, layout=layout)
+
+
+def trial_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: Layout = "F"
+) -> torch.Tensor:
+    """``F.linear`` with per-trial ``weight[n, out, in]`` and ``bias[n, out]``.
+
+    Also what the rewrite calls for a functional ``F.linear(x, w)`` whose weight is per trial
+    (e.g. an output head tied to an embedding table).
+    """
+    n, out_f, in_f = weight.shape
+    if layout == "S":
+        # One GEMM against all trials' weights side by side: x is read once, not n times.
+        w = weight.reshape(n * out_f, in_f)
+        y = F.linear(x, w, None if bias is None else bias.reshape(-1))
+        return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
+    y = _BatchedLinear.apply(x.reshape(n, -1, in_f), weight, bias)
+    return y.view(*x.shape[:-1], out_f)
 
 
 _CONV_FN = {
@@ -354,6 +369,9 @@ class FusedDropout(FusedModule):
     def trial_attributes(self, k: int) -> dict[str, object]:
         return {"p": float(self.p[k])}
 
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        self.p[k] = float(value)
+
     def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
         if layout == "S":
             x = x.unsqueeze(0).expand(self.n, *x.shape).flatten(0, 1)
@@ -408,6 +426,9 @@ class FusedMultiheadAttention(FusedModule):
 
     def trial_attributes(self, k: int) -> dict[str, object]:
         return {"dropout": float(self.p[k])}
+
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        self.p[k] = float(value)
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         x3 = x.reshape(self.n, -1, x.shape[-1])

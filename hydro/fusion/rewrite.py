@@ -36,7 +36,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hydro.errors import FuseError
-from hydro.fusion.ops import FusedModule, unfold
+from hydro.fusion.ops import FusedModule, trial_linear, unfold
 from hydro.parametrize import Multiplier
 
 logger = logging.getLogger("hydro.fusion")
@@ -214,38 +214,55 @@ def fuse_graph(
     Raises:
         FuseError: naming the node that cannot be fused.
     """
-    graph = torch.fx.Graph()
-    env: dict[Node, Node] = {}
-    layout: dict[Node, str | None] = {}
-    owners: dict[str, object] = {}
-    expanded: dict[Node, Node] = {}
+    rewriter = _Rewriter(template, facts, n, shared, fused_layers, tensors, shared_tensors)
+    for node in template.graph.nodes:
+        rewriter.visit(node)
+    rewriter.graph.lint()
+    return torch.fx.GraphModule(rewriter.owners, rewriter.graph, "FusedGraph")
 
-    def fact(node: Node) -> Facts | None:
-        return facts[node.name]
 
-    def rank(node: Node) -> int:
-        return len(fact(node).shapes[0])
+class _Rewriter:
+    """The state of one :func:`fuse_graph` run: one method per kind of node.
 
-    def folded(node: Node) -> Node:
+    ``env`` maps each old node to its new node, ``layout`` each old node to its new value's layout
+    (``"F"``, ``"T"``, ``"S"``, ``"SB"`` or ``None`` for non-tensors), ``owners`` collects the
+    modules and tensors the new graph refers to.
+    """
+
+    def __init__(self, template, facts, n, shared, fused_layers, tensors, shared_tensors):  # noqa: ANN001
+        self.template, self.facts, self.n, self.shared = template, facts, n, shared
+        self.fused_layers, self.tensors, self.shared_tensors = fused_layers, tensors, shared_tensors
+        self.graph = torch.fx.Graph()
+        self.env: dict[Node, Node] = {}
+        self.layout: dict[Node, str | None] = {}
+        self.owners: dict[str, object] = {}
+        self._expanded: dict[Node, Node] = {}
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def rank(self, node: Node) -> int:
+        return len(self.facts[node.name].shapes[0])
+
+    def method(self, name: str, *args: object) -> Node:
+        return self.graph.call_method(name, args)
+
+    def folded(self, node: Node) -> Node:
         """``node``'s new value, with a shared batched input expanded to layout F (once)."""
-        if layout[node] != "SB":
-            return env[node]
-        if node not in expanded:
-            grown = graph.call_method("unsqueeze", (env[node], 0))
-            grown = graph.call_method("expand", (grown, n, *([-1] * rank(node))))
-            expanded[node] = graph.call_method("flatten", (grown, 0, 1))
-        return expanded[node]
+        if self.layout[node] != "SB":
+            return self.env[node]
+        if node not in self._expanded:
+            grown = self.method("unsqueeze", self.env[node], 0)
+            grown = self.method("expand", grown, self.n, *([-1] * self.rank(node)))
+            self._expanded[node] = self.method("flatten", grown, 0, 1)
+        return self._expanded[node]
 
-    def arg_nodes(node: Node) -> list[Node]:
-        found: list[Node] = []
-        torch.fx.node.map_arg((node.args, node.kwargs), found.append)
-        return found
+    def copy(self, node: Node, convert: Callable[[Node], Node]) -> Node:
+        """``node`` in the new graph, its inputs mapped through ``convert``."""
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
+        return self.graph.create_node(node.op, node.target, args, kwargs)
 
-    def remap(node: Node, convert: Callable[[Node], Node]) -> tuple[tuple, dict]:
-        return torch.fx.node.map_arg((node.args, node.kwargs), convert)
-
-    def out_layout(node: Node, inputs: set) -> str | None:
-        f = fact(node)
+    def out_layout(self, node: Node, inputs: set) -> str | None:
+        f = self.facts[node.name]
         if f is None:
             return None
         if f.batched:
@@ -258,135 +275,185 @@ def fuse_graph(
             )
         return "T"
 
-    def call(node: Node, args: tuple, kwargs: dict) -> Node:
-        return graph.create_node(node.op, node.target, args, kwargs)
+    # --- nodes ------------------------------------------------------------------------------
 
-    def to_output(node: Node) -> Node:
-        """Give an output value its leading trial dimension ``[n, ...]``."""
-        if layout[node] == "F":
-            return graph.call_method("unflatten", (env[node], 0, (n, -1)))
-        if layout[node] in ("S", "SB"):
-            grown = graph.call_method("unsqueeze", (env[node], 0))
-            return graph.call_method("expand", (grown, n, *([-1] * rank(node))))
-        return env[node]
-
-    for node in template.graph.nodes:
-        if node.op == "placeholder":
-            default = node.args[0] if node.args else inspect.Signature.empty
-            new = graph.placeholder(node.target, default_value=default)
-            f = fact(node)
-            if f is None:
-                env[node], layout[node] = new, None
-            elif not shared:
-                env[node], layout[node] = graph.call_method("flatten", (new, 0, 1)), "F"
-            else:
-                env[node], layout[node] = new, ("SB" if f.batched else "S")
-            continue
-        if node.op == "get_attr":
-            new = graph.get_attr(node.target)
-            if node.target not in tensors:  # a constant the tracer made (not a weight): shared
-                owners[node.target] = getattr(template, node.target)
-                env[node], layout[node] = new, "S"
-                continue
-            owners[node.target] = tensors[node.target]
-            if node.target in shared_tensors:
-                env[node], layout[node] = graph.call_function(operator.getitem, (new, 0)), "S"
-            else:
-                env[node], layout[node] = new, "T"
-            continue
-        if node.op == "output":
-            env[node] = graph.output(remap(node, to_output)[0][0])
-            continue
-
-        inputs = {layout[a] for a in arg_nodes(node)} - {None}
-        module = template.get_submodule(node.target) if node.op == "call_module" else None
-        if module is not None and node.target in fused_layers:
-            # A fused layer reads a shared input directly and returns it trial-stacked [n, ...].
-            owners[node.target] = fused_layers[node.target]
-            mha = isinstance(module, nn.MultiheadAttention)
-            x_layout = layout[node.args[0]]
-            if x_layout == "SB" and mha:
-                x_layout = "F"
-            # The layer's main input may stay shared; its other tensor inputs (masks) are folded.
-            x, expand_x = node.args[0], mha
-            args, kwargs = remap(
-                node,
-                lambda a, x=x, expand_x=expand_x: (
-                    folded(a) if layout[a] == "SB" and (a is not x or expand_x) else env[a]
-                ),
-            )
-            in_layout = {"SB": "S"}.get(x_layout, x_layout)
-            new = graph.call_module(node.target, args, {**kwargs, "layout": in_layout})
-            if in_layout == "S":
-                out = "F" if fact(node).batched else "T"
-                if out == "F":
-                    new = graph.call_method("flatten", (new, 0, 1))
-            else:
-                out = out_layout(node, {in_layout})
-            env[node], layout[node] = new, out
-            continue
+    def visit(self, node: Node) -> None:
+        if node.op in ("placeholder", "get_attr", "output"):
+            getattr(self, node.op)(node)
+            return
+        module = self.template.get_submodule(node.target) if node.op == "call_module" else None
+        if module is not None and node.target in self.fused_layers:
+            self.fused_layer(node, module)
+            return
         if module is not None:
-            if (
-                next(module.parameters(), None) is not None
-                or next(module.buffers(), None) is not None
-            ):
+            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
                 raise FuseError(
                     f"cannot fuse node '{node.name}': module '{node.target}' "
                     f"({type(module).__name__}) has parameters or buffers but no fused form"
                 )
-            owners[node.target] = module
-
+            self.owners[node.target] = module  # parameterless: an op like any other
+        found: list[Node] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+        inputs = {self.layout[a] for a in found} - {None}
         if not inputs & {"F", "SB", "T"}:
-            env[node] = call(node, *remap(node, env.__getitem__))
-            layout[node] = None if fact(node) is None else "S"
-            continue
-        out = out_layout(node, inputs)
-        layout[node] = out
-        if "T" not in inputs:
-            for a in arg_nodes(node):
-                if layout[a] in ("F", "SB") and _acts_on_batch_dim(node, rank(a)):
-                    raise FuseError(
-                        f"cannot fuse node '{node.name}' ({node.format_node()}): it works along "
-                        "the batch dimension (dim 0), which would mix trials"
-                    )
-            env[node] = call(node, *remap(node, folded))
-            continue
+            self.env[node] = self.copy(node, self.env.__getitem__)
+            self.layout[node] = None if self.facts[node.name] is None else "S"
+        elif "T" not in inputs:
+            self.batched_op(node, found)
+        elif node.target is F.linear and self._per_trial_linear(node):
+            self.functional_linear(node)
+        elif _broadcasts(node, module, [self.rank(a) for a in found if self.layout[a]]):
+            self.broadcast_op(node, found, inputs)
+        else:
+            self.vmap_op(node, module, inputs)
 
-        # A trial-stacked operand: broadcast over an explicit trial dimension, or vmap.
-        tensor_args = [a for a in arg_nodes(node) if layout[a] is not None]
-        top = max(rank(a) for a in tensor_args)
-        elementwise = (
-            node.target in _BROADCASTING
-            or module is not None
-            and isinstance(module, _ELEMENTWISE_MODULES)
-        ) and not (node.target in _MATMULS and min(rank(a) for a in tensor_args) < 2)
-        if elementwise:
+    def placeholder(self, node: Node) -> None:
+        default = node.args[0] if node.args else inspect.Signature.empty
+        new = self.graph.placeholder(node.target, default_value=default)
+        f = self.facts[node.name]
+        if f is None:
+            self.env[node], self.layout[node] = new, None
+        elif not self.shared:  # [n, B, ...]: each trial's own batch, folded
+            self.env[node], self.layout[node] = self.method("flatten", new, 0, 1), "F"
+        else:
+            self.env[node], self.layout[node] = new, ("SB" if f.batched else "S")
 
-            def lift(a: Node, top: int = top) -> Node:
-                if layout[a] in (None, "S"):
-                    return env[a]
-                v = folded(a)
-                if layout[a] in ("F", "SB"):
-                    v = graph.call_method("unflatten", (v, 0, (n, -1)))
-                for _ in range(top - rank(a)):
-                    v = graph.call_method("unsqueeze", (v, 1))
-                return v
+    def get_attr(self, node: Node) -> None:
+        new = self.graph.get_attr(node.target)
+        if node.target not in self.tensors:  # a constant the tracer made (not a weight): shared
+            self.owners[node.target] = getattr(self.template, node.target)
+            self.env[node], self.layout[node] = new, "S"
+            return
+        self.owners[node.target] = self.tensors[node.target]
+        if node.target in self.shared_tensors:
+            self.env[node] = self.graph.call_function(operator.getitem, (new, 0))
+            self.layout[node] = "S"
+        else:
+            self.env[node], self.layout[node] = new, "T"
 
-            new = call(node, *remap(node, lift))
-            env[node] = graph.call_method("flatten", (new, 0, 1)) if out == "F" else new
-            continue
+    def output(self, node: Node) -> None:
+        def with_trials(a: Node) -> Node:
+            if self.layout[a] == "F":
+                return self.method("unflatten", self.env[a], 0, (self.n, -1))
+            if self.layout[a] in ("S", "SB"):
+                grown = self.method("unsqueeze", self.env[a], 0)
+                return self.method("expand", grown, self.n, *([-1] * self.rank(a)))
+            return self.env[a]
+
+        self.graph.output(torch.fx.node.map_arg(node.args[0], with_trials))
+
+    def fused_layer(self, node: Node, module: nn.Module) -> None:
+        """A layer with parameters: call its fused form with its input's layout.
+
+        Its main input may stay shared (the layer then returns ``[n, ...]``, folded here when it
+        carries the batch); attention and any extra tensor inputs (masks) are folded.
+        """
+        self.owners[node.target] = self.fused_layers[node.target]
+        x = node.args[0]
+        keep_shared = not isinstance(module, nn.MultiheadAttention)
+        in_layout = self.layout[x]
+        if in_layout == "SB":
+            in_layout = "S" if keep_shared else "F"
+
+        def convert(a: Node) -> Node:
+            if a is x and keep_shared:
+                return self.env[a]
+            return self.folded(a)
+
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
+        new = self.graph.call_module(node.target, args, {**kwargs, "layout": in_layout})
+        if in_layout == "S":
+            out = "F" if self.facts[node.name].batched else "T"
+            if out == "F":
+                new = self.method("flatten", new, 0, 1)
+        else:
+            out = self.out_layout(node, {in_layout})
+        self.env[node], self.layout[node] = new, out
+
+    def _per_trial_linear(self, node: Node) -> bool:
+        x, weight, bias = _linear_args(node)
+        return (
+            isinstance(x, Node)
+            and self.layout[x] in ("F", "SB", "S")
+            and isinstance(weight, Node)
+            and self.layout[weight] == "T"
+            and self.rank(weight) == 2
+            and (bias is None or isinstance(bias, Node) and self.layout[bias] == "T")
+        )
+
+    def functional_linear(self, node: Node) -> None:
+        """``F.linear(x, w, b)`` with a per-trial weight: the fused linear op."""
+        x, weight, bias = _linear_args(node)
+        in_layout = {"SB": "S"}.get(self.layout[x], self.layout[x])
+        args = (self.env[x], self.env[weight], None if bias is None else self.env[bias])
+        new = self.graph.call_function(trial_linear, args, {"layout": in_layout})
+        out = "F" if self.facts[node.name].batched else "T"
+        if in_layout == "S" and out == "F":
+            new = self.method("flatten", new, 0, 1)
+        self.env[node], self.layout[node] = new, out
+
+    def batched_op(self, node: Node, found: list[Node]) -> None:
+        """Folded (and shared) operands only: the op runs unchanged on ``[n * B, ...]``."""
+        for a in found:
+            if self.layout[a] in ("F", "SB") and _acts_on_batch_dim(node, self.rank(a)):
+                raise FuseError(
+                    f"cannot fuse node '{node.name}' ({node.format_node()}): it works along the "
+                    "batch dimension (dim 0), which would mix trials"
+                )
+        self.layout[node] = self.out_layout(node, {self.layout[a] for a in found})
+        self.env[node] = self.copy(node, self.folded)
+
+    def broadcast_op(self, node: Node, found: list[Node], inputs: set) -> None:
+        """Trial-stacked operands of an elementwise op or matmul: lift every per-trial operand
+        to ``[n, 1, ..., *its shape]`` (folded ones to ``[n, B, ...]``) and broadcast."""
+        out = self.out_layout(node, inputs)
+        top = max(self.rank(a) for a in found if self.layout[a] is not None)
+
+        def lift(a: Node) -> Node:
+            if self.layout[a] in (None, "S"):
+                return self.env[a]
+            v = self.folded(a)
+            if self.layout[a] in ("F", "SB"):
+                v = self.method("unflatten", v, 0, (self.n, -1))
+            for _ in range(top - self.rank(a)):
+                v = self.method("unsqueeze", v, 1)
+            return v
+
+        new = self.copy(node, lift)
+        self.env[node] = self.method("flatten", new, 0, 1) if out == "F" else new
+        self.layout[node] = out
+
+    def vmap_op(self, node: Node, module: nn.Module | None, inputs: set) -> None:
+        """Anything else with per-trial operands: ``torch.func.vmap`` over the trials."""
         logger.warning(
             "hydro.fuse: node '%s' (%s) has no fused form for per-trial operands; running it "
             "under torch.func.vmap (slower)",
             node.name,
             node.format_node(),
         )
+        out = self.out_layout(node, inputs)
         leaves, _ = tree_flatten((list(node.args), dict(node.kwargs)))
-        lays = [layout[a] if isinstance(a, Node) else None for a in leaves]
+        lays = [self.layout[a] if isinstance(a, Node) else None for a in leaves]
         lays = [{"SB": "F"}.get(lay, lay) if lay in ("F", "SB", "T") else None for lay in lays]
         name = f"_hydro_vmap_{node.name}"
-        owners[name] = VmapOp(module if module is not None else node.target, n, lays, out == "F")
-        env[node] = graph.call_module(name, *remap(node, folded))
+        op = module if module is not None else node.target
+        self.owners[name] = VmapOp(op, self.n, lays, out == "F")
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.folded)
+        self.env[node] = self.graph.call_module(name, args, kwargs)
+        self.layout[node] = out
 
-    graph.lint()
-    return torch.fx.GraphModule(owners, graph, "FusedGraph")
+
+def _linear_args(node: Node) -> tuple[object, object, object]:
+    """``(input, weight, bias)`` of an ``F.linear`` call, positional or keyword."""
+    names = ("input", "weight", "bias")
+    values = list(node.args) + [node.kwargs.get(k) for k in names[len(node.args) :]]
+    return values[0], values[1], values[2] if len(values) > 2 else None
+
+
+def _broadcasts(node: Node, module: nn.Module | None, ranks: list[int]) -> bool:
+    """Whether the op broadcasts its operands (elementwise, or a matmul of matrices)."""
+    if module is not None:
+        return isinstance(module, _ELEMENTWISE_MODULES)
+    if node.target in _MATMULS:
+        return min(ranks) >= 2  # 1-d operands of matmul do not broadcast like batches
+    return node.target in _BROADCASTING

@@ -106,6 +106,9 @@ def test_dropout_masks_independent_with_per_trial_rate() -> None:
         torch.testing.assert_close(out[k][kept], clean[k][kept] / (1 - p))
     assert not torch.equal(dropped[1], dropped[2])  # same rate, independent masks
     assert fused.trial(3)[1].p == 0.9
+    fused.load_trial(0, nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3)))
+    assert fused.trial(0)[1].p == 0.3
+    fused.load_trial(0, models[0])
     fused.eval()
     torch.testing.assert_close(fused(x), clean)
     # One rate for all trials: the plain path, still independent masks.
@@ -256,3 +259,47 @@ def test_fuse_errors_name_the_node() -> None:
         fuse([Custom(), Custom()])(torch.randn(3, 4))
     with pytest.raises(FuseError):
         fuse([MLP(width=16), MLP(width=32)])
+
+
+def test_dtype_conversion_after_fusing() -> None:
+    cases = [ZOO["convnext"](dim=16, batch=2, seed=k) for k in range(2)]
+    fused = fuse([c.model for c in cases])
+    x = cases[0].inputs[0]
+    fused(x)  # build the float32 graph first: .double() must invalidate it
+    fused.double()
+    out = fused(x.double())
+    assert out.dtype == torch.float64
+    for k, c in enumerate(cases):
+        torch.testing.assert_close(out[k], c.model.double()(x.double()), rtol=1e-12, atol=1e-12)
+
+
+class TiedHead(nn.Module):
+    """An output head tied to the embedding through functional F.linear (a get_attr weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, idx):
+        h = torch.tanh(self.lin(self.emb(idx)))
+        return F.linear(h, self.emb.weight).mean(dim=1)
+
+
+def test_functional_linear_with_per_trial_weight(monkeypatch, caplog) -> None:
+    from tests import zoo
+
+    def tied(seed: int = 0, batch: int = 4) -> zoo.Case:
+        g = torch.Generator().manual_seed(seed + 1000)
+        torch.manual_seed(seed)
+        idx = torch.randint(0, 20, (batch, 5), generator=g)
+        target = torch.randint(0, 20, (batch,), generator=g)
+        return zoo.Case(TiedHead(), (idx,), target, F.cross_entropy)
+
+    monkeypatch.setitem(zoo.ZOO, "tied", tied)
+    with caplog.at_level(logging.WARNING, logger="hydro.fusion"):
+        run, cases = build("tied", 3, "adamw")
+        train_and_compare(run, cases, steps=3)
+        fused = fuse(nn.Linear(4, 3), n=2)  # traced through: a functional F.linear
+        fused(torch.randn(5, 4))
+    assert "vmap" not in caplog.text  # both went through the fused linear op
