@@ -246,6 +246,7 @@ def apply(
     output_mult: float = 1.0,
     seed: int | None = None,
     standard: bool = False,
+    always_readout: bool = False,
 ) -> SurrogateInfo:
     """Parametrize a rebuilt surrogate with muP relative to ``target``.
 
@@ -295,7 +296,7 @@ def apply(
                     )
                     readouts.append((u.node, output_mult * fan))
     source.warn_unread(new_names, new_tensors)
-    _insert_readout_multipliers(sur, plan, node_map, readouts, info)
+    _insert_readout_multipliers(sur, plan, node_map, readouts, info, always_readout)
     if standard:
         mup.set_base_shapes(sur, None, rescale_params=False, do_assert=False)
     else:
@@ -374,10 +375,12 @@ class _InitSource:
         )
 
 
-def _insert_readout_multipliers(sur, plan, node_map, readouts, info: SurrogateInfo) -> None:
+def _insert_readout_multipliers(
+    sur, plan, node_map, readouts, info: SurrogateInfo, always: bool = False
+) -> None:  # noqa: ANN001
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     for i, (node_name, value) in enumerate(readouts):
-        if value == 1.0:
+        if value == 1.0 and not always:
             continue  # the target's own forward: keep the graph (and its numerics) as they are
         new = node_map[by_name[node_name]]
         act = new.args[0]

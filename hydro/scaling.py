@@ -155,8 +155,13 @@ def build(
     leaf_modules: Iterable[type[nn.Module]] = (),
     seed: int | None = None,
     parametrization: Literal["mup", "sp"] = "mup",
+    always_readout: bool = False,
 ) -> Scaled:
-    """:func:`scale`, returning the width plan and node map along with the surrogate."""
+    """:func:`scale`, returning the width plan and node map along with the surrogate.
+
+    ``always_readout`` inserts the readout multiplier even where it is 1 (ratio 1), so that
+    its ``scale`` can be set per trial (the ``output_mult`` hyperparameter).
+    """
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ScaleError(f"ratio must be a positive integer (1, 2, 4, 8...), got {ratio!r}")
     if parametrization not in ("mup", "sp"):
@@ -167,7 +172,7 @@ def build(
     sur, node_map, new_tensors = _rebuild(gm, plan, model)
     info = parametrize.apply(
         sur, gm, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
-        standard=parametrization == "sp",
+        standard=parametrization == "sp", always_readout=always_readout,
     )  # fmt: skip
     _check(sur, plan, node_map, inputs)
     sur.hydro = info

@@ -312,3 +312,17 @@ def test_groups_train_in_local_worker_processes_and_prune_there():
     assert all(max(t.intermediate_values) == 40 for t in study.trials[::2])
     pids = {t.user_attrs["worker_pid"] for t in study.trials}
     assert os.getpid() not in pids and len({t.user_attrs["group"] for t in study.trials}) == 2
+
+
+def test_output_multiplier_is_a_per_trial_hyperparameter():
+    task = make_task(steps=10)
+    params = [{"output_mult": 1.0}, {"output_mult": 0.25}, {"output_mult": 4.0}]
+    for ratio in (1, 2):
+        outcomes, _ = train_group(task, params, ratio=ratio, seeds=[0, 0, 0])
+        values = [o.value for o in outcomes]
+        assert all(math.isfinite(v) for v in values)
+        assert len(set(values)) == 3  # same init and data: only the multiplier differs
+    # a multiplier of 1 is the model itself, exactly
+    plain, _ = train_group(task, [{}], ratio=1, seeds=[0])
+    one, _ = train_group(task, [{"output_mult": 1.0}], ratio=1, seeds=[0])
+    assert plain[0].value == one[0].value

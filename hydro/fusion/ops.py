@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydro.errors import FuseError
+from hydro.parametrize import Multiplier
 
 Layout = str  # "F", "T" or "S"
 
@@ -362,10 +363,6 @@ class FusedDropout(FusedModule):
             raise FuseError("nn.Dropout(inplace=True) cannot be fused; use inplace=False")
         return cls(len(mods), [m.p for m in mods])
 
-    def select_trials(self, index: torch.Tensor) -> None:
-        super().select_trials(index)
-        self.p = self.p[index]
-
     def trial_attributes(self, k: int) -> dict[str, object]:
         return {"p": float(self.p[k])}
 
@@ -381,6 +378,37 @@ class FusedDropout(FusedModule):
         else:
             out = _dropout(x, self.p, self.n, self.training)
         return unfold(out, self.n) if layout == "S" else out
+
+
+class FusedMultiplier(FusedModule):
+    """``n`` muP multipliers (:class:`hydro.parametrize.Multiplier`), one ``scale`` per trial."""
+
+    def __init__(self, n: int, scale: Sequence[float]) -> None:
+        super().__init__(n)
+        self.register_buffer("scale", torch.tensor(list(scale), dtype=torch.float64),
+                             persistent=False)  # fmt: skip
+
+    @classmethod
+    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedMultiplier:
+        return cls(len(mods), [m.scale for m in mods])
+
+    def trial_attributes(self, k: int) -> dict[str, object]:
+        return {"scale": float(self.scale[k])}
+
+    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
+        self.scale[k] = float(value)
+
+    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
+        if bool((self.scale == self.scale[0]).all()):
+            out = x * float(self.scale[0])  # one value: exactly the original module's op
+            return out.unsqueeze(0).expand(self.n, *out.shape) if layout == "S" else out
+        if layout == "S":
+            x = x.unsqueeze(0).expand(self.n, *x.shape)
+        trials = x if layout in ("S", "T") else unfold(x, self.n)
+        # a float32 tensor times a Python float rounds the float to float32 first: so here
+        scale = self.scale.to(x.dtype).view(self.n, *([1] * (trials.dim() - 1)))
+        out = trials * scale
+        return out if layout in ("S", "T") else out.flatten(0, 1)
 
 
 class _FusedOutProj(nn.Module):
@@ -419,10 +447,6 @@ class FusedMultiheadAttention(FusedModule):
     @classmethod
     def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedMultiheadAttention:
         return cls(len(mods), mods[0], param, [m.dropout for m in mods])
-
-    def select_trials(self, index: torch.Tensor) -> None:
-        super().select_trials(index)
-        self.p = self.p[index]
 
     def trial_attributes(self, k: int) -> dict[str, object]:
         return {"dropout": float(self.p[k])}
@@ -521,6 +545,7 @@ FUSED_LAYERS: list[tuple[type[nn.Module], type[FusedModule]]] = [
     (nn.Embedding, FusedEmbedding),
     (nn.MultiheadAttention, FusedMultiheadAttention),
     (nn.Dropout, FusedDropout),
+    (Multiplier, FusedMultiplier),
 ]
 
 

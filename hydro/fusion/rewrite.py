@@ -37,7 +37,6 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hydro.errors import FuseError
 from hydro.fusion.ops import FusedModule, trial_linear, unfold
-from hydro.parametrize import Multiplier
 
 logger = logging.getLogger("hydro.fusion")
 
@@ -123,7 +122,7 @@ _BROADCASTING = {
     "sqrt", "rsqrt", "abs", "neg", "to", "float", "double", "type_as", "clone", "contiguous",
 }  # fmt: skip
 _ELEMENTWISE_MODULES = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity, Multiplier,
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity,
 )  # fmt: skip
 _MATMULS = {operator.matmul, torch.matmul, "matmul"}
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import hydro.optim as fused_optim
 from hydro.fusion import fuse, trial_loss
+from hydro.parametrize import Multiplier
 from hydro.scaling import build
 from hydro.tuning.task import Task
 
@@ -91,12 +92,11 @@ def train_group(
     target = task.build_model(**arch)
 
     # one width analysis for the group; each member is an independent draw of the same surrogate
-    scaled = build(target, ratio, example_inputs=example, seed=int(seeds[0]))
-    members = []
-    for k, (p, seed) in enumerate(zip(params, seeds)):
-        sur = scaled.surrogate if k == 0 else scaled.sample(int(seed))
+    always = any("output_mult" in p for p in params)
+    scaled = build(target, ratio, example_inputs=example, seed=int(seeds[0]), always_readout=always)
+    members = [scaled.surrogate] + [scaled.sample(int(seed)) for seed in seeds[1:]]
+    for sur, p in zip(members, params):  # after sampling: samples copy the first member
         _apply_model_params(sur, p)
-        members.append(sur)
     widths = _widths(members[0])
     fused = fuse(members).to(device)
     fused.train()
@@ -186,6 +186,10 @@ def _fail_diverged(fused, alive, outcomes, history, step, losses) -> None:  # no
 
 
 def _apply_model_params(sur: nn.Module, p: dict[str, Any]) -> None:
+    if "output_mult" in p:
+        for name, m in sur.named_modules():
+            if isinstance(m, Multiplier) and name.startswith("mup_readout"):
+                m.scale = m.scale * float(p["output_mult"])
     if "dropout" in p:
         for m in sur.modules():
             if isinstance(m, nn.Dropout):

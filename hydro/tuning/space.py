@@ -28,6 +28,7 @@ HYPERPARAMETERS: dict[str, str] = {
     "batch_size": "batch size (trials with different batch sizes train in separate groups)",
     "grad_clip": "per-trial gradient-norm clipping threshold",
     "init_scale": "multiplier of the initial weights of every matrix",
+    "output_mult": "muP output multiplier: scales the readout layer's input",
 }
 
 Space = Mapping[str, BaseDistribution] | Callable[[optuna.Trial], Any]
