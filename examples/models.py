@@ -1,4 +1,6 @@
-"""Small target models for trying Hydro on a CPU: ``hydro inspect examples.models:gpt``.
+"""Small target models for trying Hydro on a CPU: ``hydro inspect examples.models:resnet``.
+
+(The character-level GPT lives in :mod:`examples.charlm.model`.)
 
 Each factory returns a freshly initialized model (or a ``(model, example_inputs)`` pair), sized
 like a real model you would tune but still quick to build on a laptop.
@@ -6,76 +8,8 @@ like a real model you would tune but still quick to build on a laptop.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
-        super().__init__()
-        self.n_head, self.n_embd = n_head, n_embd
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
-        )
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    """A GPT-2 style character-level decoder with tied embeddings."""
-
-    def __init__(self, vocab_size=96, block_size=128, n_layer=4, n_head=8, n_embd=512):
-        super().__init__()
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
-            elif p.dim() == 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, idx):
-        b, t = idx.size()
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def gpt():
-    """The GPT target with an example batch of 2 sequences of 64 characters."""
-    return GPT(), (torch.zeros(2, 64, dtype=torch.long),)
 
 
 def mlp() -> nn.Module:

@@ -118,6 +118,7 @@ def inspect(
     report = InspectReport(ratio, head_decisions=list(sur.hydro.head_decisions),
                            multipliers=dict(sur.hydro.multipliers))  # fmt: skip
     roles = sur.hydro.roles
+    canonical = {id(p): n for n, p in sur.named_parameters()}  # tied weights: one name
     gm = plan.gm
     for old in gm.graph.nodes:
         if old not in scaled.node_map:
@@ -131,7 +132,8 @@ def inspect(
                 continue
             first = next(n for n, _ in m_t.named_parameters())
             report.rows.append(LayerPlan(
-                old.target, type(m_t).__name__, roles.get(f"{old.target}.{first}", "?"),
+                old.target, type(m_t).__name__,
+                roles.get(canonical.get(id(m_s.get_parameter(first)), ""), "?"),
                 tuple(m_t.get_parameter(first).shape), tuple(m_s.get_parameter(first).shape),
                 n_t, sum(p.numel() for p in m_s.parameters()),
                 _module_flops(m_t, plan.values.get(old.args[0]), t_val),

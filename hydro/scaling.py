@@ -188,12 +188,10 @@ def guess_inputs(gm: torch.fx.GraphModule) -> tuple[torch.Tensor, ...]:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        first = next(iter(node.users), None)
-        m = (
-            gm.get_submodule(first.target)
-            if first is not None and first.op == "call_module"
-            else None
-        )
+        # the first layer reading this input says its shape (size() calls and the like aside)
+        layers = [u for u in node.users if u.op == "call_module"]
+        first = layers[0] if layers else next(iter(node.users), None)
+        m = gm.get_submodule(first.target) if layers else None
         if isinstance(m, nn.Linear):
             inputs.append(torch.zeros(2, m.in_features))
         elif isinstance(m, _CONVS + _CONV_TRANSPOSES):
