@@ -119,6 +119,7 @@ def inspect(
                            multipliers=dict(sur.hydro.multipliers))  # fmt: skip
     roles = sur.hydro.roles
     canonical = {id(p): n for n, p in sur.named_parameters()}  # tied weights: one name
+    counted: set[int] = set()
     gm = plan.gm
     for old in gm.graph.nodes:
         if old not in scaled.node_map:
@@ -127,15 +128,18 @@ def inspect(
         t_val, s_val = plan.values.get(old), sur_values.get(new)
         if old.op == "call_module":
             m_t, m_s = gm.get_submodule(old.target), sur.get_submodule(old.target)
-            n_t = sum(p.numel() for p in m_t.parameters())
-            if not n_t:
+            if not any(True for _ in m_t.parameters()):
                 continue
+            # a tied weight (a readout sharing the embedding) is counted once, where first seen
+            n_t = sum(p.numel() for p in m_t.parameters() if id(p) not in counted)
+            n_s = sum(p.numel() for p in m_s.parameters() if id(p) not in counted)
+            counted.update(id(p) for p in (*m_t.parameters(), *m_s.parameters()))
             first = next(n for n, _ in m_t.named_parameters())
             report.rows.append(LayerPlan(
                 old.target, type(m_t).__name__,
                 roles.get(canonical.get(id(m_s.get_parameter(first)), ""), "?"),
                 tuple(m_t.get_parameter(first).shape), tuple(m_s.get_parameter(first).shape),
-                n_t, sum(p.numel() for p in m_s.parameters()),
+                n_t, n_s,
                 _module_flops(m_t, plan.values.get(old.args[0]), t_val),
                 _module_flops(m_s, sur_values.get(new.args[0]) if new.args else None, s_val),
             ))  # fmt: skip
