@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import hydro.optim as fused_optim
+from hydro.errors import ConfigError
 from hydro.fusion import fuse, trial_loss
 from hydro.parametrize import Multiplier
 from hydro.scaling import build
@@ -221,8 +222,6 @@ def _scheduler(task: Task, opt: fused_optim.FusedOptimizer, params: Sequence[dic
     steps = task.steps
     warm = [int(p.get("warmup", 0)) for p in params]
     if any(w >= steps for w in warm):
-        from hydro.errors import ConfigError
-
         raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps})")
     S = fused_optim.lr_scheduler
     if task.scheduler == "none" and not any(warm):
