@@ -75,7 +75,7 @@ def static_fluid(
     """
     _check_groups(groups, idle_devices)
     _check_bounds(c, d)
-    bins = _bins(idle_devices, c)
+    bins = _Capacity(idle_devices, c)
     return _allocate(list(groups), bins, c, d, [g.work for g in groups])
 
 
@@ -119,8 +119,10 @@ def dynamic_fluid(
     """
     _check_groups(groups, devices)
     _check_bounds(c, d)
-    target = _allocate(list(groups), _bins(devices, c), c, d, [g.work for g in groups])
-    return _rebalance(groups, devices, c, d, running or {}, restart_cost, target)
+    running = running or {}
+    weights = [g.work for g in groups]
+    target = _allocate(list(groups), _Capacity(devices, c), c, d, weights, prefer=running)
+    return _rebalance(groups, devices, c, d, running, restart_cost, target)
 
 
 def deadline(
@@ -165,7 +167,7 @@ def deadline(
     _check_bounds(c, d)
     if not end > start:
         raise ValueError(f"The deadline end={end} must be after start={start}.")
-    bins = _bins(devices, c)
+    bins = _Capacity(devices, c)
     exploit = min(1.0, max(0.0, (now - start) / (end - start))) * len(devices)
     time_left = max(end - now, _EPS)
     ranked = sorted((g for g in groups if g.score is not None), key=lambda g: g.score)
@@ -230,14 +232,19 @@ class _Capacity(dict):
         return self._idle
 
 
-def _bins(devices: Sequence[Device], c: int) -> _Capacity:
-    return _Capacity(devices, c)
-
-
 def _allocate(
-    groups: list[TrialGroup], bins: _Capacity, c: int, d: int, weights: list[float]
+    groups: list[TrialGroup],
+    bins: _Capacity,
+    c: int,
+    d: int,
+    weights: list[float],
+    prefer: Mapping[str, tuple[Slot, ...]] | None = None,
 ) -> Allocation:
-    """StaticFluid on whatever capacity ``bins`` has left; takes the capacity it gives out."""
+    """StaticFluid on whatever capacity ``bins`` has left; takes the capacity it gives out.
+
+    ``prefer`` maps running groups to their current slots, which they keep where possible.
+    """
+    prefer = prefer or {}
     capacity = sum(b.free for b in bins.values())
     admitted = groups[: int(c * capacity + _EPS)]
     if not admitted:
@@ -251,7 +258,7 @@ def _allocate(
     for i in order:
         group, share = admitted[i], float(shares[i])
         if share >= 1 - _EPS:
-            slots = _place_whole(group, int(share + _EPS), bins)
+            slots = _place_whole(group, int(share + _EPS), bins, prefer.get(group.name, ()))
             if slots:
                 allocation[group.name] = slots
                 continue
@@ -457,7 +464,7 @@ def _rebalance(
     if all(target.get(n) == s for n, s in kept.items()):
         return dict(target)  # nothing pinned away from the target: it is consistent
 
-    bins = _bins(devices, c)
+    bins = _Capacity(devices, c)
     for name, slots in kept.items():
         for dev, share in slots:
             b = bins[dev]

@@ -141,6 +141,8 @@ class LocalExecutor:
                 f"fn must be picklable to reach worker processes (a module-level function or "
                 f"a functools.partial of one), got {fn!r}: {exc}"
             ) from exc
+        ledger = Ledger(self.max_retries)
+        ledger.submit(groups)  # checks the groups first
         sizes = {g.name: _world_size(world_size, g.name) for g in groups}
         for name, size in sizes.items():
             if size > self._max_world_size():
@@ -148,8 +150,6 @@ class LocalExecutor:
                     f"Group {name!r} asks for world_size={size} but this executor has only "
                     f"{self._max_world_size()} slot(s) for one group; lower it or add devices."
                 )
-        ledger = Ledger(self.max_retries)
-        ledger.submit(groups)
         root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-"))
         run = _Run(self, ledger, fn, report, sizes, root)
         try:

@@ -129,6 +129,8 @@ class RayExecutor:
     ) -> list[GroupResult]:
         """Run ``fn(group, ctx)`` for every group; same contract as :meth:`LocalExecutor.run`."""
         ray = _import_ray()
+        ledger = Ledger(self.max_retries)
+        ledger.submit(groups)  # checks the groups first
         sizes = {}
         for g in groups:
             size = world_size.get(g.name, 1) if isinstance(world_size, Mapping) else world_size
@@ -140,8 +142,6 @@ class RayExecutor:
                     f"{self.gpus:g} GPU(s); lower it or add GPUs."
                 )
             sizes[g.name] = size
-        ledger = Ledger(self.max_retries)
-        ledger.submit(groups)
         root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-ray-"))
         run = _RayRun(self, ray, ledger, fn, report, sizes, root, self._get_hub(ray))
         try:

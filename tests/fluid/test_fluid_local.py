@@ -239,6 +239,8 @@ def test_bad_input_raises_clear_errors():
         executor.run([group], lambda g, ctx: None)
     with pytest.raises(ValueError, match="one group"):
         executor.run([group, TrialGroup("h", (0,), (1,))], quick)
+    with pytest.raises(ValueError, match="TrialGroup"):
+        executor.run(["not a group"], quick)
     with pytest.raises(ValueError, match="cuda:0"):
         LocalExecutor(devices=["tpu0"])
     with pytest.raises(ValueError, match="max_retries"):
