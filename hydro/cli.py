@@ -178,7 +178,9 @@ def _vocab(model: nn.Module) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hydro", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hydro", description="Hydro: tune hyperparameters on fused muP surrogates."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
