@@ -29,7 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydro.optim  # noqa: E402
-from examples.models import GPT, ResNet  # noqa: E402
+from examples.charlm.model import GPT  # noqa: E402
+from examples.models import ResNet  # noqa: E402
 from hydro.fusion import fuse, trial_loss  # noqa: E402
 from hydro.scaling import scale  # noqa: E402
 
@@ -56,7 +57,7 @@ def gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def gpt_surrogate():
     idx = torch.randint(0, 96, (8, 32))
-    target = GPT(vocab_size=96, block_size=32, n_layer=2, n_head=8, n_embd=256)
+    target = GPT(n_layer=2, n_head=8, n_embd=256, block_size=32, dropout=0.0)
     model = scale(target, ratio=4, example_inputs=(idx,))  # n_embd 256 -> 64, muP
     return model, (idx,), torch.randint(0, 96, (8, 32)), gpt_loss
 
