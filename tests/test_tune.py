@@ -326,3 +326,18 @@ def test_output_multiplier_is_a_per_trial_hyperparameter():
     plain, _ = train_group(task, [{}], ratio=1, seeds=[0])
     one, _ = train_group(task, [{"output_mult": 1.0}], ratio=1, seeds=[0])
     assert plain[0].value == one[0].value
+
+
+def test_groups_train_on_a_local_ray_cluster():
+    ray = pytest.importorskip("ray")
+    from hydro_fluid import RayExecutor
+
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)
+    try:
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        optimize(study, make_task(steps=20), SPACE, n_trials=4, ratio=2, fuse=2,
+                 executor=RayExecutor())  # fmt: skip
+        assert states(study) == {"COMPLETE": 4}
+        assert os.getpid() not in {t.user_attrs["worker_pid"] for t in study.trials}
+    finally:
+        ray.shutdown()
