@@ -234,7 +234,9 @@ class FusedModel(nn.Module):
         """Keep only the trials ``indices`` (in that order), in place, and return ``self``.
 
         Parameters keep their identity (only their data shrinks), so an optimizer over them stays
-        valid after ``opt.select(indices)`` with the same indices.
+        valid after ``opt.select(indices)`` with the same indices. Call it between steps, once the
+        last step's outputs and losses are gone (``del out, loss``): autograd keeps the old
+        parameter shapes for as long as a graph that used them is alive.
         """
         index = torch.as_tensor(list(indices) if not torch.is_tensor(indices) else indices)
         index = index.to(torch.long)
