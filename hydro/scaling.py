@@ -20,6 +20,7 @@ from torch import nn
 
 from hydro import parametrize
 from hydro.errors import ScaleError
+from hydro.fx.paths import get_path, has_path
 from hydro.fx.shapes import propagate
 from hydro.fx.trace import trace
 from hydro.fx.widths import (
@@ -138,8 +139,8 @@ def _clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         root.register_buffer(name, copy.deepcopy(b, memo))
     clone = torch.fx.GraphModule(root, copy.deepcopy(gm.graph), type(gm).__name__)
     for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]:
-        if not _has_path(clone, name):
-            _set_path(clone, name, _get_path(root, name))
+        if not has_path(clone, name):
+            _set_path(clone, name, get_path(root, name))
     # the same registration order as the original: module lists compare equal
     clone._modules = {k: clone._modules[k] for k in gm._modules if k in clone._modules}
     return clone
@@ -232,20 +233,20 @@ def _rebuild(
             m = gm.get_submodule(old.target)
             _set_path(root, old.target, _rebuild_module(m, old, plan, new_tensors))
         elif old.op == "get_attr":
-            t = _get_path(gm, old.target)
+            t = get_path(gm, old.target)
             if isinstance(t, torch.Tensor):
                 _set_path(root, old.target, _new_tensor(t, plan, new_tensors))
     # tensors forward never reads (an unused mask buffer...) keep their place in the state_dict
     everything = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
     for pname, t in everything:
-        if not _has_path(root, pname):
+        if not has_path(root, pname):
             _set_path(root, pname, _new_tensor(t, plan, new_tensors) if id(t) in plan.param_syms
                       else t.detach().clone())  # fmt: skip
     sur = torch.fx.GraphModule(root, graph, f"{type(model).__name__}Surrogate")
     # GraphModule copies only what the graph references; put the unused tensors back too
     for pname, _ in everything:
-        if not _has_path(sur, pname):
-            _set_path(sur, pname, _get_path(root, pname))
+        if not has_path(sur, pname):
+            _set_path(sur, pname, get_path(root, pname))
     return sur, node_map, new_tensors
 
 
@@ -543,21 +544,6 @@ def _first_failing(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> torch.f
 
 
 # --- small helpers -------------------------------------------------------------------------------
-
-
-def _get_path(root: nn.Module, path: str) -> Any:
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _has_path(root: nn.Module, path: str) -> bool:
-    try:
-        _get_path(root, path)
-        return True
-    except AttributeError:
-        return False
 
 
 def _set_path(root: nn.Module, path: str, value: Any) -> None:

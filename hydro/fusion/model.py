@@ -14,6 +14,7 @@ from hydro.errors import FuseError
 from hydro.fusion.ops import FusedModule, fused_class, stack_buffer, stack_param
 from hydro.fusion.rewrite import batch_facts, fuse_graph
 from hydro.fx import trace
+from hydro.fx.paths import get_path, has_path
 
 
 def _set_path(root: nn.Module, path: str, value: object, buffer: bool = False) -> None:
@@ -103,7 +104,7 @@ class FusedModel(nn.Module):
             if name not in covered:
                 _set_path(self, name, p)
         constants = any(
-            node.op == "get_attr" and not _has_attr(original, node.target)
+            node.op == "get_attr" and not has_path(original, node.target)
             for node in template.graph.nodes
         )
         for name, _ in original.named_buffers(remove_duplicate=False):
@@ -147,7 +148,7 @@ class FusedModel(nn.Module):
             facts = batch_facts(self._template, one)
             # Every weight the graph reads directly (a tied head reads a fused layer's weight too).
             targets = [n.target for n in self._template.graph.nodes if n.op == "get_attr"]
-            tensors = {t: _get_attr(self, t) for t in targets if _has_attr(self, t)}
+            tensors = {t: get_path(self, t) for t in targets if has_path(self, t)}
             self._graphs[key] = fuse_graph(
                 self._template, facts, self.n, shared, self.fused_layers, tensors,
                 self.shared_tensors,
@@ -259,21 +260,6 @@ class FusedModel(nn.Module):
         if not -self.n <= k < self.n:
             raise IndexError(f"trial {k} out of range for {self.n} fused trials")
         return k % self.n
-
-
-def _has_attr(module: nn.Module, path: str) -> bool:
-    try:
-        _get_attr(module, path)
-    except AttributeError:
-        return False
-    return True
-
-
-def _get_attr(module: nn.Module, path: str) -> object:
-    *parents, leaf = path.split(".")
-    for name in parents:
-        module = getattr(module, name)
-    return getattr(module, leaf)
 
 
 def _check_same_architecture(models: Sequence[nn.Module]) -> None:

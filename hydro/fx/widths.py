@@ -27,6 +27,7 @@ import torch.fx
 from torch import nn
 
 from hydro.errors import ScaleError
+from hydro.fx.paths import get_path
 from hydro.fx.shapes import propagate
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -271,11 +272,14 @@ class _Analysis:
         """Fresh symbols mirroring a value's structure."""
         if isinstance(value, torch.Tensor):
             return self.tensor_syms(value)
-        if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
-            return type(value)(self.fresh(v) for v in value) if type(value) in (
-                tuple, list) else tuple(self.fresh(v) for v in value)  # fmt: skip
         if isinstance(value, torch.Size):
             return tuple(_IntSym(self.new_sym(d)) for d in value)
+        if isinstance(value, (tuple, list)):  # named tuples (torch.return_types) become tuples
+            return (
+                [self.fresh(v) for v in value]
+                if isinstance(value, list)
+                else tuple(self.fresh(v) for v in value)
+            )
         if isinstance(value, int) and not isinstance(value, bool):
             return _IntSym(None)
         return None
@@ -352,7 +356,7 @@ class _Analysis:
                 syms = self.fresh(value)
                 self.fix(syms)
             elif node.op == "get_attr":
-                t = _get_attr(self.gm, node.target)
+                t = get_path(self.gm, node.target)
                 syms = (
                     _TensorSyms(self.param_syms[id(t)])
                     if isinstance(t, torch.Tensor) and id(t) in self.param_syms
@@ -670,7 +674,7 @@ class _Analysis:
 
     def _use_node_param(self, w_node: Any, node: torch.fx.Node, fan_in, fan_out) -> None:
         if isinstance(w_node, torch.fx.Node) and w_node.op == "get_attr":
-            t = _get_attr(self.gm, w_node.target)
+            t = get_path(self.gm, w_node.target)
             self.use(t, node, fan_in, fan_out)
 
     def permute_rule(self, node, x, out, perm: list[int]) -> None:
@@ -792,21 +796,6 @@ def _permutation(node: torch.fx.Node, rank: int) -> list[int]:
         result[d] = s
     it = iter(rest)
     return [r if r is not None else next(it) for r in result]
-
-
-def _is_param(gm: nn.Module, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
-
-
-def _get_attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _divisor_suggestions(sizes: Iterable[int], ratio: int) -> str:
