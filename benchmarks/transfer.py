@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import hydro  # noqa: E402
 from examples.charlm.data import load  # noqa: E402
 from examples.charlm.model import gpt  # noqa: E402
+from hydro.tuning.tune import spearman  # noqa: E402
 
 
 def lr_lambda(warmup: int, steps: int):
@@ -93,24 +94,6 @@ def sweep(model: nn.Module, make_groups, lrs: list[float], data, batches, args) 
         model.load_state_dict(init)
         losses.append(train(model, make_groups(model, lr), data, batches, args))
     return losses
-
-
-def ranks(v: np.ndarray) -> np.ndarray:
-    """Ranks (1 = smallest), ties averaged; NaN (a diverged run) counts as the worst loss."""
-    v = np.where(np.isnan(v), np.inf, v)
-    order = np.argsort(v, kind="stable")
-    r = np.empty(len(v))
-    r[order] = np.arange(1, len(v) + 1)
-    for value in np.unique(v):
-        tied = v == value
-        r[tied] = r[tied].mean()
-    return r
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation: the Pearson correlation of the ranks."""
-    ra, rb = ranks(a), ranks(b)
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def table(name: str, lrs: list[float], widths: list[int], losses: dict[int, np.ndarray]) -> str:

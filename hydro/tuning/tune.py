@@ -253,11 +253,13 @@ def verify(task: Task, study: optuna.Study, top_k: int, *, seed: int = 0) -> dic
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman rank correlation (average ranks for ties); None for fewer than 2 points."""
+    """Spearman rank correlation (average ranks for ties, NaN ranked worst, as a diverged run);
+    None for fewer than 2 points."""
     if len(a) < 2:
         return None
 
     def ranks(v: Sequence[float]) -> list[float]:
+        v = [math.inf if math.isnan(x) else float(x) for x in v]
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
         i = 0
