@@ -146,33 +146,42 @@ def optimize(
             _progress(study, n_trials, start)
 
 
-def _run_task_batch(study, task, space, trials, ratio, seed, device, group_id, told) -> int:  # noqa: ANN001
-    params = []
+def _plan_groups(trials, task, space, ratio, fuse, group_id):  # noqa: ANN001, ANN202
+    """Sample each trial, then split them into fused groups of at most ``fuse`` members that
+    agree on :func:`group_key`, recording group id, ratio and size on every trial."""
+    params: dict[int, dict] = {}
+    by_key: dict[tuple, list[optuna.Trial]] = {}
     for t in trials:
-        p = sample(t, space)
-        check_names(p, task.model_args())
-        params.append(p)
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(group_key(p, task), []).append(i)
-    for offset, members in enumerate(groups.values()):
-        gid = group_id + offset
-        member_trials = [trials[i] for i in members]
-        for t in member_trials:
-            t.set_user_attr("group", gid)
-            t.set_user_attr("ratio", ratio)
-            t.set_user_attr("fused", len(members))
+        params[t.number] = sample(t, space)
+        check_names(params[t.number], task.model_args())
+        by_key.setdefault(group_key(params[t.number], task), []).append(t)
+    groups = []
+    for same in by_key.values():
+        for i in range(0, len(same), fuse):
+            members = same[i : i + fuse]
+            for t in members:
+                t.set_user_attr("group", group_id + len(groups))
+                t.set_user_attr("ratio", ratio)
+                t.set_user_attr("fused", len(members))
+            groups.append(members)
+    return groups, params
 
-        def report(k: int, step: int, value: float, member_trials=member_trials) -> bool:
-            trial = member_trials[k]
-            trial.report(value, step)
-            return trial.should_prune()
 
+def _report_and_ask(trial: optuna.Trial, step: int, value: float) -> bool:
+    """Give the study a member's intermediate value; True when its pruner prunes it."""
+    trial.report(value, step)
+    return trial.should_prune()
+
+
+def _run_task_batch(study, task, space, trials, ratio, seed, device, group_id, told) -> int:  # noqa: ANN001
+    groups, params = _plan_groups(trials, task, space, ratio, len(trials), group_id)
+    for members in groups:
         outcomes, info = train_group(
-            task, [params[i] for i in members], ratio=ratio,
-            seeds=[seed + t.number for t in member_trials], report=report, device=device,
+            task, [params[t.number] for t in members], ratio=ratio,
+            seeds=[seed + t.number for t in members], device=device,
+            report=lambda k, step, value, members=members: _report_and_ask(members[k], step, value),
         )  # fmt: skip
-        for t, outcome in zip(member_trials, outcomes):
+        for t, outcome in zip(members, outcomes):
             _tell(study, t, outcome, info)
             told.add(t.number)
     return len(groups)
@@ -182,31 +191,15 @@ def _run_on_executor(study, task, space, trials, ratio, seed, fuse, group_id, to
     from hydro_fluid import TrialGroup
 
     by_number = {t.number: t for t in trials}
-    params: dict[int, dict] = {}
-    for t in trials:
-        params[t.number] = sample(t, space)
-        check_names(params[t.number], task.model_args())
-    by_key: dict[tuple, list[int]] = {}
-    for number, p in params.items():
-        by_key.setdefault(group_key(p, task), []).append(number)
-    groups = []
-    for numbers in by_key.values():
-        for i in range(0, len(numbers), fuse):
-            members = tuple(numbers[i : i + fuse])
-            gid = group_id + len(groups)
-            for n in members:
-                by_number[n].set_user_attr("group", gid)
-                by_number[n].set_user_attr("ratio", ratio)
-                by_number[n].set_user_attr("fused", len(members))
-            groups.append(TrialGroup(f"group-{gid}", members, (task.steps,) * len(members)))
-
-    def on_report(number: int, step: int, value: float) -> bool:
-        trial = by_number[number]
-        trial.report(value, step)
-        return trial.should_prune()
-
+    groups, params = _plan_groups(trials, task, space, ratio, fuse, group_id)
+    fluid_groups = [
+        TrialGroup(f"group-{group_id + i}", tuple(t.number for t in members),
+                   (task.steps,) * len(members))
+        for i, members in enumerate(groups)
+    ]  # fmt: skip
     fn = functools.partial(_train_in_worker, task, params, ratio, seed)
-    for result in executor.run(groups, fn, report=on_report):
+    on_report = lambda number, step, value: _report_and_ask(by_number[number], step, value)  # noqa: E731
+    for result in executor.run(fluid_groups, fn, report=on_report):
         outcomes, info = result.value if result.value is not None else ({}, None)
         for number in result.group.trial_ids:
             outcome = outcomes.get(number)
