@@ -95,12 +95,15 @@ def test_killed_run_resumes_without_retraining(tmp_path):
                    storage="sqlite:///{db}", seed=0)
     """)
     )
-    proc = subprocess.Popen([sys.executable, str(script), "100"], cwd=tmp_path)
+    # long groups, so that a finished group and a running one are both seen before the kill
+    proc = subprocess.Popen([sys.executable, str(script), "400"], cwd=tmp_path)
     storage = f"sqlite:///{db}"
     deadline = time.time() + 120
     try:
         while time.time() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.2)
+            if proc.poll() is not None:
+                pytest.fail(f"the tuning process ended (status {proc.returncode}) before the kill")
             if not db.exists():
                 continue
             try:
