@@ -1,0 +1,236 @@
+"""Capture a model's graph by running it on example inputs.
+
+Symbolic tracing cannot pass the Python that real models contain (shape asserts, dtype checks,
+decorated forwards, optional arguments). Here the model runs for real under ``torch.export``
+(non-strict), so every such branch resolves as it does at run time, and what is recorded is the
+ATen graph of that run: ``aten.linear``, ``aten.conv2d``, ``aten.batch_norm``, ``aten.view`` ...
+with parameters and buffers read by ``get_attr`` under their original names.
+
+The batch (dimension 0 of every tensor input) stays symbolic, so sizes derived from it are graph
+nodes (``aten.sym_size``) rather than constants. Training and evaluation modes can differ in
+their graphs (dropout, batch statistics, ``if self.training``), so both are captured.
+
+:class:`Captured` is the result: an ``nn.Module`` that holds the model's parameters and buffers
+under the same names (same ``state_dict`` keys, the very same tensors) and runs the graph of the
+current mode. It is called with the same arguments and returns the same output type as the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.export import Dim
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hydro.errors import TraceError
+
+MODES = ("train", "eval")
+
+
+class Captured(nn.Module):
+    """A captured model: its parameters and buffers plus one graph per mode.
+
+    Attributes:
+        graphs: ``{"train": GraphModule, "eval": GraphModule}``. Each graph's code reads
+            parameters as ``self.<name>``; it runs with ``self`` bound to this module, so a pass
+            that edits a graph (``gm.graph`` then ``gm.recompile()``) changes what this module
+            computes, and ``.to()``, ``.double()`` or ``load_state_dict`` on this module are what
+            the graphs see.
+    """
+
+    def __init__(self, graphs: Mapping[str, torch.fx.GraphModule], name: str = "Captured") -> None:
+        super().__init__()
+        first = graphs["train"]
+        for key, value in first.named_parameters(remove_duplicate=False):
+            _set(self, key, value, "param")
+        for key, value in first.named_buffers(remove_duplicate=False):
+            _set(self, key, value, "buffer")
+        # not registered as submodules: the graphs share this module's tensors, not own copies
+        object.__setattr__(self, "graphs", dict(graphs))
+        object.__setattr__(self, "captured_name", name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        gm = self.graphs["train" if self.training else "eval"]
+        self._in_spec, self._out_spec = gm._in_spec, gm._out_spec
+        return type(gm).forward(self, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Captured:
+        graphs = {mode: _copy_graph_module(gm) for mode, gm in self.graphs.items()}
+        new = Captured.__new__(Captured)
+        memo[id(self)] = new
+        nn.Module.__init__(new)
+        for key, value in self.named_parameters(remove_duplicate=False):
+            _set(new, key, copy.deepcopy(value, memo), "param")
+        for key, value in self.named_buffers(remove_duplicate=False):
+            _set(new, key, copy.deepcopy(value, memo), "buffer")
+        for key, value in self.__dict__.items():
+            if key not in new.__dict__ and not key.startswith("_"):
+                object.__setattr__(new, key, copy.deepcopy(value, memo))
+        object.__setattr__(new, "graphs", graphs)
+        new.train(self.training)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"captured {self.captured_name}, graphs: {', '.join(self.graphs)}"
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    # the graph is copied (passes edit it in place); tensors stay with the owning Captured
+    graph = copy.deepcopy(gm.graph)
+    new = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
+    return new
+
+
+def _set(root: nn.Module, path: str, value: torch.Tensor, kind: str) -> None:
+    *parents, leaf = path.split(".")
+    mod = root
+    for part in parents:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if kind == "param":
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``dynamic_shapes`` with dimension 0 of every tensor of rank >= 1 left to export (AUTO)."""
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            return {0: Dim.AUTO}
+        return None
+
+    return tree_map(spec, args), tree_map(spec, kwargs)
+
+
+def _strip_guards(gm: torch.fx.GraphModule) -> None:
+    # export's input guards and metadata asserts re-check the example call's shapes and dtypes;
+    # transformed graphs (scaled, fused, folded batches) run with other ones on purpose
+    for node in list(gm.graph.nodes):
+        guard = node.op == "call_module" and node.target.startswith("_guards")
+        if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    for name, _ in list(gm.named_children()):
+        if name.startswith("_guards"):
+            delattr(gm, name)
+    gm.recompile()
+
+
+def _drop_opaque(out: Any) -> Any:
+    """Outputs other than tensors, numbers and pytree containers become ``None``.
+
+    Such objects (a generation cache, say) cannot be graph outputs, and training does not read
+    them.
+    """
+
+    def keep(x: Any) -> Any:
+        return x if x is None or isinstance(x, (torch.Tensor, int, float, bool, str)) else None
+
+    return tree_map(keep, out)
+
+
+def capture_graph(
+    model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+) -> torch.fx.GraphModule:
+    """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode."""
+    kwargs = dict(kwargs or {})
+    dyn_args, dyn_kwargs = _batch_dynamic(args, kwargs)
+    dynamic = {**dict(_arg_names(model, len(args), dyn_args)), **dyn_kwargs}
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def tensors_only(*a: Any, **k: Any) -> Any:
+        return _drop_opaque(forward(*a, **k))
+
+    model.forward = tensors_only  # instance attribute: the class stays untouched
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False)
+    finally:
+        del model.forward
+    gm = ep.module()
+    plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
+    plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
+    _strip_guards(plain)
+    return plain
+
+
+def _arg_names(model: nn.Module, n: int, specs: tuple) -> list[tuple[str, Any]]:
+    params = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(params) < n:
+        raise TraceError(
+            f"{type(model).__name__}.forward takes {len(params)} positional arguments but "
+            f"{n} example inputs were given; pass the extra ones as example_kwargs"
+        )
+    return [(params[i].name, specs[i]) for i in range(n)]
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> Captured:
+    """Capture ``model`` by running it on ``example_inputs`` (and ``example_kwargs``).
+
+    Args:
+        model: any ``nn.Module``; it is not modified (its mode is restored afterwards).
+        example_inputs: positional inputs of one call, batch in dimension 0 of every tensor.
+        example_kwargs: keyword inputs of that call (``input_ids=``, ``labels=`` ...).
+
+    Returns:
+        A :class:`Captured` module with the model's parameters and buffers (the same tensors)
+        and its train and eval graphs. A :class:`Captured` passed in is returned as it is.
+
+    Raises:
+        TraceError: naming the module, file and line where the run could not be captured.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from hydro.fx.capture import capture
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> cap = capture(net, (torch.randn(3, 4),))
+        >>> sorted(cap.state_dict()) == sorted(net.state_dict())
+        True
+        >>> x = torch.randn(5, 4)   # another batch size
+        >>> torch.equal(cap(x), net(x))
+        True
+    """
+    if isinstance(model, Captured):
+        return model
+    if not isinstance(model, nn.Module):
+        raise TraceError(
+            f"expected an nn.Module to capture, got {type(model).__name__}; pass the model "
+            "instance (not its class or a factory)"
+        )
+    if not tree_flatten((example_inputs, dict(example_kwargs or {})))[0]:
+        raise TraceError(
+            f"capturing {type(model).__name__} needs example inputs: pass example_inputs=(x,) "
+            "or example_kwargs={...} with one small batch"
+        )
+    was_training = model.training
+    graphs = {}
+    try:
+        for mode in MODES:
+            model.train(mode == "train")
+            graphs[mode] = capture_graph(model, tuple(example_inputs), example_kwargs)
+    finally:
+        model.train(was_training)
+    cap = Captured(graphs, type(model).__name__)
+    cap.train(was_training)
+    return cap
