@@ -52,6 +52,10 @@ class Captured(nn.Module):
             _set(self, key, value, "param")
         for key, value in first.named_buffers(remove_duplicate=False):
             _set(self, key, value, "buffer")
+        for gm in graphs.values():  # subgraphs of `with` regions: code, not state
+            for key, sub in gm.named_children():
+                if isinstance(sub, torch.fx.GraphModule):
+                    object.__setattr__(self, key, sub)
         # not registered as submodules: the graphs share this module's tensors, not own copies
         object.__setattr__(self, "graphs", dict(graphs))
         object.__setattr__(self, "captured_name", name)
@@ -141,8 +145,30 @@ def _drop_opaque(out: Any) -> Any:
     return tree_map(keep, out)
 
 
+def _rename_regions(gm: torch.fx.GraphModule, prefix: str) -> None:
+    """Give the subgraphs of ``with`` regions (autocast, no_grad) names unique to one mode.
+
+    Export keeps such regions as higher-order ops over parameter-free submodules
+    (``submod_1``); the train and eval graphs both have them, and both are read from one
+    :class:`Captured`.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        sub = getattr(gm, node.target, None)
+        if isinstance(sub, torch.fx.GraphModule) and "." not in node.target:
+            new = f"{prefix}{node.target}"
+            delattr(gm, node.target)
+            gm.add_submodule(new, sub)
+            node.target = new
+    gm.recompile()
+
+
 def capture_graph(
-    model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+    model: nn.Module,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    prefix: str = "",
 ) -> torch.fx.GraphModule:
     """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode."""
     kwargs = dict(kwargs or {})
@@ -160,6 +186,7 @@ def capture_graph(
     finally:
         del model.forward
     gm = ep.module()
+    _rename_regions(gm, prefix)
     plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
     plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
     _strip_guards(plain)
@@ -228,7 +255,9 @@ def capture(
     try:
         for mode in MODES:
             model.train(mode == "train")
-            graphs[mode] = capture_graph(model, tuple(example_inputs), example_kwargs)
+            graphs[mode] = capture_graph(
+                model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_"
+            )
     finally:
         model.train(was_training)
     cap = Captured(graphs, type(model).__name__)
