@@ -4,8 +4,8 @@ Each entry builds ``(model, make_batch)``: ``make_batch(batch_size, generator)``
 ``(args, kwargs)`` for one call. Models that compute their own loss get their labels among the
 kwargs (``labels=``, ``targets=``). Nothing is downloaded: HuggingFace models come from configs,
 the nanoGPT model below is written in the style of nanoGPT's published ``model.py`` (its
-``assert`` on the sequence length, optional ``targets``, ``F.layer_norm(x, self.weight.shape, ...)``,
-a weight-tied head, a ``(logits, loss)`` tuple).
+``assert`` on the sequence length, optional ``targets``, ``F.layer_norm(x, self.weight.shape,
+...)``, a weight-tied head, a ``(logits, loss)`` tuple).
 """
 
 from __future__ import annotations
