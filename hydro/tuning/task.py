@@ -223,8 +223,7 @@ class Task:
             ) from exc
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise ConfigError(
-                f"the loss {self.loss_name} must return a scalar for one model, got "
-                f"{_shape(value)}"
+                f"the loss {self.loss_name} must return a scalar for one model, got {_shape(value)}"
             )
 
     # --- data -----------------------------------------------------------------------------
