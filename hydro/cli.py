@@ -11,7 +11,9 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,7 +135,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     executor = make_executor(args.executor)
     from hydro.integrations.optuna import optimize
 
-    preflight(cfg.task, cfg.space)
+    try:
+        preflight(cfg.task, cfg.space)
+    except HydroError as exc:  # name the file, as for any other mistake in it
+        raise type(exc)(f"{cfg.path}: task: {exc}") from exc
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
     study.set_user_attr("hydro_task", task_recipe(cfg.task))
     args.interrupted = (
@@ -308,19 +313,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hydro`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Ctrl-C can land inside a library that turns it into another error (a half-done import,
+    # a tracer that wraps what it catches): remember that it came, to say "interrupted" anyway
+    stopped: list[bool] = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+
+            def on_sigint(signum: int, frame: Any) -> None:
+                stopped.append(True)
+                signal.default_int_handler(signum, frame)
+
+            previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         return args.func(args)
-    except HydroError as exc:
-        if args.debug:
+    except (KeyboardInterrupt, Exception) as exc:
+        if args.debug or not (stopped or isinstance(exc, (KeyboardInterrupt, HydroError))):
             raise
+        if stopped or isinstance(exc, KeyboardInterrupt):
+            hint = getattr(args, "interrupted", None) or "interrupted"
+            print(f"\nhydro {args.command}: {hint}", file=sys.stderr)
+            return 130
         print(f"hydro {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        hint = getattr(args, "interrupted", None) or "interrupted"
-        print(f"\nhydro {args.command}: {hint}", file=sys.stderr)
-        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":
