@@ -8,6 +8,7 @@ import pathlib
 import pytest
 import yaml
 
+import hydro
 from hydro.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -321,3 +322,49 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
             "-o", str(tmp_path / "sp.png")]  # fmt: skip
     assert main(args) == 1
     assert "verdict: FAIL (sp)" in capsys.readouterr().out
+
+
+def _docs_snippet() -> str:
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    blocks = text.split("```python\n")[1:]
+    return next(b.split("```")[0] for b in blocks if 'yaml.safe_load(f)["training"]' in b)
+
+
+def test_best_yaml_trains_the_full_model_with_the_docs_snippet(project, capsys):
+    import torch
+
+    from hydro.tuning.group import _optimizer, _scheduler
+
+    space = "  warmup: {type: int, low: 1, high: 4}\n  beta2: {type: categorical, choices: [0.9]}\n"
+    (project / "tune.yaml").write_text(CONFIG + space)
+    assert main(["tune", "tune.yaml", "-o", "best.yaml"]) == 0
+    best = yaml.safe_load((project / "best.yaml").read_text())
+    params, train = best["hyperparameters"], best["training"]
+    assert train["optimizer"] == "adamw" and train["scheduler"] == "cosine"
+    assert (train["steps"], train["batch_size"], train["warmup"]) == (10, 32, params["warmup"])
+    assert train["optimizer_args"] == {"lr": params["lr"], "weight_decay": 0.01,
+                                       "betas": [0.9, 0.9], "eps": 1e-8}  # fmt: skip
+    snippet = _docs_snippet()
+    for scheduler, warmup in [("cosine", params["warmup"]), ("cosine", 0), ("linear", 3),
+                              ("step", 0), ("step", 2), ("none", 2)]:  # fmt: skip
+        train.update(scheduler=scheduler, warmup=warmup)
+        (project / "best.yaml").write_text(yaml.safe_dump(best))
+        torch.manual_seed(0)
+        ns = {"build_full_model": lambda: torch.nn.Linear(16, 5),
+              "next_batch": lambda b: (torch.randn(b, 16), torch.randint(0, 5, (b,)))}  # fmt: skip
+        exec(snippet, ns)  # runs the whole training loop of the snippet
+        opt = ns["opt"]
+        assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.9)
+        # Hydro's own schedule for the same trial, step by step
+        xy = (torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
+        task = hydro.Task(model=torch.nn.Linear(16, 5), train_data=xy, val_data=xy, steps=10,
+                          scheduler=scheduler)  # fmt: skip
+        fused = hydro.fuse([torch.nn.Linear(16, 5)])
+        hopt = _optimizer(task, fused, [{**params, "warmup": warmup}])
+        hsched = _scheduler(task, hopt, [{**params, "warmup": warmup}])
+        for step in range(train["steps"]):
+            ours = params["lr"] * ns["lr_factor"](step)
+            theirs = float(hopt.param_groups[0]["lr"][0])
+            assert abs(ours - theirs) <= 1e-9 * params["lr"], (scheduler, warmup, step)
+            if hsched is not None:
+                hsched.step()
