@@ -192,18 +192,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def find_storage(storage: str | None, folder: str = ".") -> str:
-    """The storage to read: the one named, else ``hydro.db`` or the only ``*.db`` in ``folder``.
+    """The storage to read: the one named, else the only ``*.db`` file in ``folder``.
 
     An SQLite file must exist: opening a missing one would create an empty study database.
     """
     if storage is None:
+        # several databases: which one is meant cannot be told, so ask rather than guess
         names = sorted(f for f in os.listdir(folder) if f.endswith(".db"))
-        if "hydro.db" in names:
-            names = ["hydro.db"]
         if not names:
             raise ConfigError(
-                f"no study database here ({os.path.abspath(folder)} has no hydro.db or other "
-                "*.db): run `hydro tune CONFIG` first, or name one with --storage "
+                f"no study database here ({os.path.abspath(folder)} has no *.db file): run "
+                "`hydro tune CONFIG` first, or name one with --storage "
                 "sqlite:///path/to/study.db"
             )
         if len(names) > 1:
@@ -271,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 
-    where = ("Optuna storage URL (default: hydro.db, or the only *.db file in the current "
-             "directory)")  # fmt: skip
+    where = "Optuna storage URL (default: the only *.db file in the current directory)"
     p = sub.add_parser("export", help="write a study's best hyperparameters (YAML or JSON)")
     p.add_argument("--storage", help=where)
     p.add_argument("--study", help="study name (default: the storage's only study)")

@@ -176,6 +176,8 @@ class Task:
                 f"the model ({type(model).__name__}) has no parameters: there is nothing to "
                 "train. Pass the model itself, with its layers."
             )
+        if any(p.is_meta for p in model.parameters()):
+            return  # a target built on the meta device (for its shapes only) cannot run
         args, kwargs, target = self.split(batch)
         was_training = model.training
         model.eval()
