@@ -448,9 +448,11 @@ def _check_finite(name: str, key: str, t: Any) -> None:
     if bool(bad.any()):
         row = int(bad.reshape(len(t), -1).any(1).nonzero()[0, 0]) if t.dim() else 0
         kind = "NaN" if bool(torch.isnan(t).any()) else "infinity"
+        count = int(bad.sum())
         raise DataError(
-            f"{name}: {key} contain {kind} (first at index {row}, {int(bad.sum())} values in "
-            "all): every trial would diverge. Clean or drop those rows first, e.g. "
+            f"{name}: {key} contain {kind} (first at index {row}, {count} "
+            f"value{'s' if count != 1 else ''} in all): every trial would diverge. Clean or drop "
+            "those rows first, e.g. "
             "keep = torch.isfinite(x).flatten(1).all(1)"
         )
 
