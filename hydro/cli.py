@@ -11,7 +11,9 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,13 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydro.errors import ConfigError, HydroError
+from hydro.tuning.tune import check_writable
 
 
 def load_callable(spec: str, what: str = "model factory") -> Any:
     """Import ``module:attribute`` (the current directory is on the path)."""
-    if ":" not in spec:
-        raise ConfigError(f"{what} {spec!r} must look like 'package.module:callable'")
-    module_name, attr = spec.split(":", 1)
+    from hydro.tuning.config import check_callable_name
+
+    module_name, attr = check_callable_name(spec, what)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -79,6 +82,10 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     from hydro.fx.trace import trace
     from hydro.scaling import guess_inputs
 
+    if args.threshold <= 1:
+        raise ConfigError(f"--threshold must be above 1 (a ratio of activation sizes), got "
+                          f"{args.threshold}")  # fmt: skip
+    torch.manual_seed(args.seed)  # the model's own initialization too: same seed, same numbers
     model, inputs = _model_and_inputs(args.model)
     torch.manual_seed(args.seed)
     if inputs is None:
@@ -96,18 +103,30 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     result = coord_check(model, inputs, target, F.mse_loss, ratios=_ratios(args.ratios),
                          steps=args.steps, lr=args.lr, optimizer=args.optimizer,
                          parametrization=args.parametrization, seed=args.seed)  # fmt: skip
+    check_writable(args.output, "plot file")
     print(result)
-    result.plot(args.output)
+    passed, line = result.verdict(args.threshold)
+    result.plot(args.output, threshold=args.threshold)
     print(f"wrote {args.output}")
-    return 0
+    print(line)
+    return 0 if passed else 1
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
     from hydro.tuning import config as config_module
-    from hydro.tuning.tune import TuneResult, make_executor, open_study, verify
+    from hydro.tuning.tune import (
+        TuneResult,
+        make_executor,
+        open_study,
+        preflight,
+        task_recipe,
+        verify,
+    )
 
+    if args.output:
+        check_writable(args.output, "output file (-o)")  # before the study runs, not after
     cfg = config_module.load(
         args.config, storage=args.storage, study=args.study, trials=args.trials,
         ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
@@ -116,7 +135,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     executor = make_executor(args.executor)
     from hydro.integrations.optuna import optimize
 
+    try:
+        preflight(cfg.task, cfg.space)
+    except HydroError as exc:  # name the file, as for any other mistake in it
+        raise type(exc)(f"{cfg.path}: task: {exc}") from exc
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
+    study.set_user_attr("hydro_task", task_recipe(cfg.task))
+    args.interrupted = (
+        f"interrupted; the finished trials are saved in study '{cfg.study}' of "
+        f"{cfg.storage or 'sqlite:///hydro.db'}: run the same command again to resume"
+    )
     before = len(study.trials)
     print(f"study '{cfg.study}' in {cfg.storage or 'sqlite:///hydro.db'}: {before} trials so far, "
           f"target {cfg.trials}; ratio {cfg.ratio}, {cfg.fuse} trials per fused group",
@@ -143,33 +171,76 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from hydro.tuning.tune import export
 
+    check_writable(args.output, "export file")
     study = _load_study(args.storage, args.study)
     data = export(study, args.output, verification=study.user_attrs.get("hydro_verification"))
-    print(f"wrote {args.output}: trial {data['provenance']['trial']}, value "
-          f"{data['provenance']['surrogate_value']:.6g}")  # fmt: skip
+    prov = data["provenance"]
+    print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}, value "
+          f"{prov['surrogate_value']:.6g}")  # fmt: skip
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hydro.tuning.report import write_report
+    from hydro.tuning.report import check_report_path, write_report
 
+    check_report_path(args.output)
+    check_writable(args.output, "report file")
     study = _load_study(args.storage, args.study)
     write_report(study, args.output)
     print(f"wrote {args.output}")
     return 0
 
 
-def _load_study(storage: str, name: str):  # noqa: ANN202
+def find_storage(storage: str | None, folder: str = ".") -> str:
+    """The storage to read: the one named, else the only ``*.db`` file in ``folder``.
+
+    An SQLite file must exist: opening a missing one would create an empty study database.
+    """
+    if storage is None:
+        # several databases: which one is meant cannot be told, so ask rather than guess
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".db"))
+        if not names:
+            raise ConfigError(
+                f"no study database here ({os.path.abspath(folder)} has no *.db file): run "
+                "`hydro tune CONFIG` first, or name one with --storage "
+                "sqlite:///path/to/study.db"
+            )
+        if len(names) > 1:
+            raise ConfigError(
+                f"several study databases here ({', '.join(names)}): name one with --storage, "
+                f"e.g. --storage sqlite:///{names[0]}"
+            )
+        return f"sqlite:///{os.path.join(folder, names[0]) if folder != '.' else names[0]}"
+    if storage.startswith("sqlite:///") and ":memory:" not in storage:
+        file = storage[len("sqlite:///") :].split("?")[0]
+        if not os.path.isfile(file):
+            raise ConfigError(
+                f"storage {storage!r}: no such file {file!r}. Name the database `hydro tune` "
+                "wrote (its config's `storage:`, e.g. sqlite:///charlm.db)."
+            )
+    return storage
+
+
+def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
     import optuna
 
     from hydro.errors import StorageError
 
+    url = find_storage(storage)
     try:
-        return optuna.load_study(study_name=name, storage=storage)
-    except KeyError as exc:
-        raise ConfigError(f"storage {storage!r} has no study named {name!r}") from exc
+        names = optuna.get_all_study_names(storage=url)
     except Exception as exc:  # noqa: BLE001
-        raise StorageError(f"cannot open Optuna storage {storage!r}: {exc}") from exc
+        raise StorageError(f"cannot open Optuna storage {url!r}: {exc}") from exc
+    if name is None:
+        if len(names) != 1:
+            listed = ", ".join(names) or "none"
+            raise ConfigError(f"storage {url!r} holds {len(names)} studies ({listed}): name one "
+                              "with --study")  # fmt: skip
+        name = names[0]
+    if name not in names:
+        raise ConfigError(f"storage {url!r} has no study named {name!r}; it has: "
+                          f"{', '.join(names) or 'none'}")  # fmt: skip
+    return optuna.load_study(study_name=name, storage=url)
 
 
 def _vocab(model: nn.Module) -> int:
@@ -199,16 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 
+    where = "Optuna storage URL (default: the only *.db file in the current directory)"
     p = sub.add_parser("export", help="write a study's best hyperparameters (YAML or JSON)")
-    p.add_argument("--storage", default="sqlite:///hydro.db")
-    p.add_argument("--study", default="hydro")
+    p.add_argument("--storage", help=where)
+    p.add_argument("--study", help="study name (default: the storage's only study)")
     p.add_argument("-o", "--output", default="best.yaml")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("report", help="an HTML or PNG report of a study")
-    p.add_argument("--storage", default="sqlite:///hydro.db")
-    p.add_argument("--study", default="hydro")
-    p.add_argument("-o", "--output", default="report.html")
+    p = sub.add_parser("report", help="an HTML page or a PNG/PDF/SVG figure of a study")
+    p.add_argument("--storage", help=where)
+    p.add_argument("--study", help="study name (default: the storage's only study)")
+    p.add_argument("-o", "--output", default="report.html", help=".html, .png, .pdf or .svg")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
@@ -223,10 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
     p.add_argument("--ratios", default="1,2,4,8")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--parametrization", default="mup", choices=["mup", "sp"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threshold", type=float, default=2.0,
+                   help="pass when the worst hidden layer's spread (largest / smallest mean "
+                   "activation across widths) at the last step is below this")  # fmt: skip
     p.add_argument("-o", "--output", default="coord_check.png", help="plot file (PNG)")
     p.set_defaults(func=cmd_coord_check)
     return parser
@@ -236,13 +311,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hydro`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Ctrl-C can land inside a library that turns it into another error (a half-done import,
+    # a tracer that wraps what it catches): remember that it came, to say "interrupted" anyway
+    stopped: list[bool] = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+
+            def on_sigint(signum: int, frame: Any) -> None:
+                stopped.append(True)
+                signal.default_int_handler(signum, frame)
+
+            previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         return args.func(args)
-    except HydroError as exc:
-        if args.debug:
+    except (KeyboardInterrupt, Exception) as exc:
+        if args.debug or not (stopped or isinstance(exc, (KeyboardInterrupt, HydroError))):
             raise
+        if stopped or isinstance(exc, KeyboardInterrupt):
+            hint = getattr(args, "interrupted", None) or "interrupted"
+            print(f"\nhydro {args.command}: {hint}", file=sys.stderr)
+            return 130
         print(f"hydro {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,31 @@ class CoordCheckResult:
         """Layers whose output is a hidden (width-sized) activation."""
         return [name for name, role in self.roles.items() if role in ("hidden", "input", "vector")]
 
+    def worst(self, step: int | None = None) -> tuple[str, float]:
+        """The hidden layer with the largest spread at ``step`` (default: the last) and that
+        spread; every recorded layer when none is hidden."""
+        step = self.steps - 1 if step is None else step
+        layers = [n for n in self.hidden_layers() if n in self.sizes[self.ratios[0]]]
+        layers = layers or list(self.sizes[self.ratios[0]])
+        name = max(layers, key=lambda n: self.spread(n, step))
+        return name, self.spread(name, step)
+
+    def verdict(self, threshold: float = 2.0) -> tuple[bool, str]:
+        """``(passed, line)``: muP holds when the worst hidden layer's spread at the last step
+        (largest over smallest activation size across widths) is below ``threshold``."""
+        layer, spread = self.worst()
+        widths = sorted(self.widths[r] for r in self.ratios)
+        passed = spread < threshold
+        why = "activation sizes do not grow or shrink with width"
+        if not passed:
+            why = "activation sizes change with width: tuned values will not transfer"
+        return passed, (
+            f"verdict: {'PASS' if passed else 'FAIL'} ({self.parametrization}): worst hidden "
+            f"layer {layer!r} has spread {spread:.2f} at step {self.steps - 1} over widths "
+            f"{widths[0]}-{widths[-1]}, {'below' if passed else 'not below'} the threshold "
+            f"{threshold:g}; {why}"
+        )
+
     def __str__(self) -> str:
         layers = list(self.sizes[self.ratios[0]])
         head = ["layer", "step"] + [f"r={r} (w={self.widths[r]})" for r in self.ratios] + ["spread"]
@@ -57,29 +82,73 @@ class CoordCheckResult:
         fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))  # noqa: E731
         return "\n".join([fmt(head), fmt(["-" * w for w in cols]), *map(fmt, rows)])
 
-    def plot(self, path: str | None = None):  # noqa: ANN201 - matplotlib Figure
-        """One panel per step: activation size against width, one line per layer (log-log)."""
+    def plot(self, path: str | None = None, threshold: float = 2.0):  # noqa: ANN201 - Figure
+        """Activation size against width, one panel per step and one line per layer (log-log),
+        then each layer's spread per step against the ``threshold`` of :meth:`verdict`."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import (
+            FixedLocator,
+            FormatStrFormatter,
+            LogLocator,
+            NullFormatter,
+            NullLocator,
+        )  # fmt: skip
 
-        fig, axes = plt.subplots(1, self.steps, figsize=(3.2 * self.steps + 1.6, 3.2), sharey=True)
-        axes = [axes] if self.steps == 1 else list(axes)
+        layers = list(self.sizes[self.ratios[0]])
         widths = [self.widths[r] for r in self.ratios]
-        for t, ax in enumerate(axes):
-            for layer in self.sizes[self.ratios[0]]:
+        panels = self.steps + 1
+        cols = min(panels, 5)
+        rows = -(-panels // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.2 * rows + 1.2),
+                                 squeeze=False)  # fmt: skip
+        axes = [ax for row in axes for ax in row]
+        colors = plt.get_cmap("tab10" if len(layers) <= 10 else "tab20")
+        labels = [f"{name} ({self.roles.get(name, '?')})" for name in layers]
+        for t, ax in enumerate(axes[: self.steps]):
+            for i, layer in enumerate(layers):
                 ax.plot(widths, [self.sizes[r][layer][t] for r in self.ratios], marker="o",
-                        label=layer)  # fmt: skip
+                        color=colors(i % colors.N), label=labels[i])  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(widths))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticklabels([str(w) for w in widths])
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
             ax.set_title(f"step {t}")
-            ax.set_xlabel("width")
-        axes[0].set_ylabel("mean |activation|")
-        handles, labels = axes[0].get_legend_handles_labels()
-        fig.suptitle(f"coord check ({self.parametrization})")
-        fig.tight_layout(rect=(0, 0, 1 - 1.6 / (3.2 * self.steps + 1.6), 1))
-        fig.legend(handles, labels, fontsize=6, loc="center right")
+            ax.set_xlabel("hidden width")
+            ax.set_ylabel("mean |activation|")
+            ax.grid(alpha=0.3)
+        ax = axes[self.steps]
+        counted = {self.worst()[0], *self.hidden_layers()}
+        for i, layer in enumerate(layers):
+            ax.plot(range(self.steps), [self.spread(layer, t) for t in range(self.steps)],
+                    marker="o", color=colors(i % colors.N),
+                    ls="-" if layer in counted else ":")  # fmt: skip
+        ax.axhline(threshold, color="k", ls="--", lw=1, label=f"threshold {threshold:g}")
+        ax.set(title="spread max/min across widths\n(dotted: not hidden, not judged)",
+               xlabel="step", ylabel="spread")  # fmt: skip
+        ax.set_xticks(range(self.steps))
+        ax.legend(fontsize=8, loc="upper left")
+        ax.grid(alpha=0.3)
+        for extra in axes[panels:]:
+            extra.axis("off")
+        passed, _ = self.verdict(threshold)
+        layer, spread = self.worst()
+        fig.suptitle(
+            f"coord check ({self.parametrization}): {'PASS' if passed else 'FAIL'}, worst hidden "
+            f"spread {spread:.2f} ({layer}) vs threshold {threshold:g}",
+            color="green" if passed else "red",
+        )
+        handles, _ = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9,
+                   frameon=False)  # fmt: skip
+        legend_rows = -(-len(labels) // 4)
+        fig.tight_layout(rect=(0, 0.06 + 0.035 * legend_rows, 1, 0.95))
         if path:
             fig.savefig(path, dpi=120)
         return fig

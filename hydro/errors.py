@@ -30,3 +30,19 @@ class ConfigError(HydroError, ValueError):
 
 class StorageError(HydroError, RuntimeError):
     """An Optuna storage could not be opened."""
+
+
+class DataError(HydroError, ValueError):
+    """Training or validation data are malformed (lengths, keys, labels, NaN)."""
+
+
+class ModelError(HydroError, ValueError):
+    """The model (or its factory) cannot be used as given."""
+
+
+class StudyError(HydroError, RuntimeError):
+    """A study holds no result to read (no completed trial), or cannot be found."""
+
+
+class HydroWarning(UserWarning):
+    """Something works but is probably not what was meant (e.g. a surrogate as big as the model)."""

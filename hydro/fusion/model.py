@@ -343,6 +343,8 @@ def fuse(
     if isinstance(models, nn.Module):
         if n is None:
             raise FuseError("fuse(model) needs n=, the number of trials (or pass a list of models)")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise FuseError(f"fuse(model, n=...) needs n >= 1 trials, got {n!r}")
         make = init or _reinitialize
         models = [models] + [make(models) for _ in range(n - 1)]
     elif n is not None and n != len(models):

@@ -303,8 +303,9 @@ def _recover_interrupted(study: optuna.Study) -> None:
 
 
 def _progress(study: optuna.Study, n_trials: int, start: float) -> None:
-    trials = study.get_trials(deepcopy=False)
-    count = {s: sum(1 for t in trials if t.state == s) for s in TrialState}
+    from hydro.tuning.report import trial_counts
+
+    count = trial_counts(study)  # an interrupted (re-asked) trial is not a failure
     try:
         best = f"{study.best_value:.4g}"
     except ValueError:
@@ -312,9 +313,10 @@ def _progress(study: optuna.Study, n_trials: int, start: float) -> None:
     done = _finished(study)
     minutes = (time.perf_counter() - start) / 60
     rate = f"{done / minutes:.1f} trials/min" if minutes > 0 else ""
+    again = f"  interrupted {count['interrupted']} (asked again)" if count["interrupted"] else ""
     print(
-        f"\rtrials {done}/{n_trials}  complete {count[TrialState.COMPLETE]}  pruned "
-        f"{count[TrialState.PRUNED]}  failed {count[TrialState.FAIL]}  best {best}  {rate}",
+        f"\rtrials {done}/{n_trials}  complete {count['complete']}  pruned "
+        f"{count['pruned']}  failed {count['failed']}{again}  best {best}  {rate}",
         end="" if done < n_trials else "\n",
         file=sys.stderr,
         flush=True,

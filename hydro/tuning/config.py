@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Mapping
@@ -16,14 +17,15 @@ from typing import Any
 import optuna
 import yaml
 
-from hydro.errors import ConfigError
+from hydro.errors import ConfigError, HydroError
 from hydro.tuning.space import check_names, from_config
-from hydro.tuning.task import LOSSES, Task
+from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
-             "optimizer", "scheduler", "steps", "eval_every", "batch_size"}  # fmt: skip
+             "optimizer", "scheduler", "steps", "eval_every", "batch_size",
+             "target_key"}  # fmt: skip
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -59,11 +61,38 @@ class TuneConfig:
     pruner: optuna.pruners.BasePruner
 
 
+def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
+    """Split ``module:attribute`` and refuse what a config must not name.
+
+    A config is code, like a Python script: naming a callable imports its module and calls it.
+    Names from the standard library (``os:system``, ``subprocess:run``, ``builtins:eval`` ...)
+    are refused: a model, data set or loss never comes from there, and a shared config that
+    names one is an attack, not a typo.
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ConfigError(f"{where} must look like 'package.module:callable', got {spec!r}")
+    module_name, attr = spec.split(":", 1)
+    if (
+        not module_name
+        or not attr
+        or not all(part.isidentifier() for part in [*module_name.split("."), *attr.split(".")])
+    ):
+        raise ConfigError(f"{where} must look like 'package.module:callable', got {spec!r}")
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise ConfigError(
+            f"{where}: {spec!r} names the standard library module {top!r}; a config may only "
+            "name your own code or an installed ML library (e.g. mypkg.model:build). A config "
+            "runs code like a Python script: only run configs you trust."
+        )
+    if any(part.startswith("_") for part in attr.split(".")):
+        raise ConfigError(f"{where}: {spec!r} names a private attribute; name a public callable")
+    return module_name, attr
+
+
 def import_object(spec: str, key: str, path: str) -> Any:
     """``package.module:attribute`` (the config's directory and the working directory import)."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ConfigError(f"{path}: {key} must look like 'package.module:callable', got {spec!r}")
-    module_name, attr = spec.split(":", 1)
+    module_name, attr = check_callable_name(spec, f"{path}: {key}")
     for folder in (os.getcwd(), os.path.dirname(os.path.abspath(path))):
         if folder not in sys.path:
             sys.path.insert(0, folder)
@@ -131,13 +160,20 @@ def _task(spec: Any, path: str) -> Task:
             raise ConfigError(f"{path}: missing key 'task.{key}'")
     model = import_object(spec["model"], "task.model", path)
     model_args = _mapping(spec.get("model_args", {}), "task.model_args", path)
+    _check_arguments(model, model_args, f"{path}: task.model_args", spec["model"])
     data_fn = import_object(spec["data"], "task.data", path)
-    data = data_fn(**_mapping(spec.get("data_args", {}), "task.data_args", path))
+    data_args = _mapping(spec.get("data_args", {}), "task.data_args", path)
+    _check_arguments(data_fn, data_args, f"{path}: task.data_args", spec["data"])
+    try:
+        data = data_fn(**data_args)
+    except Exception as exc:  # noqa: BLE001 - user code: say which call failed
+        raise ConfigError(f"{path}: task.data: {spec['data']}(**data_args) raised "
+                          f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     if not isinstance(data, Mapping) or not {"train", "val"} <= set(data):
         raise ConfigError(f"{path}: task.data {spec['data']} must return a dict with 'train' "
                           "and 'val'")  # fmt: skip
     loss = spec.get("loss", "cross_entropy")
-    if loss not in LOSSES:
+    if loss not in LOSSES and loss != MODEL_LOSS:
         loss = import_object(loss, "task.loss", path)
     metric = spec.get("metric")
     if metric is not None:
@@ -147,12 +183,32 @@ def _task(spec: Any, path: str) -> Task:
     # keyword arguments are the searchable architecture choices
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
-                                   "batch_size") if k in spec}  # fmt: skip
+                                   "batch_size", "target_key") if k in spec}  # fmt: skip
     try:
-        return Task(model=factory, train_data=tuple(data["train"]), val_data=tuple(data["val"]),
+        return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),
                     loss=loss, metric=metric, **kwargs)  # fmt: skip
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: task: {exc}") from exc
+    except HydroError as exc:
+        raise type(exc)(f"{path}: task: {exc}") from exc
+
+
+def _data(value: Any) -> Any:
+    # lists from YAML-minded code become the (inputs, targets) tuple; dicts stay keyword data
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_arguments(fn: Any, args: Mapping, where: str, spec: str) -> None:
+    """Name an argument the callable does not take (unless it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for name in args:
+        if name not in known:
+            raise ConfigError(f"{where}: {spec} takes no argument {name!r}; it takes "
+                              f"{', '.join(known) or 'no arguments'}")  # fmt: skip
 
 
 def _sampler(raw: Mapping, space: dict, seed: int, path: str) -> optuna.samplers.BaseSampler:

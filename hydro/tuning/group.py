@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,8 +19,8 @@ import torch
 from torch import nn
 
 import hydro.optim as fused_optim
-from hydro.errors import ConfigError
-from hydro.fusion import fuse, trial_loss
+from hydro.errors import ConfigError, HydroWarning
+from hydro.fusion import fuse
 from hydro.parametrize import Multiplier
 from hydro.scaling import build
 from hydro.tuning.task import Task
@@ -88,9 +89,10 @@ def train_group(
     arch = {k: params[0][k] for k in task.model_args() if k in params[0]}
     batch_size = int(params[0].get("batch_size", task.batch_size))
     batches = task.train_batches(batch_size, seed=int(seeds[0]))
-    first_x, _ = next(task.train_batches(min(batch_size, 2), seed=int(seeds[0])))
-    example = task.example_inputs or task.inputs_of(first_x)
+    first = next(task.train_batches(min(batch_size, 2), seed=int(seeds[0])))
     target = task.build_model(**arch)
+    task.validate(target, first)  # clear errors before any training
+    example = task.example_inputs or task.example_of(target, first)
 
     # one width analysis for the group; each member is an independent draw of the same surrogate
     always = any("output_mult" in p for p in params)
@@ -99,6 +101,12 @@ def train_group(
     for sur, p in zip(members, params):  # after sampling: samples copy the first member
         _apply_model_params(sur, p)
     widths = _widths(members[0])
+    if ratio > 1 and not widths["target"]:
+        warnings.warn(HydroWarning(
+            f"no width of {type(target).__name__} can shrink (every dimension is tied to the "
+            f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: Hydro "
+            "tunes the full model itself, fused. Use a model with hidden layers, or ratio=1."
+        ), stacklevel=2)  # fmt: skip
     fused = fuse(members).to(device)
     fused.train()
     opt = _optimizer(task, fused, params)
@@ -151,9 +159,8 @@ def _train_step(task, fused, opt, batch, clip, device) -> list[float]:  # noqa: 
     Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
     which autograd accepts only once no graph still refers to them.
     """
-    x, y = batch
-    out = fused(*(_to(t, device) for t in task.inputs_of(x)))
-    losses = trial_loss(task.loss, out, _to(y, device))
+    args, kwargs, y = task.split(batch, device)
+    losses = task.trial_losses(fused(*args, **kwargs), y)
     opt.zero_grad(set_to_none=True)
     # non-finite losses give non-finite gradients: the optimizer freezes those members
     losses.sum().backward()
@@ -167,13 +174,13 @@ def _train_step(task, fused, opt, batch, clip, device) -> list[float]:  # noqa: 
 def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list[float]:
     """Each member's metric (or loss) averaged over the validation data."""
     fused.eval()
-    fn = task.metric or task.loss
     total, count = None, 0
-    for x, y in task.val_batches(max(batch_size, 64)):
-        out = fused(*(_to(t, device) for t in task.inputs_of(x)))
-        v = trial_loss(fn, out, _to(y, device)).double() * len(y)
+    for batch in task.val_batches(max(batch_size, 64)):
+        args, kwargs, y = task.split(batch, device)
+        size = task.batch_len(batch)
+        v = task.trial_metrics(fused(*args, **kwargs), y).double() * size
         total = v if total is None else total + v
-        count += len(y)
+        count += size
     fused.train()
     return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
 

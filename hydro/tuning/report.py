@@ -11,23 +11,64 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+PAGE_SUFFIXES = (".html", ".htm")
+
+
+def is_interrupted(trial: optuna.trial.FrozenTrial) -> bool:
+    """A trial failed only because the process running it stopped (it is asked again)."""
+    if trial.state != TrialState.FAIL:
+        return False
+    reason = str(trial.user_attrs.get("fail_reason", ""))
+    return bool(trial.user_attrs.get("interrupted")) or reason.startswith("interrupted")
+
+
+def trial_counts(study: optuna.Study) -> dict[str, int]:
+    """Trials by outcome: ``complete``, ``pruned``, ``failed`` (real failures),
+    ``interrupted`` (stopped with their process and asked again; not finished), ``running``,
+    and ``finished`` = complete + pruned + failed."""
+    counts = dict.fromkeys(("complete", "pruned", "failed", "interrupted", "running"), 0)
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TrialState.COMPLETE:
+            counts["complete"] += 1
+        elif t.state == TrialState.PRUNED:
+            counts["pruned"] += 1
+        elif t.state == TrialState.FAIL:
+            counts["interrupted" if is_interrupted(t) else "failed"] += 1
+        elif t.state == TrialState.RUNNING:
+            counts["running"] += 1
+    counts["finished"] = counts["complete"] + counts["pruned"] + counts["failed"]
+    return counts
+
+
+def check_report_path(path: str) -> None:
+    """Refuse a report file name whose suffix says a format the report cannot write."""
+    from hydro.errors import ConfigError
+
+    if not str(path).lower().endswith(FIGURE_SUFFIXES + PAGE_SUFFIXES):
+        raise ConfigError(
+            f"cannot write a report to {path!r}: name a .html page, or a .png, .pdf or .svg figure"
+        )
+
 
 def write_report(study: optuna.Study, path: str) -> None:
     """Optimization history, value per hyperparameter, learning curves and, when the study was
-    verified on the full model, surrogate-vs-target agreement. ``.png`` writes one figure;
-    anything else writes a self-contained HTML page."""
+    verified on the full model, surrogate-vs-target agreement. ``.png``, ``.pdf`` and ``.svg``
+    write one figure; ``.html`` a self-contained page; other suffixes are refused
+    (``ConfigError``)."""
     import matplotlib
 
+    check_report_path(path)
     matplotlib.use("Agg")
     figure = _figure(study)
-    if path.endswith(".png"):
+    if str(path).lower().endswith(FIGURE_SUFFIXES):
         figure.savefig(path, dpi=110)
         return
     buf = io.BytesIO()
     figure.savefig(buf, format="png", dpi=110)
     image = base64.b64encode(buf.getvalue()).decode()
     rows = "".join(
-        f"<tr><td>{t.number}</td><td>{t.state.name}</td><td>{_fmt(t.value)}</td>"
+        f"<tr><td>{t.number}</td><td>{_state(t)}</td><td>{_fmt(t.value)}</td>"
         f"<td>{html.escape(str(t.params))}</td>"
         f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
         for t in study.get_trials(deepcopy=False)
@@ -109,3 +150,7 @@ def _figure(study: optuna.Study) -> Any:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, (int, float)) else "-"
+
+
+def _state(t: optuna.trial.FrozenTrial) -> str:
+    return "INTERRUPTED (asked again)" if is_interrupted(t) else t.state.name

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from hydro.errors import ConfigError
+from hydro.errors import ConfigError, DataError, ModelError
 
-Data = tuple[Any, torch.Tensor] | Dataset | Callable[[int], Any]
+Data = tuple[Any, torch.Tensor] | Mapping[str, torch.Tensor] | Dataset | Callable[[int], Any]
+# a batch: ``(inputs, targets)`` or a dict of keyword inputs (the targets under ``target_key``)
+Batch = tuple[Any, torch.Tensor] | dict[str, Any]
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -26,8 +29,10 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": cross_entropy,
     "mse": F.mse_loss,
 }
+MODEL_LOSS = "model"  # the model computes its own loss: read ``.loss`` or ``["loss"]``
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULERS = ("none", "cosine", "linear", "step")
+IGNORE_INDEX = -100  # F.cross_entropy's default: labels equal to it are skipped
 
 
 @dataclass
@@ -39,14 +44,23 @@ class Task:
             factory returning one. A factory's keyword arguments may be searched over
             (architecture choices); trials that differ in them are trained in separate groups.
         train_data: ``(inputs, targets)`` tensors (batches are drawn at random, the same batch
-            for every trial of a group), a ``Dataset`` of ``(input, target)`` pairs, or a
-            function ``batch_size -> iterable of (inputs, targets)`` (e.g. a ``DataLoader``
-            factory).
+            for every trial of a group); a dict of equal-length tensors, whose batches are
+            dicts passed to the model as keyword inputs (``input_ids=``, ``attention_mask=``,
+            ``labels=``, ``pixel_values=`` ...); a ``Dataset`` of ``(input, target)`` pairs or
+            of dicts; or a function ``batch_size -> iterable of batches`` (e.g. a
+            ``DataLoader`` factory).
         val_data: the same kinds; evaluated in full at every ``eval_every`` steps.
-        loss: ``"cross_entropy"`` (sequence logits are flattened), ``"mse"``, or a function
-            ``(output, target) -> scalar`` for one model.
+        loss: ``"cross_entropy"`` (sequence logits are flattened), ``"mse"``, a function
+            ``(output, target) -> scalar`` for one model, or ``"model"`` for a model that
+            computes its own loss (its output's ``.loss`` or ``["loss"]`` is used, as with a
+            HuggingFace model given ``labels=``).
+        target_key: with dict batches, the key of the targets (default ``"labels"``). With a
+            loss function it is taken out of the batch and the rest goes to the model; with
+            ``loss="model"`` the whole batch goes to the model. With ``(inputs, targets)``
+            batches and ``loss="model"`` the targets go to the model under this keyword.
         metric: what to optimize, a function ``(output, target) -> scalar`` averaged over the
-            validation data; ``None`` (default) means the validation loss.
+            validation data (a model output that is not a tensor gives its ``logits``);
+            ``None`` (default) means the validation loss.
         direction: ``"minimize"`` or ``"maximize"`` the metric.
         optimizer: ``"adamw"`` (default), ``"adam"`` or ``"sgd"``.
         scheduler: ``"none"``, ``"cosine"`` (default), ``"linear"`` decay or ``"step"``; a
@@ -56,6 +70,11 @@ class Task:
         batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it).
         example_inputs: inputs shaped like a batch, for tracing; by default the first
             training batch.
+
+    Raises:
+        ConfigError: an unknown loss, optimizer or scheduler, or a count that is not positive.
+        DataError: inputs and targets of different lengths, a dict batch without its targets,
+            NaN or infinity in the data, float targets for ``"cross_entropy"``.
 
     Example:
         >>> import torch, hydro
@@ -78,15 +97,19 @@ class Task:
     eval_every: int | None = None
     batch_size: int = 32
     example_inputs: tuple[Any, ...] | None = None
+    target_key: str = "labels"
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss, str):
+        self.loss_name = self.loss if isinstance(self.loss, str) else _name(self.loss)
+        if isinstance(self.loss, str) and self.loss != MODEL_LOSS:
             if self.loss not in LOSSES:
                 raise ConfigError(
-                    f"unknown loss {self.loss!r}: use one of {sorted(LOSSES)} or a function "
-                    "(output, target) -> scalar"
+                    f"unknown loss {self.loss!r}: use one of {sorted(LOSSES)}, 'model' (the "
+                    "model returns its own loss) or a function (output, target) -> scalar"
                 )
             self.loss = LOSSES[self.loss]
+        elif not isinstance(self.loss, str) and not callable(self.loss):
+            raise ConfigError(f"loss must be a name or a function, got {type(self.loss).__name__}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}: use one of {OPTIMIZERS}")
         if self.scheduler is None:
@@ -95,14 +118,17 @@ class Task:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}: use one of {SCHEDULERS}")
         if self.direction not in ("minimize", "maximize"):
             raise ConfigError(f"direction must be 'minimize' or 'maximize', not {self.direction!r}")
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise ConfigError(f"steps must be a positive integer, got {self.steps!r}")
+        _positive(self.steps, "steps")
+        _positive(self.batch_size, "batch_size")
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 4)
+        _positive(self.eval_every, "eval_every")
+        if not isinstance(self.target_key, str):
+            raise ConfigError(f"target_key must be a string, got {self.target_key!r}")
         if not isinstance(self.model, nn.Module) and not callable(self.model):
             raise ConfigError("model must be an nn.Module or a function returning one")
         for name, data in (("train_data", self.train_data), ("val_data", self.val_data)):
-            _check_data(name, data)
+            self._check_data(name, data)
 
     # --- the model ------------------------------------------------------------------------
 
@@ -114,67 +140,392 @@ class Task:
         return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
     def build_model(self, **arch: Any) -> nn.Module:
-        """The target model, for the given architecture choices."""
+        """The target model, for the given architecture choices.
+
+        Raises:
+            ModelError: the factory raised (naming the factory and its arguments) or returned
+                something that is not a module.
+        """
         if isinstance(self.model, nn.Module):
             return self.model
-        model = self.model(**arch)
+        try:
+            model = self.model(**arch)
+        except Exception as exc:  # noqa: BLE001 - any error of user code, reported with its call
+            raise ModelError(
+                f"the model factory {_call(self.model, arch)} raised {type(exc).__name__}: "
+                f"{exc}. Check its arguments (model_args and searched architecture choices)."
+            ) from exc
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"the model factory returned {type(model).__name__}, not a module")
+            raise ModelError(
+                f"the model factory {_call(self.model, arch)} returned {type(model).__name__}, "
+                "not an nn.Module"
+            )
         return model
+
+    def validate(self, model: nn.Module, batch: Batch) -> None:
+        """Check the model against a batch before any training: it has parameters, runs, and
+        its output suits the loss (one loss for ``loss="model"``; for cross-entropy, labels
+        within the number of classes the output has).
+
+        Raises:
+            ModelError: no parameters, the forward fails, or no loss in the output.
+            DataError: labels outside the classes of the output, or the loss rejects it.
+        """
+        if not any(True for _ in model.parameters()):
+            raise ModelError(
+                f"the model ({type(model).__name__}) has no parameters: there is nothing to "
+                "train. Pass the model itself, with its layers."
+            )
+        if any(p.is_meta for p in model.parameters()):
+            return  # a target built on the meta device (for its shapes only) cannot run
+        args, kwargs, target = self.split(batch)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = model(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - user code: report it with what it was given
+            raise ModelError(
+                f"running the model ({type(model).__name__}) on a batch of train_data failed: "
+                f"{type(exc).__name__}: {exc}. Inputs were {_describe(args, kwargs)}."
+            ) from exc
+        finally:
+            model.train(was_training)
+        if self.loss == MODEL_LOSS:
+            loss = _model_loss(out, self.target_key)
+            if loss.numel() != 1:
+                raise ModelError(
+                    f"with loss='model' the model must return one scalar loss, got shape "
+                    f"{tuple(loss.shape)}"
+                )
+            return
+        logits = self.logits_of(out)
+        if self.loss is LOSSES["cross_entropy"] and logits.dim() >= 1:
+            classes = logits.shape[-1]
+            for name, data in (("train_data", self.train_data), ("val_data", self.val_data)):
+                labels = self._targets(data)
+                if labels is None or labels.numel() == 0 or labels.is_floating_point():
+                    continue
+                valid = labels[labels != IGNORE_INDEX]
+                if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
+                    raise DataError(
+                        f"{name}: labels range over [{int(valid.min())}, {int(valid.max())}] but "
+                        f"the model outputs {classes} classes (the last dimension of its "
+                        f"output): cross_entropy needs labels in [0, {classes - 1}] "
+                        f"({IGNORE_INDEX} to ignore a position). Fix the labels or the model's "
+                        "number of outputs."
+                    )
+        try:
+            value = self.loss(logits, target)
+        except Exception as exc:  # noqa: BLE001 - user code or a shape mismatch
+            raise DataError(
+                f"the loss {self.loss_name} fails on the model's output "
+                f"{tuple(logits.shape)} and the targets {_shape(target)}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ConfigError(
+                f"the loss {self.loss_name} must return a scalar for one model, got {_shape(value)}"
+            )
 
     # --- data -----------------------------------------------------------------------------
 
-    def train_batches(self, batch_size: int, seed: int) -> Iterator[tuple[Any, torch.Tensor]]:
+    def train_batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         """An endless stream of training batches (the same stream for the same seed)."""
         data = self.train_data
-        if isinstance(data, tuple):
-            x, y = data
+        if isinstance(data, (tuple, Mapping)):
             g = torch.Generator().manual_seed(seed)
+            size = _length(data)
             while True:
-                idx = torch.randint(0, len(y), (batch_size,), generator=g)
-                yield _index(x, idx), y[idx]
+                idx = torch.randint(0, size, (batch_size,), generator=g)
+                yield _take(data, idx)
         else:
             while True:
                 yielded = False
                 for batch in _loader(data, batch_size, shuffle=True, seed=seed):
                     yielded = True
-                    yield batch[0], batch[1]
+                    yield _batch(batch)
                 if not yielded:
-                    raise ConfigError("train_data produced no batch")
+                    raise DataError("train_data produced no batch")
                 seed += 1
 
-    def val_batches(self, batch_size: int) -> Iterator[tuple[Any, torch.Tensor]]:
+    def val_batches(self, batch_size: int) -> Iterator[Batch]:
         """The validation data in order, in batches."""
         data = self.val_data
-        if isinstance(data, tuple):
-            x, y = data
-            for i in range(0, len(y), batch_size):
-                yield _index(x, slice(i, i + batch_size)), y[i : i + batch_size]
+        if isinstance(data, (tuple, Mapping)):
+            size = _length(data)
+            for i in range(0, size, batch_size):
+                yield _take(data, slice(i, i + batch_size))
         else:
             for batch in _loader(data, batch_size, shuffle=False, seed=0):
-                yield batch[0], batch[1]
+                yield _batch(batch)
 
     def inputs_of(self, batch_inputs: Any) -> tuple[Any, ...]:
+        """The positional model inputs of the inputs part of an ``(inputs, targets)`` batch."""
         return tuple(batch_inputs) if isinstance(batch_inputs, (tuple, list)) else (batch_inputs,)
 
+    def split(self, batch: Batch, device: Any = None) -> tuple[tuple, dict[str, Any], Any]:
+        """A batch as ``(args, kwargs, target)``: call the model as ``model(*args, **kwargs)``.
 
-def _check_data(name: str, data: Any) -> None:
-    if isinstance(data, tuple):
-        if len(data) != 2 or not isinstance(data[1], torch.Tensor):
-            raise ConfigError(f"{name} as a tuple must be (inputs, targets) with tensor targets")
+        With dict batches the inputs are keywords; the target is popped under ``target_key``
+        for a loss function, or left in (and also returned) for ``loss="model"``.
+        """
+        if isinstance(batch, Mapping):
+            kwargs = {k: _to(v, device) for k, v in batch.items()}
+            if self.loss == MODEL_LOSS:
+                return (), kwargs, kwargs.get(self.target_key)
+            if self.target_key not in kwargs:
+                raise DataError(
+                    f"a batch has no {self.target_key!r} (keys: {sorted(kwargs)}): name the "
+                    "targets' key with Task(target_key=...) or use loss='model'"
+                )
+            target = kwargs.pop(self.target_key)
+            return (), kwargs, target
+        x, y = batch
+        args = tuple(_to(t, device) for t in self.inputs_of(x))
+        if self.loss == MODEL_LOSS:
+            return args, {self.target_key: _to(y, device)}, _to(y, device)
+        return args, {}, _to(y, device)
+
+    def example_of(self, model: nn.Module, batch: Batch) -> tuple[Any, ...]:
+        """A batch as positional inputs in the order of ``model.forward`` (for tracing).
+
+        Keywords the batch lacks before the last one it has take the forward's defaults.
+        """
+        args, kwargs, _ = self.split(batch)
+        if not kwargs:
+            return args
+        params = list(inspect.signature(model.forward).parameters.values())[len(args) :]
+        ordered, left = list(args), dict(kwargs)
+        for p in params:
+            if not left or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
+                break
+            if p.name in left:
+                ordered.append(left.pop(p.name))
+            elif p.default is not p.empty:
+                ordered.append(p.default)
+            else:
+                raise DataError(
+                    f"the model's forward needs {p.name!r}, which the batch lacks "
+                    f"(keys: {sorted(kwargs)})"
+                )
+        if left:
+            raise DataError(
+                f"batch keys {sorted(left)} are not positional arguments of "
+                f"{type(model).__name__}.forward (it takes "
+                f"{', '.join(p.name for p in params) or 'nothing more'}): rename the data's keys"
+            )
+        return tuple(ordered)
+
+    def batch_len(self, batch: Batch) -> int:
+        """Examples in a batch."""
+        if isinstance(batch, Mapping):
+            return len(next(iter(batch.values())))
+        return len(batch[1])
+
+    # --- losses of a fused model ----------------------------------------------------------
+
+    def logits_of(self, output: Any) -> torch.Tensor:
+        """The tensor a loss or metric function reads: the output, or its ``logits``."""
+        if isinstance(output, torch.Tensor):
+            return output
+        logits = _field(output, "logits")
+        if isinstance(logits, torch.Tensor):
+            return logits
+        raise ModelError(
+            f"the model returned {type(output).__name__}, not a tensor and without 'logits': "
+            "return the predictions as a tensor, or compute the loss in the model and use "
+            "loss='model'"
+        )
+
+    def trial_losses(self, output: Any, target: Any) -> torch.Tensor:
+        """Each trial's training loss ``[n]`` from a fused model's output."""
+        from hydro.fusion import trial_loss
+
+        if self.loss == MODEL_LOSS:
+            loss = _model_loss(output, self.target_key)
+            if loss.dim() != 1:
+                raise ModelError(
+                    f"a fused model with loss='model' must give one loss per trial, shape [n]; "
+                    f"got {tuple(loss.shape)}"
+                )
+            return loss
+        return trial_loss(self.loss, self.logits_of(output), target)
+
+    def trial_metrics(self, output: Any, target: Any) -> torch.Tensor:
+        """Each trial's validation metric ``[n]`` for one batch (the loss without a metric)."""
+        from hydro.fusion import trial_loss
+
+        if self.metric is None:
+            return self.trial_losses(output, target)
+        return trial_loss(self.metric, self.logits_of(output), target)
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def _targets(self, data: Any) -> torch.Tensor | None:
+        if isinstance(data, tuple):
+            return data[1]
+        if isinstance(data, Mapping):
+            return data.get(self.target_key)
+        return None
+
+    def _check_data(self, name: str, data: Any) -> None:
+        if isinstance(data, tuple):
+            if len(data) != 2 or not isinstance(data[1], torch.Tensor):
+                raise DataError(
+                    f"{name} as a tuple must be (inputs, targets) with tensor targets; got a "
+                    f"tuple of {len(data)}"
+                )
+            x, y = data
+            inputs = x if isinstance(x, (tuple, list)) else (x,)
+            for i, t in enumerate(inputs):
+                if isinstance(t, torch.Tensor) and len(t) != len(y):
+                    which = "inputs" if len(inputs) == 1 else f"inputs[{i}]"
+                    raise DataError(
+                        f"{name}: {which} have {len(t)} rows but targets {len(y)}: give inputs "
+                        "and targets the same length (one target per example)"
+                    )
+            tensors = {("inputs" if len(inputs) == 1 else f"inputs[{i}]"): t
+                       for i, t in enumerate(inputs)}  # fmt: skip
+            tensors["targets"] = y
+        elif isinstance(data, Mapping):
+            if not data:
+                raise DataError(f"{name} is an empty dict: give it tensors, e.g. input_ids=...")
+            bad = [k for k, v in data.items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise DataError(
+                    f"{name}[{bad[0]!r}] is {type(data[bad[0]]).__name__}: a dict of data must "
+                    "hold tensors of equal length"
+                )
+            lengths = {k: len(v) for k, v in data.items()}
+            if len(set(lengths.values())) > 1:
+                raise DataError(
+                    f"{name}: the tensors have different lengths ({lengths}): give every key "
+                    "one row per example"
+                )
+            if self.loss != MODEL_LOSS and self.target_key not in data:
+                raise DataError(
+                    f"{name} has no {self.target_key!r} key (keys: {sorted(data)}): name the "
+                    "targets' key with Task(target_key=...), or use loss='model' for a model "
+                    "that computes its own loss"
+                )
+            tensors = dict(data)
+            y = data.get(self.target_key)
+        elif isinstance(data, Dataset) or callable(data):
+            return
+        else:
+            raise DataError(
+                f"{name} must be an (inputs, targets) tuple of tensors, a dict of tensors, a "
+                f"Dataset, or a function batch_size -> iterable of batches; got "
+                f"{type(data).__name__}"
+            )
+        if len(y if isinstance(y, torch.Tensor) else next(iter(tensors.values()))) == 0:
+            raise DataError(f"{name} is empty: give it at least one example")
+        for key, t in tensors.items():
+            _check_finite(name, key, t)
+        if (
+            self.loss is LOSSES["cross_entropy"]
+            and isinstance(y, torch.Tensor)
+            and y.is_floating_point()
+        ):
+            raise DataError(
+                f"{name}: the targets are {str(y.dtype).replace('torch.', '')} but loss "
+                "'cross_entropy' needs integer class labels: convert them with .long(), use "
+                "loss='mse' for regression, or pass torch.nn.functional.cross_entropy for "
+                "class probabilities"
+            )
+
+
+def _positive(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_finite(name: str, key: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
         return
-    if isinstance(data, Dataset) or callable(data):
-        return
-    raise ConfigError(
-        f"{name} must be an (inputs, targets) tuple of tensors, a Dataset, or a function "
-        f"batch_size -> iterable of batches; got {type(data).__name__}"
-    )
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        row = int(bad.reshape(len(t), -1).any(1).nonzero()[0, 0]) if t.dim() else 0
+        kind = "NaN" if bool(torch.isnan(t).any()) else "infinity"
+        count = int(bad.sum())
+        raise DataError(
+            f"{name}: {key} contain {kind} (first at index {row}, {count} "
+            f"value{'s' if count != 1 else ''} in all): every trial would diverge. Clean or drop "
+            "those rows first, e.g. "
+            "keep = torch.isfinite(x).flatten(1).all(1)"
+        )
+
+
+def _model_loss(output: Any, target_key: str) -> torch.Tensor:
+    loss = _field(output, "loss")
+    if not isinstance(loss, torch.Tensor):
+        got = type(output).__name__
+        raise ModelError(
+            f"loss='model' reads the model's loss from output.loss or output['loss'], but the "
+            f"model returned {got} without one: pass the targets to the model (the batch's "
+            f"{target_key!r}) so it computes its loss, or give Task a loss function"
+        )
+    return loss
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _name(fn: Any) -> str:
+    module = getattr(fn, "__module__", None)
+    qual = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{module}:{qual}" if module else qual
+
+
+def _call(factory: Any, arch: dict[str, Any]) -> str:
+    """``module:factory(a=1, b=2)``, with a partial's bound arguments shown."""
+    args = dict(arch)
+    while isinstance(factory, functools.partial):
+        args = {**factory.keywords, **args}
+        factory = factory.func
+    return f"{_name(factory)}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+
+
+def _shape(x: Any) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    parts = [_shape(a) for a in args] + [f"{k}={_shape(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts) or "nothing"
+
+
+def _length(data: Any) -> int:
+    if isinstance(data, Mapping):
+        return len(next(iter(data.values())))
+    return len(data[1])
+
+
+def _take(data: Any, idx: Any) -> Batch:
+    if isinstance(data, Mapping):
+        return {k: v[idx] for k, v in data.items()}
+    x, y = data
+    return _index(x, idx), y[idx]
+
+
+def _batch(batch: Any) -> Batch:
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    return batch[0], batch[1]
 
 
 def _index(x: Any, idx: Any) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(t[idx] for t in x)
     return x[idx]
+
+
+def _to(x: Any, device: Any) -> Any:
+    return x.to(device) if device is not None and isinstance(x, torch.Tensor) else x
 
 
 def _loader(data: Any, batch_size: int, shuffle: bool, seed: int) -> Any:

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
 import yaml
 from optuna.trial import TrialState
+from torch import nn
 
 import hydro
-from hydro.errors import ConfigError, StorageError
+from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.tuning.group import group_key, train_group
+from hydro.tuning.report import is_interrupted, trial_counts
 from hydro.tuning.space import Space, check_space
 from hydro.tuning.task import Task
 
@@ -39,24 +42,27 @@ class TuneResult:
 
     @property
     def best_trial(self) -> optuna.trial.FrozenTrial:
-        return self.study.best_trial
+        """The best complete trial (:class:`hydro.errors.StudyError` when none completed)."""
+        return best_trial(self.study)
 
     @property
     def best_params(self) -> dict[str, Any]:
         """The best hyperparameters: use them unchanged on the full model."""
-        return dict(self.study.best_params)
+        return dict(self.best_trial.params)
 
     @property
     def best_value(self) -> float:
         """The best surrogate value of the metric."""
-        return float(self.study.best_value)
+        return float(self.best_trial.value)
 
     @property
     def trials(self) -> list[dict[str, Any]]:
-        """One row per trial: number, state, value, parameters, group and fail reason."""
+        """One row per trial: number, state, value, parameters, group and fail reason. A trial
+        that stopped with its process (and was asked again) has state ``INTERRUPTED``."""
         return [
-            {"number": t.number, "state": t.state.name, "value": t.value, **t.params,
-             "group": t.user_attrs.get("group"), "fail_reason": t.user_attrs.get("fail_reason")}
+            {"number": t.number, "state": "INTERRUPTED" if is_interrupted(t) else t.state.name,
+             "value": t.value, **t.params, "group": t.user_attrs.get("group"),
+             "fail_reason": t.user_attrs.get("fail_reason")}
             for t in self.study.get_trials(deepcopy=False)
         ]  # fmt: skip
 
@@ -65,19 +71,103 @@ class TuneResult:
         return export(self.study, path, verification=self.verification)
 
 
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
+    """A study's best complete trial, or a :class:`StudyError` saying why there is none."""
+    try:
+        return study.best_trial
+    except ValueError as exc:
+        counts = trial_counts(study)
+        reasons = [t.user_attrs.get("fail_reason") for t in study.get_trials(deepcopy=False)
+                   if t.state == TrialState.FAIL and not is_interrupted(t)]  # fmt: skip
+        first = next((r for r in reasons if r), None)
+        raise StudyError(
+            f"study {study.study_name!r} has no complete trial ({counts['failed']} failed, "
+            f"{counts['pruned']} pruned, {counts['interrupted']} interrupted)"
+            + (f"; first failure: {first}" if first else "")
+            + ". Fix the cause and run it again (finished trials are kept), or see `hydro report`."
+        ) from exc
+
+
+def check_writable(path: str | os.PathLike, what: str = "output file") -> str:
+    """Raise a ConfigError unless ``path`` can be written; checked before any long work."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path!r} is a directory: name a file, e.g. {path}/best.yaml")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot write the {what} {path!r}: directory {folder!r} does not "
+                          "exist. Create it or name another path.")  # fmt: skip
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the {what} {path!r}: {exc.strerror or exc}. Name a "
+                          "path you can write.") from exc  # fmt: skip
+    if not existed:
+        os.remove(path)
+    return path
+
+
+def task_recipe(task: Task) -> dict[str, Any]:
+    """What the study trains with besides the searched hyperparameters (kept with the study)."""
+    return {"optimizer": task.optimizer, "scheduler": task.scheduler, "steps": task.steps,
+            "batch_size": task.batch_size, "eval_every": task.eval_every,
+            "loss": task.loss_name, "direction": task.direction}  # fmt: skip
+
+
+def training(params: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    """Everything to train the full model: the optimizer's ``torch.optim`` arguments, the
+    schedule, warm-up, steps and batch size (searched values, else the study's defaults)."""
+    from hydro.tuning.group import DEFAULTS
+
+    kind = recipe.get("optimizer", "adamw")
+    base = DEFAULTS[kind]
+    args: dict[str, Any] = {
+        "lr": float(params.get("lr", base["lr"])),
+        "weight_decay": float(params.get("weight_decay", base["weight_decay"])),
+    }
+    if kind == "sgd":
+        args["momentum"] = float(params.get("momentum", 0.0))
+    else:
+        args["betas"] = [float(params.get("beta1", 0.9)), float(params.get("beta2", 0.999))]
+        args["eps"] = float(params.get("eps", 1e-8))
+    out = {
+        "optimizer": kind,
+        "optimizer_args": args,
+        "scheduler": recipe.get("scheduler", "cosine"),
+        "warmup": int(params.get("warmup", 0)),
+        "steps": recipe.get("steps"),
+        "batch_size": int(params.get("batch_size", recipe.get("batch_size", 32))),
+        "grad_clip": params.get("grad_clip"),
+    }
+    for key in ("dropout", "init_scale", "output_mult"):
+        if key in params:
+            out[key] = params[key]
+    return out
+
+
 def export(
     study: optuna.Study, path: str | os.PathLike, verification: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Write a study's best hyperparameters for the full model, with provenance.
 
-    The file is YAML unless ``path`` ends in ``.json``. Returns what was written.
+    The file is YAML unless ``path`` ends in ``.json``. Besides the searched
+    ``hyperparameters`` it holds ``training``: the optimizer with its ``torch.optim`` arguments,
+    the scheduler, warm-up, steps and batch size, ready to train the full model (see
+    docs/tuning.md). Returns what was written.
+
+    Raises:
+        StudyError: the study has no complete trial.
+        ConfigError: ``path`` cannot be written.
     """
-    try:
-        best = study.best_trial
-    except ValueError as exc:
-        raise ConfigError(f"study {study.study_name!r} has no completed trial to export") from exc
+    path = check_writable(path, "export file")
+    best = best_trial(study)
+    counts = trial_counts(study)
+    recipe = study.user_attrs.get("hydro_task", {})
     data: dict[str, Any] = {
         "hyperparameters": dict(best.params),
+        "training": training(dict(best.params), recipe),
         "provenance": {
             "study": study.study_name,
             "trial": best.number,
@@ -85,14 +175,14 @@ def export(
             "surrogate_value": best.value,
             "ratio": best.user_attrs.get("ratio"),
             "surrogate_widths": best.user_attrs.get("surrogate_widths"),
-            "trials_finished": sum(1 for t in study.trials if t.state.is_finished()),
+            "trials_finished": counts["finished"],
+            "trials": {k: counts[k] for k in ("complete", "pruned", "failed", "interrupted")},
             "hydro_version": hydro.__version__,
             "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
     if verification:
         data["verification"] = verification
-    path = os.fspath(path)
     with open(path, "w") as f:
         if path.endswith(".json"):
             json.dump(data, f, indent=2)
@@ -182,16 +272,20 @@ def tune(
     """
     from hydro.integrations.optuna import optimize
 
-    executor = make_executor(executor)
     if not isinstance(task, Task):
         raise ConfigError(f"task must be a hydro.Task, got {type(task).__name__}")
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+        raise ConfigError(f"n_trials must be a positive integer, got {n_trials!r}")
+    executor = make_executor(executor)
     check_space(space, task.model_args())
+    preflight(task, space)
     base_seed = 0 if seed is None else int(seed)
     if isinstance(study, optuna.Study):
         the_study = study
     else:
         sampler = sampler or optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
+    the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor)  # fmt: skip
     result = TuneResult(the_study, ratio)
@@ -199,6 +293,30 @@ def tune(
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed)
         the_study.set_user_attr("hydro_verification", result.verification)  # for report/export
     return result
+
+
+def preflight(task: Task, space: Space) -> None:
+    """Build the target model and run it on a training batch before any trial is asked, so a
+    broken factory, model, loss or data set is one clear error instead of failed trials.
+
+    Architecture choices take their first value in a dict space; with a function space and a
+    factory that needs searched arguments the check waits for the first group.
+    """
+    arch: dict[str, Any] = {}
+    names = task.model_args()
+    if isinstance(space, Mapping):
+        for name, dist in space.items():
+            if name in names:
+                arch[name] = (dist.choices[0] if hasattr(dist, "choices")
+                              else getattr(dist, "low", None))  # fmt: skip
+    if not isinstance(task.model, nn.Module):
+        needed = [p.name for p in inspect.signature(task.model).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name not in arch]  # fmt: skip
+        if needed:
+            return
+    model = task.build_model(**arch)
+    task.validate(model, next(task.train_batches(2, seed=0)))
 
 
 def make_executor(executor: Any) -> Any:
