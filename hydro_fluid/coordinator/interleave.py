@@ -330,9 +330,7 @@ def interleave(
             if steps < 1 or (not resident and fits(g, bubble.free_memory) < g.size):
                 break  # pause at this step boundary; resume in the next bubble
             end = t + swap + steps * step
-            plan.runs.append(
-                GuestRun(g.name, g.trial_ids, i, t, end, steps, bubble.before, swap)
-            )
+            plan.runs.append(GuestRun(g.name, g.trial_ids, i, t, end, steps, bubble.before, swap))
             slack[k_iter] -= max(0.0, end - max(t, bubble.end))
             t = end
             for k in active:

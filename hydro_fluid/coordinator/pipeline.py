@@ -123,7 +123,9 @@ class PipelineJob:
         if not sum(self.forward) + sum(self.backward) > 0:
             raise ValueError("PipelineJob: forward and backward times are all 0; give seconds.")
         if not self.device_memory > 0:
-            raise ValueError(f"PipelineJob: device_memory must be > 0 GiB, got {self.device_memory}.")
+            raise ValueError(
+                f"PipelineJob: device_memory must be > 0 GiB, got {self.device_memory}."
+            )
         for i in range(p):
             peak = self.static_memory[i] + self.activation_memory[i] * self.max_in_flight(i)
             if peak > self.device_memory + 1e-9:
@@ -265,9 +267,7 @@ class Timeline:
     def peak_memory(self, stage: int) -> float:
         """GiB the host uses on ``stage`` at its peak."""
         job = self.job
-        return job.static_memory[stage] + job.activation_memory[stage] * self.peak_in_flight(
-            stage
-        )
+        return job.static_memory[stage] + job.activation_memory[stage] * self.peak_in_flight(stage)
 
     def bubbles(self, min_duration: float = 1e-12) -> list[Bubble]:
         """Every idle gap of every stage (including the head before its first op and the
