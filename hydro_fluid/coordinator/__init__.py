@@ -10,7 +10,6 @@ from .interleave import GuestRun, InterleavePlan, interleave, periodic_bubbles
 from .pipeline import Bubble, Op, PipelineJob, Timeline
 from .simulate import CoordinatorResult, simulate_coordinator
 
-
 __all__ = [
     "Bubble",
     "CoordinatorResult",

@@ -279,6 +279,7 @@ def interleave(
     done = {g.name for g in groups if max(g.budgets) <= 0}
     current: list[_Guest | None] = [None] * p
     slack = [delay_bound * period] * iterations  # overrun left per iteration
+    stage_free = [0.0] * p
 
     def take(stage: int, free: float) -> _Guest | None:
         for guest in list(queue):
@@ -294,7 +295,7 @@ def interleave(
                 keep, rest = order[:n], order[n:]
                 part = replace(
                     guest.group.without([ids[k] for k in rest]),
-                    name=f"{guest.group.name}/{stage}",
+                    name=f"{guest.origin}/{open_parts[guest.origin]}",
                     budgets=tuple(guest.left[k] for k in keep),
                 )
                 other = replace(
@@ -311,7 +312,8 @@ def interleave(
         i = bubble.stage
         k_iter = min(int(bubble.start / period + _EPS), iterations - 1)
         free = room[i] if resident else bubble.free_memory
-        t = bubble.start
+        # An overrun (delay_bound > 0) pushes what follows on this stage later.
+        t = max(bubble.start, stage_free[i])
         while True:
             guest = current[i]
             if guest is None:
@@ -332,7 +334,7 @@ def interleave(
             end = t + swap + steps * step
             plan.runs.append(GuestRun(g.name, g.trial_ids, i, t, end, steps, bubble.before, swap))
             slack[k_iter] -= max(0.0, end - max(t, bubble.end))
-            t = end
+            t = stage_free[i] = end
             for k in active:
                 guest.left[k] = max(0.0, guest.left[k] - steps)
                 plan.left[g.trial_ids[k]] = guest.left[k]

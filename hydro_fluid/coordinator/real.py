@@ -279,23 +279,17 @@ def _train(rank: int, cfg: dict) -> dict:
         slot = 0
         if rank == 0:
             outputs: dict[int, torch.Tensor] = {}
-
-            def forward(j: int) -> None:
-                outputs[j] = model(xs[j])
-                sends.append(dist.isend(outputs[j].detach().contiguous(), 1))
-
-            def backward(j: int) -> None:
-                nonlocal slot
-                grad = torch.empty(b, w)
-                receive(grad, 1, slot, measured, use_guest)
-                slot += 1
-                outputs.pop(j).backward(grad)
-
-            forward(0)  # warm-up: p - 1 = 1 forward
-            for j in range(1, m):
-                forward(j)
-                backward(j - 1)
-            backward(m - 1)
+            # 1F1B on the first of 2 stages: one warm-up forward, then F(j), B(j - 1).
+            order = [("F", 0)] + [op for j in range(1, m) for op in (("F", j), ("B", j - 1))]
+            for kind, j in order + [("B", m - 1)]:
+                if kind == "F":
+                    outputs[j] = model(xs[j])
+                    sends.append(dist.isend(outputs[j].detach().contiguous(), 1))
+                else:
+                    grad = torch.empty(b, w)
+                    receive(grad, 1, slot, measured, use_guest)
+                    slot += 1
+                    outputs.pop(j).backward(grad)
         else:
             for j in range(m):
                 act = torch.empty(b, w)
