@@ -22,6 +22,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,7 @@ def run_pipeline(
     steps: int = 4,
     micro_batches: int = 4,
     *,
-    guest: bool = True,
+    guest: bool | Sequence[bool] = True,
     guest_trials: int = 4,
     guest_width: int = 32,
     width: int = 256,
@@ -87,13 +88,17 @@ def run_pipeline(
     warmup: int = 2,
     seed: int = 0,
     timeout: float = 120.0,
-) -> PipelineRun:
+) -> PipelineRun | list[PipelineRun]:
     """Train a 2-stage pipeline for ``warmup + steps`` iterations in two processes.
+
+    With a sequence for ``guest`` the same two processes train the host once per entry,
+    from the same initialization and data, with or without the guest, and a list of runs
+    comes back (side by side on the same processes: cheaper and fairer to compare).
 
     Args:
         steps: Measured host iterations (after ``warmup``); the guest runs in these.
         micro_batches: ``m``, micro-batches per iteration (1F1B).
-        guest: Run the guest trial group in the bubbles.
+        guest: Run the guest trial group in the bubbles (or one flag per run).
         guest_trials: Trials fused into the guest group.
         guest_width: Hidden width of the guest MLP (its step must fit the bubbles).
         width: Hidden width of the host MLP.
@@ -111,13 +116,16 @@ def run_pipeline(
             raise ValueError(f"{name} must be >= 1, got {value}.")
     if warmup < 1 or guest_trials < 1 or width < 1 or batch < 1 or guest_width < 1:
         raise ValueError("warmup, guest_trials, width, guest_width and batch must be >= 1.")
+    flags = [bool(guest)] if isinstance(guest, bool) else [bool(g) for g in guest]
+    if not flags:
+        raise ValueError("guest is an empty sequence; give at least one run.")
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     config = dict(
         steps=steps,
         m=micro_batches,
-        guest=guest,
+        guests=flags,
         n=guest_trials,
         guest_width=guest_width,
         width=width,
@@ -146,16 +154,20 @@ def run_pipeline(
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    return PipelineRun(
-        params=[_from_bytes(got[r]["params"]) for r in range(2)],
-        iteration_times=got[0]["times"],
-        guest_steps=[got[r]["guest_steps"] for r in range(2)],
-        guest_trials=guest_trials if guest else 0,
-        guest_loss=[got[r]["guest_loss"] for r in range(2)],
-        wait_time=[got[r]["wait"] for r in range(2)],
-        guest_time=[got[r]["guest_time"] for r in range(2)],
-        overrun=[got[r]["overrun"] for r in range(2)],
-    )
+    runs = [
+        PipelineRun(
+            params=[_from_bytes(got[r][k]["params"]) for r in range(2)],
+            iteration_times=got[0][k]["times"],
+            guest_steps=[got[r][k]["guest_steps"] for r in range(2)],
+            guest_trials=guest_trials if flag else 0,
+            guest_loss=[got[r][k]["guest_loss"] for r in range(2)],
+            wait_time=[got[r][k]["wait"] for r in range(2)],
+            guest_time=[got[r][k]["guest_time"] for r in range(2)],
+            overrun=[got[r][k]["overrun"] for r in range(2)],
+        )
+        for k, flag in enumerate(flags)
+    ]
+    return runs[0] if isinstance(guest, bool) else runs
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -219,12 +231,21 @@ def _stage(rank: int, cfg: dict, results: Any) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-def _train(rank: int, cfg: dict) -> dict:
+def _train(rank: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # one core per stage, as on a device; also keeps sums in order
     dist.init_process_group("gloo", init_method=cfg["address"], rank=rank, world_size=2)
+    try:
+        return [_train_once(rank, cfg, flag) for flag in cfg["guests"]]
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_once(rank: int, cfg: dict, with_guest: bool) -> dict:
+    import torch.distributed as dist
+
     m, b, w = cfg["m"], cfg["batch"], cfg["width"]
     torch.manual_seed(cfg["seed"] + rank)
     if rank == 0:
@@ -232,7 +253,7 @@ def _train(rank: int, cfg: dict) -> dict:
     else:
         model = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    guest = _Guest(cfg["n"], cfg["guest_width"]) if cfg["guest"] else None
+    guest = _Guest(cfg["n"], cfg["guest_width"]) if with_guest else None
     expected: dict[int, float] = {}  # receive slot -> shortest wait seen in warm-up
     stats = {"wait": 0.0, "guest_time": 0.0, "overrun": 0.0}
     times = []
@@ -305,7 +326,6 @@ def _train(rank: int, cfg: dict) -> dict:
         if measured:
             times.append(time.perf_counter() - t_start)
     dist.barrier()
-    dist.destroy_process_group()
     return {
         # As bytes: tensors shared by file descriptor die with this process.
         "params": _to_bytes({k: v.detach().clone() for k, v in model.state_dict().items()}),
