@@ -69,6 +69,11 @@ class CoordinatorResult:
         Reuses :meth:`hydro_fluid.simulate.SimResult.plot_gantt`: host forwards and
         backwards are two colours, each guest group has its own. Returns the figure.
         """
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
 
         plan = self.plan
@@ -104,18 +109,18 @@ class CoordinatorResult:
             ),
         )
         ax = fig.axes[0]
-        cmap = __import__("matplotlib.pyplot").pyplot.get_cmap("tab20")
-        names = list(order)[:8]
+        cmap = plt.get_cmap("tab20")
+        names = list(order)[:12]
         ax.legend(
             [Patch(color=cmap(k % 20)) for k in range(len(names))],
             names,
-            loc="upper right",
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
             fontsize=7,
-            ncol=min(4, len(names)),
         )
         fig.axes[1].set_ylabel("busy devices")
         if path is not None:
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, bbox_inches="tight")
         return fig
 
 
