@@ -11,6 +11,9 @@ Rules, applied bubble by bubble in time order over the host's run:
   and it pays a swap in and out of every bubble it runs in. A group larger than that is cut
   into a part that fits (the members with the smallest budgets) and the rest, which goes
   back to the front of the queue.
+* **Fusion size that fills the bubbles**: among the sizes that fit the memory, the one whose
+  whole steps fill most of the stage's bubble time in one iteration (a large fused step may
+  not fit the short gaps of the steady 1F1B phase, a smaller one does).
 * **Steps cut to fit**: a fused step of ``n`` active members takes ``n * cost_per_step /
   speed`` seconds. A step runs only if it ends before the bubble does; otherwise the group
   pauses at that step boundary and resumes in the stage's next bubble.
@@ -190,6 +193,7 @@ def interleave(
     speed: float = 1.0,
     resident: bool = True,
     swap_bandwidth: float = 16.0,
+    fit_bubbles: bool = True,
 ) -> InterleavePlan:
     """Plan a tuning study's groups into the bubbles of ``iterations`` host iterations.
 
@@ -206,6 +210,9 @@ def interleave(
             peak); ``False`` loads it into each bubble (it must fit that bubble's free memory
             and pays ``2 * memory / swap_bandwidth`` seconds per bubble).
         swap_bandwidth: GiB/s for moving a non-resident guest in and out.
+        fit_bubbles: Also cut a group to the fusion size (within memory) whose whole steps
+            fill most of the stage's bubble time in one host iteration; ``False`` keeps the
+            largest size that fits the memory.
 
     Raises:
         ValueError: Bad arguments, or a group whose single trial fits no stage's memory.
@@ -281,6 +288,33 @@ def interleave(
     slack = [delay_bound * period] * iterations  # overrun left per iteration
     stage_free = [0.0] * p
 
+    # Per stage, the lengths of one period's bubbles (tail and next head as one).
+    lengths: list[list[float]] = [[] for _ in range(p)]
+    ends = [0.0] * p
+    for b in one.bubbles():
+        if b.before == 0:
+            ends[b.stage] += b.duration
+        elif b.before is None:
+            ends[b.stage] += b.duration
+        else:
+            lengths[b.stage].append(b.duration)
+    for i in range(p):
+        lengths[i].append(ends[i])
+    best: dict[tuple[int, float, int], int] = {}
+
+    def fill(stage: int, step: float, most: int) -> int:
+        """The fusion size up to ``most`` whose whole steps fill most of the stage's bubbles."""
+        key = (stage, step, most)
+        if key not in best:
+            used = {
+                n: sum(math.floor(length / (n * step) + _EPS) * n for length in lengths[stage])
+                for n in range(1, most + 1)
+            }
+            # Within 10% of the best fill, the larger fusion: fewer, larger parts balance better.
+            top = max(used.values())
+            best[key] = max(n for n, value in used.items() if value >= 0.9 * top)
+        return best[key]
+
     def take(stage: int, free: float) -> _Guest | None:
         for guest in list(queue):
             if not all(dep in done for dep in guest.group.after):
@@ -288,11 +322,14 @@ def interleave(
             n = fits(guest.group, free)
             if n < 1:
                 continue
+            if fit_bubbles:  # a smaller group whose steps fit the bubbles may use them better
+                n = fill(stage, guest.group.cost_per_step / speed, n)
             queue.remove(guest)
             if n < guest.group.size:  # cut off the part that fits
                 order = sorted(range(guest.group.size), key=lambda k: guest.left[k])
                 ids = guest.group.trial_ids
-                keep, rest = order[:n], order[n:]
+                # back in member order: without() keeps the group's order of trial_ids
+                keep, rest = sorted(order[:n]), sorted(order[n:])
                 part = replace(
                     guest.group.without([ids[k] for k in rest]),
                     name=f"{guest.origin}/{open_parts[guest.origin]}",

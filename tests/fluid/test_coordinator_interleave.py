@@ -131,12 +131,31 @@ def test_fusion_size_follows_the_free_memory_of_each_stage():
         )
         for k in range(8)
     ]
-    plan = interleave(job, study, iterations=2)
+    plan = interleave(job, study, iterations=2, fit_bubbles=False)
     # stage i holds 8 - i micro-batches of 4 GiB: free 8 + 4 i GiB -> 4 + 2 i trials
     assert plan.fusion["g0"] == [4 + 2 * i for i in range(8)]
     for i in range(8):
         assert max(len(r.trial_ids) for r in plan.runs if r.stage == i) == 4 + 2 * i
     _check_runs(job, plan, study)
+
+
+def test_fitting_the_fusion_size_to_short_bubbles_uses_more_of_them():
+    # heterogeneous stages leave short gaps in the steady phase that a 16-trial step misses
+    job = PipelineJob(
+        8, 32, forward=[0.1] * 7 + [0.13], backward=[0.2] * 7 + [0.26], activation_memory=1.0
+    )
+    study = [
+        TrialGroup(f"g{k}", range(16 * k, 16 * k + 16), [10**5] * 16, cost_per_step=0.004)
+        for k in range(16)
+    ]
+    fitted = interleave(job, study, iterations=5)
+    largest = interleave(job, study, iterations=5, fit_bubbles=False)
+    assert {len(r.trial_ids) for r in largest.runs} == {16}
+    assert min(len(r.trial_ids) for r in fitted.runs) < 16
+    assert fitted.bubble_use > largest.bubble_use + 0.05
+    for plan in (fitted, largest):
+        host = job.timeline(5, guest=plan.guest_delays())
+        assert host.makespan == pytest.approx(5 * plan.iteration_time, rel=1e-12)
 
 
 def test_non_resident_guests_fit_each_bubble_and_pay_for_swaps():
