@@ -140,3 +140,18 @@ def test_bad_timeline_arguments():
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_examples_in_docs_coordinator_md_run():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "coordinator.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 3
+    scope: dict = {}
+    for block in blocks:
+        if "run_pipeline" in block:  # the real run is tested in test_coordinator_real.py
+            continue
+        exec(compile(block, "docs/coordinator.md", "exec"), scope)
+    assert scope["plan"].bubble_use > 0.7
