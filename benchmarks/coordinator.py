@@ -161,7 +161,7 @@ def print_row(r: dict) -> None:
 def real(repeats: int, steps: int, micro_batches: int) -> dict:
     flags = [False, True] * repeats
     runs = run_pipeline(
-        steps=steps, micro_batches=micro_batches, guest=flags, width=1024, batch=64, timeout=600
+        steps=steps, micro_batches=micro_batches, guest=flags, width=1024, batch=128, timeout=600
     )
     alone = [r for r, f in zip(runs, flags) if not f]
     shared = [r for r, f in zip(runs, flags) if f]
@@ -183,6 +183,7 @@ def real(repeats: int, steps: int, micro_batches: int) -> dict:
         trial_steps=statistics.median(r.trial_steps / len(r.iteration_times) for r in shared),
         guest_seconds=statistics.median(sum(r.guest_time) / len(r.iteration_times) for r in shared),
         overrun=statistics.median(sum(r.overrun) / len(r.iteration_times) for r in shared),
+        step=statistics.median(x for r in shared for x in r.guest_step),
         wait=waits,
         loss=[r.guest_loss for r in shared],
     )
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-bound", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=7, help="real-run pairs")
     parser.add_argument("--no-real", action="store_true", help="skip the real run")
+    parser.add_argument("--only-real", action="store_true", help="skip the simulated table")
     args = parser.parse_args(argv)
     stages = [4, 8] if args.quick else [4, 8, 16, 64]
     print(
@@ -215,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({COST * 1000:.0f} ms/trial-step, {MEMORY} GiB/trial), delay bound "
         f"{args.delay_bound:.0%}\n"
     )
-    print(HEADER)
-    print("|" + "---|" * (HEADER.count("|") - 1))
-    simulated(stages, args.delay_bound)
+    if not args.only_real:
+        print(HEADER)
+        print("|" + "---|" * (HEADER.count("|") - 1))
+        simulated(stages, args.delay_bound)
     if args.gantt:
         gantt(args.gantt)
     if not args.no_real:
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"({a:.4f}, {s:.4f})" for a, s in r["pairs"])
         )
         print(f"receive waits per iteration without guest: {r['wait']:.4f} s")
+        print(f"guest step planned with (1.5 x median step): {r['step'] * 1000:.1f} ms")
     return 0
 
 

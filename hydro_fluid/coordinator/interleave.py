@@ -253,9 +253,10 @@ def interleave(
     period = one.makespan
     p = job.stages
     peak_free = [job.device_memory - one.peak_memory(i) for i in range(p)]
-    bubble_free = [
-        max((b.free_memory for b in one.bubbles() if b.stage == i), default=0.0) for i in range(p)
-    ]
+    all_bubbles = one.bubbles()
+    bubble_free = [0.0] * p
+    for b in all_bubbles:
+        bubble_free[b.stage] = max(bubble_free[b.stage], b.free_memory)
     room = peak_free if resident else bubble_free
 
     def fits(g: TrialGroup, free: float) -> int:
@@ -291,7 +292,7 @@ def interleave(
     # Per stage, the lengths of one period's bubbles (tail and next head as one).
     lengths: list[list[float]] = [[] for _ in range(p)]
     ends = [0.0] * p
-    for b in one.bubbles():
+    for b in all_bubbles:
         if b.before == 0:
             ends[b.stage] += b.duration
         elif b.before is None:

@@ -5,7 +5,7 @@ import torch
 
 from hydro_fluid.coordinator.real import run_pipeline
 
-SETTINGS = dict(steps=3, micro_batches=4, width=1024, batch=64, warmup=2, seed=3)
+SETTINGS = dict(steps=3, micro_batches=4, width=1024, batch=128, warmup=2, seed=3)
 
 
 def test_guest_trains_in_the_bubbles_and_leaves_the_host_bit_identical():
