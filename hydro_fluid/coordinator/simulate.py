@@ -127,9 +127,10 @@ class CoordinatorResult:
 def _busy(segments: list[Segment], job: PipelineJob) -> list[tuple[float, float]]:
     """``(time, fraction of stages busy)`` steps from the segments."""
     events: dict[float, int] = {}
-    for s in segments:
-        events[s.start] = events.get(s.start, 0) + 1
-        events[s.end] = events.get(s.end, 0) - 1
+    for s in segments:  # rounded: a guest ending where a host op starts is not an overlap
+        start, end = round(s.start, 9), round(s.end, 9)
+        events[start] = events.get(start, 0) + 1
+        events[end] = events.get(end, 0) - 1
     series, count = [], 0
     for t in sorted(events):
         count += events[t]
