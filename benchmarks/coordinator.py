@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"({a:.4f}, {s:.4f})" for a, s in r["pairs"])
         )
         print(f"receive waits per iteration without guest: {r['wait']:.4f} s")
+        falling = sum(1 for losses in r["loss"] for x in losses if x is not None and x[1] < x[0])
+        stages = sum(1 for losses in r["loss"] for x in losses if x is not None)
+        print(f"guest loss fell on {falling} of {stages} stage-runs that trained")
         print(f"guest step planned with (1.5 x median step): {r['step'] * 1000:.1f} ms")
     return 0
 

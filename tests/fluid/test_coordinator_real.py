@@ -22,6 +22,9 @@ def test_guest_trains_in_the_bubbles_and_leaves_the_host_bit_identical():
     assert sum(shared.guest_steps) > 0
     assert shared.trial_steps == 4 * sum(shared.guest_steps)
     assert any(loss is not None for loss in shared.guest_loss)
+    for steps, loss in zip(shared.guest_steps, shared.guest_loss):
+        if steps >= 10:  # the guest learns: its mean loss over the trials falls
+            assert loss[1] < loss[0]
     assert len(shared.iteration_times) == SETTINGS["steps"]
     assert sum(shared.guest_time) > 0
 
