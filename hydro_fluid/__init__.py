@@ -4,9 +4,12 @@ Model the work (:class:`TrialGroup`) and the resources (:class:`Device`, :class:
 decide placements (:func:`fifo`, :func:`static_fluid`, :func:`dynamic_fluid`,
 :func:`deadline`), try them in the simulator (:func:`simulate`), and run fused groups in
 worker processes (:class:`LocalExecutor`) or on a Ray cluster (:class:`RayExecutor`, needs
-``pip install 'hydro-surrogate[ray]'``).
+``pip install 'hydro-surrogate[ray]'``). The Coordinator (:mod:`hydro_fluid.coordinator`)
+runs trial groups in the bubbles of a pipeline-parallel job (:class:`PipelineJob`,
+:func:`interleave`, :func:`simulate_coordinator`).
 """
 
+from .coordinator import PipelineJob, interleave, simulate_coordinator
 from .executors import GroupResult, LocalExecutor, TrialOutcome, WorkerContext
 from .executors.ray import RayExecutor
 from .groups import TrialGroup
@@ -20,6 +23,7 @@ __all__ = [
     "Device",
     "GroupResult",
     "LocalExecutor",
+    "PipelineJob",
     "RayExecutor",
     "SimResult",
     "TrialGroup",
@@ -28,7 +32,9 @@ __all__ = [
     "deadline",
     "dynamic_fluid",
     "fifo",
+    "interleave",
     "lower_bound",
     "simulate",
+    "simulate_coordinator",
     "static_fluid",
 ]

@@ -1,0 +1,40 @@
+"""A real 2-stage gloo pipeline with a fused guest trial group in its receive waits."""
+
+import pytest
+import torch
+
+from hydro_fluid.coordinator.real import run_pipeline
+
+SETTINGS = dict(steps=3, micro_batches=4, width=1024, batch=128, warmup=2, seed=3)
+
+
+def test_guest_trains_in_the_bubbles_and_leaves_the_host_bit_identical():
+    alone, shared = run_pipeline(guest=[False, True], guest_trials=4, **SETTINGS)
+    for stage in range(2):
+        assert alone.params[stage].keys() == shared.params[stage].keys()
+        for name, value in alone.params[stage].items():
+            assert torch.equal(value, shared.params[stage][name]), (stage, name)
+    # the host really trained: its weights moved from their initialization
+    torch.manual_seed(SETTINGS["seed"])
+    first = torch.nn.Linear(32, 1024).weight
+    assert not torch.equal(first, alone.params[0]["0.weight"])
+    assert alone.guest_steps == [0, 0] and alone.trial_steps == 0
+    assert sum(shared.guest_steps) > 0
+    assert shared.trial_steps == 4 * sum(shared.guest_steps)
+    assert any(loss is not None for loss in shared.guest_loss)
+    for steps, loss in zip(shared.guest_steps, shared.guest_loss):
+        if steps >= 10:  # the guest learns: its mean loss over the trials falls
+            assert loss[1] < loss[0]
+    assert len(shared.iteration_times) == SETTINGS["steps"]
+    assert sum(shared.guest_time) > 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        run_pipeline(steps=0)
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        run_pipeline(micro_batches=0)
+    with pytest.raises(ValueError, match="guest_trials"):
+        run_pipeline(guest_trials=0)
+    with pytest.raises(ValueError, match="empty sequence"):
+        run_pipeline(guest=[])
