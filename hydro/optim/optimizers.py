@@ -264,7 +264,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _any(self, key: str) -> bool:
         """Whether any trial of any group has a nonzero ``key`` (host tensors: no device sync);
         every parameter then gets the same state and coefficients, so one update covers all."""
-        return any(bool(g[key].any()) for g in self.param_groups)
+        return any(any(g[key].tolist()) for g in self.param_groups)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
@@ -317,13 +317,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         parameter's device, and tensors shared in the checkpoint (a step cohort) stay shared.
         """
         super().load_state_dict(state_dict)
+        # torch casts every state tensor to its parameter's dtype; step counts (float64) and
+        # cohort flags (bool) keep theirs, so re-read them from the checkpoint.
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
         memo: dict[int, torch.Tensor] = {}
-        for p, state in self.state.items():
-            for key, value in list(state.items()):
+        for index, p in zip(saved, params):
+            for key, value in state_dict["state"].get(index, {}).items():
                 if torch.is_tensor(value):
                     if id(value) not in memo:
-                        memo[id(value)] = value.to(p.device, copy=True)
-                    state[key] = memo[id(value)]
+                        keep = key in ("step", self.cohort_key) or not value.is_floating_point()
+                        dtype = value.dtype if keep else p.dtype
+                        memo[id(value)] = value.to(p.device, dtype, copy=True)
+                    self.state[p][key] = memo[id(value)]
         self._device_cache.clear()
 
     # --- dropping trials, schedulers ------------------------------------------------------------
