@@ -74,6 +74,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     actual, expected = actual.detach().to(expected.dtype), expected.detach()
     assert actual.shape == expected.shape, what
+    if not expected.is_floating_point():
+        assert torch.equal(actual, expected), what
+        return
     scale = float(expected.abs().max()) if expected.numel() else 0.0
     err = float((actual - expected).abs().max()) if expected.numel() else 0.0
     assert err <= RTOL * scale + 1e-15, f"{what}: error {err:.3g} at scale {scale:.3g}"
@@ -219,11 +222,15 @@ SCHEDULES = {
         lambda o: S.ExponentialLR(o, gamma=[0.9, 0.8, 0.7, 0.6]),
     ),
     "cosine": (
-        lambda o, k: torch.optim.lr_scheduler.CosineAnnealingLR(o, 3 + k, [0.0, 1e-4, 2e-4, 3e-4][k]),
+        lambda o, k: torch.optim.lr_scheduler.CosineAnnealingLR(
+            o, 3 + k, [0.0, 1e-4, 2e-4, 3e-4][k]
+        ),
         lambda o: S.CosineAnnealingLR(o, [3, 4, 5, 6], [0.0, 1e-4, 2e-4, 3e-4]),
     ),
     "linear": (
-        lambda o, k: torch.optim.lr_scheduler.LinearLR(o, [0.1, 0.2, 0.3, 0.4][k], 1.0, total_iters=2 + k),
+        lambda o, k: torch.optim.lr_scheduler.LinearLR(
+            o, [0.1, 0.2, 0.3, 0.4][k], 1.0, total_iters=2 + k
+        ),
         lambda o: S.LinearLR(o, [0.1, 0.2, 0.3, 0.4], 1.0, total_iters=[2, 3, 4, 5]),
     ),
     "warmup_then_cosine": (
@@ -305,7 +312,9 @@ def test_betas_forms_agree() -> None:
     p = [nn.Parameter(torch.zeros(3, 2))]
     pairs = hydro.optim.Adam(p, betas=[(0.9, 0.99), (0.8, 0.999), (0.7, 0.9)])
     columns = hydro.optim.Adam(p, betas=([0.9, 0.8, 0.7], [0.99, 0.999, 0.9]))
-    tensor = hydro.optim.Adam(p, betas=torch.tensor([[0.9, 0.99], [0.8, 0.999], [0.7, 0.9]], dtype=torch.float64))
+    tensor = hydro.optim.Adam(
+        p, betas=torch.tensor([[0.9, 0.99], [0.8, 0.999], [0.7, 0.9]], dtype=torch.float64)
+    )
     for opt in (pairs, columns, tensor):
         b1, b2 = opt.param_groups[0]["betas"]
         assert b1.tolist() == [0.9, 0.8, 0.7] and b2.tolist() == [0.99, 0.999, 0.9]
@@ -505,12 +514,51 @@ def test_compile_failure_falls_back_with_warning() -> None:
             assert torch.equal(pa[name], pb[name]), name
 
 
-def test_compiled_step_matches_eager() -> None:
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda c: hydro.optim.SGD(c[0], **SGD, compile=c[1]),
+        lambda c: hydro.optim.AdamW(c[0], **ADAM, compile=c[1]),
+        lambda c: hydro.optim.Adam(c[0], **ADAM, compile=c[1]),
+    ],
+    ids=["sgd", "adamw", "adam"],
+)
+def test_compiled_step_matches_eager(factory) -> None:  # noqa: ANN001
     # aot_eager traces the step exactly as inductor would see it, without a C++ build
-    eager = _train(lambda ps: hydro.optim.SGD(ps, **SGD), 3)[3]
+    eager = _train(lambda ps: factory((ps, False)), 4)[3]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback
-        compiled = _train(lambda ps: hydro.optim.SGD(ps, **SGD, compile="aot_eager"), 3)[3]
-    for (pa, _), (pb, _) in zip(eager, compiled):
+        compiled = _train(lambda ps: factory((ps, "aot_eager")), 4)[3]
+    for (pa, sa), (pb, sb) in zip(eager, compiled):
         for name in pa:
             close(pb[name], pa[name], name)
+        for (_, a), (_, b) in zip(sa.items(), sb.items()):
+            for key in a:
+                close(b[key], a[key], key)
+
+
+def test_inductor_step_matches_torch() -> None:
+    # two parameters keep the C++ compile short; the arithmetic is the same for any number
+    g = torch.Generator().manual_seed(0)
+    trials = [[torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True),
+               torch.randn(2, generator=g, dtype=torch.float64, requires_grad=True)]
+              for _ in range(N)]  # fmt: skip
+    fused = [nn.Parameter(torch.stack([t[i].detach() for t in trials])) for i in range(2)]
+    opts = [torch.optim.Adam(ts, **trial(ADAM, k)) for k, ts in enumerate(trials)]
+    fopt = hydro.optim.Adam(fused, **ADAM, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        for step in range(5):
+            grads = [torch.randn(N, *f.shape[1:], generator=g, dtype=torch.float64) for f in fused]
+            for k, ts in enumerate(trials):
+                for t, grad in zip(ts, grads):
+                    t.grad = grad[k].clone()
+                opts[k].step()
+            for f, grad in zip(fused, grads):
+                f.grad = grad
+            fopt.step()
+            for k, ts in enumerate(trials):
+                for i, t in enumerate(ts):
+                    close(fused[i][k], t, f"step {step} trial {k} param {i}")
+                    for key, value in opts[k].state[t].items():
+                        close(fopt.state[fused[i]][key][k], value, f"step {step} {key}")

@@ -244,7 +244,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._math = torch.compile(type(self)._elementwise, backend=backend, fullgraph=True)
         if self._math is not None:
             try:
-                self._math(params, grads, state, coeffs)
+                self._math(params, grads, state, coeffs, True)
                 return
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
                 warnings.warn(
@@ -256,7 +256,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
                 self._math = None
                 self.compile = False
-        type(self)._elementwise(params, grads, state, coeffs)
+        type(self)._elementwise(params, grads, state, coeffs, False)
 
     def _state_keys(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -305,7 +305,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
+        """The update of every parameter; ``compiled``: written for the compiler to fuse."""
         raise NotImplementedError
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -476,7 +477,7 @@ class SGD(FusedOptimizer):
         return out
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
         d = torch._foreach_addcmul(grads, params, coeffs["wd"]) if "wd" in coeffs else grads
         d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
         if "momentum_buffer" in state:
@@ -549,12 +550,15 @@ class Adam(FusedOptimizer):
         out = {
             "active": active,
             "w1": torch.where(active, 1 - beta1, 0.0),
+            "b1": torch.where(active, beta1, 1.0),
             "b2": torch.where(active, beta2, 1.0),
             "c2": torch.where(active, 1 - beta2, 0.0),
             "neg_step_size": torch.where(active, -(lr / bc1), 0.0),
             "bc2_sqrt": torch.where(step > 0, bc2.sqrt(), 1.0),
             "eps": eps,
         }
+        out["eps_bc2"] = eps * out["bc2_sqrt"]
+        out["neg_step_bc2"] = out["neg_step_size"] * out["bc2_sqrt"]
         if self.decoupled:
             out["decay"] = torch.where(active, 1 - lr * wd, 1.0)
         elif self._any("weight_decay"):
@@ -564,7 +568,7 @@ class Adam(FusedOptimizer):
         return out
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
         d = grads
         if "decay" in coeffs:  # AdamW: decoupled weight decay
             torch._foreach_mul_(params, coeffs["decay"])
@@ -572,9 +576,16 @@ class Adam(FusedOptimizer):
             d = torch._foreach_addcmul(grads, params, coeffs["wd"])
         d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        torch._foreach_lerp_(exp_avg, d, coeffs["w1"])
-        torch._foreach_mul_(exp_avg_sq, coeffs["b2"])
-        torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(d, coeffs["c2"]), d)
+        if compiled:  # inductor leaves a lerp with tensor weights unfused
+            torch._foreach_mul_(exp_avg, coeffs["b1"])
+            torch._foreach_addcmul_(exp_avg, d, coeffs["w1"])
+        else:
+            torch._foreach_lerp_(exp_avg, d, coeffs["w1"])
+        if compiled:
+            torch._foreach_mul_(exp_avg_sq, coeffs["b2"])
+            torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(d, coeffs["c2"]), d)
+        else:  # fewer passes over memory: v + (1 - beta2) * (d * d - v)
+            torch._foreach_lerp_(exp_avg_sq, torch._foreach_mul(d, d), coeffs["c2"])
         if "max_exp_avg_sq" in state and "amsgrad" in coeffs:
             most = state["max_exp_avg_sq"]
             torch._foreach_maximum_(most, exp_avg_sq)
@@ -582,9 +593,14 @@ class Adam(FusedOptimizer):
         else:
             second = exp_avg_sq
         denom = torch._foreach_sqrt(second)
-        torch._foreach_div_(denom, coeffs["bc2_sqrt"])
-        torch._foreach_add_(denom, coeffs["eps"])
-        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, coeffs["neg_step_size"]), denom)
+        if compiled:  # torch's order of operations
+            torch._foreach_div_(denom, coeffs["bc2_sqrt"])
+            torch._foreach_add_(denom, coeffs["eps"])
+            step = torch._foreach_mul(exp_avg, coeffs["neg_step_size"])
+        else:  # one pass less: the same quotient with sqrt(bias correction 2) moved up
+            torch._foreach_add_(denom, coeffs["eps_bc2"])
+            step = torch._foreach_mul(exp_avg, coeffs["neg_step_bc2"])
+        torch._foreach_addcdiv_(params, step, denom)
 
 
 class AdamW(Adam):
