@@ -68,8 +68,10 @@ def per_trial(value: HyperParam, n: int, name: str) -> torch.Tensor:
 def _is_pair(x: object) -> bool:
     if torch.is_tensor(x):
         return x.dim() == 1 and x.shape[0] == 2
-    return isinstance(x, (list, tuple)) and len(x) == 2 and not any(
-        isinstance(v, (list, tuple)) or (torch.is_tensor(v) and v.dim() > 0) for v in x
+    return (
+        isinstance(x, (list, tuple))
+        and len(x) == 2
+        and not any(isinstance(v, (list, tuple)) or (torch.is_tensor(v) and v.dim() > 0) for v in x)
     )
 
 
@@ -112,9 +114,7 @@ def parse_betas(betas: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _trial_sums(grads: list[torch.Tensor]) -> torch.Tensor:
     """``[len(grads), n]``: each gradient summed per trial (finite iff all its entries are,
     barring an overflow of the sum itself, which only an exploding trial reaches)."""
-    return torch.stack(
-        [g if g.dim() == 1 else g.sum(dim=tuple(range(1, g.dim()))) for g in grads]
-    )
+    return torch.stack([g if g.dim() == 1 else g.sum(dim=tuple(range(1, g.dim()))) for g in grads])
 
 
 class FusedOptimizer(torch.optim.Optimizer):
