@@ -1,13 +1,17 @@
-"""Training throughput of n trials: sequential models vs torch.func.vmap vs hydro.fuse.
+"""Training throughput of n trials: sequential vs torch.func.vmap vs HFTA-style vs hydro.fuse.
 
 Prints trial-steps per second (one trial-step = forward, backward and Adam step of one trial)
 for n in 1, 4, 16, 32, 64 on a few models, all measured side by side in this run (medians of
-several repeats), plus the fused model's achieved GFLOP/s against a large-matmul peak measured
-in the same run.
+several interleaved rounds), plus the fused model's achieved GFLOP/s against a large-matmul peak
+measured in the same run. The HFTA-style column is a hand-written fused model in the manner of
+the HFTA paper (``baddbmm`` linears, grouped convolutions with the trials' channels kept stacked
+between layers, per-trial hyperparameters as broadcast tensors) trained with ``hydro.optim.Adam``.
 
     python benchmarks/fusion.py              # the full table
     python benchmarks/fusion.py --quick      # fewer models and n, for a smoke run
     python benchmarks/fusion.py --compile    # also time torch.compile(fused model)
+    python benchmarks/fusion.py --anchors    # MLP/CNN/GPT at n 16, 32 and 1, 2 threads
+    python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import subprocess
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +168,158 @@ def fused_step(make, n: int, compiled: bool = False) -> Callable[[], None]:
     return step
 
 
+# --- HFTA-style anchors: hand-written fused models -----------------------------------------------
+
+
+def _stack(tensors: list[torch.Tensor], like: torch.Tensor | None = None) -> nn.Parameter:
+    """A fused parameter ``[n, ...]``; keeps ``like``'s muP infshape for hydro.optim."""
+    p = nn.Parameter(torch.stack([t.detach() for t in tensors]).contiguous())
+    if like is not None and hasattr(like, "infshape"):
+        p.infshape = like.infshape
+    return p
+
+
+class HftaMLP(nn.Module):
+    """n MLPs ``Linear/ReLU/.../Linear``: one ``baddbmm`` per layer over ``[n, B, features]``."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        layers = [i for i, m in enumerate(models[0]) if isinstance(m, nn.Linear)]
+        self.w = nn.ParameterList(_stack([m[i].weight.t() for m in models]) for i in layers)
+        self.b = nn.ParameterList(_stack([m[i].bias[None] for m in models]) for i in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.expand(len(self.w[0]), *x.shape)  # the shared batch, read by every trial
+        for j, (w, b) in enumerate(zip(self.w, self.b)):
+            h = torch.baddbmm(b, h, w)
+            if j < len(self.w) - 1:
+                h = F.relu(h)
+        return h
+
+
+class HftaCNN(nn.Module):
+    """n ``examples.models.ResNet``: channels of all trials stacked ``[B, n * C, H, W]`` from
+    the first convolution (one convolution with ``n * C`` filters on the shared input) to the
+    pooling; grouped convolutions (``groups=n``) and one BatchNorm over ``n * C`` channels."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        self.n = len(models)
+        convs = [(m.stem[0], m.body[0], m.body[3]) for m in models]
+        bns = [(m.stem[1], m.body[1], m.body[4]) for m in models]
+        self.convs = nn.ParameterList(_stack([c[j].weight for c in convs]) for j in range(3))
+        self.gammas = nn.ParameterList(_stack([b[j].weight for b in bns]) for j in range(3))
+        self.betas = nn.ParameterList(_stack([b[j].bias for b in bns]) for j in range(3))
+        for j in range(3):
+            self.register_buffer(f"mean{j}", torch.cat([b[j].running_mean for b in bns]))
+            self.register_buffer(f"var{j}", torch.cat([b[j].running_var for b in bns]))
+        self.strides = [c.stride for c in convs[0]]
+        self.head_w = _stack([m.head.weight.t() for m in models])
+        self.head_b = _stack([m.head.bias[None] for m in models])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for j, (w, g, b) in enumerate(zip(self.convs, self.gammas, self.betas)):
+            groups = 1 if j == 0 else self.n  # the first layer reads the shared input once
+            h = F.conv2d(h, w.flatten(0, 1), stride=self.strides[j], padding=1, groups=groups)
+            mean, var = getattr(self, f"mean{j}"), getattr(self, f"var{j}")
+            h = F.relu(F.batch_norm(h, mean, var, g.flatten(), b.flatten(), True, 0.1, 1e-5))
+        pooled = h.mean(dim=(2, 3)).view(h.shape[0], self.n, -1).transpose(0, 1)
+        return torch.baddbmm(self.head_b, pooled, self.head_w)
+
+
+class HftaGPT(nn.Module):
+    """n charlm GPT surrogates: ``baddbmm`` projections over ``[n, B * T, C]``, one SDPA over
+    ``[n * B, heads, T, d]``, an embedding table ``[n * V, C]`` with per-trial row offsets, the
+    tied readout as one ``bmm`` with the muP readout multiplier."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        m0 = models[0]
+        self.n = len(models)
+        self.layers = len(
+            {name.split(".")[1] for name, _ in m0.named_parameters() if name[:2] == "h."}
+        )
+        self.readout = float(m0.get_submodule("mup_readout_0").scale)
+        self.wte = _stack([m.wte.weight for m in models], m0.wte.weight)
+        self.wpe = _stack([m.wpe.weight for m in models], m0.wpe.weight)
+        params = {}
+        for name, p in m0.named_parameters():
+            if name.startswith("h.") or name.startswith("ln_f"):
+                ts = [m.get_parameter(name) for m in models]
+                if name.endswith("weight") and p.dim() == 2:
+                    params[name] = _stack([t.t() for t in ts], p)  # [n, in, out]
+                elif name.endswith("bias") and "ln" not in name:
+                    params[name] = _stack([t[None] for t in ts], p)  # [n, 1, out]
+                else:
+                    params[name] = _stack(ts, p)  # LayerNorm affine [n, C]
+        self.p = nn.ParameterDict({k.replace(".", "_"): v for k, v in params.items()})
+        self.vocab, self.c = m0.wte.weight.shape
+        # the traced surrogate's head count (a view to (B, T, heads, C // heads))
+        self.heads = next(
+            node.args[3]
+            for node in m0.graph.nodes
+            if node.op == "call_method"
+            and node.target == "view"
+            and len(node.args) == 5
+            and isinstance(node.args[3], int)
+        )
+
+    def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        w, b = self.p[f"{name}_weight"], self.p[f"{name}_bias"]
+        return torch.addcmul(b[:, None], F.layer_norm(x, (self.c,)), w[:, None])
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.baddbmm(self.p[f"{name}_bias"], x, self.p[f"{name}_weight"])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        n, (b, t), c, heads = self.n, idx.shape, self.c, self.heads
+        offsets = torch.arange(n, device=idx.device)[:, None, None] * self.vocab
+        x = F.embedding(idx[None] + offsets, self.wte.view(n * self.vocab, c))
+        x = (x + self.wpe[:, None, :t]).view(n, b * t, c)
+        for i in range(self.layers):
+            qkv = self._lin(self._ln(x, f"h_{i}_ln_1"), f"h_{i}_attn_c_attn")
+            q, k, v = qkv.view(n * b, t, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).reshape(n, b * t, c)
+            x = x + self._lin(y, f"h_{i}_attn_c_proj")
+            h = F.gelu(self._lin(self._ln(x, f"h_{i}_ln_2"), f"h_{i}_mlp_c_fc"))
+            x = x + self._lin(h, f"h_{i}_mlp_c_proj")
+        x = self._ln(x, "ln_f") * self.readout
+        return torch.bmm(x, self.wte.transpose(1, 2)).view(n, b, t, self.vocab)
+
+
+def hfta_model(name: str, models: list[nn.Module]) -> nn.Module:
+    if name.startswith("MLP"):
+        return HftaMLP(models)
+    if name == "CNN+BN":
+        return HftaCNN(models)
+    if name == "GPT surrogate":
+        return HftaGPT(models)
+    raise ValueError(f"no HFTA-style model for {name}")
+
+
+def hfta_step(name: str, make, n: int) -> Callable[[], None]:
+    built = [make() for _ in range(n)]
+    _, x, y, loss_fn = built[0]
+    model = hfta_model(name, [m for m, *_ in built])
+    with torch.no_grad():  # the anchor computes what the n models compute
+        out = model(*x)
+        for k in (0, n - 1):
+            torch.testing.assert_close(out[k], built[k][0](*x), rtol=1e-4, atol=1e-5)
+    opt = hydro.optim.Adam(model.parameters(), lr=LRS(n))
+    targets = y.reshape(-1).repeat(n)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(*x)
+        # sum over trials of each trial's mean loss (every trial has the same batch size)
+        (F.cross_entropy(out.reshape(targets.numel(), -1), targets) * n).backward()
+        opt.step()
+
+    return step
+
+
 def flops_per_trial(make) -> int:
     """Forward + backward FLOPs of one model (counted on the unfused model: the counter's
     formulas for grouped convolutions do not apply to the fused form)."""
@@ -177,64 +335,153 @@ def matmul_peak(size: int = 2048) -> float:
     return 2 * size**3 / seconds / 1e9
 
 
+def old_optimizers(rev: str) -> types.ModuleType | None:
+    """``hydro/optim/optimizers.py`` as of git revision ``rev`` (the per-trial loop), or None."""
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:hydro/optim/optimizers.py"],
+            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType("hydro_optim_old")
+    exec(compile(source, f"{rev}:hydro/optim/optimizers.py", "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+def optimizer_table(args: argparse.Namespace) -> None:
+    """The optimizer step alone at n trials: the old per-trial loop, now, now compiled."""
+    old = old_optimizers(args.old_rev)
+    n = args.optimizer_n
+    print(f"\nOptimizer step alone (Adam, per-trial lr/betas/eps/wd, n = {n}), ms per step:")
+    print("| model | threads | old (per-trial loop) | vectorized | compiled | old/vectorized | "
+          "old/compiled | compile s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in ("MLP w64", "CNN+BN", "GPT surrogate"):
+            model = MODELS[name]()[0]
+            params = {}
+            for kind in ("old", "new", "compiled"):
+                ps = []
+                for q in model.parameters():
+                    t = nn.Parameter(q.detach()[None].repeat(n, *[1] * q.dim()).clone())
+                    if hasattr(q, "infshape"):
+                        t.infshape = q.infshape
+                    t.grad = torch.randn_like(t) * 1e-3
+                    ps.append(t)
+                params[kind] = ps
+            hp = dict(lr=LRS(n), betas=(0.9, [0.99 - 0.001 * k for k in range(n)]),
+                      eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])  # fmt: skip
+            steps = {}
+            if old is not None:
+                steps["old"] = old.Adam(params["old"], **hp).step
+            steps["new"] = hydro.optim.Adam(params["new"], **hp).step
+            compiled = hydro.optim.Adam(params["compiled"], **hp, compile=True)
+            start = time.perf_counter()
+            compiled.step()
+            compile_s = time.perf_counter() - start
+            steps["compiled"] = compiled.step
+            t = timed(steps, args.repeats, args.min_time)
+            t_old = t.get("old", float("nan"))
+            print(
+                f"| {name} | {threads} | {1e3 * t_old:.2f} | {1e3 * t['new']:.2f} | "
+                f"{1e3 * t['compiled']:.2f} | {t_old / t['new']:.1f}x | "
+                f"{t_old / t['compiled']:.1f}x | {compile_s:.0f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(fused)")
+    parser.add_argument(
+        "--anchors", action="store_true",
+        help="MLP w64, CNN+BN, GPT surrogate at n 16 and 32, 1 and 2 threads",
+    )  # fmt: skip
+    parser.add_argument(
+        "--optimizer", action="store_true", help="only the optimizer step: old vs now vs compiled"
+    )
+    parser.add_argument("--old-rev", default="13b3095", help="git revision of the old optimizer")
+    parser.add_argument("--optimizer-n", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="a subset of models")
     parser.add_argument(
         "--ns", nargs="*", type=int, help="numbers of trials (default 1 4 16 32 64)"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+        "--threads", type=int, nargs="*", default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ns = [1, 32] if args.quick else [1, 4, 16, 32, 64]
     models = ["MLP w64", "MLP w256"] if args.quick else list(MODELS)
+    if args.anchors:
+        ns, models = [16, 32], ["MLP w64", "CNN+BN", "GPT surrogate"]
+        args.threads = args.threads or [1, 2]
     models = args.models or models
     ns = args.ns or ns
+    args.threads = args.threads or [torch.get_num_threads()]
+    if args.optimizer:
+        print(f"torch {torch.__version__}")
+        optimizer_table(args)
+        return
 
+    torch.set_num_threads(args.threads[0])
     peak = matmul_peak()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"matmul peak (2048x2048 float32 mm): {peak:.1f} GFLOP/s\n")
+    print(f"torch {torch.__version__}, threads {args.threads}")
+    print(f"matmul peak (2048x2048 float32 mm, {args.threads[0]} threads): {peak:.1f} GFLOP/s\n")
     header = (
-        "| model | n | sequential | vmap | hydro.fuse | fuse/seq | fuse/vmap | GFLOP/s | % peak |"
+        "| model | n | threads | sequential | vmap | HFTA-style | hydro.fuse | fuse/HFTA | "
+        "fuse/seq | fuse/vmap | HFTA/seq | GFLOP/s | % peak |"
     )
     if args.compile:
         header += " fuse+compile |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for name in models:
-        make = MODELS[name]
-        for n in ns:
-            steps = {"seq": sequential_step(make, n)}
-            try:
-                steps["vmap"] = vmap_step(make, n)
-                steps["vmap"]()
-            except Exception as exc:  # noqa: BLE001 - report, keep going
-                steps.pop("vmap", None)
-                print(f"  (vmap cannot run {name}: {type(exc).__name__}: {exc})".split("\n")[0])
-            steps["fuse"] = fused_step(make, n)
-            if args.compile:
-                steps["compiled"] = fused_step(make, n, compiled=True)
-            t = timed(steps, args.repeats, args.min_time)
-            t_vmap = t.get("vmap", float("nan"))
-            gflops = n * flops_per_trial(make) / t["fuse"] / 1e9
-            row = (
-                f"| {name} | {n} | {n / t['seq']:.0f} | {n / t_vmap:.0f} | {n / t['fuse']:.0f} | "
-                f"{t['seq'] / t['fuse']:.1f}x | {t_vmap / t['fuse']:.1f}x | {gflops:.1f} | "
-                f"{100 * gflops / peak:.0f}% |"
-            )
-            if args.compile:
-                row += f" {n / t['compiled']:.0f} |"
-            print(row, flush=True)
-    print("\nColumns sequential/vmap/hydro.fuse: trial-steps per second (higher is better).")
+    notes = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in models:
+            make = MODELS[name]
+            for n in ns:
+                steps = {"seq": sequential_step(make, n)}
+                for key, build, extra in (
+                    ("vmap", vmap_step, ()),
+                    ("hfta", hfta_step, (name,)),
+                    ("fuse", fused_step, ()),
+                ):
+                    try:
+                        steps[key] = build(*extra, make, n)
+                        steps[key]()
+                    except Exception as exc:  # noqa: BLE001 - report, keep going
+                        steps.pop(key, None)
+                        why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                        notes.append(f"{key} cannot run {name} (n={n}): {why}")
+                if args.compile:
+                    steps["compiled"] = fused_step(make, n, compiled=True)
+                t = timed(steps, args.repeats, args.min_time)
+                nan = float("nan")
+                t_vmap, t_hfta, t_fuse = (t.get(k, nan) for k in ("vmap", "hfta", "fuse"))
+                gflops = n * flops_per_trial(make) / t_fuse / 1e9
+                row = (
+                    f"| {name} | {n} | {threads} | {n / t['seq']:.0f} | {n / t_vmap:.0f} | "
+                    f"{n / t_hfta:.0f} | {n / t_fuse:.0f} | {t_hfta / t_fuse:.2f}x | "
+                    f"{t['seq'] / t_fuse:.1f}x | {t_vmap / t_fuse:.2f}x | "
+                    f"{t['seq'] / t_hfta:.1f}x | {gflops:.1f} | {100 * gflops / peak:.0f}% |"
+                )
+                if args.compile:
+                    row += f" {n / t['compiled']:.0f} |"
+                print(row, flush=True)
+    print(
+        "\nColumns sequential/vmap/HFTA-style/hydro.fuse: trial-steps per second (higher is "
+        "better); ratios are speed-ups of the first over the second (nan: could not run)."
+    )
+    for note in notes:
+        print(f"  note: {note}")
 
 
 if __name__ == "__main__":

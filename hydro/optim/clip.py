@@ -41,10 +41,27 @@ def clip_grad_norm_(
     if not grads:
         return torch.zeros(0)
     n = grads[0].shape[0]
-    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), norm_type, dim=1) for g in grads])
+    # One norm per (tensor, trial), then per trial over tensors: a fixed number of ops
+    # whatever n, and no host synchronization.
+    norms = torch.stack(
+        [
+            g.abs() if g.dim() == 1 else torch.linalg.vector_norm(g, norm_type, dim=_rest(g))
+            for g in grads
+        ]
+    )
     total = torch.linalg.vector_norm(norms, norm_type, dim=0)
-    limit = torch.as_tensor(max_norm, dtype=total.dtype, device=total.device).expand(n)
-    coef = torch.clamp(limit / (total + 1e-6), max=1.0)
+    limit = torch.as_tensor(max_norm, dtype=total.dtype).to(total.device, non_blocking=True)
+    coef = torch.clamp(limit.expand(n) / (total + 1e-6), max=1.0)
+    views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    scales = []
     for g in grads:
-        g.mul_(coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1))))
+        key = (g.dim(), g.dtype)
+        if key not in views:
+            views[key] = coef.to(g.dtype).view((-1,) + (1,) * (g.dim() - 1))
+        scales.append(views[key])
+    torch._foreach_mul_(grads, scales)
     return total
+
+
+def _rest(g: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(1, g.dim()))

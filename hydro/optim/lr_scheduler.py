@@ -5,8 +5,10 @@ argument may instead be a length-``n`` sequence with one value per trial (``mile
 ``MultiStepLR``/``SequentialLR``: a list of ``n`` lists). Under the hood each trial runs the real
 ``torch`` scheduler on a small stand-in optimizer, so every trial's schedule is exactly torch's
 (its closed forms, chaining and warm-up rules included); after each ``step()`` the trials'
-learning rates (and, for ``OneCycleLR``, momenta/betas) are copied into the fused optimizer's
-per-trial tensors.
+learning rates (and, for ``OneCycleLR``, momenta/betas) are gathered on the host into one
+float64 tensor ``[n]`` per group and value, which the optimizer copies to the device once. The
+host-side cost grows with ``n`` (Python, a few microseconds per trial); the device sees one copy
+per step, whatever ``n``.
 
 Example:
     >>> import torch
@@ -94,19 +96,48 @@ class TrialScheduler:
         """Keep the schedules of the trials in ``index`` (called by ``optimizer.select``)."""
         self.schedulers = [self.schedulers[i] for i in index.tolist()]
 
+    def state_dict(self) -> dict:
+        """Every trial's torch scheduler state and its stand-in optimizer's values.
+
+        With the optimizer's ``state_dict``, a run resumed from it continues bit for bit.
+        """
+        stand_ins = self.optimizer.trial_optimizers()
+        keys = ("lr", "initial_lr", "max_lr", "min_lr", "betas", "momentum")
+        return {
+            "trials": [s.state_dict() for s in self.schedulers],
+            "stand_ins": [
+                [{k: g[k] for k in keys if k in g} for g in opt.param_groups] for opt in stand_ins
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` returned (same number of trials)."""
+        if len(state_dict["trials"]) != len(self.schedulers):
+            raise ValueError(
+                f"the scheduler state has {len(state_dict['trials'])} trials, this scheduler "
+                f"{len(self.schedulers)}"
+            )
+        for s, state in zip(self.schedulers, state_dict["trials"]):
+            s.load_state_dict(state)
+        for opt, groups in zip(self.optimizer.trial_optimizers(), state_dict["stand_ins"]):
+            for group, values in zip(opt.param_groups, groups):
+                group.update(values)
+        self._sync()
+
     def _sync(self) -> None:
+        # The host computes n floats; the optimizer moves each changed vector to the device once.
         stand_ins = self.optimizer.trial_optimizers()
         for g, group in enumerate(self.optimizer.param_groups):
             rows = [opt.param_groups[g] for opt in stand_ins]
             group["lr"] = torch.tensor([float(r["lr"]) for r in rows], dtype=torch.float64)
             if "betas" in group:
                 b1 = torch.tensor([float(r["betas"][0]) for r in rows], dtype=torch.float64)
-                b2 = torch.tensor([float(r["betas"][1]) for r in rows], dtype=torch.float64)
-                group["betas"] = (b1, b2)
+                if not torch.equal(b1, group["betas"][0]):  # only OneCycleLR changes betas
+                    group["betas"] = (b1, group["betas"][1])
             if "momentum" in group:
-                group["momentum"] = torch.tensor(
-                    [float(r["momentum"]) for r in rows], dtype=torch.float64
-                )
+                m = torch.tensor([float(r["momentum"]) for r in rows], dtype=torch.float64)
+                if not torch.equal(m, group["momentum"]):
+                    group["momentum"] = m
 
 
 class StepLR(TrialScheduler):

@@ -2,80 +2,166 @@
 
 Every parameter has a leading trial dimension ``[n, ...]``. Each hyperparameter may be a scalar
 (the same for every trial) or a length-``n`` sequence/tensor; it is kept as a float64 tensor
-``[n]`` in the parameter group (where the schedulers of ``lr_scheduler`` write it). The update of
-trial ``k`` is torch's own fused kernel (``torch._fused_adam_``, ``_fused_adamw_``,
-``_fused_sgd_``, what ``torch.optim.Adam(fused=True)`` runs) applied to trial ``k``'s slices of
-all parameters at once, with trial ``k``'s hyperparameters: one pass over memory per step, and the
-result ``torch.optim`` gives (checked step by step in ``tests/fusion``).
+``[n]`` in the parameter group (where the schedulers of ``lr_scheduler`` write it).
+
+A step is a fixed sequence of ``torch._foreach_*`` ops over all parameters, with every per-trial
+value (learning rate, betas, bias corrections, weight decay, momentum) a tensor ``[n, 1, ...]``
+broadcast over the trial dimension: the number of ops does not depend on ``n`` (asserted in
+``tests/test_optim_ops.py``), there is no Python loop over trials and no host synchronization.
+The arithmetic is ``torch.optim``'s single-tensor implementation with trial ``k``'s values
+(checked step by step against ``torch.optim`` in ``tests/test_optim.py`` and ``tests/fusion``).
+``compile=True`` runs the element-wise part through ``torch.compile`` (one pass over memory).
 
 muP: a parameter carrying ``infshape`` (every parameter of a Hydro surrogate) gets the learning
 rate and weight decay multipliers of :func:`hydro.parametrize.optimizer_multipliers`; a plain
 parameter gets none.
 
-Isolation: before each step, a trial with a non-finite gradient is marked in the fused model's
-``diverged`` flags. Diverged trials are frozen: the kernels skip them, so their parameters and
-optimizer state (step counts included) stop changing, and no other trial's update depends on them.
+Isolation: each step, a trial with a non-finite gradient is marked in the fused model's
+``diverged`` flags (a device tensor, updated in place). Diverged trials are frozen: their
+gradient is replaced by zeros and their learning rate, moment decay and step increment by
+neutral values, so their parameters and optimizer state (step counts included) stop changing,
+and no other trial's update depends on them.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
+from hydro.errors import ConfigError, FuseError
 from hydro.parametrize import optimizer_multipliers
 
 HyperParam = float | bool | Sequence[float] | torch.Tensor
+Betas = (
+    tuple[HyperParam, HyperParam] | Sequence[tuple[float, float]] | torch.Tensor
+)  # see parse_betas
+
+BETAS_FORMS = (
+    "(beta1, beta2) with each a scalar or a length-n sequence (e.g. (0.9, [0.99, 0.999])), "
+    "or a list of n (beta1, beta2) pairs (e.g. [(0.9, 0.99), (0.8, 0.999)]), or a tensor [n, 2]"
+)
 
 
 def per_trial(value: HyperParam, n: int, name: str) -> torch.Tensor:
     """``value`` as a float64 tensor ``[n]`` (a scalar is repeated for every trial)."""
-    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().cpu()
+    try:
+        t = torch.as_tensor(value, dtype=torch.float64).detach().clone().cpu()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"{name} must be a number or a sequence of {n} numbers (one per fused trial); "
+            f"got {value!r}"
+        ) from exc
     if t.dim() == 0:
         return t.repeat(n)
     if t.shape != (n,):
-        raise ValueError(f"{name} has {t.numel()} values but there are {n} fused trials")
+        raise ConfigError(
+            f"{name} has shape {tuple(t.shape)} but there are {n} fused trials: give one number "
+            f"for all trials or a sequence of {n} numbers"
+        )
     return t
 
 
-def _trial_slices(**tensors: list[torch.Tensor]) -> dict[str, list[list[torch.Tensor]]]:
-    """For each named list of ``[n, ...]`` tensors, trial k's slices: ``out[name][k]``.
+def _is_pair(x: object) -> bool:
+    if torch.is_tensor(x):
+        return x.dim() == 1 and x.shape[0] == 2
+    return (
+        isinstance(x, (list, tuple))
+        and len(x) == 2
+        and not any(isinstance(v, (list, tuple)) or (torch.is_tensor(v) and v.dim() > 0) for v in x)
+    )
 
-    (``unbind`` makes all of a tensor's trial views in one call.)
+
+def parse_betas(betas: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-trial ``(beta1, beta2)`` as two float64 tensors ``[n]``.
+
+    Accepted forms: ``(beta1, beta2)`` where each is a scalar or a length-``n`` sequence;
+    a *list* of ``n`` ``(beta1, beta2)`` pairs; a tensor ``[n, 2]``. A tuple of two is always
+    ``(beta1, beta2)`` (for ``n = 2``, ``([b1_0, b1_1], [b2_0, b2_1])``), a list of pairs is
+    always one pair per trial.
+
+    Raises:
+        hydro.errors.ConfigError: any other shape, naming the forms above.
     """
-    out = {}
-    for name, ts in tensors.items():
-        per_tensor = [t.unbind(0) for t in ts]
-        n = len(per_tensor[0]) if per_tensor else 0  # empty: never indexed
-        out[name] = [[views[k] for views in per_tensor] for k in range(n)]
-    return out
+
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"betas: {why}; expected {BETAS_FORMS}")
+
+    if torch.is_tensor(betas):
+        if betas.dim() == 2 and betas.shape == (n, 2):
+            t = betas.detach().to(torch.float64).cpu()
+            return t[:, 0].clone(), t[:, 1].clone()
+        if betas.shape == (2,):
+            return per_trial(betas[0], n, "beta1"), per_trial(betas[1], n, "beta2")
+        raise fail(f"a tensor of shape {tuple(betas.shape)} for {n} fused trials")
+    if not isinstance(betas, (list, tuple)):
+        raise fail(f"got {betas!r}")
+    pairs = isinstance(betas, list) and len(betas) == n and all(_is_pair(b) for b in betas)
+    if pairs and not (n == 2 and not all(isinstance(b, (list, tuple)) for b in betas)):
+        t = torch.as_tensor([[float(b[0]), float(b[1])] for b in betas], dtype=torch.float64)
+        return t[:, 0].clone(), t[:, 1].clone()
+    if len(betas) != 2:
+        raise fail(f"{len(betas)} entries for {n} fused trials")
+    try:
+        return per_trial(betas[0], n, "beta1"), per_trial(betas[1], n, "beta2")
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+
+
+def _trial_sums(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``[len(grads), n]``: each gradient summed per trial (finite iff all its entries are,
+    barring an overflow of the sum itself, which only an exploding trial reaches)."""
+    return torch.stack([g if g.dim() == 1 else g.sum(dim=tuple(range(1, g.dim()))) for g in grads])
 
 
 class FusedOptimizer(torch.optim.Optimizer):
-    """Base of the fused optimizers: per-trial hyperparameters, muP multipliers, isolation."""
+    """Base of the fused optimizers: per-trial hyperparameters, muP multipliers, isolation.
+
+    Args:
+        params: parameters (or parameter groups) with a leading trial dimension ``n``.
+        defaults: default hyperparameters, each a scalar or one value per trial.
+        compile: run the element-wise update through ``torch.compile``: ``True`` (inductor), a
+            backend name or a backend callable. If compiling fails, the step warns once and runs
+            eagerly (same results).
+    """
 
     kind = "adam"  # which muP multipliers apply: "adam" or "sgd"
     per_trial_keys: tuple[str, ...] = ()
+    cohort_key = "step"  # a state tensor [n] shared by the parameters that step together
 
-    def __init__(self, params: Iterable, defaults: dict) -> None:
+    def __init__(
+        self, params: Iterable, defaults: dict, compile: bool | str | Callable = False
+    ) -> None:
+        self.n: int | None = None
+        self._device_cache: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
         super().__init__(params, defaults)
-        first = self.param_groups[0]["params"][0]
-        self.n = int(first.shape[0])
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dim() == 0 or p.shape[0] != self.n:
-                    raise ValueError(
-                        "every parameter of a fused optimizer needs the same leading trial "
-                        f"dimension {self.n}; got shape {tuple(p.shape)}"
-                    )
-            for key in self.per_trial_keys:
-                if key == "betas":
-                    group[key] = tuple(per_trial(b, self.n, key) for b in group[key])
-                else:
-                    group[key] = per_trial(group[key], self.n, key)
         self._schedulers: list[weakref.ref] = []
         self._trial_optimizers: list[torch.optim.Optimizer] | None = None
+        self.compile = compile
+        self._math: Callable | None = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its hyperparameters become float64 tensors ``[n]``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if self.n is None and p.dim() > 0:
+                self.n = int(p.shape[0])
+            if p.dim() == 0 or p.shape[0] != self.n:
+                raise FuseError(
+                    "every parameter of a fused optimizer needs the same leading trial "
+                    f"dimension {self.n}; got shape {tuple(p.shape)}"
+                )
+        for key in self.per_trial_keys:
+            if key == "betas":
+                group[key] = parse_betas(group[key], self.n)
+            else:
+                group[key] = per_trial(group[key], self.n, key)
+
+    # --- the step -------------------------------------------------------------------------------
 
     def _diverged(self) -> torch.Tensor | None:
         for group in self.param_groups:
@@ -85,38 +171,167 @@ class FusedOptimizer(torch.optim.Optimizer):
                     return flags
         return None
 
+    def _on(self, group: dict, name: str, like: torch.Tensor) -> torch.Tensor:
+        """``group[name]`` on ``like``'s device, cached until it is replaced or written to."""
+        t = group[name] if isinstance(name, str) else group["betas"][name]
+        key = (id(group), name, like.device)
+        hit = self._device_cache.get(key)
+        if hit is not None and hit[0] is t and hit[1] == t._version:
+            return hit[2]
+        moved = t.to(like.device, non_blocking=True)
+        self._device_cache[key] = (t, t._version, moved)
+        return moved
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim signature
-        """One update of every trial that has not diverged."""
+        """One update of every trial that has not diverged (no host synchronization)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not with_grad:
+        per_group = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
+        params = [p for ps in per_group for p in ps]
+        if not params:
             return loss
-        # One reduction per gradient: a trial's sum is finite iff all its entries are (barring an
-        # overflow of the sum itself, which only an exploding trial reaches).
-        sums = torch.stack([p.grad.flatten(1).sum(dim=1).float() for p in with_grad])
-        frozen = ~torch.isfinite(sums).all(dim=0).cpu()
+        frozen = ~torch.isfinite(_trial_sums([p.grad for p in params])).all(dim=0)
         flags = self._diverged()
         if flags is not None:
             flags |= frozen.to(flags.device)
-            frozen = flags.cpu()
-        active = [k for k, f in enumerate(frozen.tolist()) if not f]
-        for group in self.param_groups:
-            # Parameters sharing muP multipliers are updated together, one kernel call per trial.
-            by_mults: dict[tuple[float, float], list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_mults.setdefault(optimizer_multipliers(p, self.kind), []).append(p)
-            for (lr_mult, wd_mult), params in by_mults.items():
-                self._update(params, group, lr_mult, wd_mult, active, (~frozen).to(torch.float64))
+            frozen = flags
+        active = ~frozen.to(params[0].device)
+        self._prepare_state(per_group)
+        # One [n] vector per (group, muP multipliers, step cohort); one [n, 1, ...] view of it
+        # per parameter: the element-wise update then runs over all parameters at once.
+        coeffs: dict[str, list[torch.Tensor]] = {}
+        for group, ps in zip(self.param_groups, per_group):
+            buckets: dict[tuple, list[int]] = {}
+            for i, p in enumerate(ps):
+                key = (optimizer_multipliers(p, self.kind), id(self.state[p][self.cohort_key]))
+                key += (p.dtype,)
+                buckets.setdefault(key, []).append(i)
+            per_param: list[dict[str, torch.Tensor] | None] = [None] * len(ps)
+            for ((lr_mult, wd_mult), _, dtype), members in buckets.items():
+                first = ps[members[0]]
+                vectors = self._coefficients(
+                    group, self.state[first], lr_mult, wd_mult, active, first
+                )
+                views: dict[int, dict[str, torch.Tensor]] = {}
+                for i in members:
+                    rank = ps[i].dim()
+                    if rank not in views:
+                        shape = (-1,) + (1,) * (rank - 1)
+                        views[rank] = {
+                            k: v.view(shape) if v.dtype == torch.bool else v.to(dtype).view(shape)
+                            for k, v in vectors.items()
+                        }
+                    per_param[i] = views[rank]
+            for d in per_param:
+                for k, v in d.items():
+                    coeffs.setdefault(k, []).append(v)
+        self._advance_cohorts(per_group, active)
+        state = {
+            key: [self.state[p][key] for p in params]
+            for key in self._state_keys()
+            if all(key in self.state[p] for p in params)
+        }
+        grads = [p.grad for p in params]
+        self._run(params, grads, state, coeffs)
         return loss
 
-    def _update(self, params, group, lr_mult, wd_mult, active, stepping) -> None:  # noqa: ANN001
-        """Update ``params`` (sharing muP multipliers) for the trials in ``active``."""
+    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
+        if self.compile and self._math is None:
+            backend = "inductor" if self.compile is True else self.compile
+            self._math = torch.compile(type(self)._elementwise, backend=backend, fullgraph=True)
+        if self._math is not None:
+            try:
+                self._math(params, grads, state, coeffs, True)
+                return
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+                warnings.warn(
+                    f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
+                    f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                    "running the eager step instead (same results, more kernel launches)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self._math = None
+                self.compile = False
+        type(self)._elementwise(params, grads, state, coeffs, False)
+
+    def _state_keys(self) -> tuple[str, ...]:
         raise NotImplementedError
+
+    def _any(self, key: str) -> bool:
+        """Whether any trial of any group has a nonzero ``key`` (host tensors: no device sync);
+        every parameter then gets the same state and coefficients, so one update covers all."""
+        return any(any(g[key].tolist()) for g in self.param_groups)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+    def _prepare_state(self, per_group: list[list[torch.Tensor]]) -> None:
+        """Create missing state; parameters that start together share one cohort tensor."""
+        for group, ps in zip(self.param_groups, per_group):
+            fresh: dict[torch.device, torch.Tensor] = {}
+            for p in ps:
+                state = self.state[p]
+                if self.cohort_key not in state:
+                    if p.device not in fresh:
+                        fresh[p.device] = self._new_cohort(p)
+                    state[self.cohort_key] = fresh[p.device]
+                self._init_state(p, state, group)
+        # A cohort tensor shared with a parameter that has no gradient this step: split it off.
+        with_grad = {id(p) for ps in per_group for p in ps}
+        owners: dict[int, list[tuple[torch.Tensor, bool]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                t = self.state[p].get(self.cohort_key) if p in self.state else None
+                if t is not None:
+                    owners.setdefault(id(t), []).append((p, id(p) in with_grad))
+        for members in owners.values():
+            if len({has for _, has in members}) == 2:
+                split = self.state[members[0][0]][self.cohort_key].clone()
+                for p, has in members:
+                    if has:
+                        self.state[p][self.cohort_key] = split
+
+    def _advance_cohorts(self, per_group: list[list[torch.Tensor]], active: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _new_cohort(self, p: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+        raise NotImplementedError
+
+    @staticmethod
+    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
+        """The update of every parameter; ``compiled``: written for the compiler to fuse."""
+        raise NotImplementedError
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()``; a run resumed from it continues bit for bit.
+
+        State tensors are copied (the checkpoint is never written to), moved to their
+        parameter's device, and tensors shared in the checkpoint (a step cohort) stay shared.
+        """
+        super().load_state_dict(state_dict)
+        # torch casts every state tensor to its parameter's dtype; step counts (float64) and
+        # cohort flags (bool) keep theirs, so re-read them from the checkpoint.
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        memo: dict[int, torch.Tensor] = {}
+        for index, p in zip(saved, params):
+            for key, value in state_dict["state"].get(index, {}).items():
+                if torch.is_tensor(value):
+                    if id(value) not in memo:
+                        keep = key in ("step", self.cohort_key) or not value.is_floating_point()
+                        dtype = value.dtype if keep else p.dtype
+                        memo[id(value)] = value.to(p.device, dtype, copy=True)
+                    self.state[p][key] = memo[id(value)]
+        self._device_cache.clear()
 
     # --- dropping trials, schedulers ------------------------------------------------------------
 
@@ -136,10 +351,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             for k in ("initial_lr", "max_lr", "min_lr"):
                 if torch.is_tensor(group.get(k)):
                     group[k] = group[k][index]
+        memo: dict[int, torch.Tensor] = {}  # keeps shared (cohort) tensors shared
         for state in self.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    state[key] = value[index.to(value.device)]
+                    if id(value) not in memo:
+                        memo[id(value)] = value[index.to(value.device)]
+                    state[key] = memo[id(value)]
         if self._trial_optimizers is not None:
             self._trial_optimizers = [self._trial_optimizers[i] for i in index.tolist()]
         live = []
@@ -150,6 +368,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 live.append(ref)
         self._schedulers = live
         self.n = len(index)
+        self._device_cache.clear()
 
     def trial_optimizers(self) -> list[torch.optim.Optimizer]:
         """One stand-in ``torch.optim`` optimizer per trial, for per-trial schedulers to drive."""
@@ -188,6 +407,7 @@ class SGD(FusedOptimizer):
 
     kind = "sgd"
     per_trial_keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    cohort_key = "momentum_started"
 
     def __init__(
         self,
@@ -197,53 +417,83 @@ class SGD(FusedOptimizer):
         dampening: HyperParam = 0.0,
         weight_decay: HyperParam = 0.0,
         nesterov: bool | Sequence[bool] = False,
+        *,
+        compile: bool | str | Callable = False,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov,
         )  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, compile=compile)
         for group in self.param_groups:
             bad = (group["nesterov"] > 0) & ((group["momentum"] <= 0) | (group["dampening"] != 0))
             if bool(bad.any()):
-                raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+                raise ConfigError(
+                    f"nesterov: trials {bad.nonzero().flatten().tolist()} ask for Nesterov "
+                    "momentum without a positive momentum and zero dampening"
+                )
 
-    def _update(self, params, group, lr_mult, wd_mult, active, stepping) -> None:  # noqa: ANN001
-        hp = {k: group[k].tolist() for k in self.per_trial_keys}
-        states = [self.state[p] for p in params]
-        if any(m != 0 for m in hp["momentum"]) and not states[0]:
-            for p, state in zip(params, states):
-                state["momentum_buffer"] = torch.zeros_like(p)
-                state["momentum_started"] = torch.zeros(self.n, dtype=torch.bool)
-        # unbind: every trial's views in one call, not one indexing op per trial and tensor.
-        slices = _trial_slices(
-            params=params,
-            grads=[p.grad for p in params],
-            bufs=[s["momentum_buffer"] for s in states if "momentum_buffer" in s],
-        )
-        for k in active:
-            momentum = hp["momentum"][k]
-            started = bool(states[0]["momentum_started"][k]) if momentum != 0 else True
-            # torch's own fused SGD kernel on trial k's slices, with trial k's hyperparameters.
-            torch._fused_sgd_(
-                slices["params"][k],
-                slices["grads"][k],
-                slices["bufs"][k] if momentum != 0 else [],
-                weight_decay=hp["weight_decay"][k] * wd_mult,
-                momentum=momentum,
-                lr=hp["lr"][k] * lr_mult,
-                dampening=hp["dampening"][k],
-                nesterov=bool(hp["nesterov"][k]),
-                maximize=False,
-                is_first_step=not started,
-            )
-            if momentum != 0:
-                for s in states:
-                    s["momentum_started"][k] = True
+    def _state_keys(self) -> tuple[str, ...]:
+        return ("momentum_buffer",)
+
+    def _new_cohort(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.n, dtype=torch.bool, device=p.device)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        # Buffers exist for every trial once any trial has momentum (a scheduler may add some).
+        if "momentum_buffer" not in state and self._any("momentum"):
+            state["momentum_buffer"] = torch.zeros_like(p)
+
+    def _advance_cohorts(self, per_group: list[list[torch.Tensor]], active: torch.Tensor) -> None:
+        done = set()
+        for group, ps in zip(self.param_groups, per_group):
+            for p in ps:
+                t = self.state[p]["momentum_started"]
+                if id(t) not in done and "momentum_buffer" in self.state[p]:
+                    done.add(id(t))
+                    t |= active.to(t.device) & (self._on(group, "momentum", t) != 0)
+
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+        f64 = torch.float64
+        lr = self._on(group, "lr", like) * lr_mult
+        out = {"active": active, "neg_lr": torch.where(active, -lr, 0.0)}
+        if self._any("weight_decay"):
+            out["wd"] = self._on(group, "weight_decay", like) * wd_mult
+        if "momentum_buffer" in state:
+            mom = self._on(group, "momentum", like)
+            damp = self._on(group, "dampening", like)
+            nesterov = self._on(group, "nesterov", like) != 0
+            started = state["momentum_started"].to(like.device)
+            has = mom != 0
+            moving = active & has
+            # buf <- buf * a + d * c: torch's buf*momentum + (1-dampening)*d once started, d on
+            # its first step; unchanged for frozen trials and while a trial's momentum is 0.
+            out["a"] = torch.where(moving, torch.where(started, mom, 0.0), 1.0)
+            out["c"] = torch.where(moving, torch.where(started, 1 - damp, 1.0), 0.0)
+            # direction <- buf * x + d * y: Nesterov's d + momentum*buf, else buf; d alone
+            # without momentum.
+            out["x"] = torch.where(has, torch.where(nesterov, mom, 1.0), 0.0)
+            out["y"] = torch.where(has, nesterov.to(f64), 1.0)
+        return out
+
+    @staticmethod
+    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
+        d = torch._foreach_addcmul(grads, params, coeffs["wd"]) if "wd" in coeffs else grads
+        d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
+        if "momentum_buffer" in state:
+            bufs = state["momentum_buffer"]
+            torch._foreach_mul_(bufs, coeffs["a"])
+            torch._foreach_addcmul_(bufs, d, coeffs["c"])
+            d_scaled = torch._foreach_mul(d, coeffs["y"])
+            d = torch._foreach_addcmul(d_scaled, bufs, coeffs["x"])
+        torch._foreach_addcmul_(params, d, coeffs["neg_lr"])
 
 
 class Adam(FusedOptimizer):
     """Fused ``torch.optim.Adam`` (L2 weight decay added to the gradient), per-trial settings.
+
+    ``betas``: ``(beta1, beta2)`` with each a scalar or one value per trial, or a list of ``n``
+    ``(beta1, beta2)`` pairs (see :func:`parse_betas`).
 
     Example:
         >>> import torch
@@ -251,6 +501,7 @@ class Adam(FusedOptimizer):
         >>> import hydro.optim
         >>> fused = fuse(torch.nn.Linear(4, 1), n=2)
         >>> opt = hydro.optim.Adam(fused.parameters(), lr=[1e-3, 1e-2], betas=(0.9, [0.99, 0.999]))
+        >>> opt = hydro.optim.Adam(fused.parameters(), betas=[(0.9, 0.99), (0.8, 0.999)])
     """
 
     per_trial_keys = ("lr", "betas", "eps", "weight_decay", "amsgrad")
@@ -260,53 +511,96 @@ class Adam(FusedOptimizer):
         self,
         params: Iterable,
         lr: HyperParam = 1e-3,
-        betas: tuple[HyperParam, HyperParam] = (0.9, 0.999),
+        betas: Betas = (0.9, 0.999),
         eps: HyperParam = 1e-8,
         weight_decay: HyperParam = 0.0,
         amsgrad: bool | Sequence[bool] = False,
+        *,
+        compile: bool | str | Callable = False,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, compile=compile)
 
-    def _update(self, params, group, lr_mult, wd_mult, active, stepping) -> None:  # noqa: ANN001
-        hp = {k: group[k].tolist() for k in self.per_trial_keys if k != "betas"}
-        beta1, beta2 = (b.tolist() for b in group["betas"])
-        states = [self.state[p] for p in params]
-        for p, state in zip(params, states):
-            if not state:
-                state["step"] = torch.zeros(self.n, dtype=torch.float64, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-                if any(hp["amsgrad"]):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += stepping.to(state["step"].device)
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        slices = _trial_slices(
-            params=params,
-            grads=[p.grad for p in params],
-            exp_avg=[s["exp_avg"] for s in states],
-            exp_avg_sq=[s["exp_avg_sq"] for s in states],
-            max_exp_avg_sq=[s["max_exp_avg_sq"] for s in states if "max_exp_avg_sq" in s],
-            step=[s["step"] for s in states],
-        )
-        for k in active:
-            amsgrad = bool(hp["amsgrad"][k])
-            # torch's own fused Adam(W) kernel on trial k's slices, with trial k's settings.
-            kernel(
-                slices["params"][k],
-                slices["grads"][k],
-                slices["exp_avg"][k],
-                slices["exp_avg_sq"][k],
-                slices["max_exp_avg_sq"][k] if amsgrad else [],
-                slices["step"][k],
-                lr=hp["lr"][k] * lr_mult,
-                beta1=beta1[k],
-                beta2=beta2[k],
-                weight_decay=hp["weight_decay"][k] * wd_mult,
-                eps=hp["eps"][k],
-                amsgrad=amsgrad,
-                maximize=False,
-            )
+    def _state_keys(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def _new_cohort(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.n, dtype=torch.float64, device=p.device)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        if "max_exp_avg_sq" not in state and self._any("amsgrad"):
+            state["max_exp_avg_sq"] = torch.zeros_like(p)
+
+    def _advance_cohorts(self, per_group: list[list[torch.Tensor]], active: torch.Tensor) -> None:
+        steps = {id(self.state[p]["step"]): self.state[p]["step"] for ps in per_group for p in ps}
+        torch._foreach_add_(list(steps.values()), [active.to(s.device) for s in steps.values()])
+
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+        # torch computes these per trial in double precision; so do we, as [n] vectors.
+        lr = self._on(group, "lr", like) * lr_mult
+        wd = self._on(group, "weight_decay", like) * wd_mult
+        beta1, beta2 = self._on(group, 0, like), self._on(group, 1, like)
+        eps = self._on(group, "eps", like)
+        step = state["step"].to(like.device) + active  # the step this update is
+        bc1 = 1 - beta1.pow(step)
+        bc2 = 1 - beta2.pow(step)
+        out = {
+            "active": active,
+            "w1": torch.where(active, 1 - beta1, 0.0),
+            "b1": torch.where(active, beta1, 1.0),
+            "b2": torch.where(active, beta2, 1.0),
+            "c2": torch.where(active, 1 - beta2, 0.0),
+            "neg_step_size": torch.where(active, -(lr / bc1), 0.0),
+            "bc2_sqrt": torch.where(step > 0, bc2.sqrt(), 1.0),
+            "eps": eps,
+        }
+        out["eps_bc2"] = eps * out["bc2_sqrt"]
+        out["neg_step_bc2"] = out["neg_step_size"] * out["bc2_sqrt"]
+        if self.decoupled:
+            out["decay"] = torch.where(active, 1 - lr * wd, 1.0)
+        elif self._any("weight_decay"):
+            out["wd"] = wd
+        if "max_exp_avg_sq" in state:
+            out["amsgrad"] = self._on(group, "amsgrad", like) != 0
+        return out
+
+    @staticmethod
+    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
+        d = grads
+        if "decay" in coeffs:  # AdamW: decoupled weight decay
+            torch._foreach_mul_(params, coeffs["decay"])
+        elif "wd" in coeffs:
+            d = torch._foreach_addcmul(grads, params, coeffs["wd"])
+        d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if compiled:  # inductor leaves a lerp with tensor weights unfused
+            torch._foreach_mul_(exp_avg, coeffs["b1"])
+            torch._foreach_addcmul_(exp_avg, d, coeffs["w1"])
+        else:
+            torch._foreach_lerp_(exp_avg, d, coeffs["w1"])
+        if compiled:
+            torch._foreach_mul_(exp_avg_sq, coeffs["b2"])
+            torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(d, coeffs["c2"]), d)
+        else:  # fewer passes over memory: v + (1 - beta2) * (d * d - v)
+            torch._foreach_lerp_(exp_avg_sq, torch._foreach_mul(d, d), coeffs["c2"])
+        if "max_exp_avg_sq" in state and "amsgrad" in coeffs:
+            most = state["max_exp_avg_sq"]
+            torch._foreach_maximum_(most, exp_avg_sq)
+            second = [torch.where(a, m, v) for a, m, v in zip(coeffs["amsgrad"], most, exp_avg_sq)]
+        else:
+            second = exp_avg_sq
+        denom = torch._foreach_sqrt(second)
+        if compiled:  # torch's order of operations
+            torch._foreach_div_(denom, coeffs["bc2_sqrt"])
+            torch._foreach_add_(denom, coeffs["eps"])
+            step = torch._foreach_mul(exp_avg, coeffs["neg_step_size"])
+        else:  # one pass less: the same quotient with sqrt(bias correction 2) moved up
+            torch._foreach_add_(denom, coeffs["eps_bc2"])
+            step = torch._foreach_mul(exp_avg, coeffs["neg_step_bc2"])
+        torch._foreach_addcdiv_(params, step, denom)
 
 
 class AdamW(Adam):
@@ -326,9 +620,11 @@ class AdamW(Adam):
         self,
         params: Iterable,
         lr: HyperParam = 1e-3,
-        betas: tuple[HyperParam, HyperParam] = (0.9, 0.999),
+        betas: Betas = (0.9, 0.999),
         eps: HyperParam = 1e-8,
         weight_decay: HyperParam = 1e-2,
         amsgrad: bool | Sequence[bool] = False,
+        *,
+        compile: bool | str | Callable = False,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, compile=compile)
