@@ -235,6 +235,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             if all(key in self.state[p] for p in params)
         }
         grads = [p.grad for p in params]
+        if params[0].device.type == "cpu" and bool(active.all()):
+            # On a CPU reading the flags costs nothing (no device to wait for), and with every
+            # trial live the masking pass is an identity: skip it. Accelerators keep the mask.
+            del coeffs["active"]
         self._run(params, grads, state, coeffs)
         return loss
 
@@ -479,7 +483,8 @@ class SGD(FusedOptimizer):
     @staticmethod
     def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
         d = torch._foreach_addcmul(grads, params, coeffs["wd"]) if "wd" in coeffs else grads
-        d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
+        if "active" in coeffs:  # a frozen trial's gradient may be non-finite: zero it
+            d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
         if "momentum_buffer" in state:
             bufs = state["momentum_buffer"]
             torch._foreach_mul_(bufs, coeffs["a"])
@@ -574,7 +579,8 @@ class Adam(FusedOptimizer):
             torch._foreach_mul_(params, coeffs["decay"])
         elif "wd" in coeffs:
             d = torch._foreach_addcmul(grads, params, coeffs["wd"])
-        d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
+        if "active" in coeffs:  # a frozen trial's gradient may be non-finite: zero it
+            d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if compiled:  # inductor leaves a lerp with tensor weights unfused
             torch._foreach_mul_(exp_avg, coeffs["b1"])
