@@ -111,7 +111,13 @@ def main(argv: list[str] | None = None) -> None:
 
         executor = LocalExecutor(devices=[], num_workers=1, max_retries=2)
     task = make_task(a.steps, a.kill_worker_at, a.marker)
-    hydro.tune(task, SPACE, n_trials=a.n_trials, ratio=2, fuse=a.fuse, storage=a.storage,
+    storage = a.storage
+    if storage.startswith("journal:"):  # a journal file, as several processes share it
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        storage = JournalStorage(JournalFileBackend(storage[len("journal:") :]))
+    hydro.tune(task, SPACE, n_trials=a.n_trials, ratio=2, fuse=a.fuse, storage=storage,
                seed=a.seed, pruner=optuna.pruners.NopPruner(), executor=executor)  # fmt: skip
 
 
