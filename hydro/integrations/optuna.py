@@ -34,16 +34,16 @@ from typing import Any
 import numpy
 import optuna
 from optuna.distributions import BaseDistribution
-from optuna.samplers import BaseSampler
 from optuna.exceptions import UpdateFinishedTrialError
+from optuna.samplers import BaseSampler
 from optuna.samplers._lazy_random_state import LazyRandomState
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning.group import GroupInfo, Outcome, group_key, train_group
-from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.progress import Progress
+from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.task import Task
 
 __all__ = ["GroupCallback", "TransferSampler", "is_void", "optimize"]
@@ -69,6 +69,7 @@ def optimize(
     progress: bool = False,
     timeout: float | None = None,
     executor: Any = None,
+    checkpoint_every: int | None = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -110,6 +111,9 @@ def optimize(
             ``RayExecutor`` for a Ray cluster) trains one group per slot at once, streaming
             every member's intermediate values back here for the pruner. With an executor the
             task must be picklable (module-level functions, not lambdas).
+        checkpoint_every: with an executor, each group saves a checkpoint every this many
+            steps (default: the task's ``checkpoint_every`` if it has one, else 50), so a group
+            whose worker dies resumes there and ends bit-identical to an uninterrupted run.
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
@@ -129,6 +133,10 @@ def optimize(
                               f"task's is {task_or_callback.direction}")  # fmt: skip
     if study.user_attrs.get("hydro_sampler_exhausted"):
         study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
+    if checkpoint_every is None:
+        checkpoint_every = getattr(task_or_callback, "checkpoint_every", None) or 50
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
     start = time.perf_counter()
     bar = Progress(study, n_trials, _finished) if progress else None
     with _Heartbeat(study) as heart:
@@ -153,7 +161,7 @@ def optimize(
                 trials = _ask(study, min(batch, budget), n_trials, seed, heart)
                 if trials:
                     _run_batch(study, task_or_callback, space, trials, ratio, seed, fuse,
-                               device, executor, is_task, heart, bar)  # fmt: skip
+                               device, executor, is_task, heart, bar, checkpoint_every)  # fmt: skip
                 if bar is not None:
                     bar.update()
         finally:
@@ -162,13 +170,14 @@ def optimize(
 
 
 def _run_batch(study, task, space, trials, ratio, seed, fuse, device, executor, is_task,
-               heart, bar) -> None:  # noqa: ANN001  # fmt: skip
+               heart, bar, every) -> None:  # noqa: ANN001  # fmt: skip
     """Train one batch of asked trials; whatever happens, none of them stays RUNNING."""
     told: set[int] = set()
     hook = bar.update if bar is not None else None
     try:
         if executor is not None:
-            _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook)
+            _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook,
+                             every)  # fmt: skip
         elif is_task:
             _run_task_batch(study, task, space, trials, ratio, seed, device, told, hook)
         else:
@@ -235,7 +244,7 @@ def _run_task_batch(study, task, space, trials, ratio, seed, device, told, hook)
             told.add(t.number)
 
 
-def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook):  # noqa: ANN001, ANN202
+def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook, every):  # noqa: ANN001, ANN202
     from hydro_fluid import TrialGroup
 
     by_number = {t.number: t for t in trials}
@@ -245,7 +254,7 @@ def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, execut
                    (task.steps,) * len(members))
         for members in groups
     ]  # fmt: skip
-    fn = functools.partial(_train_in_worker, task, params, ratio, seed)
+    fn = functools.partial(_train_in_worker, task, params, ratio, seed, every)
     on_report = lambda number, step, value: _report_and_ask(by_number[number], step, value, hook)  # noqa: E731
     for result in executor.run(fluid_groups, fn, report=on_report):
         outcomes, info = result.value if result.value is not None else ({}, None)
@@ -258,8 +267,9 @@ def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, execut
             told.add(number)
 
 
-def _train_in_worker(task, params, ratio, seed, group, ctx):  # noqa: ANN001, ANN202
-    """A group's training in a hydro_fluid worker; reports and prunes through ``ctx``."""
+def _train_in_worker(task, params, ratio, seed, every, group, ctx):  # noqa: ANN001, ANN202
+    """A group's training in a hydro_fluid worker; reports and prunes through ``ctx``, and
+    checkpoints in ``ctx.checkpoint_dir`` (which survives a retry of the group)."""
     ids = list(group.trial_ids)
 
     def report(k: int, step: int, value: float) -> bool:
@@ -271,7 +281,9 @@ def _train_in_worker(task, params, ratio, seed, group, ctx):  # noqa: ANN001, AN
 
     outcomes, info = train_group(task, [params[i] for i in ids], ratio=ratio,
                                  seeds=[seed + i for i in ids], report=report,
-                                 device=ctx.device, pruned=pruned)  # fmt: skip
+                                 device=ctx.device, pruned=pruned,
+                                 checkpoint=ctx.checkpoint_dir if ctx.rank == 0 else None,
+                                 checkpoint_every=every)  # fmt: skip
     return dict(zip(ids, outcomes)), info
 
 
