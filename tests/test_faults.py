@@ -244,7 +244,7 @@ def test_planted_pickle_is_refused(tmp_path):
             return (os.system, (f"touch {flag}",))
 
     for name in (checkpoint.FILE, "checkpoint.pt"):
-        (tmp_path / name).write_bytes(pickle.dumps({"step": Payload()}))
+        (tmp_path / name).write_bytes(pickle.dumps({"step": Payload()}, protocol=2))
     with pytest.raises(checkpoint.CheckpointError, match="refusing to load"):
         checkpoint.load(tmp_path)
     ctx = WorkerContext("g", "cpu", 1, 0, 1, 0, tmp_path, channel=None)
