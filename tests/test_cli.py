@@ -110,7 +110,7 @@ def project(tmp_path, monkeypatch):
 def test_tune_export_report(project, capsys):
     assert main(["tune", "tune.yaml", "-o", "best.yaml", "--verify-top-k", "2"]) == 0
     out = capsys.readouterr()
-    assert "best value" in out.out and "trials 4/4" in out.err
+    assert "best value" in out.out and "| 4/4 " in out.err and "top 4 of 4 complete" in out.err
     best = yaml.safe_load((project / "best.yaml").read_text())
     assert set(best["hyperparameters"]) == {"lr"} and best["provenance"]["ratio"] == 2
     assert len(best["verification"]["configs"]) == 2

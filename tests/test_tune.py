@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def test_tune_sqlite_export_and_resume(tmp_path):
     assert (tmp_path / "hydro.db").exists()
     assert sorted(result.best_params) == ["lr", "warmup", "weight_decay"]
     assert math.isfinite(result.best_value)
-    assert len(result.trials) == 6 and {r["group"] for r in result.trials} == {0, 1}
+    assert len(result.trials) == 6 and {r["group"] for r in result.trials} == {0, 3}
     best = result.best_trial
     assert best.user_attrs["ratio"] == 2 and best.user_attrs["fused"] == 3
     assert best.user_attrs["surrogate_widths"] == {"target": [64], "surrogate": [32]}
@@ -81,48 +80,27 @@ def test_tune_sqlite_export_and_resume(tmp_path):
 
 
 def test_killed_run_resumes_without_retraining(tmp_path):
-    db = tmp_path / "kill.db"
-    script = tmp_path / "run.py"
-    script.write_text(
-        textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT)!r})
-        import optuna
-        import hydro
-        from tests.test_tune import make_task, SPACE
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        hydro.tune(make_task(steps=int(sys.argv[1])), SPACE, n_trials=8, ratio=2, fuse=2,
-                   storage="sqlite:///{db}", seed=0)
-    """)
-    )
-    # long groups, so that a finished group and a running one are both seen before the kill
-    proc = subprocess.Popen([sys.executable, str(script), "400"], cwd=tmp_path)
-    storage = f"sqlite:///{db}"
-    deadline = time.time() + 120
+    """The child stops at a known point (one group told, the next asked and RUNNING) and says so
+    in a marker file; the study exists before it starts, so nothing races on creating it."""
+    storage = f"sqlite:///{tmp_path / 'kill.db'}"
+    optuna.create_study(storage=storage, study_name="hydro")
+    marker = tmp_path / "stopped"
+    child = [sys.executable, "-m", "tests.tuner_child", storage, "8", "--fuse", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*child, "--stop", "train:2", "--marker", str(marker)], cwd=ROOT,
+                            env=env)  # fmt: skip
     try:
-        while time.time() < deadline:
-            time.sleep(0.2)
-            if proc.poll() is not None:
-                pytest.fail(f"the tuning process ended (status {proc.returncode}) before the kill")
-            if not db.exists():
-                continue
-            try:
-                study = optuna.load_study(study_name="hydro", storage=storage)
-            except KeyError:
-                continue
-            s = states(study)
-            if s.get("COMPLETE", 0) >= 1 and s.get("RUNNING", 0) >= 1:
-                break
-        else:
-            pytest.fail("the tuning process never got going")
+        while not marker.exists():
+            assert proc.poll() is None, f"the tuning process ended ({proc.returncode}) early"
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     study = optuna.load_study(study_name="hydro", storage=storage)
     done = {t.number: (t.params, t.value) for t in study.trials if t.state == TrialState.COMPLETE}
     running = [t for t in study.trials if t.state == TrialState.RUNNING]
-    assert done and running
-    subprocess.run([sys.executable, str(script), "20"], cwd=tmp_path, check=True, timeout=300)
+    assert sorted(done) == [0, 1] and [t.number for t in running] == [2, 3]
+    subprocess.run(child, cwd=ROOT, env=env, check=True, timeout=300)
     study = optuna.load_study(study_name="hydro", storage=storage)
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     for number, (_, value) in done.items():  # never trained twice
@@ -132,10 +110,8 @@ def test_killed_run_resumes_without_retraining(tmp_path):
         again = study.trials[t.number]
         assert again.state == TrialState.FAIL
         assert again.user_attrs["fail_reason"].startswith("interrupted")
-        if not t.params:
-            continue  # killed between ask and sampling: nothing to ask again
         retried = [u for u in study.trials if u.number > t.number and u.params == t.params]
-        assert retried and retried[0].state.is_finished()
+        assert len(retried) == 1 and retried[0].state == TrialState.COMPLETE
     finished = [t for t in study.trials if t.state.is_finished()]
     interrupted = [t for t in finished if t.user_attrs.get("fail_reason", "").startswith("inter")]
     assert len(finished) - len(interrupted) == 8

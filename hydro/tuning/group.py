@@ -23,6 +23,7 @@ from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import fuse
 from hydro.parametrize import Multiplier
 from hydro.scaling import build
+from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.task import Task
 
 # report(member, step, value) -> True when the caller prunes that member
@@ -69,6 +70,8 @@ def train_group(
     report: Report | None = None,
     device: str | torch.device = "cpu",
     pruned: Callable[[], set[int]] | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
 ) -> tuple[list[Outcome], GroupInfo]:
     """Train ``len(params)`` trials of ``task`` fused, and return how each ended.
 
@@ -82,6 +85,9 @@ def train_group(
         device: where to train.
         pruned: polled every step for members pruned meanwhile (when reports travel to
             another process and the answer comes later).
+        checkpoint: a directory for the group's checkpoint: training resumes from the one
+            found there, and ends bit-identical to a run never interrupted.
+        checkpoint_every: save a checkpoint every this many steps (0: never).
     """
     start = time.perf_counter()
     params = [dict(p) for p in params]
@@ -116,7 +122,13 @@ def train_group(
     alive = list(range(n))  # original member index of each fused position
     outcomes: dict[int, Outcome] = {}
     history: dict[int, list[tuple[int, float]]] = {k: [] for k in range(n)}
-    for step in range(1, task.steps + 1):
+    first = 1
+    saved = _checkpoint.load(checkpoint) if checkpoint is not None else None
+    if saved is not None:
+        first, alive = _resume(saved, fused, opt, sched, outcomes, history)
+        for _ in range(first - 1):  # the data stream continues where it stopped
+            next(batches)
+    for step in range(first, task.steps + 1):
         losses = _train_step(task, fused, opt, next(batches), [clip[k] for k in alive], device)
         if sched is not None:
             sched.step()
@@ -145,12 +157,49 @@ def train_group(
             fused.select(keep)
             opt.select(keep)
             alive = [alive[pos] for pos in keep]
+        if checkpoint is not None and checkpoint_every and step % checkpoint_every == 0 \
+                and step < task.steps:  # fmt: skip
+            _checkpoint.save(checkpoint, _state(step, fused, opt, alive, outcomes, history))
     for k in alive:
         if k not in outcomes:
             last = history[k][-1][1] if history[k] else None
             outcomes[k] = Outcome("complete", last, task.steps, "", history[k])
     info = GroupInfo(ratio=ratio, size=n, widths=widths, seconds=time.perf_counter() - start)
     return [outcomes[k] for k in range(n)], info
+
+
+def _state(step, fused, opt, alive, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
+    """Everything the loop needs to go on after ``step``: tensors and plain containers only."""
+    return {
+        "step": step,
+        "model": fused.state_dict(),
+        "optimizer": opt.state_dict(),
+        "alive": list(alive),
+        "outcomes": {k: [o.state, o.value, o.step, o.reason] for k, o in outcomes.items()},
+        "history": {k: [list(h) for h in v] for k, v in history.items()},
+        "rng": _checkpoint.rng_state(),
+    }
+
+
+def _resume(saved, fused, opt, sched, outcomes, history) -> tuple[int, list[int]]:  # noqa: ANN001
+    """Put a freshly built group in the state of checkpoint ``saved``; returns (next step,
+    alive members)."""
+    step = int(saved["step"])
+    for k, v in saved["history"].items():
+        history[int(k)] = [(int(s), float(x)) for s, x in v]
+    for k, (state, value, at, reason) in saved["outcomes"].items():
+        outcomes[int(k)] = Outcome(state, value, at, reason, history[int(k)])
+    if sched is not None:  # per-trial schedules are pure functions of the step: replay them
+        for _ in range(step):
+            sched.step()
+    alive = [int(k) for k in saved["alive"]]
+    if len(alive) < fused.n:
+        fused.select(alive)
+        opt.select(alive)
+    fused.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    _checkpoint.set_rng_state(saved["rng"])
+    return step + 1, alive
 
 
 def _train_step(task, fused, opt, batch, clip, device) -> list[float]:  # noqa: ANN001

@@ -23,12 +23,21 @@ def is_interrupted(trial: optuna.trial.FrozenTrial) -> bool:
     return bool(trial.user_attrs.get("interrupted")) or reason.startswith("interrupted")
 
 
+def is_surplus(trial: optuna.trial.FrozenTrial) -> bool:
+    """A row asked past ``n_trials`` by a process sharing the study: never trained, not a trial."""
+    return trial.state == TrialState.FAIL and str(
+        trial.user_attrs.get("fail_reason", "")
+    ).startswith("surplus")
+
+
 def trial_counts(study: optuna.Study) -> dict[str, int]:
     """Trials by outcome: ``complete``, ``pruned``, ``failed`` (real failures),
     ``interrupted`` (stopped with their process and asked again; not finished), ``running``,
     and ``finished`` = complete + pruned + failed."""
     counts = dict.fromkeys(("complete", "pruned", "failed", "interrupted", "running"), 0)
     for t in study.get_trials(deepcopy=False):
+        if is_surplus(t):
+            continue
         if t.state == TrialState.COMPLETE:
             counts["complete"] += 1
         elif t.state == TrialState.PRUNED:

@@ -19,7 +19,7 @@ from torch import nn
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.tuning.group import group_key, train_group
-from hydro.tuning.report import is_interrupted, trial_counts
+from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
 from hydro.tuning.task import Task
 
@@ -64,6 +64,7 @@ class TuneResult:
              "value": t.value, **t.params, "group": t.user_attrs.get("group"),
              "fail_reason": t.user_attrs.get("fail_reason")}
             for t in self.study.get_trials(deepcopy=False)
+            if not is_surplus(t)
         ]  # fmt: skip
 
     def export(self, path: str | os.PathLike) -> dict[str, Any]:
@@ -78,7 +79,7 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
     except ValueError as exc:
         counts = trial_counts(study)
         reasons = [t.user_attrs.get("fail_reason") for t in study.get_trials(deepcopy=False)
-                   if t.state == TrialState.FAIL and not is_interrupted(t)]  # fmt: skip
+                   if t.state == TrialState.FAIL and not is_interrupted(t) and not is_surplus(t)]  # fmt: skip
         first = next((r for r in reasons if r), None)
         raise StudyError(
             f"study {study.study_name!r} has no complete trial ({counts['failed']} failed, "

@@ -137,20 +137,34 @@ class WorkerContext:
         return frozenset(self._pruned)
 
     def save_checkpoint(self, state: Any) -> None:
-        """Atomically save ``state`` (anything ``torch.save`` takes); only rank 0 writes."""
+        """Atomically save ``state`` (tensors and plain containers: dicts, lists, tuples,
+        numbers, strings; what ``torch.load(weights_only=True)`` reads back); only rank 0
+        writes."""
         if self.rank != 0:
             return
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.checkpoint_dir / f".checkpoint.{os.getpid()}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.checkpoint_dir / "checkpoint.pt")
 
     def load_checkpoint(self) -> Any | None:
-        """The last saved state of this group, or ``None`` if there is none yet."""
+        """The last saved state of this group, or ``None`` if there is none yet.
+
+        Read with ``torch.load(weights_only=True)``: a file that needs more than tensors and
+        plain containers (a planted pickle that would run code) is refused with a
+        ``pickle.UnpicklingError`` that says so.
+        """
         path = self.checkpoint_dir / "checkpoint.pt"
         if not path.exists():
             return None
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise pickle.UnpicklingError(
+                f"refusing to load {path}: it holds more than tensors and plain containers, "
+                "so it was not written by save_checkpoint (it could run code). Delete it, and "
+                f"check who can write to {self.checkpoint_dir}."
+            ) from exc
 
 
 def call_worker_fn(fn: WorkerFn, group: TrialGroup, ctx: WorkerContext) -> tuple[str, Any]:

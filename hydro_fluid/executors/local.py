@@ -150,7 +150,8 @@ class LocalExecutor:
                     f"Group {name!r} asks for world_size={size} but this executor has only "
                     f"{self._max_world_size()} slot(s) for one group; lower it or add devices."
                 )
-        root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-"))
+        root = self.checkpoint_dir or _scratch_dir()
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
         run = _Run(self, ledger, fn, report, sizes, root)
         try:
             run.loop()
@@ -162,6 +163,79 @@ class LocalExecutor:
 
     def _max_world_size(self) -> int:
         return len(set(self.slots)) if self.slots[0] != "cpu" else len(self.slots)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, ticks: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return ticks is None or _start_ticks(pid) in (None, ticks)
+
+
+def _scratch_dir() -> Path:
+    """A fresh private directory for one run's checkpoints, under ``$TMPDIR/hydro-fluid-UID``.
+
+    Each run's directory is named after its process; a process killed before it could clean up
+    leaves it behind, so every new run first removes those of processes no longer alive.
+    """
+    base = (
+        Path(tempfile.gettempdir()) / f"hydro-fluid-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    )
+    try:
+        base.mkdir(mode=0o700, exist_ok=True)
+        st = base.lstat()
+        if base.is_symlink() or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+            raise PermissionError(f"{base} is not a directory of this user")
+        os.chmod(base, 0o700)
+    except OSError:  # shared or foreign: fall back to a private directory of its own
+        return Path(tempfile.mkdtemp(prefix="hydro-fluid-"))
+    for old in base.glob("run-*"):
+        try:
+            _, pid, ticks, _ = old.name.split("-", 3)
+            if not _alive(int(pid), None if ticks == "x" else int(ticks)):
+                shutil.rmtree(old, ignore_errors=True)
+        except ValueError:
+            continue
+    ticks = _start_ticks(os.getpid())
+    prefix = f"run-{os.getpid()}-{'x' if ticks is None else ticks}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def _die_with_parent(parent: int, ticks: int | None) -> None:
+    """Make this worker die when the process that started the run dies, even by SIGKILL.
+
+    On Linux the kernel sends SIGKILL when the parent exits (``PR_SET_PDEATHSIG``); a thread
+    that watches the run's process covers other systems and the forkserver in between.
+    """
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while _alive(parent, ticks):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hydro-fluid-watchdog", daemon=True).start()
+    if not _alive(parent, ticks):
+        os._exit(1)
 
 
 def _world_size(world_size: int | Mapping[str, int], name: str) -> int:
@@ -198,6 +272,8 @@ class _Spec:
     store: Path | None
     timeout: float
     pruned: set
+    parent: int = 0
+    parent_ticks: int | None = None
 
 
 class _PipeChannel:
@@ -227,6 +303,8 @@ class _PipeChannel:
 
 def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
     """Entry point of a worker process."""
+    if spec.parent:
+        _die_with_parent(spec.parent, spec.parent_ticks)
     torch.set_num_threads(spec.threads)
     distributed = spec.world_size > 1
     channel = _PipeChannel(outbox, inbox)
@@ -316,7 +394,7 @@ class _Run:
         key = f"{group.name}#{attempt}"
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
         checkpoint_dir = self.root / safe
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         store = None
         if len(slots) > 1:  # a fresh rendezvous file per attempt
             (self.root / ".rendezvous").mkdir(exist_ok=True)
@@ -338,6 +416,8 @@ class _Run:
                 store,
                 self.ex.collective_timeout,
                 set(self.ledger.pruned[group.name]),
+                os.getpid(),
+                _start_ticks(os.getpid()),
             )
             proc = self.ctx.Process(
                 target=_worker_main,

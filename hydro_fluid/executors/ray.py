@@ -5,6 +5,7 @@ Ray is an optional dependency, imported only when a RayExecutor is created.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -24,6 +25,35 @@ from .base import GroupResult, Ledger, ReportFn, WorkerContext, WorkerFn, call_w
 __all__ = ["RayExecutor"]
 
 _INSTALL_HINT = "RayExecutor needs Ray: pip install 'hydro-surrogate[ray]'"
+
+
+def _init_local_ray(ray, kwargs: dict[str, Any]) -> None:  # noqa: ANN001
+    """Start a Ray on this machine reachable from this machine only.
+
+    A Ray cluster has no authentication: anyone who reaches its ports runs code as this user.
+    Ray advertises and binds its node on the address it finds for this host (reachable from the
+    network), so a cluster started here binds to 127.0.0.1 instead, and starts no dashboard,
+    unless ``init_kwargs`` say otherwise. To serve other machines, start Ray yourself
+    (``ray start --head``, behind a firewall) and pass its address.
+    """
+    from ray._private import ray_constants
+
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("_node_ip_address", "127.0.0.1")
+    # Ray turns "127.0.0.1" into the host's public address unless its multi-node mode is off
+    # (what it does on macOS and Windows); the variable reaches the processes Ray starts.
+    env = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    old_env, old_flag = os.environ.get(env), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[env] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = old_env
 
 
 def _import_ray():
@@ -52,7 +82,10 @@ class RayExecutor:
 
     Args:
         address: Ray cluster to connect to (e.g. ``"auto"`` or ``"ray://head:10001"``).
-            ``None`` connects to the running Ray of this process or starts a local one.
+            ``None`` connects to the running Ray of this process, or to ``RAY_ADDRESS``, or
+            starts a local one bound to 127.0.0.1 with no dashboard (a Ray cluster runs code
+            for anyone who reaches its ports, so one started here is not reachable from the
+            network; see docs/placement.md).
         groups_per_device: Groups that share one GPU (each asks for ``1/groups_per_device``).
         cpus_per_worker: CPUs per worker; also its ``torch.set_num_threads``.
         use_gpus: Ask for GPUs; default: when the cluster has any.
@@ -90,7 +123,10 @@ class RayExecutor:
         self._started_ray = False
         self._hub = None
         if not ray.is_initialized():
-            ray.init(address=address, **dict(init_kwargs or {}))
+            if address is None and not os.environ.get("RAY_ADDRESS"):
+                _init_local_ray(ray, dict(init_kwargs or {}))
+            else:
+                ray.init(address=address, **dict(init_kwargs or {}))
             self._started_ray = True
         resources = ray.cluster_resources()
         self.gpus = float(resources.get("GPU", 0.0))

@@ -148,3 +148,44 @@ def test_missing_ray_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(RuntimeError, match=r"pip install 'hydro-surrogate\[ray\]'"):
         RayExecutor()
+
+
+LOCAL_RAY_SCRIPT = """
+import json, sys
+import ray
+from hydro_fluid import RayExecutor
+
+def listening(port):
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                found.append(address)
+    return found
+
+ex = RayExecutor(init_kwargs={"num_cpus": 1})
+gcs = ray.get_runtime_context().gcs_address
+print(json.dumps({"nodes": [n["NodeManagerAddress"] for n in ray.nodes()], "gcs": gcs,
+                  "listening": listening(int(gcs.rsplit(":", 1)[1]))}))
+ex.shutdown()
+"""
+
+
+def test_a_local_ray_started_by_the_executor_listens_on_loopback_only():
+    """Ray has no authentication by default: a cluster RayExecutor() starts itself must not be
+    reachable from the network (without Hydro's setting Ray binds every interface)."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", LOCAL_RAY_SCRIPT], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["nodes"] == ["127.0.0.1"] and seen["gcs"].startswith("127.0.0.1:")
+    # the GCS port's sockets: 127.0.0.1 (IPv4 0100007F, or IPv4-mapped in IPv6), never any-address
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+    assert seen["listening"] and set(seen["listening"]) <= loopback
