@@ -10,6 +10,7 @@ and compares every node with the analysis.
 from __future__ import annotations
 
 import copy
+import operator
 import inspect as pyinspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -235,9 +236,12 @@ def _rebuild(
         new_gm.graph = graph
         new_gm._in_spec, new_gm._out_spec = gm._in_spec, gm._out_spec
         graphs[mode] = new_gm
+    plan.int_rewrites = {}
     for old, new in node_map.items():
         if old.op == "call_function":
             _rewrite_literals(old, new, plan)
+    for old, k in plan.int_rewrites.items():
+        node_map[old].update_arg(1, k)
     for sub in subs.values():
         sub.recompile()
     for name, sub in subs.items():
@@ -314,6 +318,9 @@ def _rewrite_literals(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -
             fixed = [w if is_int(s) and s != -1 else s for s, w in zip(sizes, want)]
             if fixed != list(sizes):
                 set_arg(new, key, fixed)
+            for s, w in zip(b.get(key), want):
+                if isinstance(s, torch.fx.Node):
+                    _rewrite_int(s, w, plan)
     elif name == "unflatten" and isinstance(syms, TensorSyms):
         dim = b["dim"] % len(plan.node_syms[b["self"]])
         sizes = list(nb["sizes"])
@@ -371,6 +378,18 @@ def _rewrite_literals(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -
                                  "corrected for a smaller head dim; use a ratio that divides "
                                  "the head count")  # fmt: skip
             new.update_kwarg("scale", base * d_old / d_new)  # muP 1/d, relative to the target
+
+
+def _rewrite_int(node: torch.fx.Node, want: int, plan: WidthPlan) -> None:
+    """Make a size computed as ``batch * k`` (a literal ``k``) evaluate to ``want``."""
+    if node.target is not operator.mul or len(node.args) != 2:
+        return
+    x, k = node.args
+    got = plan.values.get(node)
+    xv = plan.values.get(x) if isinstance(x, torch.fx.Node) else None
+    if not is_int(k) or not is_int(xv) or got == want or not xv or want % xv:
+        return
+    plan.int_rewrites[node] = want // xv
 
 
 def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:  # noqa: ANN001

@@ -116,6 +116,7 @@ class WidthPlan:
     uses: dict[int, list[ParamUse]]
     head_decisions: list[str] = field(default_factory=list)
     kept: list[tuple[str, int, int]] = field(default_factory=list)
+    int_rewrites: dict = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
@@ -276,6 +277,7 @@ class Analysis:
         self.uses: dict[int, list[ParamUse]] = {}
         self._replaced: dict[torch.fx.Node, Any] = {}
         self.batch_multiple: dict[int, int] = {}  # dims of size k * batch (MHA's B * heads)
+        self._pending_splits: dict[int, tuple[int, int]] = {}
         for name, t in root.named_parameters(remove_duplicate=False):
             self._register(name, t, is_param=True)
         for name, t in root.named_buffers(remove_duplicate=False):
@@ -372,9 +374,48 @@ class Analysis:
                     self.union(o, i, node)
 
     def reshape(self, src: Sequence[int], dst: Sequence[int], node: torch.fx.Node) -> None:
-        """Group dimensions of equal products; tie 1-to-1 groups, constrain the others."""
-        a = [s for s in self._expand_batch(src, node) if self.sizes[s] != 1]
-        b = [s for s in self._expand_batch(dst, node) if self.sizes[s] != 1]
+        """Group dimensions of equal products; tie 1-to-1 groups, constrain the others.
+
+        A merged ``k * batch`` dimension is split into batch and ``k`` first, in whichever
+        order lines up with the other side (MHA folds heads into the batch as ``B * H`` and
+        tokens as ``T * B``).
+        """
+        best = None
+        for a in self._expansions(src):
+            for b in self._expansions(dst):
+                groups = self._groups([s for s in a if self.sizes[s] != 1],
+                                      [s for s in b if self.sizes[s] != 1])  # fmt: skip
+                score = sum(len(ga) + len(gb) for ga, gb in groups)
+                if best is None or score < best[0]:
+                    best = (score, groups, a, b)
+        _, groups, a, b = best
+        for split in (a, b):  # record the splits actually used
+            for s, parts in self._pending_splits.items():
+                if all(p in split for p in parts):
+                    self.fixed_syms.add(parts[0])  # the batch
+                    self.products.append(Product(node, [s], list(parts)))
+        self._pending_splits = {}
+        for ga, gb in groups:
+            if len(ga) == 1 and len(gb) == 1:
+                self.union(ga[0], gb[0], node)
+            else:
+                self.products.append(Product(node, ga, gb))
+
+    def _expansions(self, dims: Sequence[int]) -> list[list[int]]:
+        options: list[list[int]] = [[]]
+        for s in dims:
+            k = self.batch_multiple.get(s)
+            if k is None or self.sizes[s] % k or self.sizes[s] == k:
+                options = [o + [s] for o in options]
+                continue
+            if s not in self._pending_splits:
+                self._pending_splits[s] = (self.new_sym(self.sizes[s] // k), self.new_sym(k))
+            batch, factor = self._pending_splits[s]
+            options = [o + order for o in options for order in ([batch, factor], [factor, batch])]
+        return options
+
+    def _groups(self, a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+        groups = []
         i = j = 0
         while i < len(a) and j < len(b):
             ga, gb = [a[i]], [b[j]]
@@ -391,10 +432,8 @@ class Analysis:
                     j += 1
                 else:
                     break
-            if len(ga) == 1 and len(gb) == 1:
-                self.union(ga[0], gb[0], node)
-            else:
-                self.products.append(Product(node, ga, gb))
+            groups.append((ga, gb))
+        return groups
 
     def product(self, node, lhs, rhs, lhs_const: int = 1, rhs_const: int = 1) -> None:  # noqa: ANN001
         self.products.append(Product(node, list(lhs), list(rhs), lhs_const, rhs_const))
@@ -484,14 +523,13 @@ class Analysis:
                 return out
             elif node.op == "call_function":
                 self.node_syms[node] = self._call(node, value)
-                self._note_batch_multiples(node)
             else:
                 raise ScaleError(f"{describe(node)}: unexpected {node.op} in a captured graph")
         return None
 
-    def _note_batch_multiples(self, node: torch.fx.Node) -> None:
+    def _note_batch_multiples(self, node: torch.fx.Node, syms: Any) -> None:
         """Dimensions export knows as ``k * batch`` (a merged batch and head dimension)."""
-        syms, val = self.node_syms.get(node), node.meta.get("val")
+        val = node.meta.get("val")
         if not isinstance(syms, TensorSyms) or not isinstance(val, torch.Tensor):
             return
         for s, d in zip(syms, val.shape):
@@ -500,19 +538,6 @@ class Analysis:
                 coeff, rest = expr.as_coeff_Mul()
                 if coeff != 1 and rest.is_Symbol and int(coeff) > 1:
                     self.batch_multiple[s] = int(coeff)
-
-    def _expand_batch(self, dims: Sequence[int], node: torch.fx.Node) -> list[int]:
-        out = []
-        for s in dims:
-            k = self.batch_multiple.get(s)
-            if k is None or self.sizes[s] % k:
-                out.append(s)
-                continue
-            batch, factor = self.new_sym(self.sizes[s] // k), self.new_sym(k)
-            self.fixed_syms.add(batch)
-            self.products.append(Product(node, [s], [batch, factor]))
-            out += [batch, factor]
-        return out
 
     def _structure(self, arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node):
@@ -530,6 +555,7 @@ class Analysis:
             out = self.run_graph(sub[0].graph, operands)
             return out if isinstance(out, tuple) else (out,)
         out = self.fresh(value)
+        self._note_batch_multiples(node, out)
         name = op_name(node)
         builtin = not isinstance(node.target, torch._ops.OpOverload)
         rule = INT_RULES.get(name) if builtin and name in INT_RULES else RULES.get(name)
