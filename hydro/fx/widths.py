@@ -776,8 +776,16 @@ def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:
 
 
 def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:  # noqa: ANN001
-    """Resolve a split ``known = outer * inner`` with two unknowns by the head policy."""
-    for c in pending:
+    """Resolve a split ``known = outer * inner`` with two unknowns by the head policy.
+
+    Head splits (``C = H * D``) go before packed projections (``3C = 3 * C``): the split with
+    the smallest inner size first.
+    """
+    def inner_size(c: Product) -> int:
+        sides = [x for x in (c.lhs, c.rhs) if len(x) > 1]
+        return min((a.sizes[x[-1]] for x in sides), default=0)
+
+    for c in sorted(pending, key=inner_size):
         for known_side, unknown_side in ((c.lhs, c.rhs), (c.rhs, c.lhs)):
             if not all(value(s) is not None for s in known_side):
                 continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hydro.fx.rules.common import bound
+from hydro.fx.rules.common import TensorSyms, bound
 
 
 def conv(a, node, out) -> None:  # noqa: ANN001
@@ -43,3 +43,25 @@ RULES = {
     for name in ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
                  "conv_transpose2d", "conv_transpose3d", "_convolution")
 }  # fmt: skip
+
+
+def pool(a, node, out) -> None:  # noqa: ANN001
+    """Pooling and resampling: channels pass through, spatial sizes are fixed."""
+    x = a.syms_of(node.args[0])
+    name = a.name(node)
+    nd = next((d for d in (3, 2, 1) if f"{d}d" in name), 2)
+    keep = len(x) - nd
+    for o in ([out] if isinstance(out, TensorSyms) else [o for o in out if isinstance(o, TensorSyms)]):
+        a.tie_all(o[:keep], x[:keep], node)
+        a.fix_syms(o[keep:])
+
+
+RULES.update({
+    name: pool
+    for name in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+                 "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+                 "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+                 "_adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+                 "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d",
+                 "upsample_nearest3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa")
+})  # fmt: skip

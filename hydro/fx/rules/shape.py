@@ -97,6 +97,7 @@ def unbind(a, node, out) -> None:  # noqa: ANN001
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b.get("dim", 0) % len(x)
+    a.fix_syms([x[dim]])  # a packed q/k/v axis: its count is structure, not width
     for o in out:
         a.tie_all(o, [s for i, s in enumerate(x) if i != dim], node)
 
@@ -105,6 +106,8 @@ def select(a, node, out) -> None:  # noqa: ANN001
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b["dim"] % len(x)
+    if is_int(b["index"]):
+        a.fix_syms([x[dim]])  # picked by a fixed index (q/k/v of a packed projection, CLS token)
     a.tie_all(out, [s for i, s in enumerate(x) if i != dim], node)
 
 
