@@ -55,7 +55,7 @@ class Captured(nn.Module):
         non_persistent: set[str] = frozenset(),
     ) -> None:
         super().__init__()
-        source = state if state is not None else graphs["train"]
+        source = state if state is not None else next(iter(graphs.values()))
         for key, value in source.named_parameters(remove_duplicate=False):
             _set(self, key, value, "param")
         for key, value in source.named_buffers(remove_duplicate=False):
@@ -88,7 +88,7 @@ class Captured(nn.Module):
         for key, value in self.named_buffers(remove_duplicate=False):
             _set(new, key, copy.deepcopy(value, memo), "buffer", persistent=_persistent(self, key))
         for key, value in self.__dict__.items():
-            if key not in new.__dict__ and not key.startswith("_"):
+            if key not in new.__dict__ and not key.startswith("_") and key != "graphs":
                 object.__setattr__(new, key, copy.deepcopy(value, memo))
         object.__setattr__(new, "graphs", graphs)
         new.train(self.training)
@@ -107,7 +107,9 @@ def _persistent(root: nn.Module, path: str) -> bool:
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     # the graph is copied (passes edit it in place); tensors stay with the owning Captured
     graph = copy.deepcopy(gm.graph)
-    new = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    # an empty root: the code reads every attribute from the Captured it runs bound to
+    new = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
+    new.graph = graph
     new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
     return new
 
@@ -312,6 +314,8 @@ def capture(
     model: nn.Module,
     example_inputs: tuple = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    modes: tuple[str, ...] = MODES,
 ) -> Captured:
     """Capture ``model`` by running it on ``example_inputs`` (and ``example_kwargs``).
 
@@ -319,6 +323,7 @@ def capture(
         model: any ``nn.Module``; it is not modified (its mode is restored afterwards).
         example_inputs: positional inputs of one call, batch in dimension 0 of every tensor.
         example_kwargs: keyword inputs of that call (``input_ids=``, ``labels=`` ...).
+        modes: the modes to capture (``"train"``, ``"eval"``); both by default.
 
     Returns:
         A :class:`Captured` module with the model's parameters and buffers (the same tensors)
@@ -354,7 +359,7 @@ def capture(
     was_training = model.training
     graphs = {}
     try:
-        for mode in MODES:
+        for mode in modes:
             model.train(mode == "train")
             graphs[mode] = capture_graph(
                 model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_"
