@@ -136,15 +136,17 @@ def inspect(
                 flops[key] = (old[0] + t, old[1] + s_)
                 counted_nodes.add(u.node)
     sur_params = dict(sur.named_parameters())
+    kinds = {}  # module path -> type, from where the graphs were recorded
+    for node in target_graph.nodes:
+        owner = module_of(node)
+        if owner is not None:
+            kinds.setdefault(owner[0], owner[1])
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():  # tied weights: counted once, where first seen
         groups.setdefault(name.rpartition(".")[0], []).append((name, p))
     for path, params in groups.items():
         main_name, main = next(((n, p) for n, p in params if n.endswith("weight")), params[0])
-        try:
-            kind = type(model.get_submodule(path)).__name__ if path else type(model).__name__
-        except AttributeError:
-            kind = "Parameter"
+        kind = kinds.get(path) or "Parameter"
         if len(params) == 1 and not main_name.endswith(("weight", "bias")):
             path, kind = main_name, "Parameter"
         f_t = sum(flops.get(id(p), (0, 0))[0] for _, p in params)

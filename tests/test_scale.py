@@ -135,7 +135,8 @@ def test_layer_scale_and_norms_keep_their_constants():
     assert torch.allclose(sur.get_parameter("blocks.0.gamma"), torch.tensor(0.1))
     assert torch.all(sur.get_parameter("blocks.0.norm.weight") == 1)
     assert sur.get_parameter("blocks.0.dwconv.weight").shape == (4, 1, 7, 7)
-    assert sur.get_submodule("blocks.0.dwconv").groups == 4
+    convs = [n for n in sur.graphs["train"].graph.nodes if n.target is torch.ops.aten.conv2d.default]
+    assert convs[1].args[6] == 4  # the depthwise conv's groups follow its channels
 
 
 class HardCodedAttention(nn.Module):

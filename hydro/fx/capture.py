@@ -264,7 +264,8 @@ def explain(exc: BaseException, model: nn.Module) -> str:
     while tb is not None:  # the innermost frame outside torch and hydro is the user's code
         f = tb.tb_frame
         path = os.path.abspath(f.f_code.co_filename)
-        if not path.startswith(_TORCH_DIR) and not path.startswith(_HYDRO_DIR):
+        user = not f.f_code.co_filename.startswith("<")  # generated code has no line to show
+        if user and not path.startswith(_TORCH_DIR) and not path.startswith(_HYDRO_DIR):
             frame = (f, tb.tb_lineno)
         tb = tb.tb_next
     where = ""

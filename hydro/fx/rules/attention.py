@@ -17,9 +17,9 @@ def sdpa(a, node, out) -> None:  # noqa: ANN001
         a.product(node, [q[-3]], [k[-3]], rhs_const=a.sizes[q[-3]] // a.sizes[k[-3]])
         a.union(k[-3], v[-3], node)
         a.union(out[-3], q[-3], node)
-        a.broadcast(out[:-3], [TensorSyms(q[:-3]), TensorSyms(k[:-3])], node)
+        a.broadcast(out[:-3], [TensorSyms(q[:-3]), TensorSyms(k[:-3]), TensorSyms(v[:-3])], node)
     else:
-        a.broadcast(out[:-2], [TensorSyms(q[:-2]), TensorSyms(k[:-2])], node)
+        a.broadcast(out[:-2], [TensorSyms(q[:-2]), TensorSyms(k[:-2]), TensorSyms(v[:-2])], node)
     if b.get("attn_mask") is not None:
         a.broadcast(out, [a.syms_of(b["attn_mask"])], node)
 
