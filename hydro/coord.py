@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_unflatten
 from torch import nn
+from torch.utils._pytree import tree_unflatten
 
 from hydro import parametrize
 from hydro.fx.capture import capture
@@ -127,7 +127,7 @@ def coord_check(
         gm = sur.graphs["train"]
         layers = _layers(sur, gm)
         roles = sur.hydro.roles
-        for node, (name, weight) in layers.items():
+        for name, weight in layers.values():
             result.roles.setdefault(name, roles.get(weight, "?"))
         hidden = [
             s for n, s in sur.hydro.target_shapes.items()

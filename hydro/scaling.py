@@ -10,8 +10,8 @@ and compares every node with the analysis.
 from __future__ import annotations
 
 import copy
-import operator
 import inspect as pyinspect
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -250,7 +250,9 @@ def _rebuild(
                 gm.add_submodule(name, sub)
     for gm in graphs.values():
         gm.recompile()
-    non_persistent = {n for n, _ in cap.named_buffers(remove_duplicate=False) if n not in persistent}
+    non_persistent = {
+        n for n, _ in cap.named_buffers(remove_duplicate=False) if n not in persistent
+    }
     sur = Captured(graphs, f"{cap.captured_name}Surrogate", state=holder,
                    non_persistent=non_persistent)  # fmt: skip
     sur.train(model.training)

@@ -31,8 +31,13 @@ def _batch(batch, n, dtype, seed=0):
 
 def _same(a, b) -> bool:
     la, lb = tree_leaves(a), tree_leaves(b)
-    return type(a) is type(b) and len(la) == len(lb) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+    return (
+        type(a) is type(b)
+        and len(la) == len(lb)
+        and all(
+            torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+        )
+    )
 
 
 def _n(m: nn.Module) -> int:

@@ -135,7 +135,9 @@ def test_layer_scale_and_norms_keep_their_constants():
     assert torch.allclose(sur.get_parameter("blocks.0.gamma"), torch.tensor(0.1))
     assert torch.all(sur.get_parameter("blocks.0.norm.weight") == 1)
     assert sur.get_parameter("blocks.0.dwconv.weight").shape == (4, 1, 7, 7)
-    convs = [n for n in sur.graphs["train"].graph.nodes if n.target is torch.ops.aten.conv2d.default]
+    convs = [
+        n for n in sur.graphs["train"].graph.nodes if n.target is torch.ops.aten.conv2d.default
+    ]
     assert convs[1].args[6] == 4  # the depthwise conv's groups follow its channels
 
 
@@ -253,7 +255,9 @@ def test_unknown_module_with_parameters():
         def forward(self, x):
             return self.rnn(x)
 
-    with pytest.raises(hydro.ScaleError, match=r"module 'rnn' \(GRUCell\).*'rnn.weight_ih'.*no width rule"):
+    with pytest.raises(
+        hydro.ScaleError, match=r"module 'rnn' \(GRUCell\).*'rnn.weight_ih'.*no width rule"
+    ):
         hydro.scale(WithLSTM(), 2, example_inputs=(torch.randn(2, 4),))
 
 

@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 import torch
 import torch.fx
-from torch.fx._pytree import tree_flatten_spec
 from torch._subclasses import FakeTensorMode
+from torch.fx._pytree import tree_flatten_spec
 
 from hydro.errors import ScaleError
 from hydro.fx.paths import get_path
@@ -251,7 +251,7 @@ def propagate(
     return values
 
 
-# --- the analysis ----------------------------------------------------------------------------------
+# --- the analysis --------------------------------------------------------------------------------
 
 
 class Analysis:
@@ -699,8 +699,8 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
             w, p = value(c.whole), value(c.part)
             if w is not None and p is None:
                 if (w * c.num) % c.den:
-                    raise node_error(c.node, f"a part of {a.sizes[c.part]} out of "
-                                     f"{a.sizes[c.whole]} does not shrink to a whole number")  # fmt: skip
+                    what = f"a part of {a.sizes[c.part]} out of {a.sizes[c.whole]}"
+                    raise node_error(c.node, f"{what} does not shrink to a whole number")
                 new[a.find(c.part)] = w * c.num // c.den
                 follow(c.part, [c.whole])
                 changed = True
@@ -781,6 +781,7 @@ def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> 
     Head splits (``C = H * D``) go before packed projections (``3C = 3 * C``): the split with
     the smallest inner size first.
     """
+
     def inner_size(c: Product) -> int:
         sides = [x for x in (c.lhs, c.rhs) if len(x) > 1]
         return min((a.sizes[x[-1]] for x in sides), default=0)

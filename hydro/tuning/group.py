@@ -158,7 +158,11 @@ def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  #
         if len(a_nodes) != len(b_nodes):
             return None
         for a, b in zip(a_nodes, b_nodes):
-            if a.target != b.target or len(a.args) != len(b.args) or _lit(a.kwargs) != _lit(b.kwargs):
+            if (
+                a.target != b.target
+                or len(a.args) != len(b.args)
+                or _lit(a.kwargs) != _lit(b.kwargs)
+            ):
                 return None
             for i, (x, y) in enumerate(zip(a.args, b.args)):
                 if _lit(x) == _lit(y):

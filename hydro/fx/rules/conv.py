@@ -18,7 +18,7 @@ def conv(a, node, out) -> None:  # noqa: ANN001
     if depthwise:
         # one filter group per channel: the group count follows the channels
         a.depthwise.add(node)
-        a.union(x[1], w[0], node) if transposed else a.union(out[1], w[0], node)
+        a.union(x[1] if transposed else out[1], w[0], node)
         if a.sizes[out[1]] == in_ch:
             a.union(out[1], x[1], node)
         else:
@@ -51,7 +51,9 @@ def pool(a, node, out) -> None:  # noqa: ANN001
     name = a.name(node)
     nd = next((d for d in (3, 2, 1) if f"{d}d" in name), 2)
     keep = len(x) - nd
-    for o in ([out] if isinstance(out, TensorSyms) else [o for o in out if isinstance(o, TensorSyms)]):
+    for o in (
+        [out] if isinstance(out, TensorSyms) else [o for o in out if isinstance(o, TensorSyms)]
+    ):
         a.tie_all(o[:keep], x[:keep], node)
         a.fix_syms(o[keep:])
 

@@ -11,7 +11,9 @@ def reduction(a, node, out) -> None:  # noqa: ANN001
     dims = b.get("dim")
     if not isinstance(x, TensorSyms) or dims is None:
         return
-    outs = [o for o in out if isinstance(o, TensorSyms)] if not isinstance(out, TensorSyms) else [out]
+    outs = (
+        [o for o in out if isinstance(o, TensorSyms)] if not isinstance(out, TensorSyms) else [out]
+    )
     dims = [dims] if isinstance(dims, int) else list(dims)
     dims = {d % len(x) for d in dims} if dims else set(range(len(x)))
     kept = [s for i, s in enumerate(x) if i not in dims]

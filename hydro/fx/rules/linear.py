@@ -1,4 +1,4 @@
-"""Linear layers and matrix products: ``linear``, ``addmm`` (HF's Conv1D), ``mm``/``bmm``/``matmul``."""
+"""Linear layers and matrix products: ``linear``, ``addmm`` (HF's Conv1D), ``mm``, ``matmul``."""
 
 from __future__ import annotations
 
