@@ -11,10 +11,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import hydro
+from hydro.fx.capture import capture
 from hydro.parametrize import optimizer_multipliers
 from tests.zoo import ZOO
 
 NAMES = list(ZOO)
+_CAPTURED: dict = {}
+
+
+def zoo(name: str):
+    """A zoo case and its capture, made once per test session (capturing is the slow part;
+    scaling a ``Captured`` skips it)."""
+    if name not in _CAPTURED:
+        case = ZOO[name]()
+        _CAPTURED[name] = (case, capture(case.model, case.inputs))
+    return _CAPTURED[name]
 
 
 def n_params(m: nn.Module) -> int:
@@ -23,8 +34,8 @@ def n_params(m: nn.Module) -> int:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ratio_one_is_the_target_bit_for_bit(name):
-    case = ZOO[name]()
-    sur = hydro.scale(case.model, 1, example_inputs=case.inputs, seed=1)
+    case, cap = zoo(name)
+    sur = hydro.scale(cap, 1, example_inputs=case.inputs, seed=1)
     assert set(sur.state_dict()) == set(case.model.state_dict())
     sur.load_state_dict(case.model.state_dict())
     # nn.TransformerEncoder's eval-mode fast path is a different kernel; the slow path is the
@@ -44,8 +55,8 @@ def test_ratio_one_is_the_target_bit_for_bit(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("ratio", [2, 8])
 def test_shapes_and_parameter_count(name, ratio):
-    case = ZOO[name]()
-    sur = hydro.scale(case.model, ratio, example_inputs=case.inputs, seed=0)
+    case, cap = zoo(name)
+    sur = hydro.scale(cap, ratio, example_inputs=case.inputs, seed=0)
     out_t, out_s = case.model(*case.inputs), sur(*case.inputs)
     assert out_s.shape == out_t.shape
     assert torch.isfinite(out_s).all()
@@ -60,8 +71,8 @@ def test_shapes_and_parameter_count(name, ratio):
 @pytest.mark.parametrize("name", NAMES)
 def test_infshapes_roles_and_optimizer_multipliers(name):
     ratio = 4
-    case = ZOO[name]()
-    sur = hydro.scale(case.model, ratio, example_inputs=case.inputs, seed=0)
+    case, cap = zoo(name)
+    sur = hydro.scale(cap, ratio, example_inputs=case.inputs, seed=0)
     roles = sur.hydro.roles
     expected_ninf = {"hidden": 2, "input": 1, "output": 1, "vector": 1, "fixed": 0}
     for pname, p in sur.named_parameters():
