@@ -82,7 +82,7 @@ class InspectReport:
         lines += [f"attention: {d}" for d in self.head_decisions]
         lines += [f"muP multiplier {k} = {v:g}" for k, v in self.multipliers.items()]
         lines += [f"fixed: '{name}' dimension {dim} ({size}) is indexed or sliced by a fixed "
-                  "size (positions), not a width" for name, dim, size in self.kept]  # fmt: skip
+                  "size (vocabulary, positions), not a width" for name, dim, size in self.kept]  # fmt: skip
         return "\n".join(lines)
 
 

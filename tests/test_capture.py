@@ -123,7 +123,10 @@ def test_position_table_sliced_by_sequence_length_keeps_its_rows():
         assert sur(torch.randn(3, 10, 4)).shape == (3, 10, 3)
     report = hydro.inspect(LearnedPositions(), 8, example_inputs=(x,))
     assert report.kept == [("pos", 0, 16)]
-    assert "fixed: 'pos' dimension 0 (16) is indexed or sliced by a fixed size" in str(report)
+    assert (
+        "fixed: 'pos' dimension 0 (16) is indexed or sliced by a fixed size (vocabulary, positions)"
+        in str(report)
+    )
 
 
 def test_rotary_frequencies_are_never_cut():

@@ -809,11 +809,11 @@ def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> 
                     new[a.find(solve)] = target // a.sizes[keep]
                     if any(a.find(x) in dep for x in known_side):
                         dep.add(a.find(solve))
-                    why = "" if kept == orders[0][0] else f"; {heads} heads do not shrink whole"
-                    decisions.append(
-                        f"{describe(c.node)}: {heads} heads x {dim} -> {new[a.find(outer)]} "
-                        f"heads x {new[a.find(inner)]} (kept the {kept}{why})"
-                    )
+                    why = "" if kept == orders[0][0] else f"; whole heads of {dim} do not fit"
+                    text = (f"{describe(c.node)}: {heads} heads x {dim} -> {new[a.find(outer)]} "
+                            f"heads x {new[a.find(inner)]} (kept the {kept}{why})")  # fmt: skip
+                    if text not in decisions:  # the train and eval graphs split alike
+                        decisions.append(text)
                     pending.remove(c)
                     return True
             raise node_error(
