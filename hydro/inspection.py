@@ -81,8 +81,11 @@ class InspectReport:
                      "per forward pass (matmul-like ops)")  # fmt: skip
         lines += [f"attention: {d}" for d in self.head_decisions]
         lines += [f"muP multiplier {k} = {v:g}" for k, v in self.multipliers.items()]
-        lines += [f"fixed: '{name}' dimension {dim} ({size}) is indexed or sliced by a fixed "
-                  "size (vocabulary, positions), not a width" for name, dim, size in self.kept]  # fmt: skip
+        lines += [
+            f"fixed: '{name}' dimension {dim} ({size}) is indexed or sliced by a fixed size "
+            "(vocabulary, positions), not a width"
+            for name, dim, size in self.kept
+        ]
         return "\n".join(lines)
 
 
