@@ -1,6 +1,6 @@
 """Hydro: cheap hyperparameter tuning for PyTorch models.
 
-The pipeline, one module a stage: trace (:mod:`hydro.fx.trace`) → width analysis
+The pipeline, one module a stage: capture (:mod:`hydro.fx.capture`) → width analysis
 (:mod:`hydro.fx.widths`) → scale (:mod:`hydro.scaling`) → muP parametrization
 (:mod:`hydro.parametrize`) → fuse → optimize → tune → place → export.
 """

@@ -79,7 +79,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_coord_check(args: argparse.Namespace) -> int:
     from hydro.coord import coord_check
-    from hydro.fx.trace import trace
     from hydro.scaling import guess_inputs
 
     if args.threshold <= 1:
@@ -90,7 +89,7 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     if inputs is None:
         # random data shaped like the model's inputs; an Embedding gets valid token ids
-        inputs = guess_inputs(trace(model))
+        inputs = guess_inputs(model)
         inputs = tuple(
             torch.randint(0, _vocab(model), (8, 16)) if x.dtype == torch.long
             else torch.randn(8, *x.shape[1:])

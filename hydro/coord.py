@@ -14,8 +14,12 @@ from typing import Any, Literal
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_unflatten
 
 from hydro import parametrize
+from hydro.fx.capture import capture
+from hydro.fx.paths import get_path
+from hydro.fx.widths import flat_inputs, op_name
 from hydro.scaling import scale
 
 
@@ -185,48 +189,73 @@ def coord_check(
         True
     """
     result = CoordCheckResult(list(ratios), steps, parametrization)
+    model = capture(model, example_inputs)  # once: every ratio scales the same graphs
     for ratio in ratios:
         sur = scale(model, ratio, example_inputs=example_inputs, seed=seed,
                     parametrization=parametrization)  # fmt: skip
-        # the layers the graph calls (a leaf's inner modules, like MultiheadAttention's
-        # out_proj, never run on their own)
-        called = [n.target for n in sur.graph.nodes if n.op == "call_module"]
-        layers = {
-            name: sur.get_submodule(name)
-            for name in dict.fromkeys(called)
-            if any(True for _ in sur.get_submodule(name).parameters())
-        }
+        gm = sur.graphs["train"]
+        layers = _layers(sur, gm)
         roles = sur.hydro.roles
-        for name, m in layers.items():
-            weight = next(n for n, _ in m.named_parameters())
-            result.roles.setdefault(name, roles.get(f"{name}.{weight}", "?"))
+        for name, weight in layers.values():
+            result.roles.setdefault(name, roles.get(weight, "?"))
         hidden = [
             s for n, s in sur.hydro.target_shapes.items()
             if roles.get(n) == "hidden" and len(s) >= 2
         ]  # fmt: skip
         result.widths[ratio] = (max(s[0] for s in hidden) if hidden else 1) // ratio
-        record: dict[str, list[float]] = {name: [] for name in layers}
-        hooks = [m.register_forward_hook(_recorder(record[name])) for name, m in layers.items()]
+        record: dict[str, list[float]] = {name: [] for name, _ in dict.fromkeys(layers.values())}
         kind = "sgd" if optimizer == "sgd" else "adam"
         groups = parametrize.param_groups(sur, lr=lr, kind=kind)
         opt = torch.optim.SGD(groups) if kind == "sgd" else torch.optim.Adam(groups)
         torch.manual_seed(seed)
-        try:
-            for _ in range(steps):
-                opt.zero_grad()
-                loss(sur(*example_inputs), target).backward()
-                opt.step()
-        finally:
-            for h in hooks:
-                h.remove()
+        sur.train()
+        for _ in range(steps):
+            opt.zero_grad()
+            out = _Recording(sur, gm, layers, record).call(example_inputs)
+            loss(out, target).backward()
+            opt.step()
         result.sizes[ratio] = record
     return result
 
 
-def _recorder(store: list[float]) -> Callable:
-    def hook(module: nn.Module, args: Any, out: Any) -> None:
-        if isinstance(out, tuple):
-            out = out[0]
-        store.append(out.detach().abs().mean().item())
+_LAYER_OPS = {"linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
+              "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding",
+              "layer_norm", "batch_norm", "group_norm", "rms_norm"}  # fmt: skip
 
-    return hook
+
+def _layers(sur: nn.Module, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[str, str]]:
+    """The ops that apply a layer's weight: node -> (layer name, weight name); first use only."""
+    params = {id(p): n for n, p in sur.named_parameters()}
+    layers: dict[torch.fx.Node, tuple[str, str]] = {}
+    seen: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) not in _LAYER_OPS:
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op != "get_attr":
+                continue
+            weight = params.get(id(get_path(sur, arg.target)))
+            if weight is not None and weight.rpartition(".")[0] not in seen:
+                seen.add(weight.rpartition(".")[0])
+                layers[node] = (weight.rpartition(".")[0], weight)
+                break
+    return layers
+
+
+class _Recording(torch.fx.Interpreter):
+    """Runs a surrogate's graph (with autograd), recording each layer's mean |activation|."""
+
+    def __init__(self, root, gm, layers, record) -> None:  # noqa: ANN001
+        super().__init__(root, graph=gm.graph)
+        self.gm, self.layers, self.record = gm, layers, record
+
+    def call(self, inputs: tuple[Any, ...]) -> Any:
+        flat = self.run(*flat_inputs(self.gm, inputs, {}))
+        flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        return tree_unflatten(flat, self.gm._out_spec)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n in self.layers:
+            self.record[self.layers[n][0]].append(out.detach().abs().mean().item())
+        return out

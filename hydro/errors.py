@@ -13,7 +13,7 @@ class HydroError(Exception):
 
 
 class TraceError(HydroError, ValueError):
-    """The model could not be traced with torch.fx."""
+    """The model could not be captured by running it on its example inputs."""
 
 
 class ScaleError(HydroError, ValueError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,8 +11,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from hydro.fx.shapes import propagate
-from hydro.fx.widths import HeadPolicy, node_arg, op_name
+from hydro.fx.rules.common import bound
+from hydro.fx.widths import HeadPolicy, module_of, op_name, propagate
 from hydro.scaling import build
 
 
@@ -39,6 +39,7 @@ class InspectReport:
     rows: list[LayerPlan] = field(default_factory=list)
     head_decisions: list[str] = field(default_factory=list)
     multipliers: dict[str, float] = field(default_factory=dict)
+    kept: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -54,6 +55,7 @@ class InspectReport:
             "totals": self.totals,
             "head_decisions": self.head_decisions,
             "multipliers": self.multipliers,
+            "kept": [list(k) for k in self.kept],
         }  # fmt: skip
 
     def __str__(self) -> str:
@@ -79,6 +81,11 @@ class InspectReport:
                      "per forward pass (matmul-like ops)")  # fmt: skip
         lines += [f"attention: {d}" for d in self.head_decisions]
         lines += [f"muP multiplier {k} = {v:g}" for k, v in self.multipliers.items()]
+        lines += [
+            f"fixed: '{name}' dimension {dim} ({size}) is indexed or sliced by a fixed size "
+            "(vocabulary, positions), not a width"
+            for name, dim, size in self.kept
+        ]
         return "\n".join(lines)
 
 
@@ -87,107 +94,114 @@ def inspect(
     ratio: int = 8,
     *,
     example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
     head_policy: HeadPolicy = "keep_head_dim",
-    leaf_modules: Iterable[type[nn.Module]] = (),
 ) -> InspectReport:
     """Describe how :func:`hydro.scale` shrinks ``model``: per layer and in total.
 
     Args:
         model: the target model.
         ratio: the width divisor.
-        example_inputs: inputs shaped like a real batch (FLOPs are counted for this batch).
+        example_inputs: positional inputs shaped like a real batch (FLOPs are counted for it).
+        example_kwargs: keyword inputs of that call.
         head_policy: as for :func:`hydro.scale`.
-        leaf_modules: as for :func:`hydro.scale`.
 
     Returns:
-        An :class:`InspectReport`; ``print(report)`` shows the table, ``report.to_dict()`` the
-        data.
+        An :class:`InspectReport`; ``print(report)`` shows the table (with how attention heads
+        were scaled and which parameter dimensions stay fixed because they index positions),
+        ``report.to_dict()`` the data.
 
     Example:
         >>> import torch, hydro
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(),
         ...                             torch.nn.Linear(256, 10))
-        >>> report = hydro.inspect(model, ratio=8)
+        >>> report = hydro.inspect(model, ratio=8, example_inputs=(torch.randn(2, 16),))
         >>> [(r.path, r.role) for r in report.rows]
         [('0', 'input'), ('2', 'output')]
     """
-    scaled = build(model, ratio, example_inputs=example_inputs, head_policy=head_policy,
-                   leaf_modules=leaf_modules)  # fmt: skip
+    scaled = build(model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                   head_policy=head_policy)  # fmt: skip
     sur, plan = scaled.surrogate, scaled.plan
-    sur_values = propagate(sur, scaled.inputs)
+    mode = "train" if "train" in sur.graphs else next(iter(sur.graphs))
+    sur_values = propagate(sur, sur.graphs[mode], scaled.inputs, scaled.kwargs)
     report = InspectReport(ratio, head_decisions=list(sur.hydro.head_decisions),
-                           multipliers=dict(sur.hydro.multipliers))  # fmt: skip
+                           multipliers=dict(sur.hydro.multipliers),
+                           kept=list(plan.kept))  # fmt: skip
     roles = sur.hydro.roles
-    canonical = {id(p): n for n, p in sur.named_parameters()}  # tied weights: one name
-    counted: set[int] = set()
-    gm = plan.gm
-    for old in gm.graph.nodes:
-        if old not in scaled.node_map:
-            continue  # the output node
-        new = scaled.node_map[old]
-        t_val, s_val = plan.values.get(old), sur_values.get(new)
-        if old.op == "call_module":
-            m_t, m_s = gm.get_submodule(old.target), sur.get_submodule(old.target)
-            if not any(True for _ in m_t.parameters()):
-                continue
-            # a tied weight (a readout sharing the embedding) is counted once, where first seen
-            n_t = sum(p.numel() for p in m_t.parameters() if id(p) not in counted)
-            n_s = sum(p.numel() for p in m_s.parameters() if id(p) not in counted)
-            counted.update(id(p) for p in (*m_t.parameters(), *m_s.parameters()))
-            first = next(n for n, _ in m_t.named_parameters())
+    target_graph = scaled.captured.graphs[mode].graph
+    flops: dict[int, tuple[int, int]] = {}  # per parameter id: (target, surrogate) FLOPs
+    counted_nodes: set[torch.fx.Node] = set()
+    for key, uses in plan.uses.items():
+        for u in uses:
+            if u.node.graph is target_graph:
+                t, s_ = _flops(u.node, plan.values), _flops(scaled.node_map[u.node], sur_values)
+                old = flops.get(key, (0, 0))
+                flops[key] = (old[0] + t, old[1] + s_)
+                counted_nodes.add(u.node)
+    sur_params = dict(sur.named_parameters())
+    kinds = {}  # module path -> type, from where the graphs were recorded
+    for node in target_graph.nodes:
+        owner = module_of(node)
+        if owner is not None:
+            kinds.setdefault(owner[0], owner[1])
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():  # tied weights: counted once, where first seen
+        groups.setdefault(name.rpartition(".")[0], []).append((name, p))
+    for path, params in groups.items():
+        main_name, main = next(((n, p) for n, p in params if n.endswith("weight")), params[0])
+        kind = kinds.get(path) or "Parameter"
+        if len(params) == 1 and not main_name.endswith(("weight", "bias")):
+            path, kind = main_name, "Parameter"
+        f_t = sum(flops.get(id(p), (0, 0))[0] for _, p in params)
+        f_s = sum(flops.get(id(p), (0, 0))[1] for _, p in params)
+        report.rows.append(LayerPlan(
+            path, kind, roles.get(main_name, "-"), tuple(main.shape),
+            tuple(sur_params[main_name].shape) if main_name in sur_params else (),
+            sum(p.numel() for _, p in params),
+            sum(sur_params[n].numel() for n, _ in params if n in sur_params), f_t, f_s,
+        ))  # fmt: skip
+    for node in target_graph.nodes:  # attention and products of activations
+        if node.op != "call_function" or node in counted_nodes:
+            continue
+        f_t = _flops(node, plan.values)
+        if f_t:
+            owner = module_of(node)
+            out_t = plan.values.get(node)
+            out_s = sur_values.get(scaled.node_map[node])
             report.rows.append(LayerPlan(
-                old.target, type(m_t).__name__,
-                roles.get(canonical.get(id(m_s.get_parameter(first)), ""), "?"),
-                tuple(m_t.get_parameter(first).shape), tuple(m_s.get_parameter(first).shape),
-                n_t, n_s,
-                _module_flops(m_t, plan.values.get(old.args[0]), t_val),
-                _module_flops(m_s, sur_values.get(new.args[0]) if new.args else None, s_val),
+                f"{owner[0]}:{node.name}" if owner and owner[0] else node.name, op_name(node), "-",
+                tuple(getattr(out_t, "shape", ())), tuple(getattr(out_s, "shape", ())), 0, 0,
+                f_t, _flops(scaled.node_map[node], sur_values),
             ))  # fmt: skip
-        elif old.op == "get_attr" and old.target in roles:
-            p_t, p_s = gm.get_parameter(old.target), sur.get_parameter(old.target)
-            report.rows.append(LayerPlan(old.target, "Parameter", roles[old.target],
-                                         tuple(p_t.shape), tuple(p_s.shape), p_t.numel(),
-                                         p_s.numel(), 0, 0))  # fmt: skip
-        elif old.op in ("call_function", "call_method"):
-            f_t = _function_flops(old, plan.values)
-            if f_t:
-                report.rows.append(LayerPlan(
-                    old.name, op_name(old), "-", tuple(getattr(t_val, "shape", ())),
-                    tuple(getattr(s_val, "shape", ())), 0, 0, f_t,
-                    _function_flops(new, sur_values),
-                ))  # fmt: skip
     return report
 
 
-def _module_flops(m: nn.Module, x: Any, out: Any) -> int:
-    """Forward multiply-add FLOPs (x2) of a layer, for one batch."""
-    if isinstance(out, tuple):
-        out = out[0]
-    if not isinstance(out, torch.Tensor):
-        return 0
-    if isinstance(m, nn.Linear):
-        return 2 * out.numel() * m.in_features
-    if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return 2 * out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
-    if isinstance(m, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-        return 2 * x.numel() * (m.out_channels // m.groups) * math.prod(m.kernel_size)
-    if isinstance(m, nn.MultiheadAttention):
-        e, tokens = m.embed_dim, out.numel() // m.embed_dim
-        seq = out.shape[1] if m.batch_first else out.shape[0]
-        return 2 * tokens * e * 4 * e + 2 * 2 * tokens * seq * e
-    return 0
-
-
-def _function_flops(node: torch.fx.Node, values: dict) -> int:
+def _flops(node: torch.fx.Node, values: dict) -> int:
+    """Forward multiply-add FLOPs (x2) of a matmul-like op, for the example batch."""
     name = op_name(node)
     out = values.get(node)
     if not isinstance(out, torch.Tensor):
         return 0
-    if name in ("matmul", "bmm", "mm", "linear"):
+    b = bound(node)
+
+    def val(key: str) -> Any:
+        return values.get(b.get(key)) if isinstance(b.get(key), torch.fx.Node) else None
+
+    if name == "linear":
+        return 2 * out.numel() * val("input").shape[-1]
+    if name == "addmm":
+        return 2 * out.numel() * val("mat1").shape[-1]
+    if name in ("mm", "bmm", "matmul"):
         a = values.get(node.args[0])
         return 2 * out.numel() * a.shape[-1] if isinstance(a, torch.Tensor) else 0
+    if name.startswith("conv"):
+        w, x = val("weight"), val("input")
+        k = math.prod(w.shape[2:])
+        if "transpose" in name:
+            return 2 * x.numel() * w.shape[1] * k
+        return 2 * out.numel() * w.shape[1] * k
     if name == "scaled_dot_product_attention":
-        q, k = values.get(node_arg(node, 0, "query")), values.get(node_arg(node, 1, "key"))
+        q, k = val("query"), val("key")
         return 2 * 2 * q.numel() * k.shape[-2]
     return 0
 

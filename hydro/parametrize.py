@@ -45,10 +45,8 @@ OptimizerKind = Literal["adam", "sgd"]
 
 
 class Multiplier(nn.Module):
-    """Multiplies its input by a constant: the muP readout (or input) multiplier.
-
-    ``scale`` is a plain float so that it is part of the parametrization, not a trained parameter.
-    """
+    """Multiplies its input by a constant (the muP readout multiplier of symbolically traced
+    surrogates; captured surrogates multiply by a ``mup_readout.scale`` buffer instead)."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -153,7 +151,7 @@ class SurrogateInfo:
             ``fixed``), by name.
         target_shapes: each parameter's shape in the target (the muP base shape).
         init_std: ``(target std, surrogate std)`` of each parameter's initialization.
-        multipliers: the forward multipliers inserted, by module name.
+        multipliers: the readout multipliers inserted, by buffer name (``mup_readout.scale``).
         head_decisions: how each attention head split was scaled.
     """
 
@@ -237,7 +235,7 @@ def init_like(
 
 
 def apply(
-    sur: torch.fx.GraphModule,
+    sur: nn.Module,
     target: nn.Module,
     plan: Any,
     node_map: dict[torch.fx.Node, torch.fx.Node],
@@ -290,10 +288,12 @@ def apply(
         delta[sur_name] = tuple(2 * d if w else d for d, w in zip(old_shape, mask))
         if role == "output" and not standard:
             for u in uses:
-                if any(mask[d] for d in u.fan_in) and not any(mask[d] for d in u.fan_out):
+                readout = any(mask[d] for d in u.fan_in) and not any(mask[d] for d in u.fan_out)
+                if readout and u.act is not None:
                     fan = math.prod(old_shape[d] for d in u.fan_in) / math.prod(
                         new_shape[d] for d in u.fan_in
                     )
+                    u.node.meta["hydro_act"] = u.act
                     readouts.append((u.node, output_mult * fan))
     source.warn_unread(new_names, new_tensors)
     _insert_readout_multipliers(sur, plan, node_map, readouts, info, always_readout)
@@ -375,19 +375,46 @@ class _InitSource:
         )
 
 
+READOUT = "mup_readout"
+
+
 def _insert_readout_multipliers(
     sur, plan, node_map, readouts, info: SurrogateInfo, always: bool = False
 ) -> None:  # noqa: ANN001
-    by_name = {n.name: n for n in plan.gm.graph.nodes}
-    for i, (node_name, value) in enumerate(readouts):
+    """Multiply each readout's input by a 0-dim buffer (``mup_readout.scale``).
+
+    A buffer rather than a literal: a fused group gives each trial its own value (the
+    ``output_mult`` hyperparameter), and ``sur.get_buffer(name).fill_(v)`` changes it.
+    Non-persistent, so the surrogate's ``state_dict`` keys stay the target's.
+    """
+    names: dict[float, str] = {}
+    changed = set()
+    for node, value in readouts:
         if value == 1.0 and not always:
             continue  # the target's own forward: keep the graph (and its numerics) as they are
-        new = node_map[by_name[node_name]]
-        act = new.args[0]
-        module_name = f"mup_readout_{i}"
-        sur.add_submodule(module_name, Multiplier(value))
-        with sur.graph.inserting_before(new):
-            scaled = sur.graph.call_module(module_name, (act,))
-        new.update_arg(0, scaled)
-        info.multipliers[module_name] = value
-    sur.recompile()
+        if value not in names:
+            module = READOUT if not names else f"{READOUT}_{len(names)}"
+            holder = nn.Module()
+            dtype = next((p.dtype for p in sur.parameters() if p.is_floating_point()),
+                         torch.float32)  # fmt: skip
+            holder.register_buffer("scale", torch.tensor(value, dtype=dtype), persistent=False)
+            sur.add_module(module, holder)
+            for gm in sur.graphs.values():  # get_attr resolves on the owning graph module too
+                gm.add_module(module, holder)
+            names[value] = module
+            info.multipliers[f"{module}.scale"] = value
+        new = node_map[node]
+        act_index = node.meta["hydro_act"]
+        act = new.args[act_index]
+        graph = new.graph
+        with graph.inserting_before(new):
+            scale = graph.get_attr(f"{names[value]}.scale")
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (act, scale))
+        new.update_arg(act_index, scaled)
+        changed.add(graph)
+    for gm in sur.graphs.values():
+        gm.recompile()
+    for name in dir(sur):
+        sub = sur.__dict__.get(name)
+        if isinstance(sub, torch.fx.GraphModule) and sub.graph in changed:
+            sub.recompile()

@@ -1,16 +1,18 @@
-"""``hydro.scale``: rebuild a traced model with every hidden width divided by ``ratio``.
+"""``hydro.scale``: a captured model rebuilt with every hidden width divided by ``ratio``.
 
-The pipeline is trace (:mod:`hydro.fx.trace`) → width analysis (:mod:`hydro.fx.widths`) → rebuild
-(this module: new layers, new raw parameters, width-valued literals rewritten) → muP
-parametrization (:mod:`hydro.parametrize`) → a check that re-propagates shapes on fake tensors and
-compares every node with the analysis.
+The pipeline is capture (:mod:`hydro.fx.capture`: run the model on example inputs) → width
+analysis (:mod:`hydro.fx.widths`) → rebuild (this module: a pure pass over the captured graphs
+that makes new, smaller parameters and buffers and rewrites width-valued literals) → muP
+parametrization (:mod:`hydro.parametrize`) → a check that re-propagates shapes on fake tensors
+and compares every node with the analysis.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect as pyinspect
 import operator
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,22 +21,11 @@ import torch.fx
 from torch import nn
 
 from hydro import parametrize
-from hydro.errors import ScaleError
-from hydro.fx.paths import get_path, has_path
-from hydro.fx.shapes import propagate
-from hydro.fx.trace import trace
-from hydro.fx.widths import (
-    _CONV_TRANSPOSES,
-    _CONVS,
-    HeadPolicy,
-    WidthPlan,
-    _size_args,
-    _TensorSyms,
-    analyze,
-    describe,
-    node_arg,
-    op_name,
-)
+from hydro.errors import ScaleError, TraceError
+from hydro.fx.capture import Captured, capture
+from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
+from hydro.fx.rules.shape import SIZE_ARG
+from hydro.fx.widths import HeadPolicy, WidthPlan, analyze, describe, op_name, propagate
 
 
 def scale(
@@ -42,58 +33,63 @@ def scale(
     ratio: int = 8,
     *,
     example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
     head_policy: HeadPolicy = "keep_head_dim",
     output_mult: float = 1.0,
-    leaf_modules: Iterable[type[nn.Module]] = (),
     seed: int | None = None,
     parametrization: Literal["mup", "sp"] = "mup",
-) -> torch.fx.GraphModule:
+) -> Captured:
     """Build a muP surrogate of ``model`` with every hidden width divided by ``ratio``.
+
+    The model is captured by running it once per mode (train, eval) on the example inputs, so
+    any Python it contains (shape asserts, dtype checks, optional arguments) runs as usual.
 
     Args:
         model: the target model (an ``nn.Module`` instance, initialized the way you train it:
-            the surrogate's initialization is derived from its per-parameter statistics).
+            the surrogate's initialization is derived from its per-parameter statistics). It may
+            live on the ``meta`` device (a large target then costs no memory).
         ratio: the width divisor; ``ratio=1`` gives the model itself in standard parametrization.
-        example_inputs: a tuple of inputs shaped like real ones (a batch of 2 is plenty); only
-            shapes and dtypes are used. Optional when every input feeds a Linear, Conv or
-            Embedding layer directly, from which Hydro makes its own.
+        example_inputs: positional inputs of one call, batch in dimension 0 (a batch of 2 is
+            plenty). Optional when the model takes one input that feeds a Linear, Conv or
+            Embedding layer, from which Hydro makes its own.
+        example_kwargs: keyword inputs of that call (``input_ids=``, ``labels=``...).
         head_policy: how attention heads shrink: ``"keep_head_dim"`` (default: fewer heads of
-            the same size, the attention scale is unchanged) or ``"keep_head_count"`` (same
-            heads, each smaller, with the muP ``1/d`` attention scale). Either falls back to the
-            other when its count does not divide.
+            the same size; when ``ratio`` does not divide the head count, the head count is
+            kept and each head shrinks, with the muP ``1/d`` attention scale) or
+            ``"keep_head_count"``. :func:`hydro.inspect` says which was chosen.
         output_mult: the muP output multiplier (a tunable hyperparameter; 1 means "as the
             target").
-        leaf_modules: extra module types to keep opaque while tracing (they must not hold
-            width-carrying parameters).
         seed: seed for the surrogate's initialization; ``None`` draws from torch's global RNG.
         parametrization: ``"mup"`` (default); ``"sp"`` builds the *naively* width-scaled model
-            instead (standard parametrization at the new width: every fan-in-scaled init, no
-            multipliers, no learning-rate scaling), for comparisons such as coord checks.
+            instead (standard parametrization at the new width), for comparisons such as coord
+            checks.
 
     Returns:
-        A ``torch.fx.GraphModule`` with the target's ``state_dict`` keys, whose parameters carry
-        the ``mup`` package's ``infshape`` (so ``mup.MuAdam(sur.parameters())`` works) and whose
-        ``hydro`` attribute describes the scaling (:class:`hydro.parametrize.SurrogateInfo`).
+        A :class:`hydro.fx.capture.Captured` module called exactly like ``model`` (same
+        arguments, same output type), with the target's ``state_dict`` keys, parameters that
+        carry the ``mup`` package's ``infshape`` (so ``mup.MuAdam(sur.parameters())`` works)
+        and a ``hydro`` attribute describing the scaling
+        (:class:`hydro.parametrize.SurrogateInfo`).
 
     Raises:
-        TraceError: the model cannot be traced (naming module, source line and what to do).
-        ScaleError: a width ``ratio`` does not divide, a head split that cannot shrink, a module
-            with parameters and no width rule, a literal Hydro cannot rewrite.
+        TraceError: the model cannot be captured (naming module, file, line and what to do).
+        ScaleError: a width ``ratio`` does not divide, a head split that cannot shrink, an op
+            over parameters with no width rule, a literal Hydro cannot rewrite.
 
     Example:
         >>> import torch, hydro
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(),
         ...                             torch.nn.Linear(256, 256), torch.nn.ReLU(),
         ...                             torch.nn.Linear(256, 10))
-        >>> sur = hydro.scale(model, ratio=8)
+        >>> sur = hydro.scale(model, ratio=8, example_inputs=(torch.randn(2, 16),))
         >>> [tuple(p.shape) for p in sur.parameters()][:3]
         [(32, 16), (32,), (32, 32)]
         >>> sur(torch.randn(4, 16)).shape
         torch.Size([4, 10])
     """
     return build(
-        model, ratio, example_inputs=example_inputs, head_policy=head_policy,
-        output_mult=output_mult, leaf_modules=leaf_modules, seed=seed,
+        model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
+        head_policy=head_policy, output_mult=output_mult, seed=seed,
         parametrization=parametrization,
     ).surrogate  # fmt: skip
 
@@ -102,20 +98,21 @@ def scale(
 class Scaled:
     """A surrogate with the analysis behind it (what :func:`hydro.inspect` reports on)."""
 
-    surrogate: torch.fx.GraphModule
+    surrogate: Captured
     plan: WidthPlan
     node_map: dict[torch.fx.Node, torch.fx.Node]
     inputs: tuple[Any, ...]
-    target: nn.Module | None = None
+    kwargs: dict[str, Any]
+    target: nn.Module
+    captured: Captured
     _stats: dict = field(default_factory=dict, repr=False)
 
-    def sample(self, seed: int | None = None) -> torch.fx.GraphModule:
-        """Another surrogate with the same structure, independently initialized from ``seed``.
+    def sample(self, seed: int | None = None) -> Captured:
+        """Another surrogate with the same graphs, independently initialized from ``seed``.
 
-        Much cheaper than :func:`scale` again: no tracing, analysis or shape check.
+        Much cheaper than :func:`scale` again: no capture, analysis or shape check.
         """
-        sur = _clone(self.surrogate)
-        sur.hydro = self.surrogate.hydro
+        sur = copy.deepcopy(self.surrogate)
         originals = dict(self.surrogate.named_parameters())
         for name, p in sur.named_parameters():
             if hasattr(originals[name], "infshape"):
@@ -124,36 +121,14 @@ class Scaled:
         return sur
 
 
-def _clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A deep copy that keeps the class name and the tensors forward never reads.
-
-    (``copy.deepcopy`` of a GraphModule renames its class and drops unreferenced tensors.)
-    """
-    memo: dict[int, Any] = {}
-    root = nn.Module()
-    for name, child in gm.named_children():
-        root.add_module(name, copy.deepcopy(child, memo))
-    for name, p in gm.named_parameters(recurse=False):
-        root.register_parameter(name, copy.deepcopy(p, memo))
-    for name, b in gm.named_buffers(recurse=False):
-        root.register_buffer(name, copy.deepcopy(b, memo))
-    clone = torch.fx.GraphModule(root, copy.deepcopy(gm.graph), type(gm).__name__)
-    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]:
-        if not has_path(clone, name):
-            _set_path(clone, name, get_path(root, name))
-    # the same registration order as the original: module lists compare equal
-    clone._modules = {k: clone._modules[k] for k in gm._modules if k in clone._modules}
-    return clone
-
-
 def build(
     model: nn.Module,
     ratio: int = 8,
     *,
     example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
     head_policy: HeadPolicy = "keep_head_dim",
     output_mult: float = 1.0,
-    leaf_modules: Iterable[type[nn.Module]] = (),
     seed: int | None = None,
     parametrization: Literal["mup", "sp"] = "mup",
     always_readout: bool = False,
@@ -161,406 +136,329 @@ def build(
     """:func:`scale`, returning the width plan and node map along with the surrogate.
 
     ``always_readout`` inserts the readout multiplier even where it is 1 (ratio 1), so that
-    its ``scale`` can be set per trial (the ``output_mult`` hyperparameter).
+    its value can be set per trial (the ``output_mult`` hyperparameter).
     """
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ScaleError(f"ratio must be a positive integer (1, 2, 4, 8...), got {ratio!r}")
     if parametrization not in ("mup", "sp"):
         raise ScaleError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
-    gm = trace(model, leaf_modules=leaf_modules)
-    inputs = tuple(example_inputs) if example_inputs is not None else guess_inputs(gm)
-    plan = analyze(gm, inputs, ratio, head_policy=head_policy)
-    sur, node_map, new_tensors = _rebuild(gm, plan, model)
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None and not kwargs:
+        inputs = guess_inputs(model)
+    else:
+        inputs = tuple(example_inputs or ())
+    on_meta = any(p.is_meta for p in model.parameters())
+    run_inputs, run_kwargs = (_to_meta(inputs), _to_meta(kwargs)) if on_meta else (inputs, kwargs)
+    if isinstance(model, Captured):
+        cap = model
+    else:
+        try:
+            cap = capture(model, run_inputs, run_kwargs)
+        except TraceError as exc:
+            if example_inputs is None and not kwargs:
+                raise ScaleError(
+                    f"Hydro guessed example inputs for {type(model).__name__} "
+                    f"({', '.join(str(tuple(x.shape)) for x in inputs)}) but the model does not "
+                    "run on them; pass example_inputs=(x, ...) shaped like a real batch"
+                ) from exc
+            raise
+    plan = analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
+    sur, node_map, new_tensors = _rebuild(cap, plan, model)
     info = parametrize.apply(
-        sur, gm, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
+        sur, model, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
         standard=parametrization == "sp", always_readout=always_readout,
     )  # fmt: skip
-    _check(sur, plan, node_map, inputs)
+    _check(sur, plan, node_map, inputs, kwargs)
     sur.hydro = info
     device = next((p.device for p in model.parameters() if not p.is_meta), None)
     if device is not None and device.type != "cpu":
         sur.to(device)  # keeps the Parameter objects, and so their infshapes
-    return Scaled(sur, plan, node_map, inputs, model)
+    return Scaled(sur, plan, node_map, inputs, kwargs, model, cap)
 
 
-def guess_inputs(gm: torch.fx.GraphModule) -> tuple[torch.Tensor, ...]:
-    """Example inputs for a model whose inputs feed a Linear, Conv or Embedding directly."""
-    inputs = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        # the first layer reading this input says its shape (size() calls and the like aside)
-        layers = [u for u in node.users if u.op == "call_module"]
-        first = layers[0] if layers else next(iter(node.users), None)
-        m = gm.get_submodule(first.target) if layers else None
-        if isinstance(m, nn.Linear):
-            inputs.append(torch.zeros(2, m.in_features))
-        elif isinstance(m, _CONVS + _CONV_TRANSPOSES):
-            nd = len(m.kernel_size)
-            side = max(16, *(k * 2 for k in m.kernel_size))
-            inputs.append(torch.zeros(2, m.in_channels, *([side] * nd)))
-        elif isinstance(m, nn.Embedding):
-            inputs.append(torch.zeros(2, 8, dtype=torch.long))
-        else:
-            raise ScaleError(
-                f"cannot guess the shape of input '{node.name}' (its first use is "
-                f"{describe(first) if first is not None else 'nothing'}); pass "
-                "example_inputs=(x, ...) with tensors shaped like a real batch"
-            )
-    return tuple(inputs)
+def _to_meta(x: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, x)  # fmt: skip
 
 
-# --- rebuilding the graph and its modules --------------------------------------------------------
+_FIRST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+
+
+def guess_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Example inputs for a model with one input that feeds a Linear, Conv or Embedding layer
+    (the first such layer it registers says the shape)."""
+    params = pyinspect.signature(model.forward).parameters.values()
+    required = [p for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    first = next((m for m in model.modules() if isinstance(m, _FIRST_LAYERS)), None)
+    if len(required) != 1 or first is None:
+        raise ScaleError(
+            f"cannot guess the inputs of {type(model).__name__} (forward takes "
+            f"{len(required)} required inputs); pass example_inputs=(x, ...) and/or "
+            "example_kwargs={...} with tensors shaped like a real batch"
+        )
+    if isinstance(first, nn.Linear):
+        return (torch.zeros(2, first.in_features),)
+    if isinstance(first, nn.Embedding):
+        return (torch.zeros(2, 8, dtype=torch.long),)
+    nd = len(first.kernel_size)
+    side = max(16, *(k * 2 for k in first.kernel_size))
+    return (torch.zeros(2, first.in_channels, *([side] * nd)),)
+
+
+# --- rebuilding: new tensors, copied graphs, rewritten literals -----------------------------------
 
 
 def _rebuild(
-    gm: torch.fx.GraphModule, plan: WidthPlan, model: nn.Module
-) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node], dict[int, torch.Tensor]]:
-    """The surrogate graph module, the map from target nodes to its nodes, and from each target
-    tensor's id to its surrogate tensor."""
-    graph = torch.fx.Graph()
-    node_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(gm.graph, node_map)
-    graph.output(out)
-    for old, new in node_map.items():
-        if old.op in ("call_function", "call_method"):
-            _rewrite_literals(old, new, plan, node_map)
-            _attention_scale(old, new, plan)
-    root = nn.Module()
+    cap: Captured, plan: WidthPlan, model: nn.Module
+) -> tuple[Captured, dict[torch.fx.Node, torch.fx.Node], dict[int, torch.Tensor]]:
+    """The surrogate, the map from target nodes to its nodes, and from each target tensor's id
+    to its surrogate tensor (tied tensors stay tied)."""
     new_tensors: dict[int, torch.Tensor] = {}
-    for old in gm.graph.nodes:
-        if old.op == "call_module":
-            m = gm.get_submodule(old.target)
-            _set_path(root, old.target, _rebuild_module(m, old, plan, new_tensors))
-        elif old.op == "get_attr":
-            t = get_path(gm, old.target)
-            if isinstance(t, torch.Tensor):
-                _set_path(root, old.target, _new_tensor(t, plan, new_tensors))
-    # tensors forward never reads (an unused mask buffer...) keep their place in the state_dict
-    everything = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-    for pname, t in everything:
-        if not has_path(root, pname):
-            _set_path(root, pname, _new_tensor(t, plan, new_tensors) if id(t) in plan.param_syms
-                      else t.detach().clone())  # fmt: skip
-    sur = torch.fx.GraphModule(root, graph, f"{type(model).__name__}Surrogate")
-    # GraphModule copies only what the graph references; put the unused tensors back too
-    for pname, _ in everything:
-        if not has_path(sur, pname):
-            _set_path(sur, pname, get_path(root, pname))
+    holder = nn.Module()
+    persistent = set(cap.state_dict())
+    for name, t in cap.named_parameters(remove_duplicate=False):
+        _put(holder, name, _new_tensor(t, plan, new_tensors), "param")
+    for name, t in cap.named_buffers(remove_duplicate=False):
+        _put(holder, name, _new_tensor(t, plan, new_tensors), "buffer", name in persistent)
+    node_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    subs: dict[str, torch.fx.GraphModule] = {}
+    graphs = {}
+    for mode, gm in cap.graphs.items():
+        graph = _copy(gm.graph, node_map)
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and isinstance(getattr(cap, node.target, None),
+                                                    torch.fx.GraphModule):  # fmt: skip
+                sub = getattr(cap, node.target)
+                sub_graph = _copy(sub.graph, node_map)
+                subs[node.target] = torch.fx.GraphModule(sub, sub_graph, type(sub).__name__)
+        new_gm = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
+        new_gm.graph = graph
+        new_gm._in_spec, new_gm._out_spec = gm._in_spec, gm._out_spec
+        graphs[mode] = new_gm
+    plan.int_rewrites = {}
+    for old, new in node_map.items():
+        if old.op == "call_function":
+            _rewrite_literals(old, new, plan)
+    for old, k in plan.int_rewrites.items():
+        node_map[old].update_arg(1, k)
+    for sub in subs.values():
+        sub.recompile()
+    for name, sub in subs.items():
+        for gm in graphs.values():
+            if any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+                gm.add_submodule(name, sub)
+    for gm in graphs.values():
+        gm.recompile()
+    non_persistent = {
+        n for n, _ in cap.named_buffers(remove_duplicate=False) if n not in persistent
+    }
+    sur = Captured(graphs, f"{cap.captured_name}Surrogate", state=holder,
+                   non_persistent=non_persistent)  # fmt: skip
+    sur.train(model.training)
     return sur, node_map, new_tensors
 
 
+def _copy(graph: torch.fx.Graph, node_map: dict) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    new._codegen = copy.deepcopy(graph._codegen)  # the pytree calling convention
+    local: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = new.graph_copy(graph, local)
+    new.output(out)
+    for old, node in local.items():
+        node.meta = dict(old.meta)
+    node_map.update(local)
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    node_map[out_node] = next(n for n in reversed(new.nodes) if n.op == "output")
+    return new
+
+
+def _put(root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent=True) -> None:  # noqa: ANN001
+    *parents, leaf = path.split(".")
+    mod = root
+    for part in parents:
+        if part not in mod._modules:
+            mod.add_module(part, nn.Module())
+        mod = mod._modules[part]
+    if kind == "param":
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value, persistent=persistent)
+
+
 def _new_tensor(t: torch.Tensor, plan: WidthPlan, cache: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The surrogate's version of a target parameter or buffer (tied tensors stay tied)."""
+    """The surrogate's version of a target parameter or buffer."""
     if id(t) in cache:
         return cache[id(t)]
-    old_shape, new_shape = plan.param_shape(t)
+    old_shape, new_shape = plan.param_shape(t) if id(t) in plan.param_syms else (t.shape,) * 2
+    device = "cpu" if t.is_meta else t.device
     if isinstance(t, nn.Parameter):
-        new = nn.Parameter(torch.empty(new_shape, dtype=t.dtype), requires_grad=t.requires_grad)
-    elif old_shape == new_shape:
+        new = nn.Parameter(torch.empty(new_shape, dtype=t.dtype, device=device),
+                           requires_grad=t.requires_grad)  # fmt: skip
+    elif tuple(old_shape) == tuple(new_shape):
         new = t.detach().clone()
     else:
-        # a width-shaped raw buffer: keep its leading entries along each shrunk dimension
+        # a width-shaped buffer (running statistics): its leading entries along shrunk dims
         new = t.detach()[tuple(slice(0, n) for n in new_shape)].clone()
     cache[id(t)] = new
     return new
 
 
-def _rebuild_module(
-    m: nn.Module, node: torch.fx.Node, plan: WidthPlan, cache: dict[int, torch.Tensor]
-) -> nn.Module:
-    """A fresh module of the same type and options at the surrogate's sizes."""
-    params = dict(m.named_parameters(recurse=True))
-    if not params:
-        return copy.deepcopy(m)
-    x_shape = plan.new_shape(plan.node_syms[node.args[0]]) if node.args else None
-    kw = {"dtype": next(iter(params.values())).dtype}
-    if isinstance(m, nn.Linear):
-        out_f, in_f = plan.param_shape(m.weight)[1]
-        new = nn.Linear(in_f, out_f, bias=m.bias is not None, **kw)
-    elif isinstance(m, _CONVS + _CONV_TRANSPOSES):
-        w = plan.param_shape(m.weight)[1]
-        transposed = isinstance(m, _CONV_TRANSPOSES)
-        in_c = x_shape[1]
-        depthwise = m.groups > 1 and m.groups == m.in_channels
-        groups = in_c if depthwise else m.groups
-        out_c = w[1] * groups if transposed else w[0]
-        extra = {"output_padding": m.output_padding} if transposed else {}
-        new = type(m)(
-            in_c, out_c, m.kernel_size, stride=m.stride, padding=m.padding,
-            dilation=m.dilation, groups=groups, bias=m.bias is not None,
-            padding_mode=m.padding_mode, **extra, **kw,
-        )  # fmt: skip
-    elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-        new = type(m)(
-            x_shape[1], eps=m.eps, momentum=m.momentum, affine=m.affine,
-            track_running_stats=m.track_running_stats, **kw,
-        )  # fmt: skip
-    elif isinstance(m, nn.LayerNorm):
-        k = len(m.normalized_shape)
-        new = nn.LayerNorm(
-            x_shape[len(x_shape) - k :], eps=m.eps, elementwise_affine=m.elementwise_affine,
-            bias=m.bias is not None, **kw,
-        )  # fmt: skip
-    elif hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm):
-        k = len(m.normalized_shape)
-        new = nn.RMSNorm(x_shape[len(x_shape) - k :], eps=m.eps,
-                         elementwise_affine=m.elementwise_affine, **kw)  # fmt: skip
-    elif isinstance(m, nn.GroupNorm):
-        new = nn.GroupNorm(_group_count(m, x_shape[1], node), x_shape[1], eps=m.eps,
-                           affine=m.affine, **kw)  # fmt: skip
-    elif isinstance(m, nn.Embedding):
-        num, dim = plan.param_shape(m.weight)[1]
-        new = nn.Embedding(
-            num, dim, padding_idx=m.padding_idx, max_norm=m.max_norm, norm_type=m.norm_type,
-            scale_grad_by_freq=m.scale_grad_by_freq, sparse=m.sparse, **kw,
-        )  # fmt: skip
-    elif isinstance(m, nn.MultiheadAttention):
-        e_new = plan.param_shape(m.out_proj.weight)[1][0]
-        head_dim = m.embed_dim // m.num_heads
-        if e_new % head_dim:
-            ok = [r for r in range(1, m.num_heads + 1) if m.num_heads % r == 0]
-            raise ScaleError(
-                f"module '{node.target}' (MultiheadAttention, {m.num_heads} heads of {head_dim}) "
-                f"cannot shrink to width {e_new} with whole heads of the same size; use a ratio "
-                f"that divides the head count: {', '.join(map(str, ok))}"
-            )
-        new = nn.MultiheadAttention(
-            e_new, e_new // head_dim, dropout=m.dropout, bias=m.in_proj_bias is not None,
-            add_bias_kv=m.bias_k is not None, add_zero_attn=m.add_zero_attn,
-            batch_first=m.batch_first, **kw,
-        )  # fmt: skip
-    else:  # the analysis rejects modules with parameters and no rule; keep this honest
-        raise ScaleError(f"module '{node.target}' ({type(m).__name__}) has no rebuild rule")
-    new.train(m.training)
-    # tied parameters: the first module to rebuild a shared tensor owns it, the others share it
-    for pname, p in m.named_parameters(recurse=True):
-        if id(p) in cache:
-            _set_path(new, pname, cache[id(p)])
-        else:
-            cache[id(p)] = new.get_parameter(pname)
-    for bname, b in m.named_buffers(recurse=True):
-        cache.setdefault(id(b), new.get_buffer(bname))
-    return new
-
-
-def _group_count(m: nn.GroupNorm, channels: int, node: torch.fx.Node) -> int:
-    # Keep the number of groups if it divides; otherwise keep the channels per group.
-    if channels % m.num_groups == 0:
-        return m.num_groups
-    per_group = m.num_channels // m.num_groups
-    if channels % per_group == 0:
-        return channels // per_group
-    raise ScaleError(
-        f"module '{node.target}' (GroupNorm({m.num_groups}, {m.num_channels})) cannot shrink to "
-        f"{channels} channels: neither {m.num_groups} groups nor {per_group} channels per group "
-        "divides it; choose a ratio that keeps one of them whole"
-    )
-
-
-# --- literals and attention ----------------------------------------------------------------------
-
-
-def _rewrite_literals(
-    old: torch.fx.Node,
-    new: torch.fx.Node,
-    plan: WidthPlan,
-    node_map: dict[torch.fx.Node, torch.fx.Node],
-) -> None:
-    """Rewrite width-valued int literals (``view(B, T, 12, 64)``, ``split(768)``...)."""
-    syms = plan.node_syms.get(old)
+def _rewrite_literals(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -> None:
+    """Rewrite width-valued literals of one node (sizes of views, splits, norms, aranges...)."""
+    for key, value in new.kwargs.items():
+        if isinstance(value, torch.device) and value.type == "meta":
+            new.update_kwarg(key, torch.device("cpu"))  # captured on a meta target
     name = op_name(old)
-    if name in ("view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full",
-                "zeros", "ones", "empty", "full", "rand", "randn"):  # fmt: skip
-        if not isinstance(syms, _TensorSyms):
-            return
-        start = 1 if old.op == "call_method" or name in ("reshape",) else 0
-        if name == "reshape" and old.op == "call_function":
-            start = 1
-        sizes = _size_args(new, start)  # the copy's args: they refer to the copy's nodes
-        expected = plan.new_shape(syms)
-        if sizes is None or len(sizes) != len(expected):
-            return
-        fixed = [e if _is_literal(a) and a not in (-1, e) else a for a, e in zip(sizes, expected)]
-        if fixed != list(sizes):
-            _set_size_args(new, start, fixed)
-        # sizes computed from a literal (``C // self.n_head``): rewrite that literal
-        for a, e in zip(_size_args(old, start), expected):
-            if isinstance(a, torch.fx.Node):
-                _solve_int_literal(a, e, plan, node_map)
-    elif name == "split":
-        size = node_arg(old, 1, "split_size_or_sections")
-        dim = node_arg(old, 2, "dim", 0)
-        parts = [plan.new_shape(s) for s in syms] if isinstance(syms, (tuple, list)) else None
-        if not parts:
-            return
-        if _is_literal(size):
-            new_size = parts[0][dim]
-            if new_size != size:
-                new.update_arg(1, new_size) if len(old.args) > 1 else new.update_kwarg(
-                    "split_size_or_sections", new_size)  # fmt: skip
-        elif isinstance(size, (list, tuple)) and all(_is_literal(s) for s in size):
-            new.update_arg(1, [p[dim] for p in parts])
-    elif name == "layer_norm":
-        shape = node_arg(old, 1, "normalized_shape")
-        if isinstance(shape, (list, tuple)) and all(_is_literal(s) for s in shape):
-            expected = plan.new_shape(syms)[len(plan.new_shape(syms)) - len(shape) :]
-            if tuple(expected) != tuple(shape):
-                new.update_arg(1, tuple(expected))
-    elif name == "arange":
-        if isinstance(syms, _TensorSyms):
-            length = plan.new_shape(syms)[0]
-            if len(old.args) == 1 and _is_literal(old.args[0]) and old.args[0] != length:
-                new.update_arg(0, length)
+    syms = plan.node_syms.get(old)
+    b, nb = bound(old), bound(new)  # old nodes key the plan; the copy's args are written back
+    if name in SIZE_ARG and isinstance(syms, TensorSyms):
+        key = SIZE_ARG[name]
+        sizes = nb.get(key)
+        want = plan.new_shape(syms)
+        if isinstance(sizes, (list, tuple)) and len(sizes) == len(want):
+            fixed = [w if is_int(s) and s != -1 else s for s, w in zip(sizes, want)]
+            if fixed != list(sizes):
+                set_arg(new, key, fixed)
+            for s, w in zip(b.get(key), want):
+                if isinstance(s, torch.fx.Node):
+                    _rewrite_int(s, w, plan)
+    elif name == "unflatten" and isinstance(syms, TensorSyms):
+        dim = b["dim"] % len(plan.node_syms[b["self"]])
+        sizes = list(nb["sizes"])
+        want = plan.new_shape(syms)[dim : dim + len(sizes)]
+        set_arg(new, "sizes", [w if is_int(s) and s != -1 else s for s, w in zip(sizes, want)])
+    elif name in ("split", "split_with_sizes") and isinstance(syms, (tuple, list)):
+        x = plan.node_syms[b["self"]]
+        dim = b.get("dim", 0) % len(x)
+        parts = [plan.new_shape(s)[dim] for s in syms]
+        if name == "split" and is_int(b["split_size"]):
+            set_arg(new, "split_size", parts[0])
+        elif name == "split_with_sizes":
+            set_arg(new, "split_sizes", parts)
+    elif name in ("slice", "narrow") and isinstance(syms, TensorSyms):
+        _rewrite_slice(old, new, plan, b, name)
+    elif name in ("layer_norm", "rms_norm"):
+        x = plan.new_shape(plan.node_syms[b["input"]])
+        k = len(b["normalized_shape"])
+        set_arg(new, "normalized_shape", list(x[len(x) - k :]))
+    elif name == "group_norm":
+        x = plan.node_syms[b["input"]]
+        c_old, c_new = plan.sizes[x[1]], plan.new_dim(x[1])
+        groups = b["num_groups"]
+        if c_new != c_old and c_new % groups:
+            per = c_old // groups
+            if c_new % per:
+                raise ScaleError(
+                    f"{describe(old)}: GroupNorm({groups}, {c_old}) cannot shrink to {c_new} "
+                    f"channels: neither {groups} groups nor {per} channels per group divides "
+                    "it; choose a ratio that keeps one of them whole"
+                )
+            set_arg(new, "num_groups", c_new // per)
+    elif name == "arange" and isinstance(syms, TensorSyms):
+        length = plan.new_dim(syms[0])
+        if length != plan.sizes[syms[0]] and is_int(b.get("end")):
+            start, step = b.get("start", 0) or 0, b.get("step", 1) or 1
+            if is_int(start) and is_int(step):
+                set_arg(new, "end", start + length * step)
+    elif name in ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
+                  "conv_transpose2d", "conv_transpose3d"):  # fmt: skip
+        x = plan.node_syms[b["input"]]
+        if b.get("groups", 1) > 1 and b["groups"] == plan.sizes[x[1]]:  # depthwise
+            set_arg(new, "groups", plan.new_dim(x[1]))
+        elif b.get("groups", 1) > 1:
+            w = plan.node_syms[b["weight"]]
+            per = plan.new_dim(w[0] if "transpose" in name else w[1])
+            set_arg(new, "groups", plan.new_dim(x[1]) // per)
+    elif name == "scaled_dot_product_attention":
+        q = plan.node_syms[b["query"]]
+        d_old, d_new = plan.sizes[q[-1]], plan.new_dim(q[-1])
+        if d_old != d_new:
+            base = b.get("scale") or d_old**-0.5
+            if isinstance(base, torch.fx.Node):
+                raise ScaleError(f"{describe(old)}: a computed attention scale cannot be "
+                                 "corrected for a smaller head dim; use a ratio that divides "
+                                 "the head count")  # fmt: skip
+            new.update_kwarg("scale", base * d_old / d_new)  # muP 1/d, relative to the target
 
 
-_INT_OPS = {
-    operator.floordiv: operator.floordiv,
-    operator.mul: operator.mul,
-    operator.add: operator.add,
-    operator.sub: operator.sub,
-}
-
-
-def _int_value(a: Any, plan: WidthPlan) -> int | None:
-    """The value an int argument will have in the surrogate, where it can be told."""
-    if _is_literal(a):
-        return a
-    if not isinstance(a, torch.fx.Node):
-        return None
-    syms = plan.node_syms.get(a)
-    if syms is not None and getattr(syms, "sym", None) is not None:
-        return plan.new_dim(syms.sym)
-    if a.op == "call_function" and a.target in _INT_OPS and len(a.args) == 2:
-        x, y = (_int_value(v, plan) for v in a.args)
-        if x is not None and y is not None and not (a.target is operator.floordiv and y == 0):
-            return _INT_OPS[a.target](x, y)
-    return None
-
-
-def _solve_int_literal(
-    a: torch.fx.Node, want: int, plan: WidthPlan, node_map: dict[torch.fx.Node, torch.fx.Node]
-) -> None:
-    """Make ``a`` (``size // literal`` or ``size * literal``) evaluate to ``want``."""
-    got = _int_value(a, plan)
-    if got is None or got == want or a.op != "call_function" or len(a.args) != 2:
+def _rewrite_int(node: torch.fx.Node, want: int, plan: WidthPlan) -> None:
+    """Make a size computed as ``batch * k`` (a literal ``k``) evaluate to ``want``."""
+    if node.target is not operator.mul or len(node.args) != 2:
         return
-    x, lit = a.args
-    if not _is_literal(lit):
+    x, k = node.args
+    got = plan.values.get(node)
+    xv = plan.values.get(x) if isinstance(x, torch.fx.Node) else None
+    if not is_int(k) or not is_int(xv) or got == want or not xv or want % xv:
         return
-    xv = _int_value(x, plan)
-    if xv is None:
+    plan.int_rewrites[node] = want // xv
+
+
+def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:  # noqa: ANN001
+    x = plan.node_syms[b["self"]]
+    dim = b.get("dim", 0) % len(x)
+    whole, new_whole = plan.sizes[x[dim]], plan.new_dim(x[dim])
+    if whole == new_whole:
         return
-    if a.target is operator.floordiv and want and xv % want == 0:
-        node_map[a].update_arg(1, xv // want)
-    elif a.target is operator.mul and xv and want % xv == 0:
-        node_map[a].update_arg(1, want // xv)
+    part_new = plan.new_dim(plan.node_syms[old][dim])
 
+    def scaled(v: Any) -> Any:
+        if not is_int(v) or v >= whole:
+            return v
+        v = v + whole if v < 0 else v
+        if (v * new_whole) % whole:
+            raise ScaleError(f"{describe(old)}: a slice at {v} of {whole} does not scale to a "
+                             f"whole index at width {new_whole}")  # fmt: skip
+        return v * new_whole // whole
 
-def _is_literal(a: Any) -> bool:
-    return isinstance(a, int) and not isinstance(a, bool)
-
-
-def _set_size_args(node: torch.fx.Node, start: int, sizes: list[Any]) -> None:
-    if "size" in node.kwargs:
-        node.update_kwarg("size", tuple(sizes))
-    elif len(node.args) == start + 1 and isinstance(node.args[start], (tuple, list)):
-        node.update_arg(start, tuple(sizes))
-    else:
-        rest = node.args[start + len(sizes) :]
-        node.args = tuple(node.args[:start]) + tuple(sizes) + tuple(rest)
-
-
-def _attention_scale(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -> None:
-    """muP's 1/d attention scale, relative to the target, when the head dim shrinks."""
-    if op_name(old) != "scaled_dot_product_attention":
+    if name == "narrow":
+        set_arg(new, "start", scaled(b["start"]))
+        set_arg(new, "length", part_new)
         return
-    q = plan.node_syms[node_arg(old, 0, "query")]
-    d_old, d_new = plan.sizes[q[-1]], plan.new_dim(q[-1])
-    if d_old == d_new:
-        return
-    base = node_arg(old, 6, "scale") or d_old**-0.5
-    if isinstance(base, torch.fx.Node):
-        raise ScaleError(f"{describe(old)}: a computed attention scale cannot be corrected for "
-                         "a smaller head dim; use head_policy='keep_head_dim'")  # fmt: skip
-    new.update_kwarg("scale", base * d_old / d_new)
+    start = scaled(b.get("start") or 0)
+    set_arg(new, "start", start)
+    end = b.get("end")
+    if is_int(end) and end < whole:
+        set_arg(new, "end", scaled(end))
 
 
 # --- the final check -----------------------------------------------------------------------------
 
 
 def _check(
-    sur: torch.fx.GraphModule,
+    sur: Captured,
     plan: WidthPlan,
     node_map: dict[torch.fx.Node, torch.fx.Node],
     inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> None:
-    """Re-propagate shapes through the surrogate and compare each node with the analysis."""
-    try:
-        values = propagate(sur, inputs)
-    except Exception as exc:
-        failing = _first_failing(sur, inputs)
-        where = describe(failing) if failing is not None else "the surrogate"
-        raise ScaleError(
-            f"the scaled model fails at {where} at ratio {plan.ratio}: "
-            f"{str(exc).splitlines()[0]}. A width-valued "
-            "number is probably computed in a way Hydro cannot rewrite; read it from a tensor "
-            "size (x.size(-1)) or a module attribute instead of hard-coding it."
-        ) from exc
-    for old, new in node_map.items():
-        syms = plan.node_syms.get(old)
-        if not isinstance(syms, _TensorSyms) or new not in values:
+    """Re-propagate shapes through the surrogate's graphs and compare each node with the plan."""
+    values: dict[torch.fx.Node, Any] = {}
+    for gm in sur.graphs.values():
+        try:
+            values.update(propagate(sur, gm, inputs, kwargs))
+        except Exception as exc:
+            failing = getattr(exc, "hydro_node", None)
+            where = describe(failing) if failing is not None else "the surrogate"
+            raise ScaleError(
+                f"the scaled model fails at {where} at ratio {plan.ratio}: "
+                f"{str(exc).strip().splitlines()[0]}. A width-valued number is probably "
+                "computed in a way Hydro cannot rewrite; read it from a tensor size "
+                "(x.size(-1)) or a module attribute instead of hard-coding it."
+            ) from exc
+    by_new = {new: old for old, new in node_map.items()}
+    for new, value in values.items():
+        old = by_new.get(new)
+        syms = plan.node_syms.get(old) if old is not None else None
+        if not isinstance(syms, TensorSyms) or not isinstance(value, torch.Tensor):
             continue
-        got = tuple(values[new].shape)
-        want = plan.new_shape(syms)
+        got, want = tuple(value.shape), plan.new_shape(syms)
         if got != want:
             raise ScaleError(
                 f"{describe(old)} produces shape {got} at ratio {plan.ratio}, but width analysis "
                 f"expects {want}: a width-valued number there is computed in a way Hydro cannot "
                 "rewrite. Read it from a tensor size (x.size(-1)) instead of hard-coding it."
             )
-
-
-def _first_failing(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> torch.fx.Node | None:
-    from torch._subclasses import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    failing: list[torch.fx.Node] = []
-
-    class _Find(torch.fx.Interpreter):
-        def run_node(self, n):  # noqa: ANN001
-            try:
-                with mode:
-                    return super().run_node(n)
-            except Exception:
-                failing.append(n)
-                raise
-
-    try:
-        _Find(gm).run(*(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs))
-    except Exception:
-        pass
-    return failing[0] if failing else None
-
-
-# --- small helpers -------------------------------------------------------------------------------
-
-
-def _set_path(root: nn.Module, path: str, value: Any) -> None:
-    *parents, last = path.split(".")
-    obj = root
-    for part in parents:
-        if not hasattr(obj, part):
-            obj.add_module(part, nn.Module())
-        obj = getattr(obj, part)
-    if isinstance(value, nn.Module):
-        obj.add_module(last, value)
-    elif isinstance(value, nn.Parameter):
-        obj.register_parameter(last, value)
-    elif isinstance(obj, nn.Module) and isinstance(value, torch.Tensor):
-        obj.register_buffer(last, value)
-    else:
-        setattr(obj, last, value)
 
 
 __all__ = ["Scaled", "build", "guess_inputs", "scale"]

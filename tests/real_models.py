@@ -210,8 +210,8 @@ def _hf_lm(kind: str) -> Builder:
             model = T.GPT2LMHeadModel(cfg)
         else:
             cfg = T.LlamaConfig(
-                vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=32,
                 bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
             )  # fmt: skip
             model = T.LlamaForCausalLM(cfg)

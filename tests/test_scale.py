@@ -11,10 +11,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import hydro
-from hydro.parametrize import Multiplier, optimizer_multipliers
+from hydro.fx.capture import capture
+from hydro.parametrize import optimizer_multipliers
 from tests.zoo import ZOO
 
 NAMES = list(ZOO)
+_CAPTURED: dict = {}
+
+
+def zoo(name: str):
+    """A zoo case and its capture, made once per test session (capturing is the slow part;
+    scaling a ``Captured`` skips it)."""
+    if name not in _CAPTURED:
+        case = ZOO[name]()
+        _CAPTURED[name] = (case, capture(case.model, case.inputs))
+    return _CAPTURED[name]
 
 
 def n_params(m: nn.Module) -> int:
@@ -23,8 +34,8 @@ def n_params(m: nn.Module) -> int:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ratio_one_is_the_target_bit_for_bit(name):
-    case = ZOO[name]()
-    sur = hydro.scale(case.model, 1, example_inputs=case.inputs, seed=1)
+    case, cap = zoo(name)
+    sur = hydro.scale(cap, 1, example_inputs=case.inputs, seed=1)
     assert set(sur.state_dict()) == set(case.model.state_dict())
     sur.load_state_dict(case.model.state_dict())
     # nn.TransformerEncoder's eval-mode fast path is a different kernel; the slow path is the
@@ -38,14 +49,14 @@ def test_ratio_one_is_the_target_bit_for_bit(name):
                 assert torch.equal(sur(*case.inputs), case.model(*case.inputs))
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
-    assert not any(isinstance(m, Multiplier) for m in sur.modules())
+    assert not any("mup_readout" in name for name, _ in sur.named_buffers())
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("ratio", [2, 8])
 def test_shapes_and_parameter_count(name, ratio):
-    case = ZOO[name]()
-    sur = hydro.scale(case.model, ratio, example_inputs=case.inputs, seed=0)
+    case, cap = zoo(name)
+    sur = hydro.scale(cap, ratio, example_inputs=case.inputs, seed=0)
     out_t, out_s = case.model(*case.inputs), sur(*case.inputs)
     assert out_s.shape == out_t.shape
     assert torch.isfinite(out_s).all()
@@ -60,8 +71,8 @@ def test_shapes_and_parameter_count(name, ratio):
 @pytest.mark.parametrize("name", NAMES)
 def test_infshapes_roles_and_optimizer_multipliers(name):
     ratio = 4
-    case = ZOO[name]()
-    sur = hydro.scale(case.model, ratio, example_inputs=case.inputs, seed=0)
+    case, cap = zoo(name)
+    sur = hydro.scale(cap, ratio, example_inputs=case.inputs, seed=0)
     roles = sur.hydro.roles
     expected_ninf = {"hidden": 2, "input": 1, "output": 1, "vector": 1, "fixed": 0}
     for pname, p in sur.named_parameters():
@@ -97,9 +108,17 @@ def test_roles_and_readout_multiplier_of_gpt():
     assert roles["wte.weight"] == "output"  # tied: also the readout
     assert roles["h.0.ln_1.weight"] == "vector"
     assert sur.lm_head.weight is sur.wte.weight  # tied weights stay tied
-    assert sur.hydro.multipliers == {"mup_readout_0": 8.0}
+    # the readout multiplier is a 0-dim buffer the graph multiplies by (one value per trial when
+    # fused); not part of the state_dict, whose keys stay the target's
+    assert sur.hydro.multipliers == {"mup_readout.scale": 8.0}
+    assert sur.get_buffer("mup_readout.scale").item() == 8.0
+    assert "mup_readout.scale" not in sur.state_dict()
     mult = hydro.scale(case.model, 8, example_inputs=case.inputs, output_mult=0.5)
-    assert mult.hydro.multipliers == {"mup_readout_0": 4.0}
+    assert mult.hydro.multipliers == {"mup_readout.scale": 4.0}
+    x = case.inputs[0]
+    before = mult(x)
+    mult.get_buffer("mup_readout.scale").fill_(8.0)  # the multiplier is read at run time
+    assert not torch.equal(before, mult(x))
 
 
 def test_initialization_follows_the_target_by_role():
@@ -127,7 +146,10 @@ def test_layer_scale_and_norms_keep_their_constants():
     assert torch.allclose(sur.get_parameter("blocks.0.gamma"), torch.tensor(0.1))
     assert torch.all(sur.get_parameter("blocks.0.norm.weight") == 1)
     assert sur.get_parameter("blocks.0.dwconv.weight").shape == (4, 1, 7, 7)
-    assert sur.get_submodule("blocks.0.dwconv").groups == 4
+    convs = [
+        n for n in sur.graphs["train"].graph.nodes if n.target is torch.ops.aten.conv2d.default
+    ]
+    assert convs[1].args[6] == 4  # the depthwise conv's groups follow its channels
 
 
 class HardCodedAttention(nn.Module):
@@ -157,7 +179,7 @@ def test_width_literals_and_head_policy(policy, heads, head_dim):
     sur = hydro.scale(model, 4, example_inputs=(x,), head_policy=policy)
     assert sur(x).shape == (2, 5, 3)
     assert f"-> {heads} heads x {head_dim}" in sur.hydro.head_decisions[0]
-    sdpa = [n for n in sur.graph.nodes if "scaled_dot_product" in str(n.target)][0]
+    sdpa = [n for n in sur.graphs["train"].graph.nodes if "scaled_dot_product" in str(n.target)][0]
     if policy == "keep_head_count":  # muP 1/d attention relative to the target's 1/sqrt(16)
         assert sdpa.kwargs["scale"] == pytest.approx(16**-0.5 * 16 / 4)
     else:
@@ -167,8 +189,10 @@ def test_width_literals_and_head_policy(policy, heads, head_dim):
 def test_transformer_encoder_heads_scale():
     case = ZOO["encoder"]()
     sur = hydro.scale(case.model, 8, example_inputs=case.inputs)
-    attn = sur.get_submodule("encoder.layers.0.self_attn")
-    assert (attn.embed_dim, attn.num_heads) == (8, 1)
+    # nn.MultiheadAttention is captured as its ops: 8 heads of 8 become 1 head of 8
+    assert sur.get_parameter("encoder.layers.0.self_attn.in_proj_weight").shape == (24, 8)
+    assert "8 heads x 8 -> 1 heads x 8 (kept the head dim)" in sur.hydro.head_decisions[0]
+    assert sur(*case.inputs).shape == (4, 5)
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -194,16 +218,17 @@ class UsesItem(nn.Module):
         return self.fc(x) * float(x.mean())
 
 
-def test_trace_errors_name_module_line_and_fix():
+def test_capture_errors_name_module_line_and_fix():
     model = nn.Sequential(nn.Linear(4, 4), Branchy())
     with pytest.raises(hydro.TraceError) as err:
-        hydro.scale(model, 2)
+        hydro.scale(model, 2, example_inputs=(torch.randn(2, 4),))
     msg = str(err.value)
-    assert "'1'" in msg and "Branchy" in msg and "test_scale.py" in msg
-    assert "if x.sum() > 0" in msg and "control flow" in msg and "leaf_modules" in msg
+    assert "module '1' (Branchy)" in msg and "test_scale.py" in msg
+    assert "if x.sum() > 0" in msg and "data-dependent control flow" in msg
+    assert "torch.where" in msg
     assert isinstance(err.value, ValueError)
-    with pytest.raises(hydro.TraceError, match=r"UsesItem.*float\(x.mean\(\)\).*concrete number"):
-        hydro.scale(UsesItem(), 2)
+    with pytest.raises(hydro.TraceError, match=r"UsesItem.*float\(x.mean\(\)\).*data-dependent"):
+        hydro.scale(UsesItem(), 2, example_inputs=(torch.randn(2, 4),))
 
 
 def test_ratio_that_does_not_divide_suggests_ratios():
@@ -241,11 +266,13 @@ def test_unknown_module_with_parameters():
         def forward(self, x):
             return self.rnn(x)
 
-    with pytest.raises(hydro.ScaleError, match=r"module 'rnn' \(GRUCell\) has parameters"):
+    with pytest.raises(
+        hydro.ScaleError, match=r"module 'rnn' \(GRUCell\).*'rnn.weight_ih'.*no width rule"
+    ):
         hydro.scale(WithLSTM(), 2, example_inputs=(torch.randn(2, 4),))
 
 
-def test_multihead_attention_heads_must_divide():
+def test_head_count_kept_when_the_ratio_does_not_divide_it():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -258,9 +285,14 @@ def test_multihead_attention_heads_must_divide():
             return self.out(self.attn(h, h, h, need_weights=False)[0])
 
     x = torch.randn(2, 5, 4)
-    with pytest.raises(hydro.ScaleError, match=r"MultiheadAttention.*3 heads of 16.*1, 3"):
-        hydro.scale(M(), 2, example_inputs=(x,))
-    assert hydro.scale(M(), 3, example_inputs=(x,)).attn.num_heads == 1
+    # 3 heads of 16 at ratio 2: whole heads of 16 do not fit in 24, so 3 heads of 8 (muP 1/d)
+    sur = hydro.scale(M(), 2, example_inputs=(x,))
+    assert "3 heads x 16 -> 3 heads x 8 (kept the head count" in sur.hydro.head_decisions[0]
+    assert sur(x).shape == (2, 5, 4)
+    sdpa = next(n for n in sur.graphs["train"].graph.nodes if "scaled_dot" in str(n.target))
+    assert sdpa.kwargs["scale"] == pytest.approx(16**-0.5 * 16 / 8)
+    sur3 = hydro.scale(M(), 3, example_inputs=(x,))
+    assert "3 heads x 16 -> 1 heads x 16 (kept the head dim)" in sur3.hydro.head_decisions[0]
 
 
 def test_inputs_that_cannot_be_guessed():

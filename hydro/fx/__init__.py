@@ -1,5 +1,6 @@
-"""Graph passes over torch.fx: tracing and width analysis."""
+"""Graph passes: capture by example, and width analysis over the captured ATen graphs."""
 
-from hydro.fx.trace import HydroTracer, trace
+from hydro.fx.capture import Captured, capture
+from hydro.fx.trace import HydroTracer, trace  # still imported by hydro.fusion
 
-__all__ = ["HydroTracer", "trace"]
+__all__ = ["Captured", "HydroTracer", "capture", "trace"]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import linecache
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,17 +47,28 @@ class Captured(nn.Module):
             the graphs see.
     """
 
-    def __init__(self, graphs: Mapping[str, torch.fx.GraphModule], name: str = "Captured") -> None:
+    def __init__(
+        self,
+        graphs: Mapping[str, torch.fx.GraphModule],
+        name: str = "Captured",
+        state: nn.Module | None = None,
+        non_persistent: set[str] = frozenset(),
+    ) -> None:
         super().__init__()
-        first = graphs["train"]
-        for key, value in first.named_parameters(remove_duplicate=False):
+        source = state if state is not None else next(iter(graphs.values()))
+        for key, value in source.named_parameters(remove_duplicate=False):
             _set(self, key, value, "param")
-        for key, value in first.named_buffers(remove_duplicate=False):
-            _set(self, key, value, "buffer")
-        for gm in graphs.values():  # subgraphs of `with` regions: code, not state
-            for key, sub in gm.named_children():
+        for key, value in source.named_buffers(remove_duplicate=False):
+            _set(self, key, value, "buffer", persistent=key not in non_persistent)
+        for gm in graphs.values():
+            for key, sub in gm.named_children():  # subgraphs of `with` regions: code, not state
                 if isinstance(sub, torch.fx.GraphModule):
                     object.__setattr__(self, key, sub)
+            for node in gm.graph.nodes:  # tensors created in forward, lifted as constants
+                if node.op == "get_attr" and not _has(self, node.target):
+                    value = _get(gm, node.target)
+                    if isinstance(value, torch.Tensor):
+                        _set(self, node.target, value, "buffer", persistent=False)
         # not registered as submodules: the graphs share this module's tensors, not own copies
         object.__setattr__(self, "graphs", dict(graphs))
         object.__setattr__(self, "captured_name", name)
@@ -73,9 +86,9 @@ class Captured(nn.Module):
         for key, value in self.named_parameters(remove_duplicate=False):
             _set(new, key, copy.deepcopy(value, memo), "param")
         for key, value in self.named_buffers(remove_duplicate=False):
-            _set(new, key, copy.deepcopy(value, memo), "buffer")
+            _set(new, key, copy.deepcopy(value, memo), "buffer", persistent=_persistent(self, key))
         for key, value in self.__dict__.items():
-            if key not in new.__dict__ and not key.startswith("_"):
+            if key not in new.__dict__ and not key.startswith("_") and key != "graphs":
                 object.__setattr__(new, key, copy.deepcopy(value, memo))
         object.__setattr__(new, "graphs", graphs)
         new.train(self.training)
@@ -85,15 +98,35 @@ class Captured(nn.Module):
         return f"captured {self.captured_name}, graphs: {', '.join(self.graphs)}"
 
 
+def _persistent(root: nn.Module, path: str) -> bool:
+    *parents, leaf = path.split(".")
+    owner = _get(root, ".".join(parents)) if parents else root
+    return leaf not in owner._non_persistent_buffers_set
+
+
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     # the graph is copied (passes edit it in place); tensors stay with the owning Captured
     graph = copy.deepcopy(gm.graph)
-    new = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    # an empty root: the code reads every attribute from the Captured it runs bound to
+    new = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
+    new.graph = graph
     new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
     return new
 
 
-def _set(root: nn.Module, path: str, value: torch.Tensor, kind: str) -> None:
+def _get(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part, None)
+    return root
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    return _get(root, path) is not None
+
+
+def _set(
+    root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent: bool = True
+) -> None:
     *parents, leaf = path.split(".")
     mod = root
     for part in parents:
@@ -105,7 +138,7 @@ def _set(root: nn.Module, path: str, value: torch.Tensor, kind: str) -> None:
     if kind == "param":
         mod.register_parameter(leaf, value)
     else:
-        mod.register_buffer(leaf, value)
+        mod.register_buffer(leaf, value, persistent=persistent)
 
 
 def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -122,6 +155,9 @@ def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _strip_guards(gm: torch.fx.GraphModule) -> None:
     # export's input guards and metadata asserts re-check the example call's shapes and dtypes;
     # transformed graphs (scaled, fused, folded batches) run with other ones on purpose
+    for sub in gm.children():
+        if isinstance(sub, torch.fx.GraphModule):  # `with` regions
+            _strip_guards(sub)
     for node in list(gm.graph.nodes):
         guard = node.op == "call_module" and node.target.startswith("_guards")
         if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
@@ -171,7 +207,7 @@ def capture_graph(
     prefix: str = "",
 ) -> torch.fx.GraphModule:
     """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode."""
-    kwargs = dict(kwargs or {})
+    args, kwargs = _unalias(tuple(args), dict(kwargs or {}))
     dyn_args, dyn_kwargs = _batch_dynamic(args, kwargs)
     dynamic = {**dict(_arg_names(model, len(args), dyn_args)), **dyn_kwargs}
     forward = model.forward
@@ -183,6 +219,8 @@ def capture_graph(
     model.forward = tensors_only  # instance attribute: the class stays untouched
     try:
         ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:
+        raise TraceError(explain(exc, model)) from exc
     finally:
         del model.forward
     gm = ep.module()
@@ -191,6 +229,72 @@ def capture_graph(
     plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
     _strip_guards(plain)
     return plain
+
+
+def _unalias(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of inputs passed twice (``input_ids=x, labels=x``).
+
+    Export records one graph input for one tensor object; a later call with two different
+    tensors there must not be read as one.
+    """
+    seen: set[int] = set()
+
+    def fresh(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+
+    return tree_map(fresh, args), tree_map(fresh, kwargs)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HYDRO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DATA_DEPENDENT = ("data-dependent", "GuardOnDataDependentSymNode", "DataDependent",
+                   "could not guard on data-dependent", "Could not extract specialized integer",
+                   "unbacked")  # fmt: skip
+
+
+def explain(exc: BaseException, model: nn.Module) -> str:
+    """Why capturing ``model`` failed: the module, file and line of the user's code, and what to
+    do about it."""
+    frame = None
+    tb = exc.__traceback__
+    while tb is not None:  # the innermost frame outside torch and hydro is the user's code
+        f = tb.tb_frame
+        path = os.path.abspath(f.f_code.co_filename)
+        user = not f.f_code.co_filename.startswith("<")  # generated code has no line to show
+        if user and not path.startswith(_TORCH_DIR) and not path.startswith(_HYDRO_DIR):
+            frame = (f, tb.tb_lineno)
+        tb = tb.tb_next
+    where = ""
+    if frame is not None:
+        f, line = frame
+        owner = f.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            names = {id(m): n for n, m in model.named_modules()}
+            path = names.get(id(owner))
+            label = f"'{path}' ({type(owner).__name__})" if path else type(owner).__name__
+            where = f" in module {label}"
+        code = linecache.getline(f.f_code.co_filename, line).strip()
+        where += f" at {f.f_code.co_filename}:{line}" + (f" (`{code}`)" if code else "")
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if any(k in str(exc) or k in type(exc).__name__ for k in _DATA_DEPENDENT):
+        advice = (
+            "the code reads a value computed from the input data as a Python number or "
+            "branches on it (`.item()`, `float(t)`, `if t.sum() > 0`: data-dependent control "
+            "flow). Capture by example records one run, so such a decision would be frozen. "
+            "Compute it with tensor ops instead (torch.where, masks, clamp), or move it out of "
+            "forward"
+        )
+    else:
+        advice = (
+            "the model could not run on the example inputs under torch.export; check that "
+            "it runs on them as given (shapes, dtypes, keyword names), and that forward uses "
+            "only tensor operations on its inputs"
+        )
+    return f"cannot capture {type(model).__name__}{where}: {advice}. ({text})"
 
 
 def _arg_names(model: nn.Module, n: int, specs: tuple) -> list[tuple[str, Any]]:
@@ -211,6 +315,8 @@ def capture(
     model: nn.Module,
     example_inputs: tuple = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    modes: tuple[str, ...] = MODES,
 ) -> Captured:
     """Capture ``model`` by running it on ``example_inputs`` (and ``example_kwargs``).
 
@@ -218,6 +324,7 @@ def capture(
         model: any ``nn.Module``; it is not modified (its mode is restored afterwards).
         example_inputs: positional inputs of one call, batch in dimension 0 of every tensor.
         example_kwargs: keyword inputs of that call (``input_ids=``, ``labels=`` ...).
+        modes: the modes to capture (``"train"``, ``"eval"``); both by default.
 
     Returns:
         A :class:`Captured` module with the model's parameters and buffers (the same tensors)
@@ -253,13 +360,15 @@ def capture(
     was_training = model.training
     graphs = {}
     try:
-        for mode in MODES:
+        for mode in modes:
             model.train(mode == "train")
             graphs[mode] = capture_graph(
                 model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_"
             )
     finally:
         model.train(was_training)
-    cap = Captured(graphs, type(model).__name__)
+    keys = set(model.state_dict())
+    non_persistent = {n for n, _ in model.named_buffers(remove_duplicate=False) if n not in keys}
+    cap = Captured(graphs, type(model).__name__, state=model, non_persistent=non_persistent)
     cap.train(was_training)
     return cap

@@ -1,17 +1,18 @@
-"""Width analysis: which dimensions of a traced model are "width", by propagation over the graph.
+"""Width analysis: which dimensions of a captured model are "width", by propagation over its graphs.
 
-Every dimension of every tensor in the graph (parameters and buffers included) gets a symbol.
-Each node relates symbols: a linear layer ties its input's last dimension to its weight's fan-in,
-a residual add ties aligned dimensions, a ``view`` that splits heads says ``C = H * D``, ``cat``
-says the output is a sum, ``split`` cuts a dimension into proportional parts. Equal symbols are
-merged with union-find; products, sums and proportions stay as constraints.
+Every dimension of every tensor in the captured ATen graphs (parameters and buffers included)
+gets a symbol. Each op relates symbols (the rules live in :mod:`hydro.fx.rules`, one module per op
+family): ``aten.linear`` ties its input's last dimension to its weight's fan-in, a residual add
+ties aligned dimensions, a ``view`` that splits heads says ``C = H * D``, ``cat`` says the output
+is a sum, ``split``/``slice`` cut a dimension into proportional parts. Equal symbols are merged
+with union-find; products, sums and proportions stay as constraints.
 
-Classes reached from the graph's inputs and outputs are *fixed* (input features, classes,
-vocabulary, sequence length, image size). Every other class holding a parameter dimension is
-*width* and shrinks by ``ratio``; the rest (head counts, head dims, flattened sizes) are solved from
-the constraints, with the head policy deciding between two unknowns. The result says the new size
-of every dimension; :mod:`hydro.scaling` rebuilds the model from it and re-propagates shapes to
-check.
+Classes reached from the graphs' inputs and outputs are *fixed* (input features, classes,
+vocabulary, sequence length, image size), and so is a dimension only sliced or indexed by a fixed
+quantity (a learned position table read as ``pos[:T]``). Every other class holding a parameter
+dimension is *width* and shrinks by ``ratio``; the rest (head counts, head dims, concatenations)
+are solved from the constraints, with the head policy deciding between two unknowns. Shape facts
+come from running the graphs on fake tensors, never from guesses.
 """
 
 from __future__ import annotations
@@ -24,41 +25,25 @@ from typing import Any, Literal
 
 import torch
 import torch.fx
-from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.fx._pytree import tree_flatten_spec
 
 from hydro.errors import ScaleError
 from hydro.fx.paths import get_path
-from hydro.fx.shapes import propagate
+from hydro.fx.rules import RULES
+from hydro.fx.rules.common import IntSym, TensorSyms, bound, op_name
+from hydro.fx.rules.shape import INT_RULES
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 HeadPolicy = Literal["keep_head_dim", "keep_head_count"]
-
-# Ops whose output has the shape of their (broadcast) tensor inputs with dimensions in place.
-_POOLS = (
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
-    nn.Upsample, nn.PixelShuffle,
-)  # fmt: skip
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_REDUCTIONS = {
-    "sum", "mean", "amax", "amin", "max", "min", "std", "var", "norm", "logsumexp", "prod",
-    "argmax", "argmin", "nansum", "nanmean",
-}  # fmt: skip
-_PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "t", "movedim", "moveaxis"}
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as"}
-_CREATORS = {"zeros", "ones", "empty", "full", "rand", "randn", "new_zeros", "new_ones",
-             "new_empty", "new_full"}  # fmt: skip
 
 
 @dataclass
 class Product:
     """``prod(lhs) * lhs_const == prod(rhs) * rhs_const``, from a reshape."""
 
-    node: str
+    node: torch.fx.Node
     lhs: list[int]
     rhs: list[int]
     lhs_const: int = 1
@@ -67,54 +52,57 @@ class Product:
 
 @dataclass
 class Sum:
-    """``out == sum(parts) + const``, from a concatenation."""
+    """``out == sum(parts)``, from a concatenation."""
 
-    node: str
+    node: torch.fx.Node
     out: int
     parts: list[int]
-    const: int = 0
 
 
 @dataclass
-class Proportion:
-    """``part == whole * num / den``: a split keeps each part's share of the whole."""
+class Part:
+    """``part == whole * num / den``: a split or slice keeps its share of the whole."""
 
-    node: str
+    node: torch.fx.Node
     part: int
     whole: int
     num: int
     den: int
+    sliced: bool = False
 
 
 @dataclass
 class ParamUse:
-    """How one op uses a parameter: which of its dimensions are fan-in and fan-out."""
+    """How one op uses a parameter: its fan-in and fan-out dimensions, and which argument of
+    the op is the activation it multiplies (where the muP readout multiplier goes)."""
 
-    node: str
+    node: torch.fx.Node
     fan_in: tuple[int, ...]
     fan_out: tuple[int, ...]
+    act: int | None
 
 
 @dataclass
 class WidthPlan:
-    """The outcome of width analysis: old and new size of every dimension of the graph.
+    """The outcome of width analysis: old and new size of every dimension of the graphs.
 
     Attributes:
-        gm: the traced target.
+        root: the captured target (:class:`hydro.fx.capture.Captured`).
         ratio: the width ratio the plan was solved for.
-        values: each node's value when run on the example inputs (fake tensors, ints, tuples).
+        values: each node's (fake) value on the example inputs, for every graph.
         node_syms: each node's symbols (a nested structure mirroring its value).
         param_syms: symbols of each parameter or buffer, keyed by ``id(tensor)``.
-        tensor_names: the qualified names of each parameter or buffer (tied tensors have several).
+        tensor_names: the qualified names of each parameter or buffer (tied ones have several).
         new_size: the solved new size of every class root.
-        width: the class roots whose size follows the width: shrunk by ``ratio`` directly, or
-            solved from such classes (a concatenation of width and fixed parts, a head count).
+        width: the class roots whose size follows the width.
         fixed: the class roots tied to inputs or outputs.
-        uses: for each parameter id, how ops use it (for roles).
-        head_decisions: per product constraint resolved by the head policy, what was kept.
+        uses: for each parameter id, how ops use it (for muP roles).
+        head_decisions: how each head split was resolved, in words.
+        kept: parameter dimensions kept because they are only indexed or sliced by a fixed
+            quantity (positions), as ``(name, dim, size)``.
     """
 
-    gm: torch.fx.GraphModule
+    root: torch.nn.Module
     ratio: int
     values: dict[torch.fx.Node, Any]
     node_syms: dict[torch.fx.Node, Any]
@@ -127,6 +115,8 @@ class WidthPlan:
     fixed: set[int]
     uses: dict[int, list[ParamUse]]
     head_decisions: list[str] = field(default_factory=list)
+    kept: list[tuple[str, int, int]] = field(default_factory=list)
+    int_rewrites: dict = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
@@ -151,46 +141,17 @@ class WidthPlan:
 
     def new_shape(self, syms: Any) -> Any:
         """Map a node's symbol structure to its expected new shape structure."""
-        if isinstance(syms, _TensorSyms):
+        if isinstance(syms, TensorSyms):
             return tuple(self.new_dim(s) for s in syms)
         if isinstance(syms, (tuple, list)):
             return type(syms)(self.new_shape(s) for s in syms)
-        if isinstance(syms, _IntSym):
+        if isinstance(syms, IntSym):
             return self.new_dim(syms.sym) if syms.sym is not None else None
         return None
 
 
-class _TensorSyms(tuple):
-    """The symbols of a tensor's dimensions."""
-
-
-@dataclass
-class _IntSym:
-    """An int in the graph (from ``x.size(i)``), with the symbol of the dimension it reads."""
-
-    sym: int | None
-
-
-def op_name(node: torch.fx.Node) -> str:
-    """A uniform name for call_function and call_method nodes (``"view"``, ``"matmul"``...)."""
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", str(node.target))
-    return node.op
-
-
-def node_arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """An argument by position or keyword (position counts ``self`` for methods)."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    if index < len(node.args):
-        return node.args[index]
-    return default
-
-
 def describe(node: torch.fx.Node) -> str:
-    """'node NAME (op TARGET) at FILE, line N (`code`)' for error messages."""
+    """'node NAME (aten.op) in module PATH (Type) at FILE, line N (`code`)' for messages."""
     where = ""
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines()]
     for i in range(len(lines) - 1, -1, -1):
@@ -200,34 +161,129 @@ def describe(node: torch.fx.Node) -> str:
             if i + 1 < len(lines) and not lines[i + 1].startswith("File "):
                 where += f" (`{lines[i + 1]}`)"
             break
-    target = node.target if isinstance(node.target, str) else op_name(node)
-    return f"node '{node.name}' ({node.op} {target}){where}"
+    module = ""
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, kind = list(stack.values())[-1]
+        kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+        path = _clean_path(path)
+        if path:
+            module = f" in module '{path}' ({kind.rsplit('.', 1)[-1]})"
+    return f"node '{node.name}' ({op_name(node)}){module}{where}"
 
 
-class _Analysis:
-    """Builds symbols and relations for one graph, then solves them for a ratio."""
+def _clean_path(path: str) -> str:
+    # export writes module paths as L['self'].h[0].attn or as plain dotted names
+    path = path.replace("L['self']", "").replace("['", ".").replace("']", "")
+    path = path.replace("[", ".").replace("]", "").replace("getattr(", "").replace(")", "")
+    return path.strip(".")
 
-    def __init__(self, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> None:
-        self.gm = gm
+
+def module_of(node: torch.fx.Node) -> tuple[str, str] | None:
+    """``(path, type name)`` of the innermost module a node was recorded in."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, kind = list(stack.values())[-1]
+    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    return _clean_path(path), kind.rsplit(".", 1)[-1]
+
+
+# --- shape propagation ---------------------------------------------------------------------------
+
+
+def subgraph_call(node: torch.fx.Node, root: torch.nn.Module) -> tuple[Any, int] | None:
+    """For a higher-order op over a subgraph (``with`` regions): ``(subgraph, index of its first
+    operand)``."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            sub = getattr(root, a.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                return sub, i + 1
+    return None
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a graph with ``self`` bound to the captured module, recording every node's value."""
+
+    def __init__(self, root, graph, mode, values) -> None:  # noqa: ANN001
+        super().__init__(root, graph=graph)
+        self.mode, self.values, self.root = mode, values, root
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        sub = subgraph_call(n, self.root)
+        try:
+            if sub is not None:
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                inner = _Recorder(self.root, sub[0].graph, self.mode, self.values)
+                result = inner.run(*args[sub[1] :])
+            else:
+                with self.mode:
+                    result = super().run_node(n)
+        except Exception as exc:
+            if not hasattr(exc, "hydro_node"):
+                exc.hydro_node = n  # the node that failed, for error messages
+            raise
+        self.values[n] = result
+        return result
+
+
+def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
+    """The graph's placeholder values for one call ``model(*args, **kwargs)``."""
+    return list(tree_flatten_spec((tuple(args), dict(kwargs)), gm._in_spec))
+
+
+def propagate(
+    root: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict
+) -> dict[torch.fx.Node, Any]:
+    """Every node's value when ``gm`` runs on fake copies of the inputs (no memory, no compute)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    on_meta = any(t.is_meta for t in root.parameters())
+    inputs = []
+    for x in flat_inputs(gm, args, kwargs):
+        if isinstance(x, torch.Tensor):
+            x = mode.from_tensor(x.to("meta") if on_meta else x)
+        inputs.append(x)
+    values: dict[torch.fx.Node, Any] = {}
+    _Recorder(root, gm.graph, mode, values).run(*inputs)
+    return values
+
+
+# --- the analysis --------------------------------------------------------------------------------
+
+
+class Analysis:
+    """Symbols and relations over the graphs of one captured model (the rules' view of it)."""
+
+    def __init__(self, root: torch.nn.Module, values: dict[torch.fx.Node, Any]) -> None:
+        self.root = root
         self.values = values
         self.sizes: list[int] = []
         self.parent: list[int] = []
         self.fixed_syms: set[int] = set()
         self.derived_syms: set[int] = set()
         self.param_dim_syms: set[int] = set()
+        self.buffer_dim_syms: dict[int, tuple[str, int]] = {}
         self.products: list[Product] = []
         self.sums: list[Sum] = []
-        self.props: list[Proportion] = []
+        self.parts: list[Part] = []
+        self.indexed: set[int] = set()
+        self.depthwise: set[torch.fx.Node] = set()
         self.node_syms: dict[torch.fx.Node, Any] = {}
         self.param_syms: dict[int, list[int]] = {}
         self.tensor_names: dict[int, list[str]] = {}
         self.uses: dict[int, list[ParamUse]] = {}
-        for name, t in gm.named_parameters(remove_duplicate=False):
-            self._register_tensor(name, t, is_param=True)
-        for name, t in gm.named_buffers(remove_duplicate=False):
-            self._register_tensor(name, t, is_param=False)
+        self._replaced: dict[torch.fx.Node, Any] = {}
+        self.batch_multiple: dict[int, int] = {}  # dims of size k * batch (MHA's B * heads)
+        self._pending_splits: dict[int, tuple[int, int]] = {}
+        for name, t in root.named_parameters(remove_duplicate=False):
+            self._register(name, t, is_param=True)
+        for name, t in root.named_buffers(remove_duplicate=False):
+            self._register(name, t, is_param=False)
 
-    # --- symbols ---------------------------------------------------------------------------
+    # --- symbols --------------------------------------------------------------------------------
 
     def new_sym(self, size: int) -> int:
         s = len(self.sizes)
@@ -244,6 +300,8 @@ class _Analysis:
         return s
 
     def union(self, a: int, b: int, node: torch.fx.Node | None = None) -> None:
+        if a is None or b is None:
+            return
         if self.sizes[a] != self.sizes[b]:
             if self.sizes[a] == 1 or self.sizes[b] == 1:
                 return  # broadcasting
@@ -255,7 +313,7 @@ class _Analysis:
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
 
-    def _register_tensor(self, name: str, t: torch.Tensor, is_param: bool) -> None:
+    def _register(self, name: str, t: torch.Tensor, is_param: bool) -> None:
         key = id(t)
         self.tensor_names.setdefault(key, []).append(name)
         if key in self.param_syms:
@@ -264,45 +322,43 @@ class _Analysis:
         self.param_syms[key] = syms
         if is_param:
             self.param_dim_syms.update(syms)
-
-    def tensor_syms(self, value: torch.Tensor) -> _TensorSyms:
-        return _TensorSyms(self.new_sym(d) for d in value.shape)
+        else:
+            self.buffer_dim_syms.update({s: (name, i) for i, s in enumerate(syms)})
 
     def fresh(self, value: Any) -> Any:
         """Fresh symbols mirroring a value's structure."""
         if isinstance(value, torch.Tensor):
-            return self.tensor_syms(value)
-        if isinstance(value, torch.Size):
-            return tuple(_IntSym(self.new_sym(d)) for d in value)
-        if isinstance(value, (tuple, list)):  # named tuples (torch.return_types) become tuples
-            return (
-                [self.fresh(v) for v in value]
-                if isinstance(value, list)
-                else tuple(self.fresh(v) for v in value)
-            )
+            return TensorSyms(self.new_sym(d) for d in value.shape)
+        if isinstance(value, (tuple, list)):
+            return [self.fresh(v) for v in value] if isinstance(value, list) else tuple(
+                self.fresh(v) for v in value)  # fmt: skip
         if isinstance(value, int) and not isinstance(value, bool):
-            return _IntSym(None)
+            return IntSym(None)
         return None
 
     def fix(self, syms: Any) -> None:
-        if isinstance(syms, _TensorSyms):
+        if isinstance(syms, TensorSyms):
             self.fixed_syms.update(syms)
         elif isinstance(syms, (tuple, list)):
             for s in syms:
                 self.fix(s)
-        elif isinstance(syms, _IntSym) and syms.sym is not None:
+        elif isinstance(syms, IntSym) and syms.sym is not None:
             self.fixed_syms.add(syms.sym)
 
+    def fix_syms(self, syms: Iterable[int]) -> None:
+        self.fixed_syms.update(syms)
+
     def syms_of(self, arg: Any) -> Any:
-        if isinstance(arg, torch.fx.Node):
-            return self.node_syms.get(arg)
-        return None
+        return self.node_syms.get(arg) if isinstance(arg, torch.fx.Node) else None
 
-    def use(self, t: torch.Tensor, node: torch.fx.Node, fan_in: Sequence[int],
-            fan_out: Sequence[int]) -> None:  # fmt: skip
-        self.uses.setdefault(id(t), []).append(ParamUse(node.name, tuple(fan_in), tuple(fan_out)))
+    def name(self, node: torch.fx.Node) -> str:
+        return op_name(node)
 
-    # --- relations -------------------------------------------------------------------------
+    def replace(self, node: torch.fx.Node, syms: Any) -> None:
+        """A rule's own symbols for a node (``sym_size`` reads a dimension, ``getitem`` picks)."""
+        self._replaced[node] = syms
+
+    # --- relations (what rules call) ------------------------------------------------------------
 
     def tie_all(self, a: Sequence[int], b: Sequence[int], node: torch.fx.Node) -> None:
         for x, y in zip(a, b):
@@ -311,16 +367,55 @@ class _Analysis:
     def broadcast(self, out: Sequence[int], ins: Iterable[Any], node: torch.fx.Node) -> None:
         """Tie trailing-aligned dimensions of equal size (sizes of one broadcast)."""
         for syms in ins:
-            if not isinstance(syms, _TensorSyms):
+            if not isinstance(syms, TensorSyms):
                 continue
             for o, i in zip(reversed(out), reversed(syms)):
                 if self.sizes[o] == self.sizes[i] and self.sizes[i] != 1:
                     self.union(o, i, node)
 
     def reshape(self, src: Sequence[int], dst: Sequence[int], node: torch.fx.Node) -> None:
-        """Group dimensions of equal products; tie 1-to-1 groups, constrain the others."""
-        a = [s for s in src if self.sizes[s] != 1]
-        b = [s for s in dst if self.sizes[s] != 1]
+        """Group dimensions of equal products; tie 1-to-1 groups, constrain the others.
+
+        A merged ``k * batch`` dimension is split into batch and ``k`` first, in whichever
+        order lines up with the other side (MHA folds heads into the batch as ``B * H`` and
+        tokens as ``T * B``).
+        """
+        best = None
+        for a in self._expansions(src):
+            for b in self._expansions(dst):
+                groups = self._groups([s for s in a if self.sizes[s] != 1],
+                                      [s for s in b if self.sizes[s] != 1])  # fmt: skip
+                score = sum(len(ga) + len(gb) for ga, gb in groups)
+                if best is None or score < best[0]:
+                    best = (score, groups, a, b)
+        _, groups, a, b = best
+        for split in (a, b):  # record the splits actually used
+            for s, parts in self._pending_splits.items():
+                if all(p in split for p in parts):
+                    self.fixed_syms.add(parts[0])  # the batch
+                    self.products.append(Product(node, [s], list(parts)))
+        self._pending_splits = {}
+        for ga, gb in groups:
+            if len(ga) == 1 and len(gb) == 1:
+                self.union(ga[0], gb[0], node)
+            else:
+                self.products.append(Product(node, ga, gb))
+
+    def _expansions(self, dims: Sequence[int]) -> list[list[int]]:
+        options: list[list[int]] = [[]]
+        for s in dims:
+            k = self.batch_multiple.get(s)
+            if k is None or self.sizes[s] % k or self.sizes[s] == k:
+                options = [o + [s] for o in options]
+                continue
+            if s not in self._pending_splits:
+                self._pending_splits[s] = (self.new_sym(self.sizes[s] // k), self.new_sym(k))
+            batch, factor = self._pending_splits[s]
+            options = [o + order for o in options for order in ([batch, factor], [factor, batch])]
+        return options
+
+    def _groups(self, a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+        groups = []
         i = j = 0
         while i < len(a) and j < len(b):
             ga, gb = [a[i]], [b[j]]
@@ -337,465 +432,157 @@ class _Analysis:
                     j += 1
                 else:
                     break
-            if len(ga) == 1 and len(gb) == 1:
-                self.union(ga[0], gb[0], node)
-            else:
-                self.products.append(Product(node.name, ga, gb))
+            groups.append((ga, gb))
+        return groups
 
-    # --- per-op rules ----------------------------------------------------------------------
+    def product(self, node, lhs, rhs, lhs_const: int = 1, rhs_const: int = 1) -> None:  # noqa: ANN001
+        self.products.append(Product(node, list(lhs), list(rhs), lhs_const, rhs_const))
 
-    def run(self) -> None:
-        for node in self.gm.graph.nodes:
-            value = self.values.get(node)
-            if node.op in ("call_function", "call_method"):
-                syms = self.fresh(value)
-                self.node_syms[node] = syms
-                self.function_rule(node, syms)
-                continue
-            if node.op == "placeholder":
-                syms = self.fresh(value)
-                self.fix(syms)
-            elif node.op == "get_attr":
-                t = get_path(self.gm, node.target)
-                syms = (
-                    _TensorSyms(self.param_syms[id(t)])
-                    if isinstance(t, torch.Tensor) and id(t) in self.param_syms
-                    else self.fresh(value)
-                )
-            elif node.op == "output":
-                self.fix(self.syms_of_structure(node.args[0]))
-                continue
-            else:
-                syms = self.fresh(value)
-                self.module_rule(node, self.gm.get_submodule(node.target), syms)
-            self.node_syms[node] = syms
-
-    def syms_of_structure(self, arg: Any) -> Any:
-        if isinstance(arg, torch.fx.Node):
-            return self.node_syms.get(arg)
-        if isinstance(arg, (tuple, list)):
-            return [self.syms_of_structure(a) for a in arg]
-        if isinstance(arg, dict):
-            return [self.syms_of_structure(a) for a in arg.values()]
-        return None
-
-    def module_rule(self, node: torch.fx.Node, m: nn.Module, out: Any) -> None:
-        x = self.syms_of(node.args[0]) if node.args else None
-        p = lambda t: self.param_syms[id(t)]  # noqa: E731
-        if isinstance(m, nn.Linear):
-            w = p(m.weight)
-            self.union(x[-1], w[1], node)
-            self.union(out[-1], w[0], node)
-            self.tie_all(out[:-1], x[:-1], node)
-            if m.bias is not None:
-                self.union(p(m.bias)[0], w[0], node)
-            self.use(m.weight, node, (1,), (0,))
-        elif isinstance(m, _CONVS + _CONV_TRANSPOSES):
-            w = p(m.weight)
-            transposed = isinstance(m, _CONV_TRANSPOSES)
-            w_in, w_out = (0, 1) if transposed else (1, 0)
-            self.fixed_syms.update(w[2:])  # kernel size
-            self.fixed_syms.update(out[2:])  # spatial sizes follow the input's, never width
-            self.union(out[0], x[0], node)
-            out_ch = w[w_out] if not transposed else None
-            depthwise = m.groups > 1 and m.groups == m.in_channels
-            if depthwise:
-                # one filter group per channel: groups follow the channel count
-                self.union(x[1], w[0] if not transposed else w[w_in], node)
-                if not transposed and m.out_channels == m.in_channels:
-                    self.union(out[1], w[0], node)
-                else:
-                    self.products.append(
-                        Product(
-                            node.name, [out[1]], [x[1]], rhs_const=m.out_channels // m.in_channels
-                        )
-                    )
-                self.fixed_syms.add(w[1] if not transposed else w[0])
-            elif transposed:
-                self.union(x[1], w[0], node)
-                self.grouped(out[1], w[1], m.groups, node)
-            else:
-                self.grouped(x[1], w[1], m.groups, node)
-                self.union(out[1], out_ch, node)
-            if m.bias is not None:
-                self.union(p(m.bias)[0], out[1], node)
-            fan_in = tuple(range(1, len(w))) if not transposed else (0,)
-            fan_out = (0,) if not transposed else tuple(range(1, len(w)))
-            if depthwise:
-                fan_in, fan_out = tuple(range(1, len(w))), (0,)
-            self.use(m.weight, node, fan_in, fan_out)
-        elif isinstance(m, _BATCHNORMS):
-            self.tie_all(out, x, node)
-            for t in (m.weight, m.bias, m.running_mean, m.running_var):
-                if t is not None:
-                    self.union(p(t)[0], x[1], node)
-        elif isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
-            self.tie_all(out, x, node)
-            k = len(m.normalized_shape)
-            for t in (m.weight, getattr(m, "bias", None)):
-                if t is not None:
-                    self.tie_all(p(t), x[len(x) - k :], node)
-        elif isinstance(m, nn.GroupNorm):
-            self.tie_all(out, x, node)
-            for t in (m.weight, m.bias):
-                if t is not None:
-                    self.union(p(t)[0], x[1], node)
-        elif isinstance(m, nn.Embedding):
-            w = p(m.weight)
-            self.fixed_syms.add(w[0])  # rows are indexed by input values: vocabulary, positions
-            self.tie_all(out[:-1], x, node)
-            self.union(out[-1], w[1], node)
-            self.use(m.weight, node, (0,), (1,))
-        elif isinstance(m, nn.MultiheadAttention):
-            self.mha_rule(node, m, out)
-        elif isinstance(m, _POOLS):
-            nd = next((d for d in (3, 2, 1) if f"{d}d" in type(m).__name__), 2)
-            keep = len(x) - nd
-            self.tie_all(out[:keep], x[:keep], node)
-            self.fixed_syms.update(out[keep:])
-        elif isinstance(m, nn.Flatten):
-            self.reshape(x, out, node)
-        elif isinstance(m, nn.Unflatten):
-            self.reshape(x, out, node)
-        elif any(True for _ in m.parameters(recurse=True)):
-            raise ScaleError(
-                f"module '{node.target}' ({type(m).__name__}) has parameters but Hydro has no "
-                "width rule for it. Supported layers: Linear, Conv1d/2d/3d (grouped and "
-                "depthwise), ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, LayerNorm, RMSNorm, "
-                "GroupNorm, Embedding, MultiheadAttention. Rewrite it with those, or with raw "
-                "nn.Parameters used in forward (which Hydro traces through)."
-            )
+    def sum(self, node: torch.fx.Node, out: int, parts: list[int]) -> None:
+        if len(parts) == 1:
+            self.union(out, parts[0], node)
         else:
-            # activations, dropout, identity, softmax...: the output has the input's dimensions
-            self.generic(node, out)
+            self.sums.append(Sum(node, out, parts))
+
+    def part(self, node: torch.fx.Node, part: int, whole: int, sliced: bool = False) -> None:
+        p, w = self.sizes[part], self.sizes[whole]
+        if p == w:
+            self.union(part, whole, node)
+            return
+        g = math.gcd(p, w)
+        self.parts.append(Part(node, part, whole, p // g, w // g, sliced))
 
     def grouped(self, channels: int, per_group: int, groups: int, node: torch.fx.Node) -> None:
         """``channels == per_group * groups`` for a convolution with a fixed number of groups."""
         if groups == 1:
             self.union(channels, per_group, node)
         else:
-            self.derived_syms.add(per_group)  # follows the channel count, not scaled on its own
-            self.products.append(
-                Product(node.name, [channels], [per_group], lhs_const=1, rhs_const=groups)
-            )
+            self.derived_syms.add(per_group)
+            self.products.append(Product(node, [channels], [per_group], 1, groups))
 
-    def mha_rule(self, node: torch.fx.Node, m: nn.MultiheadAttention, out: Any) -> None:
-        if not m._qkv_same_embed_dim:
-            raise ScaleError(
-                f"module '{node.target}' (MultiheadAttention) uses kdim/vdim different from "
-                "embed_dim; Hydro scales only attention with one embedding width"
-            )
-        p = lambda t: self.param_syms[id(t)]  # noqa: E731
-        q = self.syms_of(node_arg(node, 0, "query"))
-        k = self.syms_of(node_arg(node, 1, "key"))
-        v = self.syms_of(node_arg(node, 2, "value"))
-        e = q[-1]
-        w_in = p(m.in_proj_weight)
-        self.union(w_in[1], e, node)
-        self.derived_syms.add(w_in[0])
-        self.products.append(Product(node.name, [w_in[0]], [e], rhs_const=3))
-        if m.in_proj_bias is not None:
-            self.union(p(m.in_proj_bias)[0], w_in[0], node)
-        w_out = p(m.out_proj.weight)
-        self.union(w_out[0], e, node)
-        self.union(w_out[1], e, node)
-        if m.out_proj.bias is not None:
-            self.union(p(m.out_proj.bias)[0], e, node)
-        for other in (k, v):
-            if other is not None:
-                self.union(other[-1], e, node)
-        self.tie_all(out[0], q, node)
-        self.use(m.in_proj_weight, node, (1,), (0,))
-        self.use(m.out_proj.weight, node, (1,), (0,))
+    def use_param(self, w_node: Any, node: torch.fx.Node, fan_in, fan_out, act) -> None:  # noqa: ANN001
+        t = self.param_of(w_node)
+        if t is not None:
+            self.uses.setdefault(id(t), []).append(
+                ParamUse(node, tuple(fan_in), tuple(fan_out), act))  # fmt: skip
+
+    def param_of(self, arg: Any) -> torch.Tensor | None:
+        """The parameter an argument reads (through dtype casts), if any."""
+        while isinstance(arg, torch.fx.Node):
+            if arg.op == "get_attr":
+                t = get_path(self.root, arg.target)
+                return t if isinstance(t, torch.Tensor) else None
+            if op_name(arg) in ("to", "_to_copy", "alias", "detach", "contiguous", "clone"):
+                arg = arg.args[0]
+                continue
+            return None
+        return None
 
     def generic(self, node: torch.fx.Node, out: Any) -> None:
         """Elementwise-like ops: tie dimensions that line up with a tensor input's."""
-        if not isinstance(out, _TensorSyms):
+        if not isinstance(out, TensorSyms):
             return
         ins = [self.syms_of(a) for a in node.all_input_nodes]
-        ins = [s for s in ins if isinstance(s, _TensorSyms)]
+        ins = [s for s in ins if isinstance(s, TensorSyms)]
         out_shape = [self.sizes[s] for s in out]
         same_rank = [s for s in ins if len(s) == len(out)]
-        if any([self.sizes[x] for x in s] == out_shape for s in ins) or not same_rank:
+        pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
+        if pointwise or any([self.sizes[x] for x in s] == out_shape for s in ins) or not same_rank:
             self.broadcast(out, ins, node)
         else:
-            # shape-changing op we have no rule for (pad, roll...): tie dimensions kept in place
+            # a shape-changing op without a rule (pad, roll...): tie dimensions kept in place
             for s in same_rank:
                 for o, i in zip(out, s):
                     if self.sizes[o] == self.sizes[i] and self.sizes[i] != 1:
                         self.union(o, i, node)
 
-    def function_rule(self, node: torch.fx.Node, out: Any) -> None:
-        # a rule may replace the node's fresh symbols (size(), .shape, getitem of a tuple)
-        self._pending = None
-        self._function_rule(node, out)
-        if self._pending is not None:
-            self.node_syms[node] = self._pending
+    # --- walking the graphs -----------------------------------------------------------------------
 
-    def _function_rule(self, node: torch.fx.Node, out: Any) -> None:
+    def run_graph(self, graph: torch.fx.Graph, inputs: list[Any] | None) -> Any:
+        """Relate the symbols of one graph; returns its output's symbols.
+
+        ``inputs`` are the symbols of a subgraph's operands; ``None`` for a top-level graph,
+        whose inputs and outputs are fixed.
+        """
+        placeholders = iter(inputs or [])
+        for node in graph.nodes:
+            value = self.values.get(node)
+            if node.op == "placeholder":
+                syms = next(placeholders, None) if inputs is not None else self.fresh(value)
+                if inputs is None:
+                    self.fix(syms)
+                self.node_syms[node] = syms
+            elif node.op == "get_attr":
+                t = get_path(self.root, node.target)
+                known = isinstance(t, torch.Tensor) and id(t) in self.param_syms
+                self.node_syms[node] = TensorSyms(self.param_syms[id(t)]) if known else None
+            elif node.op == "output":
+                out = self._structure(node.args[0])
+                if inputs is None:
+                    self.fix(out)
+                return out
+            elif node.op == "call_function":
+                self.node_syms[node] = self._call(node, value)
+            else:
+                raise ScaleError(f"{describe(node)}: unexpected {node.op} in a captured graph")
+        return None
+
+    def _note_batch_multiples(self, node: torch.fx.Node, syms: Any) -> None:
+        """Dimensions export knows as ``k * batch`` (a merged batch and head dimension)."""
+        val = node.meta.get("val")
+        if not isinstance(syms, TensorSyms) or not isinstance(val, torch.Tensor):
+            return
+        for s, d in zip(syms, val.shape):
+            if isinstance(d, torch.SymInt):
+                expr = d.node.expr
+                coeff, rest = expr.as_coeff_Mul()
+                if coeff != 1 and rest.is_Symbol and int(coeff) > 1:
+                    self.batch_multiple[s] = int(coeff)
+
+    def _structure(self, arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):
+            return self.node_syms.get(arg)
+        if isinstance(arg, (tuple, list)):
+            return tuple(self._structure(a) for a in arg)
+        if isinstance(arg, dict):
+            return tuple(self._structure(a) for a in arg.values())
+        return None
+
+    def _call(self, node: torch.fx.Node, value: Any) -> Any:
+        sub = subgraph_call(node, self.root)
+        if sub is not None:
+            operands = [self.syms_of(a) for a in node.args[sub[1] :]]
+            out = self.run_graph(sub[0].graph, operands)
+            return out if isinstance(out, tuple) else (out,)
+        out = self.fresh(value)
+        self._note_batch_multiples(node, out)
         name = op_name(node)
-        args = node.args
-        x = self.syms_of(args[0]) if args else None
-        xv = self.values.get(args[0]) if args and isinstance(args[0], torch.fx.Node) else None
-        if name == "getattr":
-            if args[1] == "shape" and isinstance(x, _TensorSyms):
-                self._replace(out, tuple(_IntSym(s) for s in x))
-            elif args[1] in ("T", "mT") and isinstance(x, _TensorSyms):
-                self.permute_rule(
-                    node,
-                    x,
-                    out,
-                    list(range(len(x)))[::-1]
-                    if args[1] == "T"
-                    else list(range(len(x) - 2)) + [len(x) - 1, len(x) - 2],
-                )
-            return
-        if name == "size" and isinstance(x, _TensorSyms):
-            dim = node_arg(node, 1, "dim")
-            if dim is None:
-                self._replace(out, tuple(_IntSym(s) for s in x))
-            else:
-                self._replace(out, _IntSym(x[dim]))
-            return
-        if name == "dim" or name == "numel":
-            return
-        if name == "getitem":
-            self.getitem_rule(node, x, xv, out)
-            return
-        if name in ("linear",):
-            w_node = node_arg(node, 1, "weight")
-            w = self.syms_of(w_node)
-            self.union(x[-1], w[1], node)
-            self.union(out[-1], w[0], node)
-            self.tie_all(out[:-1], x[:-1], node)
-            b = self.syms_of(node_arg(node, 2, "bias"))
-            if b is not None:
-                self.union(b[0], w[0], node)
-            self._use_node_param(w_node, node, (1,), (0,))
-            return
-        if name == "embedding":
-            w_node = node_arg(node, 1, "weight")
-            w = self.syms_of(w_node)
-            self.fixed_syms.add(w[0])
-            self.tie_all(out[:-1], x, node)
-            self.union(out[-1], w[1], node)
-            self._use_node_param(w_node, node, (0,), (1,))
-            return
-        if name in ("matmul", "bmm", "mm", "__matmul__"):
-            self.matmul_rule(node, out)
-            return
-        if name == "scaled_dot_product_attention":
-            q, k, v = (self.syms_of(node_arg(node, i, n)) for i, n in
-                       enumerate(("query", "key", "value")))  # fmt: skip
-            self.union(q[-1], k[-1], node)
-            self.union(k[-2], v[-2], node)
-            self.union(out[-1], v[-1], node)
-            self.union(out[-2], q[-2], node)
-            self.broadcast(out[:-2], [_TensorSyms(q[:-2]), _TensorSyms(k[:-2])], node)
-            return
-        if name in _PERMUTES:
-            self.permute_rule(node, x, out, _permutation(node, len(x)))
-            return
-        if name in _RESHAPES or (name in ("contiguous", "clone", "detach")):
-            if isinstance(x, _TensorSyms) and isinstance(out, _TensorSyms):
-                self.reshape(x, out, node)
-            return
-        if name in ("expand", "expand_as", "broadcast_to"):
-            self.broadcast(out, [x], node)
-            self.size_args_rule(node, out, start=1)
-            if name == "expand_as":
-                self.broadcast(out, [self.syms_of(args[1])], node)
-            return
-        if name in ("cat", "concat", "concatenate"):
-            self.cat_rule(node, out)
-            return
-        if name == "stack":
-            tensors = [self.syms_of(t) for t in node_arg(node, 0, "tensors")]
-            dim = node_arg(node, 1, "dim", 0)
-            dim = dim % len(out)
-            for t in tensors:
-                self.tie_all([s for i, s in enumerate(out) if i != dim], t, node)
-            return
-        if name in ("split", "chunk", "tensor_split", "unbind"):
-            self.split_rule(node, x, out, name)
-            return
-        if name in _REDUCTIONS and isinstance(out, _TensorSyms | tuple) and isinstance(
-                x, _TensorSyms):  # fmt: skip
-            self.reduction_rule(node, x, out)
-            return
-        if name == "arange":
-            end = args[1] if len(args) > 1 else (args[0] if args else node.kwargs.get("end"))
-            e = self.syms_of(end)
-            if isinstance(e, _IntSym) and e.sym is not None:
-                self.union(out[0], e.sym, node)
-            return
-        if name in _CREATORS:
-            self.size_args_rule(node, out, start=1 if node.op == "call_method" else 0)
-            return
-        self.generic(node, out)
-
-    def _replace(self, out: Any, new: Any) -> None:
-        self._pending = new
-
-    def getitem_rule(self, node: torch.fx.Node, x: Any, xv: Any, out: Any) -> None:
-        idx = node.args[1]
-        if isinstance(x, (tuple, list)) and isinstance(idx, int):
-            self._replace(out, x[idx] if idx < len(x) else out)
-            return
-        if not isinstance(x, _TensorSyms):
-            return
-        items = list(idx) if isinstance(idx, tuple) else [idx]
-        if any(isinstance(i, torch.fx.Node) and isinstance(self.values.get(i), torch.Tensor)
-               for i in items):  # fmt: skip
-            self.generic(node, out)  # advanced indexing: leave to the generic rule
-            return
-        n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
-        expanded: list[Any] = []
-        for i in items:
-            if i is Ellipsis:
-                expanded.extend([slice(None)] * (len(x) - n_real))
-            else:
-                expanded.append(i)
-        expanded.extend([slice(None)] * (len(x) - sum(1 for i in expanded if i is not None)))
-        src, dst = 0, 0
-        for i in expanded:
-            if i is None:
-                dst += 1
-                continue
-            if isinstance(i, slice):
-                if i == slice(None):
-                    self.union(out[dst], x[src], node)
-                elif i.start in (None, 0) and i.step in (None, 1):
-                    stop = self.syms_of(i.stop)
-                    if isinstance(stop, _IntSym) and stop.sym is not None:
-                        self.union(out[dst], stop.sym, node)
-                dst += 1
-            src += 1
-
-    def _use_node_param(self, w_node: Any, node: torch.fx.Node, fan_in, fan_out) -> None:
-        if isinstance(w_node, torch.fx.Node) and w_node.op == "get_attr":
-            t = get_path(self.gm, w_node.target)
-            self.use(t, node, fan_in, fan_out)
-
-    def permute_rule(self, node, x, out, perm: list[int]) -> None:
-        for o, i in enumerate(perm):
-            self.union(out[o], x[i], node)
-
-    def matmul_rule(self, node: torch.fx.Node, out: Any) -> None:
-        a_node, b_node = node.args[0], node.args[1]
-        a, b = self.syms_of(a_node), self.syms_of(b_node)
-        if len(a) == 1 and len(b) == 1:
-            self.union(a[0], b[0], node)
-            return
-        a_m = list(a) if len(a) > 1 else [None, a[0]]
-        b_m = list(b) if len(b) > 1 else [b[0], None]
-        self.union(a_m[-1], b_m[-2], node)
-        out_l = list(out)
-        if b_m[-1] is not None:
-            self.union(out_l.pop(), b_m[-1], node)
-        if a_m[-2] is not None:
-            self.union(out_l.pop(), a_m[-2], node)
-        self.broadcast(out_l, [_TensorSyms(a_m[:-2]), _TensorSyms(b_m[:-2])], node)
-        for w_node, fan_in, fan_out in ((b_node, (len(b) - 2,), (len(b) - 1,)),):
-            if len(b) == 2:
-                self._use_node_param(w_node, node, fan_in, fan_out)
-
-    def cat_rule(self, node: torch.fx.Node, out: Any) -> None:
-        tensors = [self.syms_of(t) for t in node_arg(node, 0, "tensors")]
-        dim = node_arg(node, 1, "dim", 0) % len(out)
-        for t in tensors:
-            self.tie_all([s for i, s in enumerate(out) if i != dim],
-                         [s for i, s in enumerate(t) if i != dim], node)  # fmt: skip
-        self.sums.append(Sum(node.name, out[dim], [t[dim] for t in tensors]))
-
-    def split_rule(self, node: torch.fx.Node, x: Any, out: Any, name: str) -> None:
-        if name == "unbind":
-            dim = node_arg(node, 1, "dim", 0) % len(x)
-            for o in out:
-                self.tie_all(o, [s for i, s in enumerate(x) if i != dim], node)
-            return
-        default_dim = 0
-        dim = node_arg(node, 2, "dim", default_dim) % len(x)
-        for o in out:
-            self.tie_all([s for i, s in enumerate(o) if i != dim],
-                         [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
-            whole = self.sizes[x[dim]]
-            part = self.sizes[o[dim]]
-            g = math.gcd(part, whole)
-            if part == whole:
-                self.union(o[dim], x[dim], node)
-            else:
-                self.props.append(Proportion(node.name, o[dim], x[dim], part // g, whole // g))
-
-    def reduction_rule(self, node: torch.fx.Node, x: Any, out: Any) -> None:
-        dims = node_arg(node, 1, "dim")
-        keepdim = node_arg(node, 2, "keepdim", False)
-        if isinstance(out, tuple) and not isinstance(out, _TensorSyms):
-            outs = [o for o in out if isinstance(o, _TensorSyms)]
+        builtin = not isinstance(node.target, torch._ops.OpOverload)
+        rule = INT_RULES.get(name) if builtin and name in INT_RULES else RULES.get(name)
+        self._replaced.pop(node, None)
+        if rule is None:
+            self._no_rule(node)
+            self.generic(node, out)
         else:
-            outs = [out]
-        if dims is None:
-            return
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        dims = {d % len(x) for d in dims}
-        kept = [s for i, s in enumerate(x) if keepdim or i not in dims]
-        for o in outs:
-            if keepdim:
-                self.tie_all([s for i, s in enumerate(o) if i not in dims],
-                             [s for i, s in enumerate(x) if i not in dims], node)  # fmt: skip
-            else:
-                self.tie_all(o, kept, node)
+            rule(self, node, out)
+        return self._replaced.pop(node, out)
 
-    def size_args_rule(self, node: torch.fx.Node, out: Any, start: int) -> None:
-        sizes = _size_args(node, start)
-        if sizes is None or not isinstance(out, _TensorSyms):
-            return
-        for o, a in zip(reversed(out), reversed(sizes)):
-            s = self.syms_of(a)
-            if isinstance(s, _IntSym) and s.sym is not None:
-                self.union(o, s.sym, node)
+    def _no_rule(self, node: torch.fx.Node) -> None:
+        if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            return  # elementwise: the generic rule is the rule
+        for arg in node.all_input_nodes:
+            t = self.param_of(arg)
+            if isinstance(t, torch.nn.Parameter) and t.dim() >= 2:
+                name = self.tensor_names[id(t)][0]
+                raise ScaleError(
+                    f"{describe(node)} reads the parameter '{name}' but Hydro has no width rule "
+                    f"for {node.target}. Supported with parameters: linear, addmm, matmul, "
+                    "convolutions, batch/layer/group/RMS norm, embedding, elementwise ops. Write "
+                    "the layer with those (nn.Linear, nn.Conv2d...), or keep its width fixed."
+                )
 
 
-def _size_args(node: torch.fx.Node, start: int) -> list[Any] | None:
-    """The size arguments of view/reshape/expand/zeros-like calls, as a flat list."""
-    args = list(node.args[start:])
-    name = op_name(node)
-    if name in ("new_full", "full"):
-        args = args[:1]
-    if "size" in node.kwargs:
-        args = [node.kwargs["size"]]
-    if len(args) == 1 and isinstance(args[0], (tuple, list)):
-        return list(args[0])
-    return args
-
-
-def _permutation(node: torch.fx.Node, rank: int) -> list[int]:
-    """For each output dimension, the input dimension it comes from."""
-    name = op_name(node)
-    args = node.args[1:]
-    perm = list(range(rank))
-    if name == "t":
-        return perm[::-1]
-    if name == "permute":
-        dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        dims = node.kwargs.get("dims", dims)
-        return [d % rank for d in dims]
-    if name in ("transpose", "swapaxes", "swapdims"):
-        a = node_arg(node, 1, "dim0") % rank
-        b = node_arg(node, 2, "dim1") % rank
-        perm[a], perm[b] = perm[b], perm[a]
-        return perm
-    src = node_arg(node, 1, "source")
-    dst = node_arg(node, 2, "destination")
-    srcs = [src] if isinstance(src, int) else list(src)
-    dsts = [dst] if isinstance(dst, int) else list(dst)
-    srcs, dsts = [s % rank for s in srcs], [d % rank for d in dsts]
-    rest = [d for d in range(rank) if d not in srcs]
-    result = [None] * rank
-    for s, d in zip(srcs, dsts):
-        result[d] = s
-    it = iter(rest)
-    return [r if r is not None else next(it) for r in result]
+# --- solving -------------------------------------------------------------------------------------
 
 
 def _divisor_suggestions(sizes: Iterable[int], ratio: int) -> str:
@@ -810,41 +597,74 @@ def _divisor_suggestions(sizes: Iterable[int], ratio: int) -> str:
 
 
 def analyze(
-    gm: torch.fx.GraphModule,
+    root: torch.nn.Module,
     example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
     ratio: int,
     *,
     head_policy: HeadPolicy = "keep_head_dim",
 ) -> WidthPlan:
-    """Find the width dimensions of a traced model and solve their sizes at ``ratio``.
+    """Find the width dimensions of a captured model and solve their sizes at ``ratio``.
 
     Args:
-        gm: the traced target (from :func:`hydro.fx.trace`).
-        example_inputs: inputs shaped like real ones (only their shapes and dtypes are used).
+        root: the captured target (:func:`hydro.fx.capture.capture`); all its graphs are read.
+        example_inputs: positional inputs of one call (shapes and dtypes are used).
+        example_kwargs: keyword inputs of that call.
         ratio: the width divisor.
-        head_policy: how a head split ``C = H * D`` shrinks: ``"keep_head_dim"`` (default, fewer
-            heads of the same size; falls back to smaller heads when ``H`` is not divisible) or
-            ``"keep_head_count"`` (same heads, each smaller; falls back the other way).
+        head_policy: how a head split ``C = H * D`` shrinks: ``"keep_head_dim"`` (default,
+            fewer heads of the same size; when ``ratio`` does not divide the head count, the
+            head count is kept and the head dim shrinks) or ``"keep_head_count"``.
 
     Raises:
-        ScaleError: a width that ``ratio`` does not divide, or a head split that cannot shrink,
-            naming the module or node and the nearest ratios that would work.
+        ScaleError: a width that ``ratio`` does not divide, a head split that cannot shrink, or
+            a buffer derived from a width that would have to be cut (rotary frequencies),
+            naming the node, module or buffer and the ratios that would work.
     """
-    values = propagate(gm, example_inputs)
-    a = _Analysis(gm, values)
-    a.run()
+    values: dict[torch.fx.Node, Any] = {}
+    for gm in root.graphs.values():
+        values.update(propagate(root, gm, example_inputs, example_kwargs))
+    a = Analysis(root, values)
+    for gm in root.graphs.values():
+        a.run_graph(gm.graph, None)
     return _solve(a, ratio, head_policy)
 
 
-def _solve(a: _Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
-    roots = {a.find(s) for s in range(len(a.sizes))}
+def _close_fixed(a: Analysis) -> set[int]:
+    """Fixed classes, closed over slices, products and sums whose other side is fixed."""
     fixed = {a.find(s) for s in a.fixed_syms}
-    derived = {a.find(c.out) for c in a.sums} | {a.find(c.part) for c in a.props}
+    changed = True
+    while changed:
+        changed = False
+        for c in a.parts:
+            p, w = a.find(c.part), a.find(c.whole)
+            if c.sliced and p in fixed and w not in fixed:
+                fixed.add(w)  # a table sliced by a fixed length (positions) keeps its rows
+                changed = True
+            elif w in fixed and p not in fixed:
+                fixed.add(p)
+                changed = True
+        for c in a.products:
+            for one, other in ((c.lhs, c.rhs), (c.rhs, c.lhs)):
+                if all(a.find(s) in fixed for s in one):
+                    free = {a.find(s) for s in other} - fixed
+                    if len(free) == 1:
+                        fixed |= free
+                        changed = True
+        for c in a.sums:
+            if all(a.find(s) in fixed for s in c.parts) and a.find(c.out) not in fixed:
+                fixed.add(a.find(c.out))
+                changed = True
+    return fixed
+
+
+def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
+    roots = {a.find(s) for s in range(len(a.sizes))}
+    fixed = _close_fixed(a)
+    derived = {a.find(c.out) for c in a.sums} | {a.find(c.part) for c in a.parts}
     derived |= {a.find(s) for s in a.derived_syms}
     touching = {a.find(s) for s in a.param_dim_syms}
     width = (touching - fixed) - derived
     new: dict[int, int] = {r: a.sizes[r] for r in fixed}
-
     names = _dim_names(a)
     bad = [r for r in sorted(width) if a.sizes[r] % ratio]
     if bad:
@@ -856,148 +676,186 @@ def _solve(a: _Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
         )
     for r in width:
         new[r] = a.sizes[r] // ratio
-    # classes whose size follows the width (directly, or through a constraint); at ratio 1
-    # nothing changes size, so this, not a size comparison, says which dimensions are width
+    # classes whose size follows the width; at ratio 1 nothing changes size, so this (not a
+    # size comparison) says which dimensions are width
     dep: set[int] = set(width)
-
     decisions: list[str] = []
-    pending_products = list(a.products)
+    pending = list(a.products)
 
     def value(s: int) -> int | None:
         return new.get(a.find(s))
 
-    def node_error(node: str, what: str) -> ScaleError:
-        n = next((n for n in a.gm.graph.nodes if n.name == node), None)
-        where = describe(n) if n is not None else f"node '{node}'"
-        return ScaleError(f"cannot scale {where} by ratio {ratio}: {what}")
+    def follow(target: int, sources: Iterable[int]) -> None:
+        if any(a.find(x) in dep for x in sources):
+            dep.add(a.find(target))
+
+    def node_error(node: torch.fx.Node, what: str) -> ScaleError:
+        return ScaleError(f"cannot scale {describe(node)} by ratio {ratio}: {what}")
 
     changed = True
     while changed:
         changed = False
-        for c in a.props:
+        for c in a.parts:
             w, p = value(c.whole), value(c.part)
             if w is not None and p is None:
                 if (w * c.num) % c.den:
-                    raise node_error(
-                        c.node,
-                        f"a split part of {a.sizes[c.part]} out of "
-                        f"{a.sizes[c.whole]} does not shrink to a whole number",
-                    )
+                    what = f"a part of {a.sizes[c.part]} out of {a.sizes[c.whole]}"
+                    raise node_error(c.node, f"{what} does not shrink to a whole number")
                 new[a.find(c.part)] = w * c.num // c.den
-                if a.find(c.whole) in dep:
-                    dep.add(a.find(c.part))
+                follow(c.part, [c.whole])
+                changed = True
+            elif p is not None and w is None and a.find(c.part) in dep:
+                new[a.find(c.whole)] = p * c.den // c.num
+                follow(c.whole, [c.part])
                 changed = True
         for c in a.sums:
             parts = [value(s) for s in c.parts]
             out = value(c.out)
-            if out is None and all(p is not None for p in parts):
-                new[a.find(c.out)] = sum(parts) + c.const
-                if any(a.find(x) in dep for x in c.parts):
-                    dep.add(a.find(c.out))
+            missing = {a.find(s) for s, v in zip(c.parts, parts) if v is None}
+            if out is None and not missing:
+                new[a.find(c.out)] = sum(parts)
+                follow(c.out, c.parts)
                 changed = True
-            elif out is not None and sum(p is None for p in parts) == 1:
-                known = sum(p for p in parts if p is not None)
-                missing = next(s for s, p in zip(c.parts, parts) if p is None)
-                new[a.find(missing)] = out - known - c.const
-                if any(a.find(x) in dep for x in [c.out, *c.parts]):
-                    dep.add(a.find(missing))
+            elif out is not None and len(missing) == 1:
+                root = missing.pop()
+                count = sum(1 for s in c.parts if a.find(s) == root)
+                rest = out - sum(v for v in parts if v is not None)
+                if rest % count:
+                    raise node_error(c.node, "a concatenation's parts do not add up after scaling")
+                new[root] = rest // count
+                follow(root, [c.out, *c.parts])
                 changed = True
-        for c in list(pending_products):
-            unknown = [s for s in c.lhs + c.rhs if value(s) is None]
-            unknown_roots = {a.find(s) for s in unknown}
-            if not unknown_roots:
-                pending_products.remove(c)
+        for c in list(pending):
+            unknown = {a.find(s) for s in c.lhs + c.rhs if value(s) is None}
+            if not unknown:
+                pending.remove(c)
                 continue
-            if len(unknown_roots) == 1:
-                s = unknown[0]
-                lhs = math.prod(value(x) or 1 for x in c.lhs if a.find(x) != a.find(s))
-                rhs = math.prod(value(x) or 1 for x in c.rhs if a.find(x) != a.find(s))
-                lhs *= c.lhs_const
-                rhs *= c.rhs_const
-                on_left = any(a.find(x) == a.find(s) for x in c.lhs)
+            if len(unknown) == 1:
+                root = unknown.pop()
+                lhs = math.prod(value(x) for x in c.lhs if a.find(x) != root) * c.lhs_const
+                rhs = math.prod(value(x) for x in c.rhs if a.find(x) != root) * c.rhs_const
+                on_left = sum(1 for x in c.lhs if a.find(x) == root)
+                on_right = sum(1 for x in c.rhs if a.find(x) == root)
                 num, den = (rhs, lhs) if on_left else (lhs, rhs)
-                if num % den:
-                    raise node_error(
-                        c.node, f"a dimension of size {a.sizes[s]} would have to become {num}/{den}"
-                    )
-                new[a.find(s)] = num // den
-                if any(a.find(x) in dep for x in c.lhs + c.rhs):
-                    dep.add(a.find(s))
-                pending_products.remove(c)
+                power = on_left or on_right
+                if on_left and on_right or num % den:
+                    raise node_error(c.node, f"a dimension of size {a.sizes[root]} would have to "
+                                     f"become {num}/{den}" + _heads_hint(c, a, ratio))  # fmt: skip
+                size = round((num // den) ** (1 / power))
+                new[root] = size
+                follow(root, c.lhs + c.rhs)
+                pending.remove(c)
                 changed = True
-        if not changed and pending_products:
-            changed = _apply_head_policy(a, pending_products, new, value, head_policy, decisions,
-                                         node_error, dep)  # fmt: skip
-
+        if not changed and pending:
+            changed = _head_policy(a, pending, new, value, head_policy, decisions, node_error, dep)
     for r in roots:
         new.setdefault(r, a.sizes[r])
     plan = WidthPlan(
-        gm=a.gm, ratio=ratio, values=a.values, node_syms=a.node_syms, param_syms=a.param_syms,
+        root=a.root, ratio=ratio, values=a.values, node_syms=a.node_syms, param_syms=a.param_syms,
         tensor_names=a.tensor_names, sizes=a.sizes, parent=a.parent, new_size=new,
         width=dep, fixed=fixed, uses=a.uses, head_decisions=decisions,
     )  # fmt: skip
     _verify(a, plan, node_error)
+    _check_buffers(a, plan, touching)
+    for key, syms in a.param_syms.items():
+        name = a.tensor_names[key][0]
+        if key in {id(p) for p in a.root.parameters()}:
+            for i, s in enumerate(syms):
+                if s in a.indexed or any(a.find(s) == a.find(c.whole) and c.sliced
+                                         for c in a.parts):  # fmt: skip
+                    if not plan.is_width(s) and a.sizes[s] > 1:
+                        plan.kept.append((name, i, a.sizes[s]))
     return plan
 
 
-def _apply_head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:
-    """Resolve a split ``known = outer * inner`` with two unknowns by the head policy."""
-    candidates = []
-    for c in pending:
+def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:
+    sizes = [a.sizes[s] for s in c.lhs + c.rhs]
+    return (f" (a reshape of {[a.sizes[s] for s in c.lhs]} into {[a.sizes[s] for s in c.rhs]}; "
+            f"with grouped-query attention both the query and the key/value head counts must "
+            f"stay whole: try a ratio dividing {math.gcd(*sizes)})")  # fmt: skip
+
+
+def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:  # noqa: ANN001
+    """Resolve a split ``known = outer * inner`` with two unknowns by the head policy.
+
+    Head splits (``C = H * D``) go before packed projections (``3C = 3 * C``): the split with
+    the smallest inner size first.
+    """
+
+    def inner_size(c: Product) -> int:
+        sides = [x for x in (c.lhs, c.rhs) if len(x) > 1]
+        return min((a.sizes[x[-1]] for x in sides), default=0)
+
+    for c in sorted(pending, key=inner_size):
         for known_side, unknown_side in ((c.lhs, c.rhs), (c.rhs, c.lhs)):
-            if all(value(s) is not None for s in known_side):
-                unknown = [s for s in unknown_side if value(s) is None]
-                if len({a.find(s) for s in unknown}) == 2:
-                    candidates.append((c, known_side, unknown_side, unknown))
-    if not candidates:
-        return False
-    c, known_side, unknown_side, (outer, inner) = candidates[0]
-    known_const = c.lhs_const if known_side is c.lhs else c.rhs_const
-    other_const = c.rhs_const if known_side is c.lhs else c.lhs_const
-    total = math.prod(value(s) for s in known_side) * known_const
-    rest = math.prod(value(s) for s in unknown_side if value(s) is not None) * other_const
-    target = total // rest if total % rest == 0 else None
-    heads, dim = a.sizes[outer], a.sizes[inner]
-    orders = [("head dim", inner, outer), ("head count", outer, inner)]
-    if policy == "keep_head_count":
-        orders.reverse()
-    for kept_name, keep, solve in orders:
-        if target is not None and target % a.sizes[keep] == 0:
-            new[a.find(keep)] = a.sizes[keep]
-            new[a.find(solve)] = target // a.sizes[keep]
-            if any(a.find(x) in dep for x in known_side):
-                dep.add(a.find(solve))
-            decisions.append(
-                f"node '{c.node}': {heads} heads x {dim} -> {new[a.find(outer)]} heads x "
-                f"{new[a.find(inner)]} (kept the {kept_name})"
+            if not all(value(s) is not None for s in known_side):
+                continue
+            unknown = [s for s in unknown_side if value(s) is None]
+            if len({a.find(s) for s in unknown}) != 2 or len(unknown) != 2:
+                continue
+            known_const = c.lhs_const if known_side is c.lhs else c.rhs_const
+            other_const = c.rhs_const if known_side is c.lhs else c.lhs_const
+            total = math.prod(value(s) for s in known_side) * known_const
+            rest = math.prod(value(s) for s in unknown_side if value(s) is not None) * other_const
+            target = total // rest if total % rest == 0 else None
+            outer, inner = unknown
+            heads, dim = a.sizes[outer], a.sizes[inner]
+            orders = [("head dim", inner, outer), ("head count", outer, inner)]
+            if policy == "keep_head_count":
+                orders.reverse()
+            for kept, keep, solve in orders:
+                if target is not None and target % a.sizes[keep] == 0 and target >= a.sizes[keep]:
+                    new[a.find(keep)] = a.sizes[keep]
+                    new[a.find(solve)] = target // a.sizes[keep]
+                    if any(a.find(x) in dep for x in known_side):
+                        dep.add(a.find(solve))
+                    why = "" if kept == orders[0][0] else f"; whole heads of {dim} do not fit"
+                    text = (f"{describe(c.node)}: {heads} heads x {dim} -> {new[a.find(outer)]} "
+                            f"heads x {new[a.find(inner)]} (kept the {kept}{why})")  # fmt: skip
+                    if text not in decisions:  # the train and eval graphs split alike
+                        decisions.append(text)
+                    pending.remove(c)
+                    return True
+            raise node_error(
+                c.node,
+                f"a split of {heads * dim} into {heads} x {dim} (heads x head dim) cannot shrink "
+                f"to {target}: neither {heads} heads nor head dim {dim} divides it. Choose a "
+                f"ratio that divides the head count ({_divisor_suggestions([heads], 1)}...) or "
+                "the head dim.",
             )
-            pending.remove(c)
-            return True
-    raise node_error(
-        c.node,
-        f"a split of {heads * dim} into {heads} x {dim} (heads x head dim) cannot shrink to "
-        f"{target}: neither {heads} heads nor head dim {dim} divides it. Choose a ratio that "
-        f"divides the head count ({_divisor_suggestions([heads], 1)}...) or the head dim.",
-    )
+    return False
 
 
-def _verify(a: _Analysis, plan: WidthPlan, node_error) -> None:
+def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
     v = plan.new_dim
     for c in a.products:
         lhs = math.prod(v(s) for s in c.lhs) * c.lhs_const
         rhs = math.prod(v(s) for s in c.rhs) * c.rhs_const
         if lhs != rhs:
-            raise node_error(
-                c.node,
-                f"a reshape of {[a.sizes[s] for s in c.lhs]} into "
-                f"{[a.sizes[s] for s in c.rhs]} would need {lhs} == {rhs}",
-            )
+            raise node_error(c.node, f"a reshape of {[a.sizes[s] for s in c.lhs]} into "
+                             f"{[a.sizes[s] for s in c.rhs]} would need {lhs} == {rhs}"
+                             + _heads_hint(c, a, plan.ratio))  # fmt: skip
     for c in a.sums:
-        if v(c.out) != sum(v(s) for s in c.parts) + c.const:
+        if v(c.out) != sum(v(s) for s in c.parts):
             raise node_error(c.node, "a concatenation's parts do not add up after scaling")
 
 
-def _dim_names(a: _Analysis) -> dict[int, str]:
+def _check_buffers(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
+    """A buffer computed from a width (rotary frequencies from the head dim) is never cut."""
+    for s, (name, dim) in a.buffer_dim_syms.items():
+        r = a.find(s)
+        if r in touching or plan.new_dim(s) == a.sizes[s]:
+            continue  # running statistics follow their layer's channels; fine
+        raise ScaleError(
+            f"buffer '{name}' (dimension {dim}, size {a.sizes[s]}) is computed from a width "
+            f"that would shrink to {plan.new_dim(s)} at ratio {plan.ratio} (rotary frequencies "
+            "follow the attention head dim); cutting it would change what it encodes. Keep the "
+            "head dim: use head_policy='keep_head_dim' with a ratio that divides the head count "
+            "(and the key/value head count), or give the model more heads."
+        )
+
+
+def _dim_names(a: Analysis) -> dict[int, str]:
     """A readable name for each class root: the first parameter dimension in it."""
     names: dict[int, str] = {}
     for key, syms in a.param_syms.items():
@@ -1006,4 +864,4 @@ def _dim_names(a: _Analysis) -> dict[int, str]:
     return names
 
 
-__all__ = ["WidthPlan", "analyze", "describe", "op_name", "node_arg"]
+__all__ = ["Analysis", "HeadPolicy", "WidthPlan", "analyze", "bound", "describe", "op_name"]

@@ -21,7 +21,7 @@ from torch import nn
 import hydro.optim as fused_optim
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import fuse
-from hydro.parametrize import Multiplier
+from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.task import Task
@@ -56,9 +56,132 @@ class GroupInfo:
 
 
 def group_key(params: dict[str, Any], task: Task) -> tuple:
-    """Trials can share one fused model when their batch size and architecture agree."""
-    arch = tuple(sorted((k, params[k]) for k in task.model_args() if k in params))
-    return (params.get("batch_size", task.batch_size), arch)
+    """Trials can share one fused model when their batch size and architecture agree.
+
+    Architecture is what a factory argument *does*, not its name: the model is built on the
+    ``meta`` device (no memory) and its parameter and buffer shapes, module types and
+    non-float settings make the key. A searched ``dropout`` (a float stored on modules, or a
+    literal in forward) changes none of them, so trials differing only in dropout fuse; each
+    member is still built from its own arguments (:func:`build_members`).
+    """
+    args = tuple(sorted((k, params[k]) for k in task.model_args() if k in params))
+    return (params.get("batch_size", task.batch_size), structure(task, args))
+
+
+_STRUCTURES: dict[tuple, Any] = {}
+_SITES: dict[tuple, Any] = {}
+
+
+def structure(task: Task, args: tuple) -> Any:
+    """A hashable summary of what the factory builds for ``args`` (shapes, types, settings)."""
+    key = (id(task.model), repr(args))
+    if key not in _STRUCTURES:
+        try:
+            with torch.device("meta"):
+                model = task.build_model(**dict(args))
+        except Exception:
+            return ("args", args)  # the factory does not build on meta: every argument counts
+        parts: list[Any] = []
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            parts.append((name, tuple(t.shape), str(t.dtype)))
+        for name, m in model.named_modules():
+            settings = tuple(sorted(
+                (k, v) for k, v in vars(m).items()
+                if not k.startswith("_") and isinstance(v, (bool, int, str, type(None)))
+            ))  # fmt: skip
+            parts.append((name, type(m).__qualname__, settings))
+        _STRUCTURES[key] = tuple(parts)
+    return _STRUCTURES[key]
+
+
+def build_members(
+    task: Task,
+    params: Sequence[dict[str, Any]],
+    ratio: int,
+    seeds: Sequence[int],
+    example: tuple[tuple, dict],
+    target: nn.Module | None = None,
+) -> list[nn.Module]:
+    """One surrogate per member, each from its own factory arguments and seed.
+
+    The group shares one capture and width analysis (its members agree on
+    :func:`group_key`). Factory arguments that differ between members without changing the
+    architecture (dropout) show up as literals in the captured graphs: the target is captured
+    once more with the argument changed, the literals that follow it are located, and each
+    member's copy gets its own value there. Where a literal does not equal the argument
+    (computed from it), that member is captured on its own.
+    """
+    names = sorted(k for k in task.model_args() if k in params[0])
+    args = [{k: p[k] for k in names} for p in params]
+    always = any("output_mult" in p for p in params)
+    if target is None:
+        target = task.build_model(**args[0])
+    ex_args, ex_kwargs = example
+    scaled = build(target, ratio, example_inputs=ex_args, example_kwargs=ex_kwargs,
+                   seed=int(seeds[0]), always_readout=always)  # fmt: skip
+    members: list[nn.Module] = [scaled.surrogate]
+    sites = {}  # argument name -> [(mode, node name, argument index)] where its value is written
+    for name in names:
+        other = next((a[name] for a in args if a[name] != args[0][name]), None)
+        if other is not None:
+            key = (id(task.model), structure(task, tuple(args[0].items())), name, ratio)
+            if key not in _SITES:  # one extra capture per argument, not per group
+                _SITES[key] = _literal_sites(task, scaled, args[0], name, other, example)
+            sites[name] = _SITES[key]
+    for k in range(1, len(params)):
+        differs = [n for n in names if args[k][n] != args[0][n]]
+        if any(sites.get(n) is None for n in differs):
+            own = build(task.build_model(**args[k]), ratio, example_inputs=ex_args,
+                        example_kwargs=ex_kwargs, seed=int(seeds[k]),
+                        always_readout=always)  # fmt: skip
+            members.append(own.surrogate)
+            continue
+        sur = scaled.sample(int(seeds[k]))
+        for n in differs:
+            for mode, node_name, index in sites[n]:
+                node = next(x for x in sur.graphs[mode].graph.nodes if x.name == node_name)
+                node.update_arg(index, args[k][n])
+        for gm in sur.graphs.values():
+            gm.recompile()
+        members.append(sur)
+    return members
+
+
+def _lit(x: Any) -> Any:
+    return torch.fx.node.map_arg(x, lambda n: ("node", n.name))
+
+
+def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  # noqa: ANN001
+    """Where the captured graphs write factory argument ``name`` as a literal, or ``None``."""
+    from hydro.fx.capture import capture
+
+    # training is where a literal like dropout acts; the eval graph keeps the first member's
+    other = capture(task.build_model(**{**args0, name: value}), example[0], example[1],
+                    modes=("train",))  # fmt: skip
+    sites = []
+    for mode, gm in scaled.captured.graphs.items():
+        if mode not in other.graphs:
+            continue
+        a_nodes, b_nodes = list(gm.graph.nodes), list(other.graphs[mode].graph.nodes)
+        if len(a_nodes) != len(b_nodes):
+            return None
+        for a, b in zip(a_nodes, b_nodes):
+            if (
+                a.target != b.target
+                or len(a.args) != len(b.args)
+                or _lit(a.kwargs) != _lit(b.kwargs)
+            ):
+                return None
+            for i, (x, y) in enumerate(zip(a.args, b.args)):
+                if _lit(x) == _lit(y):
+                    continue
+                if isinstance(x, (torch.fx.Node, list, tuple)):
+                    return None
+                if x != args0[name] or y != value:
+                    return None  # computed from the argument: not a plain literal
+                new = scaled.node_map[a]
+                sites.append((mode, new.name, i))
+    return sites
 
 
 def train_group(
@@ -92,20 +215,20 @@ def train_group(
     start = time.perf_counter()
     params = [dict(p) for p in params]
     n = len(params)
-    arch = {k: params[0][k] for k in task.model_args() if k in params[0]}
     batch_size = int(params[0].get("batch_size", task.batch_size))
     batches = task.train_batches(batch_size, seed=int(seeds[0]))
     first = next(task.train_batches(min(batch_size, 2), seed=int(seeds[0])))
-    target = task.build_model(**arch)
+    target = task.build_model(**{k: params[0][k] for k in task.model_args() if k in params[0]})
     task.validate(target, first)  # clear errors before any training
-    example = task.example_inputs or task.example_of(target, first)
-
-    # one width analysis for the group; each member is an independent draw of the same surrogate
-    always = any("output_mult" in p for p in params)
-    scaled = build(target, ratio, example_inputs=example, seed=int(seeds[0]), always_readout=always)
-    members = [scaled.surrogate] + [scaled.sample(int(seed)) for seed in seeds[1:]]
+    if task.example_inputs is not None:
+        example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
+    else:
+        args, kwargs, _ = task.split(first)
+        example = (args, kwargs)
+    # one capture and width analysis for the group; each member an independent draw
+    members = build_members(task, params, ratio, seeds, example, target=target)
     for sur, p in zip(members, params):  # after sampling: samples copy the first member
-        _apply_model_params(sur, p)
+        _apply_model_params(sur, p, task.model_args())
     widths = _widths(members[0])
     if ratio > 1 and not widths["target"]:
         warnings.warn(HydroWarning(
@@ -242,15 +365,21 @@ def _fail_diverged(fused, alive, outcomes, history, step, losses) -> None:  # no
                                   "loss or gradient", history[k])  # fmt: skip
 
 
-def _apply_model_params(sur: nn.Module, p: dict[str, Any]) -> None:
+def _apply_model_params(sur: nn.Module, p: dict[str, Any], model_args: set[str]) -> None:
+    """Hyperparameters that act on a built surrogate: the readout multiplier (its buffer),
+    dropout (the ``aten.dropout`` literals, unless the factory takes ``dropout`` itself), the
+    initialization scale."""
     if "output_mult" in p:
-        for name, m in sur.named_modules():
-            if isinstance(m, Multiplier) and name.startswith("mup_readout"):
-                m.scale = m.scale * float(p["output_mult"])
-    if "dropout" in p:
-        for m in sur.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = float(p["dropout"])
+        with torch.no_grad():
+            for name, b in sur.named_buffers():
+                if name.startswith(READOUT) and name.endswith(".scale"):
+                    b.mul_(float(p["output_mult"]))
+    if "dropout" in p and "dropout" not in model_args:
+        for gm in sur.graphs.values():
+            for node in gm.graph.nodes:
+                if node.target is torch.ops.aten.dropout.default:
+                    node.update_arg(1, float(p["dropout"]))
+            gm.recompile()
     if "init_scale" in p:
         with torch.no_grad():
             for param in sur.parameters():

@@ -79,7 +79,8 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
     except ValueError as exc:
         counts = trial_counts(study)
         reasons = [t.user_attrs.get("fail_reason") for t in study.get_trials(deepcopy=False)
-                   if t.state == TrialState.FAIL and not (is_interrupted(t) or is_surplus(t))]  # fmt: skip
+                   if t.state == TrialState.FAIL
+                   and not (is_interrupted(t) or is_surplus(t))]  # fmt: skip
         first = next((r for r in reasons if r), None)
         raise StudyError(
             f"study {study.study_name!r} has no complete trial ({counts['failed']} failed, "

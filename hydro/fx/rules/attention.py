@@ -1,0 +1,27 @@
+"""Scaled dot-product attention (grouped-query attention included)."""
+
+from __future__ import annotations
+
+from hydro.fx.rules.common import TensorSyms, bound
+
+
+def sdpa(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    q, k, v = (a.syms_of(b[n]) for n in ("query", "key", "value"))
+    a.union(q[-1], k[-1], node)
+    a.union(k[-2], v[-2], node)
+    a.union(out[-1], v[-1], node)
+    a.union(out[-2], q[-2], node)
+    if b.get("enable_gqa") and len(q) >= 3 and a.sizes[q[-3]] != a.sizes[k[-3]]:
+        # query heads = kv heads * group size, the group size kept
+        a.product(node, [q[-3]], [k[-3]], rhs_const=a.sizes[q[-3]] // a.sizes[k[-3]])
+        a.union(k[-3], v[-3], node)
+        a.union(out[-3], q[-3], node)
+        a.broadcast(out[:-3], [TensorSyms(q[:-3]), TensorSyms(k[:-3]), TensorSyms(v[:-3])], node)
+    else:
+        a.broadcast(out[:-2], [TensorSyms(q[:-2]), TensorSyms(k[:-2]), TensorSyms(v[:-2])], node)
+    if b.get("attn_mask") is not None:
+        a.broadcast(out, [a.syms_of(b["attn_mask"])], node)
+
+
+RULES = {"scaled_dot_product_attention": sdpa}

@@ -1,0 +1,171 @@
+"""Shape ops: views and reshapes (head splits), permutes, expand, cat/split, slicing, indexing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int
+
+SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
+            "new_ones": "size", "new_zeros": "size", "new_empty": "size", "new_full": "size",
+            "zeros": "size", "ones": "size", "empty": "size", "full": "size", "rand": "size",
+            "randn": "size"}  # fmt: skip
+
+
+def sym_size(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    a.replace(node, IntSym(x[node.args[1]]))
+
+
+def getitem(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    if isinstance(x, (tuple, list)) and not isinstance(x, TensorSyms):
+        a.replace(node, x[node.args[1]])
+
+
+def reshape(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    if isinstance(x, TensorSyms) and isinstance(out, TensorSyms):
+        a.reshape(x, out, node)
+        size_args(a, node, out)
+
+
+def size_args(a, node, out) -> None:  # noqa: ANN001
+    """Tie output dimensions to the ints (``x.size(0)``...) their sizes were given as."""
+    key = SIZE_ARG.get(a.name(node))
+    sizes = bound(node).get(key) if key else None
+    if not isinstance(sizes, (list, tuple)) or not isinstance(out, TensorSyms):
+        return
+    for o, s in zip(reversed(out), reversed(sizes)):
+        sym = a.syms_of(s)
+        if isinstance(sym, IntSym) and sym.sym is not None:
+            a.union(o, sym.sym, node)
+
+
+def permute(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    rank = len(x)
+    name = a.name(node)
+    perm = list(range(rank))
+    if name == "permute":
+        perm = [d % rank for d in node.args[1]]
+    elif name == "t":
+        perm = perm[::-1]
+    else:
+        i, j = node.args[1] % rank, node.args[2] % rank
+        perm[i], perm[j] = perm[j], perm[i]
+    for o, i in enumerate(perm):
+        a.union(out[o], x[i], node)
+
+
+def expand(a, node, out) -> None:  # noqa: ANN001
+    a.broadcast(out, [a.syms_of(node.args[0])], node)
+    size_args(a, node, out)
+
+
+def cat(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    parts = [a.syms_of(t) for t in b["tensors"]]
+    parts = [p for p in parts if isinstance(p, TensorSyms) and len(p) == len(out)]
+    dim = b.get("dim", 0) % len(out)
+    for p in parts:
+        a.tie_all([s for i, s in enumerate(out) if i != dim],
+                  [s for i, s in enumerate(p) if i != dim], node)  # fmt: skip
+    a.sum(node, out[dim], [p[dim] for p in parts])
+
+
+def stack(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    dim = b.get("dim", 0) % len(out)
+    for t in b["tensors"]:
+        a.tie_all([s for i, s in enumerate(out) if i != dim], a.syms_of(t), node)
+
+
+def split(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    x = a.syms_of(b["self"])
+    dim = b.get("dim", 0) % len(x)
+    for o in out:
+        a.tie_all([s for i, s in enumerate(o) if i != dim],
+                  [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
+        a.part(node, o[dim], x[dim])
+
+
+def unbind(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    x = a.syms_of(b["self"])
+    dim = b.get("dim", 0) % len(x)
+    a.fix_syms([x[dim]])  # a packed q/k/v axis: its count is structure, not width
+    for o in out:
+        a.tie_all(o, [s for i, s in enumerate(x) if i != dim], node)
+
+
+def select(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    x = a.syms_of(b["self"])
+    dim = b["dim"] % len(x)
+    if is_int(b["index"]):
+        a.fix_syms([x[dim]])  # picked by a fixed index (q/k/v of a packed projection, CLS token)
+    a.tie_all(out, [s for i, s in enumerate(x) if i != dim], node)
+
+
+def slice_(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    x = a.syms_of(b["self"])
+    dim = b.get("dim", 0) % len(x)
+    a.tie_all([s for i, s in enumerate(out) if i != dim],
+              [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
+    a.part(node, out[dim], x[dim], sliced=True)
+
+
+def index(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    x = a.syms_of(b["self"])
+    idx = list(b["indices"])
+    given = [i for i, t in enumerate(idx) if t is not None]
+    if len(given) != 1:
+        a.generic(node, out)
+        return
+    d = given[0]
+    shape = a.values.get(idx[d])
+    k = len(shape.shape) if isinstance(shape, torch.Tensor) else 1
+    a.tie_all(out[:d], x[:d], node)
+    a.tie_all(out[d + k :], x[d + 1 :], node)
+    a.indexed.add(x[d])
+
+
+def arange(a, node, out) -> None:  # noqa: ANN001
+    b = bound(node)
+    end = a.syms_of(b.get("end"))
+    if isinstance(end, IntSym) and end.sym is not None:
+        a.union(out[0], end.sym, node)
+
+
+def identity(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    if isinstance(x, TensorSyms) and isinstance(out, TensorSyms):
+        a.tie_all(out, x, node)
+
+
+def _int_op(a: Any, node: Any, out: Any) -> None:
+    a.replace(node, IntSym(None))
+
+
+RULES = {
+    "sym_size": sym_size, "getitem": getitem,
+    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape,
+    "unflatten": reshape, "squeeze": reshape, "unsqueeze": reshape, "view_as": reshape,
+    "contiguous": identity, "clone": identity, "alias": identity, "detach": identity,
+    "to": identity, "_to_copy": identity, "type_as": identity, "lift_fresh_copy": identity,
+    "permute": permute, "transpose": permute, "t": permute, "swapaxes": permute,
+    "expand": expand, "new_ones": size_args, "new_zeros": size_args, "new_empty": size_args,
+    "new_full": size_args, "zeros": size_args, "ones": size_args, "empty": size_args,
+    "full": size_args, "rand": size_args, "randn": size_args,
+    "cat": cat, "concat": cat, "stack": stack, "split": split, "split_with_sizes": split,
+    "chunk": split, "tensor_split": split, "unbind": unbind, "select": select,
+    "slice": slice_, "narrow": slice_, "index": index, "arange": arange,
+}  # fmt: skip
+# Python's own operators on ints (sizes computed from ``x.size(0)``): their values are not widths
+INT_RULES = {name: _int_op for name in ("mul", "add", "sub", "floordiv", "truediv", "neg")}
