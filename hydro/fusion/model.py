@@ -133,6 +133,21 @@ class FusedModel(nn.Module):
         """The number of trials."""
         return int(self.diverged.shape[0])
 
+    @property
+    def shared_tensors(self) -> set[str]:
+        """Buffers equal in every trial and never written by the graphs captured so far (a
+        causal mask, rotary frequencies): the fused graph reads them once, as trial 0's."""
+        written = set()
+        for graphs in self._captures.values():
+            for g in graphs:
+                for gm in g.values():
+                    written |= mutated_targets(gm)
+        return {
+            name
+            for name, b in self.named_buffers()
+            if name not in written and name != "diverged" and bool((b == b[:1]).all())
+        }
+
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
         for src in self._sources:  # captures and trial(k) follow dtype and device
@@ -183,11 +198,7 @@ class FusedModel(nn.Module):
             mutated = mutated_targets(template)
             tensors = dict(self.named_parameters(remove_duplicate=False))
             tensors.update(self.named_buffers(remove_duplicate=False))
-            shared_names = {
-                name
-                for name, b in self.named_buffers()
-                if name not in mutated and name != "diverged" and bool((b == b[:1]).all())
-            }
+            shared_names = self.shared_tensors - mutated
             gm = fuse_graph(template, self.n, shared, tensors, shared_names, literals)
             gm.hydro_mutated = sorted(mutated)
             self._graphs[cache] = gm
@@ -345,7 +356,7 @@ def _literals(members: Sequence[torch.fx.GraphModule]) -> dict[str, dict[int, li
                       for m in members]  # fmt: skip
             if isinstance(value, torch.fx.Node):
                 continue
-            if all(v == value for v in column):
+            if all(_plain(v) == _plain(value) for v in column):
                 continue
             if all(isinstance(v, float) for v in column):
                 out.setdefault(a.name, {})[pos] = [float(v) for v in column]
@@ -356,6 +367,13 @@ def _literals(members: Sequence[torch.fx.GraphModule]) -> dict[str, dict[int, li
                     "float literals (dropout rates, multipliers) may differ between trials"
                 )
     return out
+
+
+def _plain(value: object) -> object:
+    """An argument with nodes replaced by their names, comparable across graphs."""
+    return torch.fx.node.map_aggregate(
+        value, lambda v: ("node", v.name) if isinstance(v, torch.fx.Node) else v
+    )
 
 
 def _check_same_architecture(models: Sequence[nn.Module]) -> None:
