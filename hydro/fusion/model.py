@@ -19,7 +19,9 @@ from hydro.fx.capture import Captured, capture
 MODES = ("train", "eval")
 
 
-def _set_path(root: nn.Module, path: str, value: torch.Tensor, buffer: bool) -> None:
+def _set_path(
+    root: nn.Module, path: str, value: torch.Tensor, buffer: bool, persistent: bool = True
+) -> None:
     """Register ``value`` at a dotted ``path`` of ``root``, making plain containers."""
     *parents, leaf = path.split(".")
     node = root
@@ -30,7 +32,7 @@ def _set_path(root: nn.Module, path: str, value: torch.Tensor, buffer: bool) -> 
             node.add_module(name, child)
         node = child
     if buffer:
-        node.register_buffer(leaf, value)
+        node.register_buffer(leaf, value, persistent=persistent)
     else:
         node.register_parameter(leaf, value)
 
@@ -121,9 +123,10 @@ class FusedModel(nn.Module):
                     fused.infshape = p.infshape  # muP metadata for hydro.optim
                 canonical[id(p)] = fused
             _set_path(self, name, canonical[id(p)], buffer=False)
+        persistent = set(first.state_dict())
         for name, b in first.named_buffers(remove_duplicate=False):
             stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
-            _set_path(self, name, stacked, buffer=True)
+            _set_path(self, name, stacked, buffer=True, persistent=name in persistent)
         self.register_buffer("diverged", torch.zeros(n, dtype=torch.bool))
         for p in self.parameters():
             p.hydro_diverged = self.diverged  # lets hydro.optim freeze diverged trials
@@ -240,6 +243,9 @@ class FusedModel(nn.Module):
         module = _clone(self._sources[self._member[k]])
         state = {name: t[k] for name, t in self.state_dict().items() if name != "diverged"}
         module.load_state_dict(state)
+        with torch.no_grad():  # non-persistent buffers too (rotary frequencies)
+            for name, b in module.named_buffers():
+                b.copy_(self.get_buffer(name)[k])
         src = dict(self.named_parameters(remove_duplicate=False))
         for name, p in module.named_parameters(remove_duplicate=False):
             if name in src and hasattr(src[name], "infshape"):
