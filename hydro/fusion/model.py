@@ -192,12 +192,12 @@ class FusedModel(nn.Module):
         mode = "train" if self.training else "eval"
         cache = (key, mode, shared)
         if cache not in self._graphs:
-            template = graphs[self._member[0]][mode]
-            template.graph.eliminate_dead_code()
             for g in graphs:
                 g[mode].graph.eliminate_dead_code()
+                g[mode].recompile()
             members = [graphs[i][mode] for i in self._member]
-            literals = _literals(members)
+            template = _template(members)
+            literals = _literals(template, members)
             mutated = mutated_targets(template)
             tensors = dict(self.named_parameters(remove_duplicate=False))
             tensors.update(self.named_buffers(remove_duplicate=False))
@@ -331,38 +331,68 @@ def _clone(model: nn.Module) -> nn.Module:
     return copied
 
 
-def _literals(members: Sequence[torch.fx.GraphModule]) -> dict[str, dict[int, list[float]]]:
-    """Arguments whose literal value differs between the members' graphs, one value per trial.
+_NO_OPS = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+
+
+def _skippable(node: torch.fx.Node) -> bool:
+    # export records .contiguous() only where the tensor is not contiguous already, which can
+    # depend on a rate (attention with dropout returns another layout): such nodes do not count
+    # as a difference between graphs
+    return node.op == "call_function" and node.target in _NO_OPS and len(node.all_input_nodes) == 1
+
+
+def _template(members: Sequence[torch.fx.GraphModule]) -> torch.fx.GraphModule:
+    """The member graph to rewrite: the one with the most no-op copies (valid for all)."""
+    return max(members, key=lambda m: len(m.graph.nodes))
+
+
+def _literals(
+    template: torch.fx.GraphModule, members: Sequence[torch.fx.GraphModule]
+) -> dict[str, dict[int, list[float]]]:
+    """Arguments whose literal value differs between the members' graphs, one value per trial
+    (keyed by the template's node names).
 
     Raises:
         FuseError: the graphs differ in anything else, naming the first node that differs.
     """
-    first = members[0]
     out: dict[str, dict[int, list[float]]] = {}
-    if all(m is first for m in members):
+    if all(m is template for m in members):
         return out
-    ref = list(first.graph.nodes)
-    others = {id(m): list(m.graph.nodes) for m in members}
-    for m in members[1:]:
-        nodes = others[id(m)]
+    ref = [n for n in template.graph.nodes if not _skippable(n)]
+    aligned: dict[int, list[torch.fx.Node]] = {}
+    maps: dict[int, dict[torch.fx.Node, str]] = {}
+    for m in members:
+        if id(m) in aligned:
+            continue
+        nodes = [n for n in m.graph.nodes if not _skippable(n)]
         if len(nodes) != len(ref):
             raise FuseError(
-                "the models' graphs differ (one has more operations than the other); fuse needs "
-                "one architecture"
+                "the models' graphs differ (one has more operations than the other: "
+                f"{len(nodes)} vs {len(ref)}); fuse needs one architecture"
             )
+        names: dict[torch.fx.Node, str] = {}
         for a, b in zip(ref, nodes):
             if (a.op, a.target) != (b.op, b.target):
                 raise FuseError(
                     f"the models' graphs differ at node '{a.name}' ({a.format_node()} vs "
                     f"{b.format_node()}); fuse needs one architecture"
                 )
+            names[b] = a.name
+        for b in m.graph.nodes:
+            if _skippable(b):
+                names[b] = names.get(b.all_input_nodes[0], b.name)
+        aligned[id(m)], maps[id(m)] = nodes, names
+    ref_names = {a: a.name for a in template.graph.nodes}
     for i, a in enumerate(ref):
         for pos, value in enumerate(a.args):
-            column = [others[id(m)][i].args[pos] if pos < len(others[id(m)][i].args) else None
-                      for m in members]  # fmt: skip
             if isinstance(value, torch.fx.Node):
                 continue
-            if all(_plain(v) == _plain(value) for v in column):
+            column = []
+            for m in members:
+                args = aligned[id(m)][i].args
+                column.append(_plain(args[pos], maps[id(m)]) if pos < len(args) else None)
+            mine = _plain(value, ref_names)
+            if all(v == mine for v in column):
                 continue
             if all(isinstance(v, float) for v in column):
                 out.setdefault(a.name, {})[pos] = [float(v) for v in column]
@@ -375,10 +405,10 @@ def _literals(members: Sequence[torch.fx.GraphModule]) -> dict[str, dict[int, li
     return out
 
 
-def _plain(value: object) -> object:
-    """An argument with nodes replaced by their names, comparable across graphs."""
+def _plain(value: object, names: Mapping[torch.fx.Node, str]) -> object:
+    """An argument with nodes replaced by their template names, comparable across graphs."""
     return torch.fx.node.map_aggregate(
-        value, lambda v: ("node", v.name) if isinstance(v, torch.fx.Node) else v
+        value, lambda v: ("node", names.get(v, v.name)) if isinstance(v, torch.fx.Node) else v
     )
 
 
