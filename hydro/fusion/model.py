@@ -58,10 +58,7 @@ def _signature(model: nn.Module) -> str:
 
 def _example_key(args: tuple, kwargs: Mapping[str, Any]) -> str:
     leaves, spec = tree_flatten((args, dict(kwargs)))
-    kinds = [
-        f"t{x.dim()}" if isinstance(x, torch.Tensor) else repr(x)
-        for x in leaves
-    ]
+    kinds = [f"t{x.dim()}" if isinstance(x, torch.Tensor) else repr(x) for x in leaves]
     return f"{spec}|{kinds}"
 
 
@@ -124,7 +121,7 @@ class FusedModel(nn.Module):
                 canonical[id(p)] = fused
             _set_path(self, name, canonical[id(p)], buffer=False)
         persistent = set(first.state_dict())
-        for name, b in first.named_buffers(remove_duplicate=False):
+        for name, _ in first.named_buffers(remove_duplicate=False):
             stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
             _set_path(self, name, stacked, buffer=True, persistent=name in persistent)
         self.register_buffer("diverged", torch.zeros(n, dtype=torch.bool))

@@ -281,8 +281,10 @@ def trial_attention(
         keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else (
-            scores + mask
+        scores = (
+            scores.masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else (scores + mask)
         )
     att = trial_dropout(torch.softmax(scores, dim=-1), p, True, n, spec)
     return att @ v
@@ -305,9 +307,7 @@ def trial_loss_op(
     class-index losses divide by each trial's own count of counted targets (``ignore_index`` and
     class weights), as torch's ``mean`` does.
     """
-    expanded = [
-        expand_shared(a, n, s) if s and s[0] == "SB" else a for a, s in zip(args, specs)
-    ]
+    expanded = [expand_shared(a, n, s) if s and s[0] == "SB" else a for a, s in zip(args, specs)]
     per = op(*expanded)
     batched = [s for s in (specs[target_pos], specs[0]) if s and s[0] in ("F", "SB")]
     rows = to_trials(per, n, _as_folded(batched[0])).reshape(n, -1)

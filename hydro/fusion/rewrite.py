@@ -497,9 +497,7 @@ class _Rewriter:
                     continue
                 if name == "slice" and _full_slice(node):
                     continue
-                raise self.error(
-                    node, "it works along the batch dimension, which would mix trials"
-                )
+                raise self.error(node, "it works along the batch dimension, which would mix trials")
 
     def trial_reduction(self, node: Node, found: list[Node]) -> None:
         """A full reduction or a loss of folded values: one result per trial, ``[n]``."""
@@ -671,8 +669,10 @@ def _full_slice(node: Node) -> bool:
     start = _arg(node, 2, "start", None)
     end = _arg(node, 3, "end", None)
     step = _arg(node, 4, "step", 1)
-    return start in (None, 0) and (end is None or isinstance(end, Node) or end >= 2**62) and (
-        step == 1
+    return (
+        start in (None, 0)
+        and (end is None or isinstance(end, Node) or end >= 2**62)
+        and (step == 1)
     )
 
 
@@ -800,8 +800,14 @@ def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
         return False
     x = node.args[0]
     s = _batched_input(rw, node, x, "a convolution")
-    dims = {aten.conv1d.default: 1, aten.conv2d.default: 2, aten.conv3d.default: 3,
-            aten.conv1d.padding: 1, aten.conv2d.padding: 2, aten.conv3d.padding: 3}[node.target]
+    dims = {
+        aten.conv1d.default: 1,
+        aten.conv2d.default: 2,
+        aten.conv3d.default: 3,
+        aten.conv1d.padding: 1,
+        aten.conv2d.padding: 2,
+        aten.conv3d.padding: 3,
+    }[node.target]
     b = _arg(node, 2, "bias")
     k = dims
     stride = _arg(node, 3, "stride", [1] * k)

@@ -132,7 +132,7 @@ def test_dropout_per_trial_rates_and_trial_eval_outputs() -> None:
         assert abs(dropped - p) < 0.03, (k, dropped)
     fused.eval()
     logits, loss = fused(idx, **kw)
-    for k, m in enumerate(members):
+    for k in range(len(members)):
         trial = fused.trial(k).eval()
         assert trial.transformer.drop.p == rates[k]
         t_logits, t_loss = trial(idx, **kw)
@@ -194,15 +194,6 @@ def test_dict_outputs_and_ignore_index_per_trial() -> None:
 
 
 def test_structural_difference_is_an_error_naming_the_node() -> None:
-    class Net(nn.Module):
-        def __init__(self, slope: float) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-            self.dims = (1,) if slope else (-1,)
-
-        def forward(self, x):
-            return torch.softmax(self.fc(x), dim=self.dims[0] if x.dim() > 2 else 1)
-
     class Flip(nn.Module):
         def __init__(self, flip: bool) -> None:
             super().__init__()
