@@ -40,8 +40,8 @@ def _set_path(
 def _signature(model: nn.Module) -> str:
     """What a module's graph may depend on besides its tensors: plain attributes of every
     submodule (dropout ``p``, a multiplier's ``scale``, a config). Equal signatures, one capture."""
-    if isinstance(model, Captured):
-        return str(id(model))
+    if isinstance(model, Captured):  # the graphs' code holds every literal
+        return "captured|" + "|".join(gm.code for gm in model.graphs.values())
     parts = []
     for name, m in model.named_modules():
         attrs = []

@@ -655,6 +655,8 @@ def _shift(dim: object) -> object:
 def _trial_expand(t: torch.Tensor, sizes, n: int, dim: int, spec) -> torch.Tensor:  # noqa: ANN001
     per = list(sizes)
     per[dim] = per[dim] // n
+    missing = len(per) - (t.dim() - 1)  # expand may add leading dimensions
+    t = t.view(n, *([1] * missing), *t.shape[1:]) if missing > 0 else t
     return ops.settle(t.expand(n, *per), spec)
 
 

@@ -207,3 +207,52 @@ def test_structural_difference_is_an_error_naming_the_node() -> None:
     fused = fuse([Flip(True), Flip(False)])
     with pytest.raises(FuseError, match="graphs differ"):
         fused(torch.randn(3, 4))
+
+
+class TimmStyle(nn.Module):
+    """What timm's ViT and friends contain: a CLS token expanded to the batch, a learned position
+    table sliced by the sequence length, qkv moved ahead of the batch then unbound, a SiLU MLP,
+    ``F.layer_norm(x, self.w.shape, ...)``, and a loss computed but not returned (dead)."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(8, d) * 0.1)
+        self.proj = nn.Linear(4, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.w = nn.Parameter(torch.rand(d) + 0.5)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, 3)
+        self.heads = heads
+
+    def forward(self, x, y):
+        h = self.proj(x)
+        B, N, C = h.shape
+        h = torch.cat([self.cls.expand(B, -1, -1), h], dim=1) + self.pos[: N + 1]
+        qkv = self.qkv(h).reshape(B, N + 1, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N + 1, C)
+        h = F.layer_norm(h + a, self.w.shape, self.w, None, 1e-5)
+        h = h + self.fc2(F.silu(self.fc1(h)))
+        logits = self.head(h[:, 0])
+        F.cross_entropy(logits, y)  # unused: removed before fusing
+        return logits
+
+
+def test_timm_style_patterns_fuse_exactly() -> None:
+    models = []
+    for k in range(3):
+        torch.manual_seed(k)
+        models.append(TimmStyle().double())
+    x = torch.randn(5, 6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    fused = fuse([copy.deepcopy(m) for m in models])
+    losses = trial_loss(F.cross_entropy, fused(x, y), y)
+    losses.sum().backward()
+    params = dict(fused.named_parameters())
+    for k, m in enumerate(models):
+        loss = F.cross_entropy(m(x, y), y)
+        loss.backward()
+        torch.testing.assert_close(losses[k], loss, rtol=1e-12, atol=1e-14)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(params[name].grad[k], p.grad, rtol=1e-9, atol=1e-13)
