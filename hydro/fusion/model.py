@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
-from hydro.fx.capture import Captured, capture
+from hydro.fx.capture import Captured, capture_graph
 
 MODES = ("train", "eval")
 
@@ -162,31 +162,35 @@ class FusedModel(nn.Module):
     def capture(self, example_inputs: tuple = (), example_kwargs: Mapping | None = None) -> None:
         """Capture the model's graphs for calls shaped like ``(example_inputs, example_kwargs)``
         (one model's inputs). :meth:`forward` does this by itself at a first call."""
-        self._captured_for(tuple(example_inputs), dict(example_kwargs or {}))
+        self._captured_for(tuple(example_inputs), dict(example_kwargs or {}), MODES)
 
-    def _captured_for(self, args: tuple, kwargs: dict) -> tuple[str, list[dict]]:
+    def _captured_for(self, args: tuple, kwargs: dict, modes: Sequence[str] = MODES) -> tuple:
         key = _example_key(args, kwargs)
-        if key in self._captures:
-            return key, self._captures[key]
-        if all(isinstance(s, Captured) for s in self._sources) and self._captures:
-            raise FuseError(
-                "this call's inputs are structured differently from the inputs the model was "
-                "captured with (other keyword names, None where a tensor was); call it as it "
-                "was captured, or capture the model again"
-            )
+        if key not in self._captures:
+            if all(isinstance(s, Captured) for s in self._sources) and self._captures:
+                raise FuseError(
+                    "this call's inputs are structured differently from the inputs the model "
+                    "was captured with (other keyword names, None where a tensor was); call it "
+                    "as it was captured, or capture the model again"
+                )
+            self._captures[key] = [{} for _ in self._sources]
+        graphs = self._captures[key]
         # a batch of 1 would be specialized by capture: capture from two copies of the sample
         example = tree_map(_at_least_two, (args, kwargs))
-        graphs = []
-        for src in self._sources:
-            cap = src if isinstance(src, Captured) else capture(src, *example)
-            graphs.append(dict(cap.graphs))
-        self._captures[key] = graphs
+        for src, found in zip(self._sources, graphs):
+            for mode in modes:
+                if mode in found:
+                    continue
+                if isinstance(src, Captured):
+                    found.update(src.graphs)
+                else:  # only the mode in use: a training run never pays for the eval graph
+                    found[mode] = _capture_mode(src, example, mode)
         return key, graphs
 
     def _graph_for(self, args: tuple, kwargs: dict, shared: bool) -> torch.fx.GraphModule:
         one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
-        key, graphs = self._captured_for(*one)
         mode = "train" if self.training else "eval"
+        key, graphs = self._captured_for(*one, modes=(mode,))
         cache = (key, mode, shared)
         if cache not in self._graphs:
             for g in graphs:
@@ -304,6 +308,15 @@ class FusedModel(nn.Module):
         if not -self.n <= k < self.n:
             raise IndexError(f"trial {k} out of range for {self.n} fused trials")
         return k % self.n
+
+
+def _capture_mode(model: nn.Module, example: tuple, mode: str) -> torch.fx.GraphModule:
+    was = model.training
+    model.train(mode == "train")
+    try:
+        return capture_graph(model, example[0], example[1], prefix=f"{mode}_")
+    finally:
+        model.train(was)
 
 
 def _at_least_two(x: object) -> object:
