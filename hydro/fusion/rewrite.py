@@ -254,6 +254,7 @@ class _Rewriter:
         self.template, self.n, self.shared = template, n, shared
         self.tensors, self.shared_names, self.literals = tensors, shared_names, literals
         self.facts = batch_facts(template)
+        self.syms = batch_symbols(template)
         self.graph = torch.fx.Graph()
         self.graph._codegen = template.graph._codegen
         self.env: dict[Node, Node] = {}
@@ -342,6 +343,26 @@ class _Rewriter:
                 f"its arguments {sorted(self.literals[node.name])} differ between the trials "
                 "and this op has no per-trial form; make them equal in every model",
             )
+        if _pointwise(target):
+            # the batch size used as a value (``x.sum() / B``), not as a shape: one trial's
+            saved = {a: self.env[a] for a in found if self._batch_size_value(a)}
+            for a in saved:
+                self.env[a] = self.fn(operator.floordiv, saved[a], self.n)
+            try:
+                self._dispatch(node, found, kinds)
+            finally:
+                self.env.update(saved)
+            return
+        self._dispatch(node, found, kinds)
+
+    def _batch_size_value(self, a: Node) -> bool:
+        val = a.meta.get("val")
+        if not isinstance(val, torch.SymInt) or self.spec.get(a) is not None:
+            return False
+        return bool(val.node.expr.free_symbols & self.syms)
+
+    def _dispatch(self, node: Node, found: list[Node], kinds: set) -> None:
+        target = node.target
         handler = _HANDLERS.get(target)
         if handler is not None and handler(self, node, found, kinds):
             return

@@ -256,3 +256,21 @@ def test_timm_style_patterns_fuse_exactly() -> None:
         torch.testing.assert_close(losses[k], loss, rtol=1e-12, atol=1e-14)
         for name, p in m.named_parameters():
             torch.testing.assert_close(params[name].grad[k], p.grad, rtol=1e-9, atol=1e-13)
+
+
+def test_batch_size_read_as_a_value_is_one_trials() -> None:
+    class ManualMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h.sum() / x.shape[0]  # a mean written by hand: B must read one trial's
+
+    nets = [ManualMean().double() for _ in range(3)]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out = fuse([copy.deepcopy(m) for m in nets])(x)
+    assert out.shape == (3,)
+    for k, net in enumerate(nets):
+        torch.testing.assert_close(out[k], net(x), rtol=1e-12, atol=1e-14)
