@@ -44,21 +44,6 @@ from torch import nn
 OptimizerKind = Literal["adam", "sgd"]
 
 
-class Multiplier(nn.Module):
-    """Multiplies its input by a constant (the muP readout multiplier of symbolically traced
-    surrogates; captured surrogates multiply by a ``mup_readout.scale`` buffer instead)."""
-
-    def __init__(self, scale: float) -> None:
-        super().__init__()
-        self.scale = float(scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
-
-    def extra_repr(self) -> str:
-        return f"scale={self.scale:g}"
-
-
 def optimizer_multipliers(param: torch.Tensor, kind: OptimizerKind = "adam") -> tuple[float, float]:
     """The ``(lr, weight_decay)`` multipliers muP gives ``param`` under an optimizer ``kind``.
 

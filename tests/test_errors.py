@@ -104,7 +104,7 @@ def test_a_model_without_parameters():
 
 
 def test_fuse_needs_at_least_one_trial():
-    with pytest.raises(FuseError, match="needs n >= 1 trials, got 0"):
+    with pytest.raises(FuseError, match="needs a whole number of trials >= 1, got 0"):
         hydro.fuse(mlp(), n=0)
 
 

@@ -1,45 +1,83 @@
-"""``FusedModel``: n trials of one architecture trained as one module, and ``trial_loss``."""
+"""``FusedModel``: n trials of one model trained as one module; ``fuse`` and ``trial_loss``."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
-from hydro.fusion.ops import FusedModule, fused_class, stack_buffer, stack_param
-from hydro.fusion.rewrite import batch_facts, fuse_graph
-from hydro.fx import trace
-from hydro.fx.paths import get_path, has_path
+from hydro.fusion.rewrite import fuse_graph, mutated_targets
+from hydro.fx.capture import Captured, capture_graph
+
+MODES = ("train", "eval")
 
 
-def _set_path(root: nn.Module, path: str, value: object, buffer: bool = False) -> None:
-    """Register ``value`` (module, parameter or buffer) at a dotted ``path``, making containers."""
+def _set_path(
+    root: nn.Module, path: str, value: torch.Tensor, buffer: bool, persistent: bool = True
+) -> None:
+    """Register ``value`` at a dotted ``path`` of ``root``, making plain containers."""
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
-        if not hasattr(node, name):
-            node.add_module(name, nn.Module())
-        node = getattr(node, name)
+        child = node._modules.get(name)
+        if child is None:
+            child = nn.Module()
+            node.add_module(name, child)
+        node = child
     if buffer:
-        node.register_buffer(leaf, value)
+        node.register_buffer(leaf, value, persistent=persistent)
     else:
-        setattr(node, leaf, value)
+        node.register_parameter(leaf, value)
+
+
+def _signature(model: nn.Module) -> str:
+    """What a module's graph may depend on besides its tensors: plain attributes of every
+    submodule (dropout ``p``, a multiplier's ``scale``, a config). Equal signatures, one capture."""
+    if isinstance(model, Captured):  # the graphs' code holds every literal
+        return "captured|" + "|".join(gm.code for gm in model.graphs.values())
+    parts = []
+    for name, m in model.named_modules():
+        attrs = []
+        for key, value in sorted(vars(m).items()):
+            if key.startswith("_") or key == "training":
+                continue
+            if isinstance(value, (int, float, bool, str, tuple, type(None))):
+                attrs.append((key, value))
+            elif hasattr(value, "to_dict"):  # a HuggingFace config
+                attrs.append((key, repr(sorted(value.to_dict().items(), key=str))))
+        parts.append((name, type(m).__name__, attrs))
+    return repr(parts)
+
+
+def _example_key(args: tuple, kwargs: Mapping[str, Any]) -> str:
+    leaves, spec = tree_flatten((args, dict(kwargs)))
+    kinds = [f"t{x.dim()}" if isinstance(x, torch.Tensor) else repr(x) for x in leaves]
+    return f"{spec}|{kinds}"
 
 
 class FusedModel(nn.Module):
-    """``n`` trials of one architecture, trained together as one module.
+    """``n`` trials of one model, trained together as one module.
 
     Every parameter and buffer has a leading trial dimension ``[n, ...]`` and the same name as in
-    the original model. Build it with :func:`fuse`.
+    the original model (the same ``state_dict`` keys). Build it with :func:`fuse`.
 
-    Call it as ``fused(x)`` with inputs shaped for one model (the same batch for every trial) or
-    ``fused(xs, shared=False)`` with ``xs[n, ...]`` (each trial its own batch); every output gets
-    a leading ``[n, ...]``.
+    Call it like the model: ``fused(x)`` (or with keyword inputs) feeds one model's inputs to
+    every trial; ``fused(xs, shared=False)`` takes inputs with a leading ``n`` (each trial its own
+    batch). The output has the model's structure (tuple, dict, ``ModelOutput``) with every
+    tensor given a leading ``[n]``: batched outputs ``[n, B, ...]``, and a loss the model
+    computes itself (any full reduction of a batched value) ``[n]``, each trial's own.
+
+    The model's graph is captured (:func:`hydro.fx.capture.capture`) at the first call, from that
+    call's inputs, unless it was captured before (a :class:`~hydro.fx.capture.Captured` model, or
+    ``example_inputs=`` given to :func:`fuse`); parameters exist from the start, so an optimizer
+    can be built before the first call.
 
     Example:
         >>> import torch
@@ -55,71 +93,37 @@ class FusedModel(nn.Module):
         super().__init__()
         if not models:
             raise FuseError("fuse() needs at least one model")
-        original = copy.deepcopy(models[0])
-        template = trace(copy.deepcopy(models[0]))
         _check_same_architecture(models)
-        sources = list(models)
         n = len(models)
-        # Kept out of the module tree: the traced graph, and the module that trial(k) copies.
-        object.__setattr__(self, "_template", template)
-        object.__setattr__(self, "_original", original)
-        self._graphs: dict[tuple, torch.fx.GraphModule] = {}
+        # Distinct sources by signature: trial(k) and captures use these, not n copies.
+        sources: list[nn.Module] = []
+        index: list[int] = []
+        seen: dict[str, int] = {}
+        for m in models:
+            key = _signature(m)
+            if key not in seen:
+                seen[key] = len(sources)
+                sources.append(_clone(m))
+            index.append(seen[key])
+        object.__setattr__(self, "_sources", sources)
+        object.__setattr__(self, "_member", index)  # trial k -> its source
+        object.__setattr__(self, "_captures", {})  # example key -> [per source {mode: gm}]
+        object.__setattr__(self, "_graphs", {})  # (key, mode, shared) -> fused GraphModule
 
-        # One fused parameter per distinct source parameter: ties (a shared embedding) survive.
-        params: dict[str, nn.Parameter] = {}
+        first = models[0]
         canonical: dict[int, nn.Parameter] = {}
-        for name, p in original.named_parameters(remove_duplicate=False):
+        for name, p in first.named_parameters(remove_duplicate=False):
             if id(p) not in canonical:
-                trials = [m.get_parameter(name) for m in sources]
-                fused = stack_param(trials)
-                if hasattr(trials[0], "infshape"):
-                    fused.infshape = trials[0].infshape  # muP metadata for hydro.optim
+                stacked = torch.stack([m.get_parameter(name).detach() for m in models]).clone()
+                fused = nn.Parameter(stacked, requires_grad=p.requires_grad)
+                if hasattr(p, "infshape"):
+                    fused.infshape = p.infshape  # muP metadata for hydro.optim
                 canonical[id(p)] = fused
-            params[name] = canonical[id(p)]
-
-        def param_of(prefix: str) -> Callable[[str], nn.Parameter | None]:
-            return lambda name: params.get(f"{prefix}.{name}")
-
-        def buffer_of(prefix: str) -> Callable[[str], torch.Tensor | None]:
-            return lambda name: stack_buffer([m.get_buffer(f"{prefix}.{name}") for m in sources])
-
-        self.fused_layers: dict[str, FusedModule] = {}
-        covered: set[str] = set()
-        for node in template.graph.nodes:
-            if node.op != "call_module" or node.target in self.fused_layers:
-                continue
-            module = template.get_submodule(node.target)
-            cls = fused_class(module)
-            if cls is None:
-                continue
-            mods = [m.get_submodule(node.target) for m in sources]
-            layer = cls.from_trials(mods, param_of(node.target), buffer_of(node.target))
-            _set_path(self, node.target, layer)
-            self.fused_layers[node.target] = layer
-            covered.update(f"{node.target}.{k}" for k in module.state_dict(keep_vars=True))
-
-        # Everything else (get_attr tensors, unused weights) is stacked under its own name.
-        self.shared_tensors: set[str] = set()
-        for name, p in params.items():
-            if name not in covered:
-                _set_path(self, name, p)
-        constants = any(
-            node.op == "get_attr" and not has_path(original, node.target)
-            for node in template.graph.nodes
-        )
-        for name, _ in original.named_buffers(remove_duplicate=False):
-            if name in covered:
-                continue
-            trials = [m.get_buffer(name) for m in sources]
-            _set_path(self, name, stack_buffer(trials), buffer=True)
-            if all(torch.equal(t, trials[0]) for t in trials):
-                self.shared_tensors.add(name)  # e.g. a causal mask: read once, not per trial
-            elif constants:
-                raise FuseError(
-                    f"buffer '{name}' differs between the models, but the traced graph reads "
-                    "buffers as constants (trial 0's values); make it equal in every model or "
-                    "a parameter with requires_grad=False"
-                )
+            _set_path(self, name, canonical[id(p)], buffer=False)
+        persistent = set(first.state_dict())
+        for name, _ in first.named_buffers(remove_duplicate=False):
+            stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
+            _set_path(self, name, stacked, buffer=True, persistent=name in persistent)
         self.register_buffer("diverged", torch.zeros(n, dtype=torch.bool))
         for p in self.parameters():
             p.hydro_diverged = self.diverged  # lets hydro.optim freeze diverged trials
@@ -129,90 +133,130 @@ class FusedModel(nn.Module):
         """The number of trials."""
         return int(self.diverged.shape[0])
 
+    @property
+    def shared_tensors(self) -> set[str]:
+        """Buffers equal in every trial and never written by the graphs captured so far (a
+        causal mask, rotary frequencies): the fused graph reads them once, as trial 0's."""
+        written = set()
+        for graphs in self._captures.values():
+            for g in graphs:
+                for gm in g.values():
+                    written |= mutated_targets(gm)
+        return {
+            name
+            for name, b in self.named_buffers()
+            if name not in written and name != "diverged" and bool((b == b[:1]).all())
+        }
+
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
-        # The unregistered copies follow (dtype, device), for shape propagation and trial(k).
-        self._template._apply(fn, recurse)
-        self._original._apply(fn, recurse)
-        self._graphs.clear()  # buffers may have been replaced
+        for src in self._sources:  # captures and trial(k) follow dtype and device
+            src._apply(fn, recurse)
+        self._graphs.clear()
         for p in self.parameters():
             p.hydro_diverged = self.diverged
         return out
 
-    def _graph_for(self, args: tuple, shared: bool) -> torch.fx.GraphModule:
-        key = (shared, tuple(a.dim() if isinstance(a, torch.Tensor) else None for a in args))
-        if key not in self._graphs:
-            one = (
-                args if shared else tuple(a[0] if isinstance(a, torch.Tensor) else a for a in args)
-            )
-            facts = batch_facts(self._template, one)
-            # Every weight the graph reads directly (a tied head reads a fused layer's weight too).
-            targets = [n.target for n in self._template.graph.nodes if n.op == "get_attr"]
-            tensors = {t: get_path(self, t) for t in targets if has_path(self, t)}
-            self._graphs[key] = fuse_graph(
-                self._template, facts, self.n, shared, self.fused_layers, tensors,
-                self.shared_tensors,
-            )  # fmt: skip
-        return self._graphs[key]
+    # --- capture and graphs ---------------------------------------------------------------
 
-    def forward(self, *args: object, shared: bool = True, **kwargs: object) -> object:
-        """Run every trial. ``shared=False``: each input carries a leading ``n`` (own batches)."""
-        placeholders = [n for n in self._template.graph.nodes if n.op == "placeholder"]
-        bound = list(args)
-        for node in placeholders[len(args) :]:
-            if node.target in kwargs:
-                bound.append(kwargs.pop(node.target))
-            elif node.args:
-                bound.append(node.args[0])
-            else:
-                raise TypeError(f"missing input '{node.target}'")
-        if kwargs:
-            raise TypeError(f"unexpected inputs {sorted(kwargs)}")
+    def capture(self, example_inputs: tuple = (), example_kwargs: Mapping | None = None) -> None:
+        """Capture the model's graphs for calls shaped like ``(example_inputs, example_kwargs)``
+        (one model's inputs). :meth:`forward` does this by itself at a first call."""
+        self._captured_for(tuple(example_inputs), dict(example_kwargs or {}), MODES)
+
+    def _captured_for(self, args: tuple, kwargs: dict, modes: Sequence[str] = MODES) -> tuple:
+        key = _example_key(args, kwargs)
+        if key not in self._captures:
+            if all(isinstance(s, Captured) for s in self._sources) and self._captures:
+                raise FuseError(
+                    "this call's inputs are structured differently from the inputs the model "
+                    "was captured with (other keyword names, None where a tensor was); call it "
+                    "as it was captured, or capture the model again"
+                )
+            self._captures[key] = [{} for _ in self._sources]
+        graphs = self._captures[key]
+        # a batch of 1 would be specialized by capture: capture from two copies of the sample
+        example = tree_map(_at_least_two, (args, kwargs))
+        for src, found in zip(self._sources, graphs):
+            for mode in modes:
+                if mode in found:
+                    continue
+                if isinstance(src, Captured):
+                    found.update(src.graphs)
+                else:  # only the mode in use: a training run never pays for the eval graph
+                    found[mode] = _capture_mode(src, example, mode)
+        return key, graphs
+
+    def _graph_for(self, args: tuple, kwargs: dict, shared: bool) -> torch.fx.GraphModule:
+        one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
+        mode = "train" if self.training else "eval"
+        key, graphs = self._captured_for(*one, modes=(mode,))
+        cache = (key, mode, shared)
+        if cache not in self._graphs:
+            for g in graphs:
+                g[mode].graph.eliminate_dead_code()
+                g[mode].recompile()
+            members = [graphs[i][mode] for i in self._member]
+            template = _template(members)
+            literals = _literals(template, members)
+            mutated = mutated_targets(template)
+            tensors = dict(self.named_parameters(remove_duplicate=False))
+            tensors.update(self.named_buffers(remove_duplicate=False))
+            shared_names = self.shared_tensors - mutated
+            gm = fuse_graph(template, self.n, shared, tensors, shared_names, literals)
+            gm.hydro_mutated = sorted(mutated)
+            self._graphs[cache] = gm
+        return self._graphs[cache]
+
+    def forward(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
+        """Run every trial: one model's inputs for all (``shared=True``), or inputs with a
+        leading ``n``, each trial its own batch (``shared=False``)."""
         if not shared:
-            for a in bound:
-                if isinstance(a, torch.Tensor) and a.shape[0] != self.n:
-                    raise ValueError(
-                        f"shared=False expects inputs with a leading trial dimension of {self.n}, "
-                        f"got shape {tuple(a.shape)}"
+            for a in tree_flatten((args, kwargs))[0]:
+                if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != self.n):
+                    raise FuseError(
+                        "shared=False expects inputs with a leading trial dimension of "
+                        f"{self.n}, got shape {tuple(a.shape)}"
                     )
-        gm = self._graph_for(tuple(bound), shared)
-        frozen = self.diverged.nonzero().flatten() if bool(self.diverged.any()) else None
-        if frozen is None:
-            return gm(*bound)
-        # A diverged trial is frozen: undo what this forward did to its buffers (BatchNorm stats).
-        saved = [(b, b[frozen].clone()) for b in self.buffers() if b is not self.diverged]
-        out = gm(*bound)
-        for b, old in saved:
-            # Through .data: autograd saved these buffers (BatchNorm's backward takes them) and
-            # must not see a version bump; the trials it differentiates are untouched anyway.
-            b.data[frozen] = old
+        gm = self._graph_for(args, kwargs, shared)
+        mutated = [self.get_buffer(name) for name in gm.hydro_mutated]
+        saved = [b.clone() for b in mutated]
+        out = gm(*args, **kwargs)
+        with torch.no_grad():
+            # A diverged trial is frozen: undo what this forward wrote to its buffers, without
+            # reading the flags on the host (no synchronization). Through .data: autograd saved
+            # some of these buffers and must not see a version bump.
+            for b, old in zip(mutated, saved):
+                flags = self.diverged.view(-1, *([1] * (b.dim() - 1)))
+                b.data.copy_(torch.where(flags, old, b.data))
         return out
 
-    # --- trials in and out ------------------------------------------------------------------
+    # --- trials in and out ----------------------------------------------------------------
 
     def trial(self, k: int) -> nn.Module:
-        """Trial ``k`` as a standalone module of the original architecture (a copy).
+        """Trial ``k`` as a standalone module (a copy) with the original ``state_dict`` keys.
 
-        Its ``state_dict`` has the same keys as the original model's; muP ``infshape`` metadata
-        and per-trial dropout probabilities come along.
+        Built from plain modules: a module of the original class; built from a captured model:
+        a :class:`~hydro.fx.capture.Captured` of that trial. muP ``infshape`` metadata and
+        per-trial attributes (dropout rates) come along.
         """
         k = self._check_index(k)
-        module = copy.deepcopy(self._original)
-        module.load_state_dict(
-            {name: t[k] for name, t in self.state_dict().items() if name != "diverged"}
-        )
+        module = _clone(self._sources[self._member[k]])
+        state = {name: t[k] for name, t in self.state_dict().items() if name != "diverged"}
+        module.load_state_dict(state)
+        with torch.no_grad():  # non-persistent buffers too (rotary frequencies)
+            for name, b in module.named_buffers():
+                b.copy_(self.get_buffer(name)[k])
         src = dict(self.named_parameters(remove_duplicate=False))
         for name, p in module.named_parameters(remove_duplicate=False):
-            if hasattr(src[name], "infshape"):
+            if name in src and hasattr(src[name], "infshape"):
                 p.infshape = src[name].infshape
-        for path, layer in self.fused_layers.items():
-            for attr, value in layer.trial_attributes(k).items():
-                setattr(module.get_submodule(path), attr, value)
         module.train(self.training)
         return module
 
     def load_trial(self, k: int, module: nn.Module) -> None:
-        """Overwrite trial ``k``'s weights and buffers with ``module``'s (same architecture)."""
+        """Overwrite trial ``k`` with ``module`` (same parameter names and shapes): its weights,
+        buffers and plain attributes (dropout rates)."""
         k = self._check_index(k)
         mine = self.state_dict(keep_vars=True)
         theirs = module.state_dict()
@@ -225,10 +269,15 @@ class FusedModel(nn.Module):
         with torch.no_grad():
             for name, value in theirs.items():
                 mine[name][k].copy_(value)
-        for path, layer in self.fused_layers.items():
-            source = module.get_submodule(path)
-            for attr in layer.trial_attributes(k):
-                layer.set_trial_attribute(k, attr, getattr(source, attr))
+        key = _signature(module)
+        known = [i for i, s in enumerate(self._sources) if _signature(s) == key]
+        if known:
+            self._member[k] = known[0]
+        else:
+            self._sources.append(_clone(module))
+            self._member[k] = len(self._sources) - 1
+            self._captures.clear()
+        self._graphs.clear()
         self.diverged[k] = False
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> FusedModel:
@@ -251,8 +300,7 @@ class FusedModel(nn.Module):
                     p.grad = grad[index.to(p.device)]
             for b in self.buffers():
                 b.data = b.data[index.to(b.device)]
-        for layer in self.fused_layers.values():
-            layer.select_trials(index)
+        self._member[:] = [self._member[i] for i in index.tolist()]
         self._graphs.clear()
         return self
 
@@ -262,44 +310,163 @@ class FusedModel(nn.Module):
         return k % self.n
 
 
-def _check_same_architecture(models: Sequence[nn.Module]) -> None:
-    ref = models[0]
-    # By name: every GraphModule (a Hydro surrogate) has a class of its own.
-    ref_types = [(name, type(m).__name__) for name, m in ref.named_modules()]
-    ref_shapes = {k: v.shape for k, v in ref.state_dict().items()}
-    for i, m in enumerate(models[1:], start=1):
-        if [(name, type(sub).__name__) for name, sub in m.named_modules()] != ref_types:
+def _capture_mode(model: nn.Module, example: tuple, mode: str) -> torch.fx.GraphModule:
+    was = model.training
+    model.train(mode == "train")
+    try:
+        return capture_graph(model, example[0], example[1], prefix=f"{mode}_")
+    finally:
+        model.train(was)
+
+
+def _at_least_two(x: object) -> object:
+    if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == 1:
+        return torch.cat([x, x])
+    return x
+
+
+def _first_trial(x: object) -> object:
+    return x[0] if isinstance(x, torch.Tensor) else x
+
+
+def _clone(model: nn.Module) -> nn.Module:
+    """A deep copy that keeps mup's ``infshape`` (``deepcopy`` of a Parameter drops it)."""
+    copied = copy.deepcopy(model)
+    for (_, p), (_, q) in zip(
+        model.named_parameters(remove_duplicate=False),
+        copied.named_parameters(remove_duplicate=False),
+    ):
+        if hasattr(p, "infshape"):
+            q.infshape = p.infshape
+    return copied
+
+
+_NO_OPS = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+
+
+def _skippable(node: torch.fx.Node) -> bool:
+    # export records .contiguous() only where the tensor is not contiguous already, which can
+    # depend on a rate (attention with dropout returns another layout): such nodes do not count
+    # as a difference between graphs
+    return node.op == "call_function" and node.target in _NO_OPS and len(node.all_input_nodes) == 1
+
+
+def _template(members: Sequence[torch.fx.GraphModule]) -> torch.fx.GraphModule:
+    """The member graph to rewrite: the one with the most no-op copies (valid for all)."""
+    return max(members, key=lambda m: len(m.graph.nodes))
+
+
+def _literals(
+    template: torch.fx.GraphModule, members: Sequence[torch.fx.GraphModule]
+) -> dict[str, dict[int, list[float]]]:
+    """Arguments whose literal value differs between the members' graphs, one value per trial
+    (keyed by the template's node names).
+
+    Raises:
+        FuseError: the graphs differ in anything else, naming the first node that differs.
+    """
+    out: dict[str, dict[int, list[float]]] = {}
+    if all(m is template for m in members):
+        return out
+    ref = [n for n in template.graph.nodes if not _skippable(n)]
+    aligned: dict[int, list[torch.fx.Node]] = {}
+    maps: dict[int, dict[torch.fx.Node, str]] = {}
+    for m in members:
+        if id(m) in aligned:
+            continue
+        nodes = [n for n in m.graph.nodes if not _skippable(n)]
+        if len(nodes) != len(ref):
             raise FuseError(
-                f"model {i} does not have the same modules as model 0; fuse needs one architecture"
+                "the models' graphs differ (one has more operations than the other: "
+                f"{len(nodes)} vs {len(ref)}); fuse needs one architecture"
             )
+        names: dict[torch.fx.Node, str] = {}
+        for a, b in zip(ref, nodes):
+            if (a.op, a.target) != (b.op, b.target):
+                raise FuseError(
+                    f"the models' graphs differ at node '{a.name}' ({a.format_node()} vs "
+                    f"{b.format_node()}); fuse needs one architecture"
+                )
+            names[b] = a.name
+        for b in m.graph.nodes:
+            if _skippable(b):
+                names[b] = names.get(b.all_input_nodes[0], b.name)
+        aligned[id(m)], maps[id(m)] = nodes, names
+    ref_names = {a: a.name for a in template.graph.nodes}
+    for i, a in enumerate(ref):
+        for pos, value in enumerate(a.args):
+            if isinstance(value, torch.fx.Node):
+                continue
+            column = []
+            for m in members:
+                args = aligned[id(m)][i].args
+                column.append(_plain(args[pos], maps[id(m)]) if pos < len(args) else None)
+            mine = _plain(value, ref_names)
+            if all(v == mine for v in column):
+                continue
+            if all(isinstance(v, float) for v in column):
+                out.setdefault(a.name, {})[pos] = [float(v) for v in column]
+            else:
+                raise FuseError(
+                    f"the models' graphs differ at node '{a.name}' ({a.format_node()}): "
+                    f"argument {pos} is {column[0]!r} in one and {column[1:]} in others; only "
+                    "float literals (dropout rates, multipliers) may differ between trials"
+                )
+    return out
+
+
+def _plain(value: object, names: Mapping[torch.fx.Node, str]) -> object:
+    """An argument with nodes replaced by their template names, comparable across graphs."""
+    return torch.fx.node.map_aggregate(
+        value, lambda v: ("node", names.get(v, v.name)) if isinstance(v, torch.fx.Node) else v
+    )
+
+
+def _check_same_architecture(models: Sequence[nn.Module]) -> None:
+    ref_shapes = {k: v.shape for k, v in models[0].state_dict().items()}
+    for i, m in enumerate(models[1:], start=1):
         shapes = {k: v.shape for k, v in m.state_dict().items()}
         if shapes != ref_shapes:
             diff = sorted(
                 k for k in shapes.keys() | ref_shapes.keys() if shapes.get(k) != ref_shapes.get(k)
             )
             raise FuseError(
-                f"model {i} has different parameter/buffer shapes than model 0: {diff[:5]}"
+                f"model {i} has different parameter/buffer names or shapes than model 0: "
+                f"{diff[:5]}; fuse needs one architecture"
             )
 
 
-def _reinitialize(model: nn.Module, generator_seed: int | None = None) -> nn.Module:
+def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     """A copy of ``model`` with freshly drawn weights at the scale of the original's.
 
-    Each layer's own ``reset_parameters`` draws new values, which are then rescaled per tensor to
-    the standard deviation of ``model``'s tensor: a custom init scale (GPT-2's 0.02, muP's
-    width-scaled std) carries over. Constant tensors (norm weights, zero biases, a layer scale)
-    and tensors of layers without ``reset_parameters`` keep ``model``'s values.
+    A plain module: each layer's own ``reset_parameters`` draws new values (under ``seed``),
+    rescaled per tensor to the standard deviation of ``model``'s tensor, so a custom init scale
+    (GPT-2's 0.02, muP's width-scaled std) carries over. A captured model (no user code to run):
+    every tensor is redrawn from the statistics of the given one (mean, std, normal or uniform:
+    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases) stay.
     """
-    fresh = copy.deepcopy(model)
-    for m in fresh.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    from hydro.parametrize import init_like
+
+    fresh = _clone(model)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        if isinstance(model, Captured):
+            for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
+                if old.numel() >= 2:
+                    draw = torch.empty(new.shape, dtype=torch.float64)
+                    init_like(draw, old, 1.0, generator)
+                    new.copy_(draw)
+            return fresh
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            for m in fresh.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
         for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
             if old.numel() < 2:
                 new.copy_(old)
                 continue
-            std_old, std_new = old.float().std(), new.float().std()
+            std_old, std_new = old.double().std(), new.double().std()
             if std_old == 0 or std_new == 0:
                 new.copy_(old)
             else:
@@ -312,21 +479,29 @@ def fuse(
     n: int | None = None,
     *,
     init: Callable[[nn.Module], nn.Module] | None = None,
+    seed: int = 0,
+    example_inputs: tuple | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> FusedModel:
-    """Fuse trials of one architecture into a :class:`FusedModel`.
+    """Fuse trials of one model into a :class:`FusedModel`.
 
     Args:
-        models: a list of modules of the same architecture (their weights are copied in), or one
-            module together with ``n``.
-        n: with a single module, the number of trials. Trial 0 keeps the module's weights; the
-            others are independent initializations (see ``init``).
-        init: with a single module, a function returning a freshly initialized copy of it. By
-            default each layer's ``reset_parameters`` is used, rescaled per tensor to the original
-            tensor's standard deviation so custom and muP init scales carry over.
+        models: a list of models with the same parameter names and shapes (plain modules or
+            captured ones, e.g. ``hydro.scale`` surrogates; their weights are copied in), or one
+            model together with ``n``.
+        n: with a single model, the number of trials. Trial 0 keeps the model's weights; the
+            others are independent draws (``init``, by default the model's own initialization
+            rescaled to the std of each of its tensors, or for a captured model a redraw from
+            each tensor's statistics), deterministic given ``seed``.
+        init: ``init(model, k)`` returns trial ``k``'s model (a copy with new weights).
+        seed: seed of the redrawn initializations.
+        example_inputs: one model's positional inputs, to capture now rather than at the first
+            call.
+        example_kwargs: one model's keyword inputs, likewise.
 
     Returns:
-        The fused model. Dropout probabilities may differ between the given models: each trial
-        keeps its own.
+        The fused model. Float literals may differ between the given models (dropout rates, a
+        multiplier): each trial keeps its own.
 
     Raises:
         FuseError: the models differ in architecture, or an op has no fused form (naming it).
@@ -343,13 +518,22 @@ def fuse(
     if isinstance(models, nn.Module):
         if n is None:
             raise FuseError("fuse(model) needs n=, the number of trials (or pass a list of models)")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise FuseError(f"fuse(model, n=...) needs n >= 1 trials, got {n!r}")
-        make = init or _reinitialize
-        models = [models] + [make(models) for _ in range(n - 1)]
-    elif n is not None and n != len(models):
-        raise FuseError(f"fuse got {len(models)} models but n={n}")
-    return FusedModel(list(models))
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise FuseError(f"fuse(model, n=...) needs a whole number of trials >= 1, got {n!r}")
+        if init is not None:
+            members = [models] + [init(models, k) for k in range(1, n)]
+        else:
+            members = [models] + [_reinitialize(models, seed * 100003 + k) for k in range(1, n)]
+    else:
+        members = list(models)
+        if not all(isinstance(m, nn.Module) for m in members):
+            raise FuseError("fuse() takes an nn.Module or a list of nn.Modules")
+        if n is not None and n != len(members):
+            raise FuseError(f"fuse got {len(members)} models but n={n}")
+    fused = FusedModel(members)
+    if example_inputs is not None or example_kwargs is not None:
+        fused.capture(tuple(example_inputs or ()), example_kwargs)
+    return fused
 
 
 def trial_loss(

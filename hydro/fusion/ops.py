@@ -1,21 +1,20 @@
-"""Fused layers: one module that runs the same layer for ``n`` trials at once.
+"""Runtime functions of fused graphs: n trials of one ATen op at once.
 
-Layouts. Inside a fused graph every tensor is in one of three layouts (see ``rewrite.py``):
+Layouts. Inside a fused graph every tensor is in one of four layouts (see ``rewrite.py``):
 
-* ``"F"`` (folded): a per-trial batch ``[B, ...]`` of every trial, stacked trial-major into
-  ``[n * B, ...]``. Batch-wise user code (``view(B, T, H, D)``, attention, pooling) runs on it
-  unchanged because ``B`` simply reads ``n * B``.
-* ``"T"`` (trial): a per-trial value with no batch dimension, stacked as ``[n, ...]`` (a parameter,
-  an embedding of positions).
-* ``"S"`` (shared): one value for every trial, as in the original model (a model input fed to every
-  trial, a causal mask, ``arange``). Layers reading it avoid copying it ``n`` times.
+* ``"F"`` (folded): a value that carries the batch, with the ``n`` per-trial batches stacked
+  trial-major where the batch is, so ``B`` simply reads ``n * B`` and the model's own shape code
+  (``view(B, T, H, D)``, attention, pooling) runs unchanged. Its spec ``("F", dim, outer)`` says
+  that dimension ``dim`` of one trial's value is ``outer * B * inner`` (the batch merged with
+  other dimensions by a ``view``); the trials sit just inside ``outer``.
+* ``"T"`` (trial): a per-trial value with no batch, stacked as ``[n, ...]`` (a parameter, a
+  per-trial loss).
+* ``"S"`` (shared): one value for every trial, as in the original model (``arange``, a mask).
+* ``"SB"``: a shared value that carries the batch (a model input fed to every trial), expanded to
+  ``"F"`` only where an op needs each trial's own copy.
 
-A fused layer is called as ``layer(x, layout=...)``. For ``"F"`` and ``"T"`` inputs it returns the
-same layout; for an ``"S"`` input it returns a trial-stacked ``[n, ...]`` tensor and the graph
-rewrite folds it when the result carries the batch.
-
-Every fused layer holds its parameters and buffers with a leading trial dimension, under the same
-names as the layer it replaces, so ``state_dict`` keys match the original model.
+Every function here runs a fixed number of ATen ops whatever ``n`` is: per-trial values are
+broadcast over a leading trial dimension, never looped over in Python.
 """
 
 from __future__ import annotations
@@ -24,30 +23,181 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hydro.errors import FuseError
-from hydro.parametrize import Multiplier
-
-Layout = str  # "F", "T" or "S"
+Spec = tuple | None  # ("F", dim, outer) | ("SB", dim, outer) | ("T",) | ("S",) | None
 
 
-def stack_param(tensors: Sequence[torch.Tensor]) -> nn.Parameter:
-    """Stack one parameter of every trial into a fused ``[n, ...]`` parameter."""
-    stacked = torch.stack([t.detach() for t in tensors]).clone()
-    return nn.Parameter(stacked, requires_grad=tensors[0].requires_grad)
+def to_trials(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
+    """Any layout -> ``[n, *one trial's shape]`` (``"SB"`` as ``[1, ...]``, ``"S"`` as is)."""
+    kind = spec[0] if spec else None
+    if kind == "F":
+        _, d, outer = spec
+        if outer == 1:
+            return x.unflatten(d, (n, -1)).movedim(d, 0)
+        return x.unflatten(d, (outer, n, -1)).movedim(d + 1, 0).flatten(d + 1, d + 2)
+    if kind == "SB":
+        return x.unsqueeze(0)
+    return x
 
 
-def stack_buffer(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """Stack one buffer of every trial (``None`` stays ``None``)."""
-    if tensors[0] is None:
-        return None
-    return torch.stack([t.detach() for t in tensors]).clone()
+def from_trials(y: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """``[n, *one trial's shape]`` -> folded, for a value of spec ``("F", dim, outer)``."""
+    _, d, outer = spec
+    if outer == 1:
+        return y.movedim(0, d).flatten(d, d + 1)
+    return y.unflatten(d + 1, (outer, -1)).movedim(0, d + 1).flatten(d, d + 2)
 
 
-def unfold(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n * B, ...]`` -> ``[n, B, ...]``."""
-    return x.unflatten(0, (n, -1))
+def expand_shared(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
+    """A shared batched value (``"SB"``) as a folded one: every trial its own copy."""
+    grown = x.unsqueeze(0).expand(n, *x.shape)
+    return from_trials(grown, ("F", spec[1], spec[2]))
+
+
+def lift(x: object, n: int, spec: Spec, rank: int) -> object:
+    """An operand of a broadcasting op as ``[n | 1, 1, ..., *its shape]`` of ``rank + 1`` dims."""
+    if not isinstance(x, torch.Tensor) or spec is None or spec[0] == "S":
+        return x
+    t = to_trials(x, n, spec)
+    missing = rank + 1 - t.dim()
+    return t.view(t.shape[0], *([1] * missing), *t.shape[1:]) if missing > 0 else t
+
+
+def settle(y: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """A result ``[n, ...]`` in its layout: folded if it carries the batch, else as is."""
+    return from_trials(y, spec) if spec and spec[0] == "F" else y
+
+
+def shared_size(size: int, n: int) -> int:
+    """The batch size of a shared batched input as the folded graph reads it."""
+    return size * n
+
+
+def pointwise(
+    op: Callable, n: int, specs: Sequence[Spec], out: Spec, rank: int, /, *args: object,
+    **kwargs: object,
+) -> torch.Tensor:  # fmt: skip
+    """A broadcasting op with per-trial operands, run once over an explicit trial dimension."""
+    lifted = [lift(a, n, s, rank) for a, s in zip(args, specs)]
+    return settle(op(*lifted, **kwargs), out)
+
+
+def _flat_rows(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
+    t = to_trials(x, n, spec)
+    if spec and spec[0] in ("S", "SB"):
+        t = t.expand(n, *t.shape[1:]) if spec[0] == "SB" else t.expand(n, *t.shape)
+    return t
+
+
+class _BatchedLinear(torch.autograd.Function):
+    """``y[k] = x[k] @ w[k] + b[k]`` as one ``baddbmm``, ``w`` given ``[n, in, out]``.
+
+    A custom backward gives the weight gradient in the layout the weight is stored in (``[n,
+    out, in]`` for ``linear``), where autograd's own would transpose a copy of it every step.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.transposed = bias is not None, transposed
+        w = weight.transpose(1, 2) if transposed else weight
+        return torch.bmm(x, w) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.bmm(grad, weight if ctx.transposed else weight.transpose(1, 2))
+        if ctx.needs_input_grad[1]:
+            if ctx.transposed:
+                grad_w = torch.bmm(grad.transpose(1, 2), x)
+            else:
+                grad_w = torch.bmm(x.transpose(1, 2), grad)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(dim=1)
+        return grad_x, grad_w, grad_b, None
+
+
+def trial_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    spec: Spec,
+    out: Spec,
+    transposed: bool = True,
+) -> torch.Tensor:
+    """``linear`` (``transposed``: weight ``[n, out, in]``) or ``addmm``/``mm`` (``[n, in,
+    out]``) with a per-trial weight and bias.
+
+    A shared input meets every trial's weights in one GEMM (read once, not ``n`` times).
+    """
+    if spec is not None and spec[0] in ("S", "SB"):
+        w = weight if transposed else weight.transpose(1, 2)
+        k, out_f, in_f = w.shape
+        y = F.linear(x, w.reshape(k * out_f, in_f), None if bias is None else bias.reshape(-1))
+        return settle(y.unflatten(-1, (k, out_f)).movedim(-2, 0), out)
+    t = to_trials(x, n, spec)
+    rows = t.reshape(n, -1, t.shape[-1])
+    y = _BatchedLinear.apply(rows, weight, bias, transposed)
+    return settle(y.view(*t.shape[:-1], y.shape[-1]), out)
+
+
+def trial_embedding(
+    weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, n: int, spec: Spec, out: Spec
+) -> torch.Tensor:
+    """``n`` embedding tables looked up as one, with per-trial row offsets."""
+    vocab = weight.shape[1]
+    t = to_trials(ids, n, spec)
+    if spec is None or spec[0] == "S":
+        t = t.unsqueeze(0)
+    offsets = torch.arange(n, device=ids.device) * vocab
+    shifted = t + offsets.view(n, *([1] * (t.dim() - 1)))
+    y = F.embedding(shifted, weight.flatten(0, 1))
+    if padding_idx is not None and padding_idx >= 0:
+        # as aten.embedding: the padding row is read but receives no gradient
+        pad = (t == padding_idx).expand_as(shifted).unsqueeze(-1)
+        y = torch.where(pad, y.detach(), y)
+    return settle(y, out)
+
+
+def trial_norm(
+    kind: str,
+    x: torch.Tensor,
+    shape: object,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    n: int,
+    spec: Spec,
+    wspec: Spec,
+    bspec: Spec,
+    out: Spec,
+    rank: int,
+) -> torch.Tensor:
+    """``layer_norm``/``rms_norm``: normalize once, then each trial's affine transform."""
+    if kind == "layer":
+        y = F.layer_norm(x, shape, None, None, eps)
+    else:
+        y = F.rms_norm(x, shape, None, eps)
+    if spec and spec[0] == "SB" and out and out[0] == "F":
+        y = expand_shared(y, n, spec)
+        spec = ("F", spec[1], spec[2])
+    yt = lift(y, n, spec, rank)
+    if spec is None or spec[0] == "S":
+        yt = yt.unsqueeze(0)
+    if weight is not None:
+        yt = yt * lift(weight, n, wspec, rank)
+    if bias is not None:
+        yt = yt + lift(bias, n, bspec, rank)
+    return settle(yt, out)
+
+
+def _channels(v: torch.Tensor | None) -> torch.Tensor | None:
+    return None if v is None else v.reshape(-1)
 
 
 def to_channels(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -60,498 +210,146 @@ def from_channels(y: torch.Tensor, n: int) -> torch.Tensor:
     return y.unflatten(1, (n, -1)).transpose(0, 1).flatten(0, 1)
 
 
-def per_trial(v: torch.Tensor, ndim: int) -> torch.Tensor:
-    """View a ``[n, *s]`` tensor as ``[n, 1, ..., 1, *s]`` with ``ndim`` dimensions in all."""
-    return v.view(v.shape[0], *([1] * (ndim - v.dim())), *v.shape[1:])
-
-
-class _BatchedLinear(torch.autograd.Function):
-    """``y[k] = x[k] @ weight[k].T + bias[k]`` for every trial ``k``, as one ``baddbmm``.
-
-    A custom backward only to produce the weight gradient directly in the weight's ``[n, out,
-    in]`` layout (``grad.T @ x``); autograd's transpose-of-``x.T @ grad`` would need an extra
-    copy of every weight gradient per step.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        wt = weight.transpose(1, 2)
-        return torch.bmm(x, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, wt)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        x, weight = ctx.saved_tensors
-        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_w = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(dim=1) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-class FusedModule(nn.Module):
-    """Base class of fused layers: knows ``n`` and how to drop trials."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def select_trials(self, index: torch.Tensor) -> None:
-        """Keep only the trials in ``index`` for state that is not a parameter or buffer."""
-        self.n = len(index)
-
-    def trial_attributes(self, k: int) -> dict[str, object]:
-        """Per-trial plain attributes (e.g. dropout ``p``) to set on trial ``k``'s module."""
-        return {}
-
-    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
-        """Set trial ``k``'s plain attribute ``name`` (one of :meth:`trial_attributes`)."""
-        raise KeyError(name)
-
-
-class FusedLinear(FusedModule):
-    """``n`` ``nn.Linear`` layers as one batched matmul (``baddbmm``)."""
-
-    def __init__(self, n: int, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        super().__init__(n)
-        self.weight = weight  # [n, out, in]
-        self.bias = bias  # [n, out] or None
-
-    @classmethod
-    def from_trials(
-        cls, mods: Sequence[nn.Linear], param: Callable, buffer: Callable
-    ) -> FusedLinear:
-        return cls(len(mods), param("weight"), param("bias"))
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        return trial_linear(x, self.weight, self.bias, layout=layout)
-
-
-def trial_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: Layout = "F"
+def trial_group_norm(
+    x: torch.Tensor, groups: int, weight, bias, eps: float, n: int, spec: Spec
 ) -> torch.Tensor:
-    """``F.linear`` with per-trial ``weight[n, out, in]`` and ``bias[n, out]``.
-
-    Also what the rewrite calls for a functional ``F.linear(x, w)`` whose weight is per trial
-    (e.g. an output head tied to an embedding table).
-    """
-    n, out_f, in_f = weight.shape
-    if layout == "S":
-        # One GEMM against all trials' weights side by side: x is read once, not n times.
-        w = weight.reshape(n * out_f, in_f)
-        y = F.linear(x, w, None if bias is None else bias.reshape(-1))
-        return y.unflatten(-1, (n, out_f)).movedim(-2, 0)
-    y = _BatchedLinear.apply(x.reshape(n, -1, in_f), weight, bias)
-    return y.view(*x.shape[:-1], out_f)
+    """``group_norm`` with per-trial affine parameters (statistics are per sample)."""
+    if spec[0] == "SB":
+        x = expand_shared(x, n, spec)
+    y = F.group_norm(x, groups, None, None, eps).unflatten(0, (n, -1))
+    shape = (n, 1, -1) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y.flatten(0, 1)
 
 
-_CONV_FN = {
-    (False, 1): F.conv1d,
-    (False, 2): F.conv2d,
-    (False, 3): F.conv3d,
-    (True, 1): F.conv_transpose1d,
-    (True, 2): F.conv_transpose2d,
-    (True, 3): F.conv_transpose3d,
-}
+def trial_batch_norm(
+    x, weight, bias, running_mean, running_var, training, momentum, eps, n, spec
+) -> torch.Tensor:  # noqa: ANN001
+    """``n`` BatchNorms as one over channel-stacked trials; running statistics update in place
+    (the flattened buffers are views of the ``[n, C]`` ones)."""
+    if spec[0] == "SB":
+        x = expand_shared(x, n, spec)
+    y = F.batch_norm(
+        to_channels(x, n), _channels(running_mean), _channels(running_var), _channels(weight),
+        _channels(bias), training, momentum, eps,
+    )  # fmt: skip
+    return from_channels(y, n)
 
 
-class FusedConv(FusedModule):
-    """``n`` convolutions (1d/2d/3d, grouped, transposed) as one grouped convolution.
-
-    Trial ``k``'s channels become group block ``k`` of a convolution with ``n * groups`` groups.
-    """
-
-    def __init__(self, n: int, template: nn.modules.conv._ConvNd, weight, bias) -> None:
-        super().__init__(n)
-        self.weight, self.bias = weight, bias
-        self.transposed = template.transposed
-        self.dims = len(template.kernel_size)
-        self.stride, self.padding = template.stride, template.padding
-        self.dilation, self.groups = template.dilation, template.groups
-        self.output_padding = template.output_padding
-        self.padding_mode = template.padding_mode
-        self.pre_pad = getattr(template, "_reversed_padding_repeated_twice", None)
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedConv:
-        return cls(len(mods), mods[0], param("weight"), param("bias"))
-
-    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias, groups: int) -> torch.Tensor:
-        fn = _CONV_FN[(self.transposed, self.dims)]
-        if self.transposed:
-            return fn(
-                x, weight, bias, self.stride, self.padding, self.output_padding, groups,
-                self.dilation,
-            )  # fmt: skip
-        padding = self.padding
-        if self.padding_mode != "zeros":
-            x = F.pad(x, self.pre_pad, mode=self.padding_mode)
-            padding = 0
-        return fn(x, weight, bias, self.stride, padding, self.dilation, groups)
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        n = self.n
-        w = self.weight.flatten(0, 1)
-        b = None if self.bias is None else self.bias.flatten()
-        if layout == "S" and self.groups == 1 and not self.transposed:
-            # All trials' filters as one convolution over the shared input.
-            y = self._conv(x, w, b, 1)
-            return y.unflatten(1, (n, -1)).movedim(1, 0)
-        if layout == "S":
-            x = x.unsqueeze(0).expand(n, *x.shape).flatten(0, 1)
-        y = self._conv(to_channels(x, n), w, b, n * self.groups)
-        out = from_channels(y, n)
-        return unfold(out, n) if layout == "S" else out
+def trial_conv(
+    dims: int, x, weight, bias, stride, padding, dilation, groups: int, n: int, spec: Spec
+) -> torch.Tensor:  # noqa: ANN001
+    """``n`` convolutions as one grouped convolution (trial ``k`` is group block ``k``)."""
+    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    w = weight.flatten(0, 1)
+    b = None if bias is None else bias.flatten()
+    if spec[0] == "SB" and groups == 1 and not isinstance(padding, str):
+        # all trials' filters as one convolution over the shared input
+        y = fn(x, w, b, stride, padding, dilation, 1)
+        return from_trials(y.unflatten(1, (n, -1)).movedim(1, 0), ("F", 0, 1))
+    if spec[0] == "SB":
+        x = expand_shared(x, n, spec)
+    y = fn(to_channels(x, n), w, b, stride, padding, dilation, n * groups)
+    return from_channels(y, n)
 
 
-class FusedBatchNorm(FusedModule):
-    """``n`` BatchNorm layers: per-trial affine parameters and running statistics."""
-
-    def __init__(self, n: int, template: nn.modules.batchnorm._BatchNorm, param, buffer) -> None:
-        super().__init__(n)
-        self.weight, self.bias = param("weight"), param("bias")
-        self.register_buffer("running_mean", buffer("running_mean"))
-        self.register_buffer("running_var", buffer("running_var"))
-        self.register_buffer("num_batches_tracked", buffer("num_batches_tracked"))
-        self.momentum, self.eps = template.momentum, template.eps
-        self.track_running_stats = template.track_running_stats
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedBatchNorm:
-        return cls(len(mods), mods[0], param, buffer)
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        n = self.n
-        if layout == "S":
-            x = x.unsqueeze(0).expand(n, *x.shape).flatten(0, 1)
-        factor = 0.0
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # cumulative moving average, as nn.BatchNorm
-                factor = 1.0 / float(self.num_batches_tracked.max())
-            else:
-                factor = self.momentum
-        elif self.momentum is not None:
-            factor = self.momentum
-        use_batch_stats = self.training or self.running_mean is None
-        keep_stats = not self.training or self.track_running_stats
-
-        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.view(-1)  # a view: updates land in the buffer
-
-        y = F.batch_norm(
-            to_channels(x, n),
-            flat(self.running_mean) if keep_stats else None,
-            flat(self.running_var) if keep_stats else None,
-            flat(self.weight),
-            flat(self.bias),
-            use_batch_stats,
-            factor,
-            self.eps,
-        )
-        out = from_channels(y, n)
-        return unfold(out, n) if layout == "S" else out
-
-
-class FusedLayerNorm(FusedModule):
-    """``n`` LayerNorm layers: normalize once, then apply each trial's affine transform."""
-
-    def __init__(self, n: int, template: nn.LayerNorm, param: Callable) -> None:
-        super().__init__(n)
-        self.normalized_shape = tuple(template.normalized_shape)
-        self.eps = template.eps
-        self.weight, self.bias = param("weight"), param("bias")
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedLayerNorm:
-        return cls(len(mods), mods[0], param)
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        if self.weight is None and self.bias is None:
-            return y.unsqueeze(0).expand(self.n, *y.shape) if layout == "S" else y
-        # Give y a trial dimension: shared -> [1, ...] (broadcast), folded -> [n, B, ...].
-        yt = y.unsqueeze(0) if layout == "S" else (unfold(y, self.n) if layout == "F" else y)
-        if self.weight is not None:
-            yt = yt * per_trial(self.weight, yt.dim())
-        if self.bias is not None:
-            yt = yt + per_trial(self.bias, yt.dim())
-        return yt.flatten(0, 1) if layout == "F" else yt
-
-
-class FusedGroupNorm(FusedModule):
-    """``n`` GroupNorm layers: per-sample statistics, per-trial affine parameters."""
-
-    def __init__(self, n: int, template: nn.GroupNorm, param: Callable) -> None:
-        super().__init__(n)
-        self.num_groups, self.eps = template.num_groups, template.eps
-        self.weight, self.bias = param("weight"), param("bias")
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedGroupNorm:
-        return cls(len(mods), mods[0], param)
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        y = F.group_norm(x, self.num_groups, None, None, self.eps)
-        # [n, B, C, *spatial]; shared input -> [1, B, C, ...] broadcast over trials.
-        yt = y.unsqueeze(0) if layout == "S" else unfold(y, self.n)
-        shape = (self.n, 1, -1) + (1,) * (y.dim() - 2)
-        if self.weight is not None:
-            yt = yt * self.weight.view(shape)
-        if self.bias is not None:
-            yt = yt + self.bias.view(shape)
-        return yt if layout == "S" else yt.flatten(0, 1)
-
-
-class FusedEmbedding(FusedModule):
-    """``n`` embedding tables, looked up as one table with per-trial row offsets."""
-
-    def __init__(self, n: int, template: nn.Embedding, param: Callable) -> None:
-        super().__init__(n)
-        if template.max_norm is not None or template.scale_grad_by_freq or template.sparse:
-            raise FuseError(
-                "nn.Embedding with max_norm, scale_grad_by_freq or sparse=True has no fused form; "
-                "use a plain embedding"
-            )
-        self.weight = param("weight")  # [n, V, D]
-        self.padding_idx = template.padding_idx
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedEmbedding:
-        return cls(len(mods), mods[0], param)
-
-    def forward(self, ids: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        n, vocab = self.n, self.weight.shape[1]
-        offsets = torch.arange(n, device=ids.device) * vocab
-        if layout == "S":
-            trial_ids = ids.unsqueeze(0) + per_trial(offsets, ids.dim() + 1)
-        elif layout == "F":
-            trial_ids = unfold(ids, n) + per_trial(offsets, ids.dim() + 1)
-        else:
-            trial_ids = ids + per_trial(offsets, ids.dim())
-        out = F.embedding(trial_ids, self.weight.flatten(0, 1))
-        if self.padding_idx is not None:
-            # As nn.Embedding: the padding row reads normally but receives no gradient.
-            pad = trial_ids - per_trial(offsets, trial_ids.dim()) == self.padding_idx
-            out = torch.where(pad.unsqueeze(-1), out.detach(), out)
-        return out.flatten(0, 1) if layout == "F" else out
-
-
-def _dropout(x: torch.Tensor, p: torch.Tensor, n: int, training: bool) -> torch.Tensor:
-    """Dropout with a per-trial rate ``p[n]`` on a folded or trial-stacked tensor."""
-    if not training:
+def trial_dropout(x: torch.Tensor, p: torch.Tensor, train: bool, n: int, spec: Spec):
+    """Dropout with a per-trial rate ``p[n]``; each trial draws its own mask."""
+    if not train:
         return x
-    keep = 1.0 - p.to(x.dtype)
-    shape = (n,) + (1,) * x.dim()
-    xt = unfold(x, n)
-    mask = torch.rand_like(xt) < keep.view(shape)
+    t = to_trials(x, n, spec)
+    keep = (1.0 - p).to(x.dtype).view(n, *([1] * (t.dim() - 1)))
+    mask = torch.rand_like(t) < keep
     scale = torch.where(keep > 0, 1.0 / keep.clamp_min(1e-12), torch.zeros_like(keep))
-    return (xt * mask * scale.view(shape)).flatten(0, 1)
+    return settle(t * mask * scale, spec)
 
 
-class FusedDropout(FusedModule):
-    """``n`` dropout layers with independent masks and a per-trial drop probability ``p``."""
-
-    def __init__(self, n: int, p: Sequence[float]) -> None:
-        super().__init__(n)
-        self.register_buffer("p", torch.tensor(list(p), dtype=torch.float64), persistent=False)
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedDropout:
-        if any(m.inplace for m in mods):
-            raise FuseError("nn.Dropout(inplace=True) cannot be fused; use inplace=False")
-        return cls(len(mods), [m.p for m in mods])
-
-    def trial_attributes(self, k: int) -> dict[str, object]:
-        return {"p": float(self.p[k])}
-
-    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
-        self.p[k] = float(value)
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        if layout == "S":
-            x = x.unsqueeze(0).expand(self.n, *x.shape).flatten(0, 1)
-        if not self.training or bool((self.p == self.p[0]).all()):
-            # One rate: plain dropout over the folded tensor already draws independent masks.
-            out = F.dropout(x, float(self.p[0]), self.training)
-        else:
-            out = _dropout(x, self.p, self.n, self.training)
-        return unfold(out, self.n) if layout == "S" else out
-
-
-class FusedMultiplier(FusedModule):
-    """``n`` muP multipliers (:class:`hydro.parametrize.Multiplier`), one ``scale`` per trial."""
-
-    def __init__(self, n: int, scale: Sequence[float]) -> None:
-        super().__init__(n)
-        self.register_buffer("scale", torch.tensor(list(scale), dtype=torch.float64),
-                             persistent=False)  # fmt: skip
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedMultiplier:
-        return cls(len(mods), [m.scale for m in mods])
-
-    def trial_attributes(self, k: int) -> dict[str, object]:
-        return {"scale": float(self.scale[k])}
-
-    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
-        self.scale[k] = float(value)
-
-    def forward(self, x: torch.Tensor, layout: Layout = "F") -> torch.Tensor:
-        if bool((self.scale == self.scale[0]).all()):
-            out = x * float(self.scale[0])  # one value: exactly the original module's op
-            return out.unsqueeze(0).expand(self.n, *out.shape) if layout == "S" else out
-        if layout == "S":
-            x = x.unsqueeze(0).expand(self.n, *x.shape)
-        trials = x if layout in ("S", "T") else unfold(x, self.n)
-        # a float32 tensor times a Python float rounds the float to float32 first: so here
-        scale = self.scale.to(x.dtype).view(self.n, *([1] * (trials.dim() - 1)))
-        out = trials * scale
-        return out if layout in ("S", "T") else out.flatten(0, 1)
-
-
-class _FusedOutProj(nn.Module):
-    """Holds ``out_proj.weight``/``out_proj.bias`` so that state_dict keys match."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.weight, self.bias = weight, bias
-
-
-class FusedMultiheadAttention(FusedModule):
-    """``n`` ``nn.MultiheadAttention`` layers (``batch_first=True``), batched over trials.
-
-    Projections run as batched matmuls; attention itself runs on the folded ``[n * B, heads, ...]``
-    tensor, through ``scaled_dot_product_attention`` unless attention weights are requested.
-    """
-
-    def __init__(self, n: int, template: nn.MultiheadAttention, param: Callable, p) -> None:
-        super().__init__(n)
-        if not template.batch_first:
-            raise FuseError(
-                "nn.MultiheadAttention(batch_first=False) cannot be fused: the batch must be the "
-                "leading dimension; build it with batch_first=True"
-            )
-        if not template._qkv_same_embed_dim or template.bias_k is not None:
-            raise FuseError(
-                "nn.MultiheadAttention with kdim/vdim != embed_dim or add_bias_kv has no fused form"
-            )
-        if template.add_zero_attn:
-            raise FuseError("nn.MultiheadAttention(add_zero_attn=True) has no fused form")
-        self.num_heads, self.embed_dim = template.num_heads, template.embed_dim
-        self.in_proj_weight, self.in_proj_bias = param("in_proj_weight"), param("in_proj_bias")
-        self.out_proj = _FusedOutProj(param("out_proj.weight"), param("out_proj.bias"))
-        self.register_buffer("p", torch.tensor(list(p), dtype=torch.float64), persistent=False)
-
-    @classmethod
-    def from_trials(cls, mods, param: Callable, buffer: Callable) -> FusedMultiheadAttention:
-        return cls(len(mods), mods[0], param, [m.dropout for m in mods])
-
-    def trial_attributes(self, k: int) -> dict[str, object]:
-        return {"dropout": float(self.p[k])}
-
-    def set_trial_attribute(self, k: int, name: str, value: object) -> None:
-        self.p[k] = float(value)
-
-    def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        x3 = x.reshape(self.n, -1, x.shape[-1])
-        y = (
-            torch.bmm(x3, w.transpose(1, 2))
-            if b is None
-            else torch.baddbmm(b, x3, w.transpose(1, 2))
+def trial_attention(
+    q, k, v, mask, p: torch.Tensor, causal: bool, scale, gqa: bool, n: int, spec: Spec
+) -> torch.Tensor:  # noqa: ANN001
+    """``scaled_dot_product_attention`` with a per-trial dropout rate (the math form)."""
+    d = q.shape[-1]
+    if gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else d**-0.5)
+    if causal:
+        tq, tk = q.shape[-2], k.shape[-2]
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else (scores + mask)
         )
-        return y.view(*x.shape[:-1], w.shape[1])
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: torch.Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-        layout: Layout = "F",
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if layout != "F":
-            raise FuseError("fused MultiheadAttention expects batched inputs")
-        e, h = self.embed_dim, self.num_heads
-        w, b = self.in_proj_weight, self.in_proj_bias
-        bias = [None] * 3 if b is None else [c.unsqueeze(1) for c in b.chunk(3, dim=1)]
-        if query is key and key is value:
-            qkv = self._project(query, w, None if b is None else b.unsqueeze(1))
-            q, k, v = qkv.chunk(3, dim=-1)
-        else:
-            ws = w.chunk(3, dim=1)
-            q, k, v = (self._project(t, ws[i], bias[i]) for i, t in enumerate((query, key, value)))
-        nb, tq, tk = q.shape[0], q.shape[1], k.shape[1]
-        q, k, v = (t.reshape(nb, -1, h, e // h).transpose(1, 2) for t in (q, k, v))
-
-        mask = _merge_masks(attn_mask, key_padding_mask, nb, h, tq, tk, q.dtype)
-        p_all = self.p if self.training else torch.zeros_like(self.p)
-        one_rate = bool((p_all == p_all[0]).all())
-        weights = None
-        if not need_weights and one_rate:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=float(p_all[0]),
-                is_causal=is_causal and mask is None,
-            )  # fmt: skip
-        else:
-            if is_causal and mask is None:
-                raise FuseError("is_causal=True needs an attn_mask when attention weights are used")
-            scores = (q * (e // h) ** -0.5) @ k.transpose(-2, -1)
-            if mask is not None:
-                scores = scores + mask
-            att = F.softmax(scores, dim=-1)
-            weights = att.mean(dim=1) if average_attn_weights else att
-            if self.training and bool((p_all > 0).any()):
-                att = _dropout(att, p_all, self.n, True)
-            y = att @ v
-        y = y.transpose(1, 2).reshape(nb, tq, e)
-        out = self._project(y, self.out_proj.weight, self._out_bias())
-        return out, (weights if need_weights else None)
-
-    def _out_bias(self) -> torch.Tensor | None:
-        return None if self.out_proj.bias is None else self.out_proj.bias.unsqueeze(1)
+    att = trial_dropout(torch.softmax(scores, dim=-1), p, True, n, spec)
+    return att @ v
 
 
-def _merge_masks(attn_mask, key_padding_mask, nb, heads, tq, tk, dtype):
-    """One additive float mask ``[nb, heads, tq, tk]`` (broadcastable), as MultiheadAttention."""
-
-    def as_float(m: torch.Tensor) -> torch.Tensor:
-        if m.dtype == torch.bool:
-            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
-        return m.to(dtype)
-
-    mask = None
-    if attn_mask is not None:
-        m = as_float(attn_mask)
-        mask = m if m.dim() == 2 else m.view(nb, heads, tq, tk)
-    if key_padding_mask is not None:
-        kpm = as_float(key_padding_mask).view(nb, 1, 1, tk)
-        mask = kpm if mask is None else mask + kpm
-    return mask
+def trial_reduce(op_name: str, x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
+    """A full ``sum``/``mean`` of a batched value, one per trial: ``[n]``."""
+    rows = _flat_rows(x, n, spec).reshape(n, -1)
+    return rows.sum(1) if op_name == "sum" else rows.mean(1)
 
 
-# Module type -> fused class. Subclasses match too (e.g. NonDynamicallyQuantizableLinear).
-FUSED_LAYERS: list[tuple[type[nn.Module], type[FusedModule]]] = [
-    (nn.Linear, FusedLinear),
-    (nn.modules.conv._ConvNd, FusedConv),
-    (nn.modules.batchnorm._BatchNorm, FusedBatchNorm),
-    (nn.LayerNorm, FusedLayerNorm),
-    (nn.GroupNorm, FusedGroupNorm),
-    (nn.Embedding, FusedEmbedding),
-    (nn.MultiheadAttention, FusedMultiheadAttention),
-    (nn.Dropout, FusedDropout),
-    (Multiplier, FusedMultiplier),
-]
+def trial_loss_op(
+    op: Callable, n: int, specs: Sequence[Spec], reduction: int, ignore_index: int | None,
+    target_pos: int, weight_pos: int | None, *args: object,
+) -> torch.Tensor:  # fmt: skip
+    """A loss op over folded values as each trial's own loss ``[n]``.
+
+    ``args`` are the op's arguments with ``reduction`` already set to ``none``; the per-sample
+    losses are reduced per trial as the op's ``mean`` (``reduction`` 1) or ``sum`` (2) would:
+    class-index losses divide by each trial's own count of counted targets (``ignore_index`` and
+    class weights), as torch's ``mean`` does.
+    """
+    expanded = [expand_shared(a, n, s) if s and s[0] == "SB" else a for a, s in zip(args, specs)]
+    per = op(*expanded)
+    batched = [s for s in (specs[target_pos], specs[0]) if s and s[0] in ("F", "SB")]
+    rows = to_trials(per, n, _as_folded(batched[0])).reshape(n, -1)
+    if reduction == 2:
+        return rows.sum(1)
+    target = expanded[target_pos]
+    if ignore_index is None or target.is_floating_point():
+        return rows.mean(1)
+    target = to_trials(target, n, _as_folded(specs[target_pos])).reshape(n, -1)
+    counted = target != ignore_index
+    weight = expanded[weight_pos] if weight_pos is not None else None
+    if weight is not None:
+        denom = (weight[target.clamp_min(0)] * counted).sum(1)
+    else:
+        denom = counted.sum(1).to(rows.dtype)
+    return rows.sum(1) / denom
 
 
-def fused_class(module: nn.Module) -> type[FusedModule] | None:
-    """The fused class for ``module``'s type, or ``None`` when it has none."""
-    for kind, cls in FUSED_LAYERS:
-        if type(module) is kind or (isinstance(module, kind) and kind is not nn.Dropout):
-            return cls
-    return None
+def _as_folded(spec: Spec) -> Spec:
+    return ("F", spec[1], spec[2]) if spec and spec[0] == "SB" else spec
+
+
+def vmap_call(
+    op: Callable, n: int, specs: Sequence[Spec], outs: Sequence[Spec], treespec, *leaves
+) -> object:  # noqa: ANN001
+    """Fallback: run the op once per trial under ``torch.func.vmap``, trial dimension leading."""
+    mapped = [i for i, s in enumerate(specs) if s and s[0] in ("F", "SB", "T")]
+    values = list(leaves)
+
+    def one(*xs: torch.Tensor) -> object:
+        vals = list(values)
+        for i, x in zip(mapped, xs):
+            vals[i] = x
+        args, kwargs = tree_unflatten(vals, treespec)
+        return op(*args, **kwargs)
+
+    xs = []
+    for i in mapped:
+        s = specs[i]
+        t = to_trials(values[i], n, s)
+        xs.append(t.expand(n, *t.shape[1:]) if s[0] == "SB" else t)
+    result = torch.func.vmap(one, randomness="different")(*xs)
+    flat, spec = tree_flatten(result)
+    flat = [settle(y, o) if isinstance(y, torch.Tensor) else y for y, o in zip(flat, outs)]
+    return tree_unflatten(flat, spec)

@@ -1,278 +1,316 @@
-"""The graph rewrite from one model to ``n`` fused trials.
+"""The graph rewrite from one captured model to ``n`` fused trials.
 
-Two small passes over the traced ``GraphModule`` of one trial:
+Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
 
-1. :func:`batch_facts` propagates shapes (``ShapeProp``) twice, at the example batch size ``B`` and
-   at ``2B``. A tensor whose leading dimension doubles (and nothing else changes) carries the batch;
-   one that does not change is batch-free. Anything else means the batch left the leading position,
-   which fusion cannot follow.
-2. :func:`fuse_graph` rebuilds the graph for ``n`` trials. Batched tensors are *folded*: the ``n``
-   per-trial batches stacked trial-major as ``[n * B, ...]``, so user code (``view(B, T, H, D)``,
-   attention, pooling, residual adds) runs unchanged with ``B`` reading ``n * B``. Layers with
-   parameters become fused layers (``ops.py``). Per-trial values without a batch (parameters read
-   with ``get_attr``, embeddings of positions) are stacked ``[n, ...]``; elementwise ops that mix
-   them with folded tensors are rewritten to broadcast over an explicit trial dimension, and other
-   ops on them fall back to ``torch.func.vmap`` with a logged warning.
-
-Layouts of values in the fused graph (see ``ops.py``): ``"F"`` folded, ``"T"`` trial-stacked,
-``"S"`` shared by all trials, ``"SB"`` a shared model input that carries the batch (fed to the
-layers that can read it without a copy, and expanded to ``"F"`` for everything else).
+1. :func:`batch_facts` reads, from the symbolic shapes that capture recorded, where every value
+   carries the batch: ``Batch(dim, outer, inner)`` says that dimension ``dim`` is ``outer * B *
+   inner`` (a ``view`` may merge the batch with other dimensions, on either side). Values without
+   the batch symbol are batch-free.
+2. :func:`fuse_graph` rebuilds the graph for ``n`` trials in the layouts of ``ops.py``: batched
+   values folded (trials stacked inside the batch), parameters and buffers stacked ``[n, ...]``,
+   shared values kept once. Ops on folded values alone run unchanged; ops that meet a per-trial
+   value become the fused functions of ``ops.py``; any full reduction of a folded value (a loss
+   computed inside the model) becomes one result per trial.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 import logging
+import math
 import operator
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx
-import torch.nn.functional as F
-from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from hydro.errors import FuseError
-from hydro.fusion.ops import FusedModule, trial_linear, unfold
+from hydro.fusion import ops
 
 logger = logging.getLogger("hydro.fusion")
 
 Node = torch.fx.Node
+aten = torch.ops.aten
 
 
-@dataclass
-class Facts:
-    """What shape propagation says about one node's value."""
+@dataclass(frozen=True)
+class Batch:
+    """Dimension ``dim`` of the value is ``outer * B * inner``."""
 
-    shapes: list[tuple[int, ...]]  # shapes of its tensor leaves at the example batch size
-    batched: bool  # True: every tensor leaf carries the batch in dimension 0
+    dim: int
+    outer: int
+    inner: int
 
 
-def _leaf_shapes(node: Node) -> list[tuple[int, ...]] | None:
-    meta = node.meta.get("tensor_meta")
-    if meta is None:
+FREE = "free"  # a tensor without the batch
+
+_VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.flatten.using_ints, aten.unflatten.int,
+}  # fmt: skip
+# ops that combine entries along their ``dim``: on the batch dimension they would mix trials
+_MIXING = {
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cat", "stack",
+    "flip", "roll", "sort", "argsort", "topk", "gather", "scatter", "scatter_add", "index_select",
+    "diff", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "slice",
+    "logsumexp", "max", "min", "amax", "amin", "sum", "mean", "var", "std", "norm", "any", "all",
+    "argmax", "argmin", "index_add", "index_copy", "take_along_dim", "tensor_split",
+}  # fmt: skip
+_LOSSES = {
+    # op: (position of reduction, of target, of ignore_index or None, of class weights or None)
+    aten.cross_entropy_loss.default: (3, 1, 4, 2),
+    aten.nll_loss.default: (3, 1, 4, 2),
+    aten.nll_loss_nd.default: (3, 1, 4, 2),
+    aten.mse_loss.default: (2, 1, None, None),
+    aten.l1_loss.default: (2, 1, None, None),
+    aten.smooth_l1_loss.default: (2, 1, None, None),
+    aten.huber_loss.default: (2, 1, None, None),
+    aten.binary_cross_entropy_with_logits.default: (4, 1, None, None),
+    aten.binary_cross_entropy.default: (3, 1, None, None),
+}
+_ELEMENTWISE = {
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
+    aten.contiguous.default, aten.detach.default, aten.alias.default, aten.type_as.default,
+    aten.lift_fresh_copy.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+}  # fmt: skip
+
+
+def _is_aten(target: object) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def _pointwise(target: object) -> bool:
+    return _is_aten(target) and (torch.Tag.pointwise in target.tags or target in _ELEMENTWISE)
+
+
+def _random(target: object) -> bool:
+    return _is_aten(target) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _arg(node: Node, pos: int, name: str, default: object = None) -> object:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+# --- batch facts --------------------------------------------------------------------------------
+
+
+def batch_symbols(gm: torch.fx.GraphModule) -> set:
+    """The symbols of the batch: dimension 0 of every tensor input, as capture left it."""
+    syms: set = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim():
+            size = val.shape[0]
+            if isinstance(size, torch.SymInt):
+                syms |= size.node.expr.free_symbols
+    return syms
+
+
+def _locate(node: Node, val: torch.Tensor, syms: set) -> tuple[int, sympy.Expr] | None:
+    found = []
+    for d, size in enumerate(val.shape):
+        if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & syms:
+            found.append((d, size.node.expr))
+    if len(found) > 1:
+        raise FuseError(
+            f"cannot fuse node '{node.name}' ({node.format_node()}): the batch appears in "
+            f"several dimensions {[d for d, _ in found]}; fusion stacks trials along the batch"
+        )
+    return found[0] if found else None
+
+
+def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> int:
+    sym = next(iter(expr.free_symbols & syms))
+    coeff = sympy.simplify(expr / sym)
+    if not coeff.is_Integer or int(coeff) < 1:
+        raise FuseError(
+            f"cannot fuse node '{node.name}' ({node.format_node()}): its size {expr} is not a "
+            "multiple of the batch (a concatenation along the batch?), which would mix trials"
+        )
+    return int(coeff)
+
+
+def _static(sizes: object) -> int:
+    return math.prod(int(s) for s in sizes)
+
+
+def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
+    if isinstance(val, (list, tuple)):
+        return [_fact(node, v, syms, facts) for v in val]
+    if not isinstance(val, torch.Tensor):
         return None
-    leaves, _ = tree_flatten(meta, is_leaf=lambda m: isinstance(m, TensorMetadata))
-    return [tuple(m.shape) for m in leaves if isinstance(m, TensorMetadata)]
+    loc = _locate(node, val, syms)
+    if loc is None:
+        return FREE
+    d, expr = loc
+    coeff = _coefficient(node, expr, syms)
+    inner = None
+    src = node.args[0] if node.args else None
+    if node.target in _VIEWS and isinstance(src, Node) and isinstance(facts.get(src), Batch):
+        b = facts[src]
+        shape = src.meta["val"].shape
+        flat = b.inner * _static(shape[b.dim + 1 :])
+        after = _static(val.shape[d + 1 :])
+        if flat % after or coeff % (flat // after):
+            raise FuseError(
+                f"cannot fuse node '{node.name}' ({node.format_node()}): this view splits the "
+                "batch dimension, which would mix trials"
+            )
+        inner = flat // after
+    if inner is None:
+        for a in node.all_input_nodes:
+            b = facts.get(a)
+            if isinstance(b, Batch) and b.outer * b.inner == coeff:
+                inner = b.inner
+                break
+    if inner is None:
+        inner = coeff
+    return Batch(d, coeff // inner, inner)
 
 
-def _propagate(gm: torch.fx.GraphModule, inputs: tuple) -> dict[str, list[tuple[int, ...]] | None]:
-    ShapeProp(gm).propagate(*inputs)
-    return {node.name: _leaf_shapes(node) for node in gm.graph.nodes}
+def batch_facts(gm: torch.fx.GraphModule) -> dict[Node, object]:
+    """Where every value of a captured graph carries the batch.
 
-
-def _double_batch(x: object) -> object:
-    return torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-
-
-def batch_facts(gm: torch.fx.GraphModule, inputs: tuple) -> dict[str, Facts | None]:
-    """Which values of ``gm`` carry the batch, from shape propagation at batch ``B`` and ``2B``.
-
-    Runs on a ``meta`` copy when possible (no compute, no change to ``gm``'s buffers or the RNG);
-    a model that creates tensors on a fixed device falls back to a real copy.
+    Returns:
+        For every node: a :class:`Batch`, ``FREE`` (a tensor without the batch), ``None`` (not a
+        tensor) or a list of these (ops returning several tensors).
 
     Raises:
-        FuseError: a value whose batch is not its leading dimension, naming the node.
+        FuseError: a value whose batch fusion cannot follow, naming the node.
     """
-    try:
-        probe = copy.deepcopy(gm).to("meta")
-        args = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-        small, big = _propagate(probe, args), _propagate(probe, tree_map(_double_batch, args))
-    except Exception:  # noqa: BLE001 - any failure on meta: retry for real
-        probe = copy.deepcopy(gm)
-        with torch.random.fork_rng():
-            small = _propagate(probe, inputs)
-            big = _propagate(probe, tree_map(_double_batch, inputs))
-    facts: dict[str, Facts | None] = {}
+    syms = batch_symbols(gm)
+    facts: dict[Node, object] = {}
     for node in gm.graph.nodes:
-        s1, s2 = small[node.name], big[node.name]
-        if not s1:
-            facts[node.name] = None
+        if node.op == "call_function" and node.target is operator.getitem:
+            src = facts.get(node.args[0])
+            facts[node] = src[node.args[1]] if isinstance(src, list) else None
             continue
-        kinds = {_batch_kind(a, b) for a, b in zip(s1, s2)}
-        if "moved" in kinds or (len(kinds) > 1 and node.op != "output"):
-            raise FuseError(
-                f"cannot fuse node '{node.name}' ({node.format_node()}): its batch dimension is "
-                f"not the leading one (shapes {s1} at the example batch size, {s2} at twice it). "
-                "Fusion stacks trials along the batch; keep the batch first (e.g. batch_first=True)"
-            )
-        facts[node.name] = Facts(s1, kinds == {"batched"})
+        facts[node] = _fact(node, node.meta.get("val"), syms, facts)
     return facts
 
 
-def _batch_kind(small: tuple[int, ...], big: tuple[int, ...]) -> str:
-    if small == big:
-        return "free"
-    if len(small) == len(big) and small[1:] == big[1:] and big[0] == 2 * small[0]:
-        return "batched"
-    return "moved"
+def mutated_targets(gm: torch.fx.GraphModule) -> set[str]:
+    """Buffers the graph writes in place: BatchNorm statistics, ``add_`` on a counter."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not _is_aten(node.target):
+            continue
+        written = []
+        if node.target is aten.batch_norm.default:
+            written = [node.args[3], node.args[4]]
+        elif node.target._schema.is_mutable:
+            written = [node.args[0]]
+        out |= {a.target for a in written if isinstance(a, Node) and a.op == "get_attr"}
+    return out
 
 
-# Ops that broadcast their tensor arguments elementwise (or over leading dims, like matmul): with a
-# trial-stacked argument they run once on an explicit trial dimension instead of under vmap.
-_BROADCASTING = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.neg,
-    operator.matmul, operator.iadd, operator.imul, torch.add, torch.sub, torch.mul, torch.div,
-    torch.matmul, torch.where, torch.maximum, torch.minimum, torch.exp, torch.tanh, torch.sigmoid,
-    torch.relu, torch.sqrt, torch.rsqrt, torch.abs, F.relu, F.gelu, F.silu, F.tanh, F.sigmoid,
-    "add", "sub", "mul", "div", "matmul", "masked_fill", "pow", "exp", "tanh", "sigmoid", "relu",
-    "sqrt", "rsqrt", "abs", "neg", "to", "float", "double", "type_as", "clone", "contiguous",
-}  # fmt: skip
-_ELEMENTWISE_MODULES = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity,
-)  # fmt: skip
-_MATMULS = {operator.matmul, torch.matmul, "matmul"}
-
-# Ops whose `dim` argument (at this position) would act across the batch if it were 0.
-_DIM_POSITION = {
-    "cat": 1, "concat": 1, "softmax": 1, "log_softmax": 1, "cumsum": 1, "cumprod": 1, "flip": 1,
-    "roll": 2, "sort": 1, "argsort": 1, "split": 2, "chunk": 2, "index_select": 1, "gather": 1,
-    "narrow": 1, "select": 1, "unbind": 1, "sum": 1, "mean": 1, "amax": 1, "amin": 1,
-}  # fmt: skip
-
-
-def _op_name(node: Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    return getattr(node.target, "__name__", str(node.target))
-
-
-def _dims_of(value: object) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
-        return list(value)
-    return []
-
-
-def _acts_on_batch_dim(node: Node, rank: int) -> bool:
-    """Whether the op names dimension 0 of a batched tensor of rank ``rank`` as a `dim`."""
-    dims = _dims_of(node.kwargs.get("dim", node.kwargs.get("dims")))
-    pos = _DIM_POSITION.get(_op_name(node))
-    if pos is not None and len(node.args) > pos:
-        dims += _dims_of(node.args[pos])
-    return any(d == 0 or d == -rank for d in dims)
-
-
-class VmapOp(nn.Module):
-    """Runs one op per trial under ``torch.func.vmap``: the fallback for ops without a fused form.
-
-    ``layouts`` gives, for every leaf of ``(args, kwargs)``, ``"F"`` (folded, unfolded to
-    ``[n, B, ...]`` and mapped), ``"T"`` (mapped) or ``None`` (passed to every trial as is).
-    """
-
-    def __init__(self, op: Callable | str, n: int, layouts: list, fold_out: bool) -> None:
-        super().__init__()
-        self.op, self.n, self.layouts, self.fold_out = op, n, layouts, fold_out
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        leaves, spec = tree_flatten((args, kwargs))
-        mapped = [i for i, lay in enumerate(self.layouts) if lay in ("F", "T")]
-
-        def one_trial(*xs: torch.Tensor) -> object:
-            values = list(leaves)
-            for i, x in zip(mapped, xs):
-                values[i] = x
-            a, k = tree_unflatten(values, spec)
-            if isinstance(self.op, str):
-                return getattr(a[0], self.op)(*a[1:], **k)
-            return self.op(*a, **k)
-
-        xs = [unfold(leaves[i], self.n) if self.layouts[i] == "F" else leaves[i] for i in mapped]
-        out = torch.func.vmap(one_trial, randomness="different")(*xs)
-        return tree_map(lambda t: t.flatten(0, 1), out) if self.fold_out else out
+# --- the rewrite --------------------------------------------------------------------------------
 
 
 def fuse_graph(
     template: torch.fx.GraphModule,
-    facts: dict[str, Facts | None],
     n: int,
     shared: bool,
-    fused_layers: dict[str, FusedModule],
-    tensors: dict[str, torch.Tensor],
-    shared_tensors: set[str],
+    tensors: Mapping[str, torch.Tensor],
+    shared_names: set[str],
+    literals: Mapping[str, Mapping[int, list[float]]],
 ) -> torch.fx.GraphModule:
-    """Rewrite one trial's graph into a graph that runs ``n`` trials.
+    """Rewrite one trial's captured graph into a graph that runs ``n`` trials.
 
     Args:
-        template: one trial's traced graph.
-        facts: :func:`batch_facts` of ``template`` for one trial's inputs.
+        template: one trial's captured graph (``hydro.fx.capture``).
         n: the number of trials.
         shared: inputs are one model's inputs fed to every trial (``True``), or carry a leading
             ``n`` with each trial's own batch (``False``).
-        fused_layers: the fused layer for every ``call_module`` target that has parameters.
-        tensors: the fused ``[n, ...]`` tensor for every ``get_attr`` target.
-        shared_tensors: ``get_attr`` targets equal for every trial (read as trial 0's value).
+        tensors: the stacked ``[n, ...]`` tensor for every parameter and buffer name.
+        shared_names: buffers equal in every trial (read once, as trial 0's).
+        literals: per node name, the arguments whose literal differs between trials (one value
+            per trial).
 
     Returns:
-        A ``GraphModule`` whose outputs all carry a leading trial dimension ``[n, ...]``.
+        A ``GraphModule`` called like the model, whose tensor outputs carry a leading ``[n]``.
 
     Raises:
         FuseError: naming the node that cannot be fused.
     """
-    rewriter = _Rewriter(template, facts, n, shared, fused_layers, tensors, shared_tensors)
+    rw = _Rewriter(template, n, shared, tensors, shared_names, literals)
     for node in template.graph.nodes:
-        rewriter.visit(node)
-    rewriter.graph.lint()
-    return torch.fx.GraphModule(rewriter.owners, rewriter.graph, "FusedGraph")
+        rw.visit(node)
+    rw.graph.lint()
+    gm = torch.fx.GraphModule(rw.owners, rw.graph, "FusedGraph")
+    gm._in_spec, gm._out_spec = template._in_spec, template._out_spec
+    return gm
 
 
 class _Rewriter:
-    """The state of one :func:`fuse_graph` run: one method per kind of node.
+    """The state of one :func:`fuse_graph` run: ``env`` maps old nodes to new ones, ``spec`` old
+    nodes to the layout spec of their new value (``ops.Spec``, or a list for several tensors)."""
 
-    ``env`` maps each old node to its new node, ``layout`` each old node to its new value's layout
-    (``"F"``, ``"T"``, ``"S"``, ``"SB"`` or ``None`` for non-tensors), ``owners`` collects the
-    modules and tensors the new graph refers to.
-    """
-
-    def __init__(self, template, facts, n, shared, fused_layers, tensors, shared_tensors):  # noqa: ANN001
-        self.template, self.facts, self.n, self.shared = template, facts, n, shared
-        self.fused_layers, self.tensors, self.shared_tensors = fused_layers, tensors, shared_tensors
+    def __init__(self, template, n, shared, tensors, shared_names, literals) -> None:  # noqa: ANN001
+        self.template, self.n, self.shared = template, n, shared
+        self.tensors, self.shared_names, self.literals = tensors, shared_names, literals
+        self.facts = batch_facts(template)
+        self.syms = batch_symbols(template)
         self.graph = torch.fx.Graph()
+        self.graph._codegen = template.graph._codegen
         self.env: dict[Node, Node] = {}
-        self.layout: dict[Node, str | None] = {}
+        self.spec: dict[Node, object] = {}
         self.owners: dict[str, object] = {}
         self._expanded: dict[Node, Node] = {}
+        device = next(iter(tensors.values())).device if tensors else None
+        self.device = device
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def rank(self, node: Node) -> int:
-        return len(self.facts[node.name].shapes[0])
+    def fn(self, f: object, *args: object, **kwargs: object) -> Node:
+        return self.graph.call_function(f, args, kwargs)
 
-    def method(self, name: str, *args: object) -> Node:
-        return self.graph.call_method(name, args)
+    def error(self, node: Node, why: str) -> FuseError:
+        return FuseError(f"cannot fuse node '{node.name}' ({node.format_node()}): {why}")
 
-    def folded(self, node: Node) -> Node:
-        """``node``'s new value, with a shared batched input expanded to layout F (once)."""
-        if self.layout[node] != "SB":
-            return self.env[node]
-        if node not in self._expanded:
-            grown = self.method("unsqueeze", self.env[node], 0)
-            grown = self.method("expand", grown, self.n, *([-1] * self.rank(node)))
-            self._expanded[node] = self.method("flatten", grown, 0, 1)
-        return self._expanded[node]
+    def out_spec(self, node: Node, fact: object = None, *, shared_ok: bool = False) -> object:
+        fact = self.facts[node] if fact is None else fact
+        if isinstance(fact, list):
+            return [self.out_spec(node, f, shared_ok=shared_ok) for f in fact]
+        if isinstance(fact, Batch):
+            return ("SB" if shared_ok else "F", fact.dim, fact.outer)
+        return None if fact is None else "?"
 
-    def copy(self, node: Node, convert: Callable[[Node], Node]) -> Node:
-        """``node`` in the new graph, its inputs mapped through ``convert``."""
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
-        return self.graph.create_node(node.op, node.target, args, kwargs)
+    def folded(self, a: Node) -> Node:
+        """``a``'s new value, a shared batched value expanded to a folded one (once)."""
+        spec = self.spec.get(a)
+        if not (isinstance(spec, tuple) and spec[0] == "SB"):
+            return self.env[a]
+        if a not in self._expanded:
+            self._expanded[a] = self.fn(ops.expand_shared, self.env[a], self.n, spec)
+        return self._expanded[a]
 
-    def out_layout(self, node: Node, inputs: set) -> str | None:
-        f = self.facts[node.name]
-        if f is None:
+    def literal(self, node: Node, pos: int) -> Node | None:
+        """A per-trial literal of ``node`` at ``pos`` as a ``[n]`` float64 tensor, or ``None``."""
+        values = self.literals.get(node.name, {}).get(pos)
+        if values is None:
             return None
-        if f.batched:
-            return "F"
-        if inputs & {"F", "SB"} and "T" not in inputs:
-            raise FuseError(
-                f"cannot fuse node '{node.name}' ({node.format_node()}): it reduces over the "
-                "batch dimension (or mixes samples of a batch), which would mix trials. Keep "
-                "reductions over the batch in the loss, outside the model"
-            )
-        return "T"
+        name = f"_hydro_literal_{node.name}_{pos}"
+        self.owners[name] = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.graph.get_attr(name)
+
+    def copy(self, node: Node, convert) -> Node:  # noqa: ANN001
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
+        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        new.meta = dict(node.meta)
+        return new
+
+    def kinds(self, found: list[Node]) -> set[str]:
+        out = set()
+        for a in found:
+            s = self.spec.get(a)
+            if isinstance(s, tuple):
+                out.add(s[0])
+        return out
 
     # --- nodes ------------------------------------------------------------------------------
 
@@ -280,149 +318,315 @@ class _Rewriter:
         if node.op in ("placeholder", "get_attr", "output"):
             getattr(self, node.op)(node)
             return
-        module = self.template.get_submodule(node.target) if node.op == "call_module" else None
-        if module is not None and node.target in self.fused_layers:
-            self.fused_layer(node, module)
-            return
-        if module is not None:
-            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
-                raise FuseError(
-                    f"cannot fuse node '{node.name}': module '{node.target}' "
-                    f"({type(module).__name__}) has parameters or buffers but no fused form"
-                )
-            self.owners[node.target] = module  # parameterless: an op like any other
+        if node.op != "call_function":
+            raise self.error(node, f"unexpected {node.op} node in a captured graph")
         found: list[Node] = []
         torch.fx.node.map_arg((node.args, node.kwargs), found.append)
-        inputs = {self.layout[a] for a in found} - {None}
-        if not inputs & {"F", "SB", "T"}:
+        kinds = self.kinds(found)
+        target = node.target
+        if target is operator.getitem:
+            src = self.spec.get(node.args[0])
             self.env[node] = self.copy(node, self.env.__getitem__)
-            self.layout[node] = None if self.facts[node.name] is None else "S"
-        elif "T" not in inputs:
-            self.batched_op(node, found)
-        elif node.target is F.linear and self._per_trial_linear(node):
-            self.functional_linear(node)
-        elif _broadcasts(node, module, [self.rank(a) for a in found if self.layout[a]]):
-            self.broadcast_op(node, found, inputs)
-        else:
-            self.vmap_op(node, module, inputs)
+            self.spec[node] = src[node.args[1]] if isinstance(src, list) else None
+            return
+        if target is aten.sym_size.int:
+            self.sym_size(node)
+            return
+        if not _is_aten(target):  # SymInt arithmetic, higher-order ops (no_grad, autocast)
+            self.plain(node, found, kinds)
+            return
+        if node.name in self.literals and target not in (
+            aten.dropout.default, aten.scaled_dot_product_attention.default,
+        ) and not _pointwise(target):  # fmt: skip
+            raise self.error(
+                node,
+                f"its arguments {sorted(self.literals[node.name])} differ between the trials "
+                "and this op has no per-trial form; make them equal in every model",
+            )
+        if _pointwise(target):
+            # the batch size used as a value (``x.sum() / B``), not as a shape: one trial's
+            saved = {a: self.env[a] for a in found if self._batch_size_value(a)}
+            for a in saved:
+                self.env[a] = self.fn(operator.floordiv, saved[a], self.n)
+            try:
+                self._dispatch(node, found, kinds)
+            finally:
+                self.env.update(saved)
+            return
+        self._dispatch(node, found, kinds)
+
+    def _batch_size_value(self, a: Node) -> bool:
+        val = a.meta.get("val")
+        if not isinstance(val, torch.SymInt) or self.spec.get(a) is not None:
+            return False
+        return bool(val.node.expr.free_symbols & self.syms)
+
+    def _dispatch(self, node: Node, found: list[Node], kinds: set) -> None:
+        target = node.target
+        handler = _HANDLERS.get(target)
+        if handler is not None and handler(self, node, found, kinds):
+            return
+        if kinds & {"T"} or node.name in self.literals:
+            if _pointwise(target):
+                self.pointwise(node, found)
+            elif not kinds & {"F", "SB"} and self.trial_structural(node):
+                pass
+            else:
+                self.vmap(node, found)
+            return
+        if kinds & {"F", "SB"}:
+            self.batched(node, found, kinds)
+            return
+        self.env[node] = self.copy(node, self.env.__getitem__)
+        self.spec[node] = self.out_spec(node)
+        if self.spec[node] == "?":
+            self.spec[node] = ("S",)
+        self._fix_free(node)
+
+    def _fix_free(self, node: Node) -> None:
+        s = self.spec[node]
+        if s == "?":
+            self.spec[node] = ("S",)
+        elif isinstance(s, list):
+            self.spec[node] = [("S",) if x == "?" else x for x in s]
 
     def placeholder(self, node: Node) -> None:
-        default = node.args[0] if node.args else inspect.Signature.empty
+        default = node.args[0] if node.args else torch.fx.node.inspect.Signature.empty
         new = self.graph.placeholder(node.target, default_value=default)
-        f = self.facts[node.name]
-        if f is None:
-            self.env[node], self.layout[node] = new, None
-        elif not self.shared:  # [n, B, ...]: each trial's own batch, folded
-            self.env[node], self.layout[node] = self.method("flatten", new, 0, 1), "F"
+        fact = self.facts[node]
+        if fact is None:
+            self.env[node], self.spec[node] = new, None
+        elif not self.shared:  # [n, B, ...] each trial's own batch, folded / [n, ...]
+            if isinstance(fact, Batch):
+                self.env[node] = self.graph.call_method("flatten", (new, 0, 1))
+                self.spec[node] = ("F", 0, 1)
+            else:
+                self.env[node], self.spec[node] = new, ("T",)
         else:
-            self.env[node], self.layout[node] = new, ("SB" if f.batched else "S")
+            self.env[node] = new
+            self.spec[node] = ("SB", 0, 1) if isinstance(fact, Batch) else ("S",)
 
     def get_attr(self, node: Node) -> None:
         new = self.graph.get_attr(node.target)
-        if node.target not in self.tensors:  # a constant the tracer made (not a weight): shared
-            self.owners[node.target] = getattr(self.template, node.target)
-            self.env[node], self.layout[node] = new, "S"
+        if node.target in self.tensors:
+            self.owners[node.target] = self.tensors[node.target]
+            if node.target in self.shared_names:
+                self.env[node] = self.fn(operator.getitem, new, 0)
+                self.spec[node] = ("S",)
+            else:
+                self.env[node], self.spec[node] = new, ("T",)
             return
-        self.owners[node.target] = self.tensors[node.target]
-        if node.target in self.shared_tensors:
-            self.env[node] = self.graph.call_function(operator.getitem, (new, 0))
-            self.layout[node] = "S"
-        else:
-            self.env[node], self.layout[node] = new, "T"
+        value = _get(self.template, node.target)
+        self.owners[node.target] = value
+        self.env[node] = new
+        self.spec[node] = ("S",) if isinstance(value, torch.Tensor) else None
 
     def output(self, node: Node) -> None:
         def with_trials(a: Node) -> Node:
-            if self.layout[a] == "F":
-                return self.method("unflatten", self.env[a], 0, (self.n, -1))
-            if self.layout[a] in ("S", "SB"):
-                grown = self.method("unsqueeze", self.env[a], 0)
-                return self.method("expand", grown, self.n, *([-1] * self.rank(a)))
+            s = self.spec.get(a)
+            if not isinstance(s, tuple):
+                return self.env[a]
+            if s[0] == "F":
+                return self.fn(ops.to_trials, self.env[a], self.n, s)
+            if s[0] in ("S", "SB"):
+                v = self.env[a]
+                rank = a.meta["val"].dim()
+                grown = self.graph.call_method("unsqueeze", (v, 0))
+                return self.graph.call_method("expand", (grown, self.n, *([-1] * rank)))
             return self.env[a]
 
         self.graph.output(torch.fx.node.map_arg(node.args[0], with_trials))
 
-    def fused_layer(self, node: Node, module: nn.Module) -> None:
-        """A layer with parameters: call its fused form with its input's layout.
-
-        Its main input may stay shared (the layer then returns ``[n, ...]``, folded here when it
-        carries the batch); attention and any extra tensor inputs (masks) are folded.
-        """
-        self.owners[node.target] = self.fused_layers[node.target]
-        x = node.args[0]
-        keep_shared = not isinstance(module, nn.MultiheadAttention)
-        in_layout = self.layout[x]
-        if in_layout == "SB":
-            in_layout = "S" if keep_shared else "F"
-
-        def convert(a: Node) -> Node:
-            if a is x and keep_shared:
-                return self.env[a]
-            return self.folded(a)
-
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
-        new = self.graph.call_module(node.target, args, {**kwargs, "layout": in_layout})
-        if in_layout == "S":
-            out = "F" if self.facts[node.name].batched else "T"
-            if out == "F":
-                new = self.method("flatten", new, 0, 1)
+    def sym_size(self, node: Node) -> None:
+        x, d = node.args
+        s = self.spec[x]
+        if s and s[0] == "T":
+            self.env[node] = self.fn(aten.sym_size.int, self.env[x], d + 1 if d >= 0 else d)
         else:
-            out = self.out_layout(node, {in_layout})
-        self.env[node], self.layout[node] = new, out
+            self.env[node] = self.copy(node, self.env.__getitem__)
+            rank = x.meta["val"].dim()
+            if s and s[0] == "SB" and d % rank == s[1]:
+                self.env[node] = self.fn(ops.shared_size, self.env[node], self.n)
+        self.spec[node] = None
 
-    def _per_trial_linear(self, node: Node) -> bool:
-        x, weight, bias = _linear_args(node)
-        return (
-            isinstance(x, Node)
-            and self.layout[x] in ("F", "SB", "S")
-            and isinstance(weight, Node)
-            and self.layout[weight] == "T"
-            and self.rank(weight) == 2
-            and (bias is None or isinstance(bias, Node) and self.layout[bias] == "T")
-        )
-
-    def functional_linear(self, node: Node) -> None:
-        """``F.linear(x, w, b)`` with a per-trial weight: the fused linear op."""
-        x, weight, bias = _linear_args(node)
-        in_layout = {"SB": "S"}.get(self.layout[x], self.layout[x])
-        args = (self.env[x], self.env[weight], None if bias is None else self.env[bias])
-        new = self.graph.call_function(trial_linear, args, {"layout": in_layout})
-        out = "F" if self.facts[node.name].batched else "T"
-        if in_layout == "S" and out == "F":
-            new = self.method("flatten", new, 0, 1)
-        self.env[node], self.layout[node] = new, out
-
-    def batched_op(self, node: Node, found: list[Node]) -> None:
-        """Folded (and shared) operands only: the op runs unchanged on ``[n * B, ...]``."""
-        for a in found:
-            if self.layout[a] in ("F", "SB") and _acts_on_batch_dim(node, self.rank(a)):
-                raise FuseError(
-                    f"cannot fuse node '{node.name}' ({node.format_node()}): it works along the "
-                    "batch dimension (dim 0), which would mix trials"
-                )
-        self.layout[node] = self.out_layout(node, {self.layout[a] for a in found})
+    def plain(self, node: Node, found: list[Node], kinds: set) -> None:
+        """Python-level nodes: SymInt arithmetic, and higher-order ops over parameter-free
+        subgraphs (``no_grad``, ``autocast`` regions), which run as they are on folded values."""
+        if "T" in kinds:
+            raise self.error(
+                node,
+                "a no_grad/autocast region reads per-trial parameters; fusion cannot rewrite "
+                "inside it. Move the parameter use out of the region",
+            )
         self.env[node] = self.copy(node, self.folded)
+        shared_ok = False
+        self.spec[node] = self.out_spec(node, shared_ok=shared_ok)
+        self._fix_free(node)
 
-    def broadcast_op(self, node: Node, found: list[Node], inputs: set) -> None:
-        """Trial-stacked operands of an elementwise op or matmul: lift every per-trial operand
-        to ``[n, 1, ..., *its shape]`` (folded ones to ``[n, B, ...]``) and broadcast."""
-        out = self.out_layout(node, inputs)
-        top = max(self.rank(a) for a in found if self.layout[a] is not None)
+    def batched(self, node: Node, found: list[Node], kinds: set) -> None:
+        """Folded and shared operands only: the op runs unchanged on ``[n * B, ...]``."""
+        keeps_shared = (
+            kinds <= {"SB", "S"}
+            and not _random(node.target)
+            and all(isinstance(self.spec.get(a), tuple) for a in found)
+        )
+        if not keeps_shared:
+            self._check_batch_dim(node, found)
+        fact = self.facts[node]
+        if not keeps_shared and "F" in kinds | ({"F"} if "SB" in kinds else set()):
+            if fact == FREE or (isinstance(fact, list) and FREE in fact):
+                if node.target in _LOSSES or _full_reduction(node):
+                    self.trial_reduction(node, found)
+                    return
+                raise self.error(
+                    node,
+                    "it reduces over the batch (or mixes the samples of a batch), which would mix "
+                    "trials. Reduce over the batch only in the loss (a full mean/sum or a loss "
+                    "function), or outside the model",
+                )
+        convert = self.env.__getitem__ if keeps_shared else self.folded
+        self.env[node] = self.copy(node, convert)
+        self.spec[node] = self.out_spec(node, shared_ok=keeps_shared)
+        self._fix_free(node)
 
-        def lift(a: Node) -> Node:
-            if self.layout[a] in (None, "S"):
-                return self.env[a]
-            v = self.folded(a)
-            if self.layout[a] in ("F", "SB"):
-                v = self.method("unflatten", v, 0, (self.n, -1))
-            for _ in range(top - self.rank(a)):
-                v = self.method("unsqueeze", v, 1)
-            return v
+    def _check_batch_dim(self, node: Node, found: list[Node]) -> None:
+        name = node.target._overloadpacket.__name__
+        if node.target is aten.index.Tensor:
+            x, indices = node.args[0], node.args[1]
+            s = self.spec.get(x)
+            if isinstance(s, tuple) and s[0] in ("F", "SB") and len(indices) > s[1]:
+                idx = indices[s[1]]
+                if idx is not None and self.spec.get(idx, ("S",))[0] not in ("F", "SB"):
+                    raise self.error(node, "it indexes the batch dimension, mixing trials")
+            return
+        if name not in _MIXING:
+            return
+        schema = node.target._schema
+        x = node.args[0]
+        tensors = x if isinstance(x, (list, tuple)) else [x]
+        for t in tensors:
+            s = self.spec.get(t)
+            if not (isinstance(t, Node) and isinstance(s, tuple) and s[0] in ("F", "SB")):
+                continue
+            rank = t.meta["val"].dim()
+            for i, arg in enumerate(schema.arguments):
+                if arg.name not in ("dim", "dims"):
+                    continue
+                value = _arg(node, i, arg.name)
+                dims = value if isinstance(value, (list, tuple)) else [value]
+                if not any(isinstance(v, int) and rank and v % rank == s[1] for v in dims):
+                    continue
+                if name == "slice" and _full_slice(node):
+                    continue
+                raise self.error(node, "it works along the batch dimension, which would mix trials")
 
-        new = self.copy(node, lift)
-        self.env[node] = self.method("flatten", new, 0, 1) if out == "F" else new
-        self.layout[node] = out
+    def trial_reduction(self, node: Node, found: list[Node]) -> None:
+        """A full reduction or a loss of folded values: one result per trial, ``[n]``."""
+        target = node.target
+        if target in _LOSSES:
+            red_pos, tgt_pos, ii_pos, w_pos = _LOSSES[target]
+            schema = target._schema.arguments
+            args = [
+                _arg(node, i, a.name, a.default_value if a.has_default_value() else None)
+                for i, a in enumerate(schema)
+            ]
+            reduction = args[red_pos]
+            args[red_pos] = 0
+            ignore = args[ii_pos] if ii_pos is not None else None
+            weight_pos = w_pos if (w_pos is not None and args[w_pos] is not None) else None
+            specs = [self.spec.get(a) if isinstance(a, Node) else None for a in args]
+            new_args = [self.env[a] if isinstance(a, Node) else a for a in args]
+            self.env[node] = self.fn(
+                ops.trial_loss_op, target, self.n, specs, reduction, ignore, tgt_pos, weight_pos,
+                *new_args,
+            )  # fmt: skip
+        else:
+            x = node.args[0]
+            kind = target._overloadpacket.__name__
+            self.env[node] = self.fn(ops.trial_reduce, kind, self.env[x], self.n, self.spec[x])
+        self.spec[node] = ("T",)
 
-    def vmap_op(self, node: Node, module: nn.Module | None, inputs: set) -> None:
+    def pointwise(self, node: Node, found: list[Node]) -> None:
+        """A broadcasting op with per-trial operands: once over an explicit trial dimension."""
+        val = node.meta["val"]
+        rank = val.dim() if isinstance(val, torch.Tensor) else 0
+        args = list(node.args)
+        specs: list = []
+        new_args: list = []
+        for i, a in enumerate(args):
+            lit = self.literal(node, i)
+            if lit is not None:
+                lit = self.graph.call_method("to", (lit, val.dtype))
+                new_args.append(lit)
+                specs.append(("T",))
+            elif isinstance(a, Node):
+                new_args.append(self.env[a])
+                specs.append(self.spec.get(a))
+            else:
+                new_args.append(a)
+                specs.append(None)
+        fact = self.facts[node]
+        out = ("F", fact.dim, fact.outer) if isinstance(fact, Batch) else ("T",)
+        kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
+        self.env[node] = self.graph.call_function(
+            ops.pointwise, (node.target, self.n, specs, out, rank, *new_args), kwargs
+        )
+        self.spec[node] = out
+
+    def trial_structural(self, node: Node) -> bool:
+        """Shape ops on per-trial values (no batch): the same op one dimension further in."""
+        x = node.args[0]
+        if not isinstance(x, Node) or self.spec.get(x) != ("T",):
+            return False
+        rank = x.meta["val"].dim()
+        target = node.target
+        rest = list(torch.fx.node.map_arg(tuple(node.args[1:]), self.env.__getitem__))
+        new_x = self.env[x]
+        fact = self.facts[node]
+        if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            args = (new_x, [self.n, *rest[0]])
+        elif target is aten.expand.default:
+            if isinstance(fact, Batch):  # a per-trial value grown to the batch (a CLS token)
+                self.env[node] = self.fn(_trial_expand, new_x, rest[0], self.n, fact.dim,
+                                         ("F", fact.dim, fact.outer))  # fmt: skip
+                self.spec[node] = ("F", fact.dim, fact.outer)
+                return True
+            args = (new_x, [-1, *rest[0]])
+        elif target is aten.permute.default:
+            args = (new_x, [0, *[d % rank + 1 for d in rest[0]]])
+        elif target is aten.t.default:
+            args = (new_x, -2, -1) if rank == 2 else (new_x, 0, 0)
+            target = aten.transpose.int
+        elif target is aten.index.Tensor:
+            if any(isinstance(i, Node) and self.spec.get(i) != ("S",) for i in node.args[1]):
+                return False
+            idx = [None, *rest[0]]
+            args = (new_x, idx)
+        elif target._overloadpacket.__name__ in _SHIFTABLE:
+            if any(isinstance(a, Node) for a in rest) or isinstance(fact, Batch):
+                return False
+            names = [a.name for a in target._schema.arguments]
+            shifted = []
+            for i, a in enumerate(rest, start=1):
+                if names[i] in ("dim", "dim0", "dim1", "start_dim", "end_dim", "dims"):
+                    a = _shift(a)
+                shifted.append(a)
+            args = (new_x, *shifted)
+            if node.kwargs:
+                return False
+        elif target in (aten.sum.default, aten.mean.default):
+            self.env[node] = self.fn(ops.trial_reduce, target._overloadpacket.__name__, new_x,
+                                     self.n, ("T",))  # fmt: skip
+            self.spec[node] = ("T",)
+            return True
+        else:
+            return False
+        self.env[node] = self.graph.call_function(target, tuple(args), dict(node.kwargs))
+        spec = self.out_spec(node)
+        self.spec[node] = [("T",)] * len(spec) if isinstance(spec, list) else ("T",)
+        return True
+
+    def vmap(self, node: Node, found: list[Node]) -> None:
         """Anything else with per-trial operands: ``torch.func.vmap`` over the trials."""
         logger.warning(
             "hydro.fuse: node '%s' (%s) has no fused form for per-trial operands; running it "
@@ -430,29 +634,261 @@ class _Rewriter:
             node.name,
             node.format_node(),
         )
-        out = self.out_layout(node, inputs)
-        leaves, _ = tree_flatten((list(node.args), dict(node.kwargs)))
-        lays = [self.layout[a] if isinstance(a, Node) else None for a in leaves]
-        lays = [{"SB": "F"}.get(lay, lay) if lay in ("F", "SB", "T") else None for lay in lays]
+        leaves, treespec = tree_flatten((list(node.args), dict(node.kwargs)))
+        specs = []
+        for a in leaves:
+            s = self.spec.get(a) if isinstance(a, Node) else None
+            specs.append(s if isinstance(s, tuple) and s[0] != "S" else None)
+        out = self.out_spec(node)
+        outs = out if isinstance(out, list) else [out]
+        outs = [("T",) if o == "?" else o for o in outs]
         name = f"_hydro_vmap_{node.name}"
-        op = module if module is not None else node.target
-        self.owners[name] = VmapOp(op, self.n, lays, out == "F")
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.folded)
-        self.env[node] = self.graph.call_module(name, args, kwargs)
-        self.layout[node] = out
+        self.owners[name] = _VmapOp(node.target, self.n, specs, outs, treespec)
+        new = [self.env[a] if isinstance(a, Node) else a for a in leaves]
+        self.env[node] = self.graph.call_module(name, tuple(new))
+        self.spec[node] = outs if isinstance(out, list) else outs[0]
 
 
-def _linear_args(node: Node) -> tuple[object, object, object]:
-    """``(input, weight, bias)`` of an ``F.linear`` call, positional or keyword."""
-    names = ("input", "weight", "bias")
-    values = list(node.args) + [node.kwargs.get(k) for k in names[len(node.args) :]]
-    return values[0], values[1], values[2] if len(values) > 2 else None
+class _VmapOp(torch.nn.Module):
+    """Calls :func:`ops.vmap_call` for one node (holds what a graph argument cannot)."""
+
+    def __init__(self, op, n, specs, outs, treespec) -> None:  # noqa: ANN001
+        super().__init__()
+        self.op, self.n, self.specs, self.outs, self.treespec = op, n, specs, outs, treespec
+
+    def forward(self, *leaves: object) -> object:
+        return ops.vmap_call(self.op, self.n, self.specs, self.outs, self.treespec, *leaves)
 
 
-def _broadcasts(node: Node, module: nn.Module | None, ranks: list[int]) -> bool:
-    """Whether the op broadcasts its operands (elementwise, or a matmul of matrices)."""
-    if module is not None:
-        return isinstance(module, _ELEMENTWISE_MODULES)
-    if node.target in _MATMULS:
-        return min(ranks) >= 2  # 1-d operands of matmul do not broadcast like batches
-    return node.target in _BROADCASTING
+_SHIFTABLE = {
+    "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind",
+    "transpose", "softmax", "log_softmax", "flatten", "unflatten", "narrow", "cumsum", "sum",
+    "mean", "amax", "amin", "movedim", "diagonal",
+}  # fmt: skip
+
+
+def _shift(dim: object) -> object:
+    if isinstance(dim, (list, tuple)):
+        return [_shift(d) for d in dim]
+    return dim + 1 if isinstance(dim, int) and dim >= 0 else dim
+
+
+def _trial_expand(t: torch.Tensor, sizes, n: int, dim: int, spec) -> torch.Tensor:  # noqa: ANN001
+    per = list(sizes)
+    per[dim] = per[dim] // n
+    missing = len(per) - (t.dim() - 1)  # expand may add leading dimensions
+    t = t.view(n, *([1] * missing), *t.shape[1:]) if missing > 0 else t
+    return ops.settle(t.expand(n, *per), spec)
+
+
+def _get(root: torch.nn.Module, path: str) -> object:
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _full_slice(node: Node) -> bool:
+    start = _arg(node, 2, "start", None)
+    end = _arg(node, 3, "end", None)
+    step = _arg(node, 4, "step", 1)
+    return (
+        start in (None, 0)
+        and (end is None or isinstance(end, Node) or end >= 2**62)
+        and (step == 1)
+    )
+
+
+def _full_reduction(node: Node) -> bool:
+    t = node.target
+    if t in (aten.sum.default, aten.mean.default):
+        return True
+    if t in (aten.sum.dim_IntList, aten.mean.dim):
+        dims = _arg(node, 1, "dim", None)
+        keep = _arg(node, 2, "keepdim", False)
+        rank = node.args[0].meta["val"].dim()
+        return not keep and (not dims or {d % rank for d in dims} == set(range(rank)))
+    return False
+
+
+# --- handlers of ops with fused forms -------------------------------------------------------------
+
+
+def _linear(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    t = node.target
+    if t is aten.linear.default:
+        x, w, b = node.args[0], node.args[1], _arg(node, 2, "bias")
+        transposed = True
+    elif t is aten.addmm.default:
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return False
+        b, x, w = node.args[:3]
+        transposed = False
+    elif t in (aten.mm.default, aten.matmul.default):
+        x, w, b = node.args[0], node.args[1], None
+        transposed = False
+    else:
+        return False
+    ws = rw.spec.get(w)
+    if not (isinstance(ws, tuple) and ws[0] == "T" and w.meta["val"].dim() == 2):
+        return False
+    if b is not None and rw.spec.get(b) != ("T",):
+        return False
+    xs = rw.spec.get(x)
+    if not isinstance(xs, tuple) or xs[0] not in ("F", "SB", "S", "T"):
+        return False
+    out = rw.out_spec(node)
+    out = ("T",) if out == "?" else out
+    bias = None if b is None else rw.env[b]
+    rw.env[node] = rw.fn(ops.trial_linear, rw.env[x], rw.env[w], bias, rw.n, xs, out, transposed)
+    rw.spec[node] = out
+    return True
+
+
+def _embedding(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    w, ids = node.args[0], node.args[1]
+    if rw.spec.get(w) != ("T",):
+        return False
+    if _arg(node, 3, "scale_grad_by_freq", False) or _arg(node, 4, "sparse", False):
+        raise rw.error(node, "embeddings with scale_grad_by_freq or sparse have no fused form")
+    pad = _arg(node, 2, "padding_idx", -1)
+    out = rw.out_spec(node)
+    out = ("T",) if out == "?" else out
+    rw.env[node] = rw.fn(ops.trial_embedding, rw.env[w], rw.env[ids], pad, rw.n,
+                         rw.spec.get(ids), out)  # fmt: skip
+    rw.spec[node] = out
+    return True
+
+
+def _norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    if "T" not in kinds:
+        return False
+    layer = node.target is aten.layer_norm.default
+    x, shape = node.args[0], node.args[1]
+    w = _arg(node, 2, "weight")
+    b = _arg(node, 3, "bias") if layer else None
+    eps = _arg(node, 4 if layer else 3, "eps", 1e-5 if layer else None)
+    if rw.spec.get(x) == ("T",) and x in found and rw.spec[x][0] == "T":
+        pass
+    out = rw.out_spec(node)
+    out = ("T",) if out == "?" else out
+    rank = node.meta["val"].dim()
+    rw.env[node] = rw.fn(
+        ops.trial_norm, "layer" if layer else "rms", rw.env[x], shape,
+        None if w is None else rw.env[w], None if b is None else rw.env[b], eps, rw.n,
+        rw.spec.get(x), None if w is None else rw.spec[w], None if b is None else rw.spec[b],
+        out, rank,
+    )  # fmt: skip
+    rw.spec[node] = out
+    return True
+
+
+def _batched_input(rw: _Rewriter, node: Node, x: Node, what: str) -> tuple:
+    s = rw.spec.get(x)
+    if not (isinstance(s, tuple) and s[0] in ("F", "SB") and s[1] == 0 and s[2] == 1):
+        raise rw.error(node, f"{what} needs the batch as the leading dimension of its input")
+    return s
+
+
+def _group_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    if "T" not in kinds:
+        return False
+    x, groups = node.args[0], node.args[1]
+    w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
+    eps = _arg(node, 4, "eps", 1e-5)
+    s = _batched_input(rw, node, x, "group_norm")
+    rw.env[node] = rw.fn(ops.trial_group_norm, rw.env[x], groups,
+                         None if w is None else rw.env[w], None if b is None else rw.env[b],
+                         eps, rw.n, s)  # fmt: skip
+    rw.spec[node] = ("F", 0, 1)
+    return True
+
+
+def _batch_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    x, w, b, rm, rv, training, momentum, eps = node.args[:8]
+    s = _batched_input(rw, node, x, "batch_norm")
+    for a in (w, b, rm, rv):
+        if a is not None and rw.spec.get(a) != ("T",):
+            raise rw.error(node, "BatchNorm parameters and statistics must be per trial")
+    args = [None if a is None else rw.env[a] for a in (w, b, rm, rv)]
+    rw.env[node] = rw.fn(ops.trial_batch_norm, rw.env[x], *args, training, momentum, eps,
+                         rw.n, s)  # fmt: skip
+    rw.spec[node] = ("F", 0, 1)
+    return True
+
+
+def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    w = node.args[1]
+    if rw.spec.get(w) != ("T",):
+        return False
+    x = node.args[0]
+    s = _batched_input(rw, node, x, "a convolution")
+    dims = {
+        aten.conv1d.default: 1,
+        aten.conv2d.default: 2,
+        aten.conv3d.default: 3,
+        aten.conv1d.padding: 1,
+        aten.conv2d.padding: 2,
+        aten.conv3d.padding: 3,
+    }[node.target]
+    b = _arg(node, 2, "bias")
+    k = dims
+    stride = _arg(node, 3, "stride", [1] * k)
+    padding = _arg(node, 4, "padding", [0] * k)
+    dilation = _arg(node, 5, "dilation", [1] * k)
+    groups = _arg(node, 6, "groups", 1)
+    rw.env[node] = rw.fn(ops.trial_conv, dims, rw.env[x], rw.env[w],
+                         None if b is None else rw.env[b], stride, padding, dilation, groups,
+                         rw.n, s)  # fmt: skip
+    rw.spec[node] = ("F", 0, 1)
+    return True
+
+
+def _dropout(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    p = rw.literal(node, 1)
+    x = node.args[0]
+    if p is None or "T" in kinds:
+        return False
+    s = rw.spec.get(x)
+    if s[0] == "SB":
+        s = ("F", s[1], s[2])
+    rw.env[node] = rw.fn(ops.trial_dropout, rw.folded(x), p, node.args[2], rw.n, s)
+    rw.spec[node] = s
+    return True
+
+
+def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    p = rw.literal(node, 4)
+    if p is None or "T" in kinds:
+        return False
+    q, k, v = node.args[:3]
+    mask = _arg(node, 3, "attn_mask")
+    s = rw.out_spec(node)
+    rw.env[node] = rw.fn(
+        ops.trial_attention, rw.folded(q), rw.folded(k), rw.folded(v),
+        None if mask is None else rw.folded(mask), p, _arg(node, 5, "is_causal", False),
+        _arg(node, 6, "scale"), _arg(node, 7, "enable_gqa", False), rw.n, s,
+    )  # fmt: skip
+    rw.spec[node] = s
+    return True
+
+
+_HANDLERS = {
+    aten.linear.default: _linear,
+    aten.addmm.default: _linear,
+    aten.mm.default: _linear,
+    aten.matmul.default: _linear,
+    aten.embedding.default: _embedding,
+    aten.layer_norm.default: _norm,
+    aten.rms_norm.default: _norm,
+    aten.group_norm.default: _group_norm,
+    aten.batch_norm.default: _batch_norm,
+    aten.conv1d.default: _conv,
+    aten.conv2d.default: _conv,
+    aten.conv3d.default: _conv,
+    aten.conv1d.padding: _conv,
+    aten.conv2d.padding: _conv,
+    aten.conv3d.padding: _conv,
+    aten.dropout.default: _dropout,
+    aten.scaled_dot_product_attention.default: _attention,
+}

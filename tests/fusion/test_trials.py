@@ -219,16 +219,19 @@ def test_per_trial_parameter_op_falls_back_to_vmap(caplog) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.randn(3, 5))
+            self.bil = nn.Bilinear(3, 3, 2)  # aten.bilinear has no fused form -> vmap
 
         def forward(self, x):
-            return x @ self.w.t()  # .t() of a per-trial weight: no fused form -> vmap
+            h = x @ self.w.t()  # .t() of a per-trial weight, then a matmul: fused
+            return self.bil(h, h)
 
     models = [Odd().double() for _ in range(3)]
     fused = fuse([copy.deepcopy(m) for m in models])
     x = torch.randn(7, 5, dtype=torch.float64)
     with caplog.at_level(logging.WARNING, logger="hydro.fusion"):
         out = fused(x)
-    assert "vmap" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if "vmap" in r.getMessage()]
+    assert len(warned) == 1 and "node 'bilinear'" in warned[0]
     for k, m in enumerate(models):
         torch.testing.assert_close(out[k], m(x), rtol=1e-12, atol=1e-12)
 
@@ -247,16 +250,16 @@ def test_fuse_errors_name_the_node() -> None:
     with pytest.raises(FuseError, match="mean"):
         fused(torch.randn(3, 4))
 
-    class Custom(nn.Module):  # a parametrized leaf without a fused form
+    class Pick(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bil = nn.Bilinear(4, 4, 2)
+            self.fc = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.bil(x, x)
+            return self.fc(x)[1:]  # drops a sample: along the batch
 
-    with pytest.raises(FuseError, match="bil"):
-        fuse([Custom(), Custom()])(torch.randn(3, 4))
+    with pytest.raises(FuseError, match="slice"):
+        fuse([Pick(), Pick()])(torch.randn(3, 4))
     with pytest.raises(FuseError):
         fuse([MLP(width=16), MLP(width=32)])
 
