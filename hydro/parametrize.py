@@ -363,6 +363,7 @@ class _InitSource:
 READOUT = "mup_readout"
 
 
+
 def _insert_readout_multipliers(
     sur, plan, node_map, readouts, info: SurrogateInfo, always: bool = False
 ) -> None:  # noqa: ANN001
@@ -395,6 +396,9 @@ def _insert_readout_multipliers(
         with graph.inserting_before(new):
             scale = graph.get_attr(f"{names[value]}.scale")
             scaled = graph.call_function(torch.ops.aten.mul.Tensor, (act, scale))
+        if "val" in act.meta:  # same shape as its input: later passes read it (fusion's batch)
+            scaled.meta["val"] = act.meta["val"]
+            scale.meta["val"] = sur.get_buffer(f"{names[value]}.scale")
         new.update_arg(act_index, scaled)
         changed.add(graph)
     for gm in sur.graphs.values():

@@ -13,7 +13,8 @@ from torch import nn
 
 import hydro
 from hydro.errors import ConfigError, DataError, FuseError, HydroWarning, ModelError, StudyError
-from hydro.integrations.optuna import _INTERRUPTED, _progress
+from hydro.integrations.optuna import _INTERRUPTED
+from hydro.tuning.progress import postfix
 from hydro.tuning.report import trial_counts
 from hydro.tuning.tune import export
 
@@ -147,8 +148,7 @@ def test_interrupted_trials_are_neither_finished_nor_failed(tmp_path, capsys):
     assert data["provenance"]["trials_finished"] == 4
     assert data["provenance"]["trials"] == {"complete": 2, "pruned": 1, "failed": 1,
                                             "interrupted": 2}  # fmt: skip
-    _progress(study, 8, 0.0)
-    line = capsys.readouterr().err
+    line = postfix(study)
     assert "failed 1" in line and "interrupted 2" in line
     states = [r["state"] for r in hydro.TuneResult(study, 8).trials]
     assert states.count("INTERRUPTED") == 2 and states.count("FAIL") == 1

@@ -194,7 +194,7 @@ class FusedModel(nn.Module):
         cache = (key, mode, shared)
         if cache not in self._graphs:
             for g in graphs:
-                g[mode].graph.eliminate_dead_code()
+                _drop_dead_nodes(g[mode].graph)
                 g[mode].recompile()
             members = [graphs[i][mode] for i in self._member]
             template = _template(members)
@@ -534,6 +534,18 @@ def fuse(
     if example_inputs is not None or example_kwargs is not None:
         fused.capture(tuple(example_inputs or ()), example_kwargs)
     return fused
+
+
+def _drop_dead_nodes(graph: torch.fx.Graph) -> None:
+    """Remove nodes whose values nothing uses (an unused loss, say), keeping side effects.
+
+    Like ``Graph.eliminate_dead_code`` without its lint, which would look for the parameters
+    on the graph's own module: a captured graph reads them from the :class:`Captured` it runs
+    with.
+    """
+    for node in reversed(graph.nodes):
+        if node.op not in ("placeholder", "output") and not node.users and not node.is_impure():
+            graph.erase_node(node)
 
 
 def trial_loss(

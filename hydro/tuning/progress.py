@@ -48,8 +48,7 @@ class Progress:
             return
         self._last = now
         done = min(self.finished(self.study), self.bar.total)
-        best = best_value(self.study)
-        self.bar.set_postfix_str("best " + ("-" if best is None else f"{best:.4g}"), refresh=False)
+        self.bar.set_postfix_str(postfix(self.study), refresh=False)
         self.bar.update(done - self.bar.n)
         self.bar.refresh()
 
@@ -58,6 +57,18 @@ class Progress:
         self.update()
         self.bar.close()
         print(top_table(self.study), file=self.file, flush=True)
+
+
+def postfix(study: optuna.Study) -> str:
+    """The bar's text after the count: the best value so far, and the trials that did not
+    finish well (an interrupted trial, asked again, is not a failure)."""
+    from hydro.tuning.report import trial_counts
+
+    best = best_value(study)
+    counts = trial_counts(study)
+    parts = ["best " + ("-" if best is None else f"{best:.4g}")]
+    parts += [f"{key} {counts[key]}" for key in ("pruned", "failed", "interrupted") if counts[key]]
+    return ", ".join(parts)
 
 
 def best_value(study: optuna.Study) -> float | None:
