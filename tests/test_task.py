@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import hydro
-from hydro.errors import DataError, FuseError, ModelError
+from hydro.errors import DataError, ModelError
 
 SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
 
@@ -76,10 +76,6 @@ def test_batches_are_dicts_and_split_by_target_key():
     assert args == () and set(kwargs) == {"input_ids", "attention_mask"}
     assert torch.equal(target, batch["labels"])
     assert [task.batch_len(b) for b in task.val_batches(40)] == [40, 40, 16]
-    # positional order for capture follows forward's signature, whatever the dict's order
-    shuffled = {k: d[k][:2] for k in ("attention_mask", "labels", "input_ids")}
-    example = task.example_of(task.model, shuffled)
-    assert example[0].dtype == torch.long and example[1].dtype == torch.float
 
 
 def test_with_loss_model_the_whole_batch_goes_to_the_model():
@@ -121,19 +117,13 @@ def test_a_model_that_returns_no_loss():
         task.validate(task.model, next(task.train_batches(4, seed=0)))
 
 
-WAITS = (
-    "fusing a loss computed inside the model waits for the fusion rewrite (issue 8 point "
-    "3): today a batch-reducing op in the graph is refused"
-)
-
-
-@pytest.mark.xfail(raises=FuseError, strict=False, reason=WAITS)
 def test_loss_model_tunes_end_to_end():
     d = keyword_data()
     task = hydro.Task(model=model(own_loss=True), train_data=d, val_data=d, loss="model",
                       steps=4, eval_every=2, batch_size=16)  # fmt: skip
     result = hydro.tune(task, SPACE, n_trials=2, ratio=2, fuse=2, storage="sqlite:///:memory:")
     assert all(t["state"] == "COMPLETE" for t in result.trials)
+    assert {t.user_attrs["fused"] for t in result.study.trials} == {2}  # one fused group
 
 
 @pytest.mark.parametrize(
@@ -154,8 +144,8 @@ def test_bad_dict_data(data, message):
 def test_keys_the_model_does_not_take():
     d = {**keyword_data(), "token_type_ids": torch.zeros(96, 6, dtype=torch.long)}
     task = hydro.Task(model=model(), train_data=d, val_data=d)
-    with pytest.raises(DataError, match=r"batch keys \['token_type_ids'\] are not positional"):
-        task.example_of(task.model, next(task.train_batches(2, seed=0)))
+    with pytest.raises(ModelError, match=r"token_type_ids"):
+        task.validate(task.model, next(task.train_batches(2, seed=0)))
 
 
 class Dicts(Dataset):

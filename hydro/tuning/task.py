@@ -287,36 +287,6 @@ class Task:
             return args, {self.target_key: _to(y, device)}, _to(y, device)
         return args, {}, _to(y, device)
 
-    def example_of(self, model: nn.Module, batch: Batch) -> tuple[Any, ...]:
-        """A batch as positional inputs in the order of ``model.forward`` (for tracing).
-
-        Keywords the batch lacks before the last one it has take the forward's defaults.
-        """
-        args, kwargs, _ = self.split(batch)
-        if not kwargs:
-            return args
-        params = list(inspect.signature(model.forward).parameters.values())[len(args) :]
-        ordered, left = list(args), dict(kwargs)
-        for p in params:
-            if not left or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
-                break
-            if p.name in left:
-                ordered.append(left.pop(p.name))
-            elif p.default is not p.empty:
-                ordered.append(p.default)
-            else:
-                raise DataError(
-                    f"the model's forward needs {p.name!r}, which the batch lacks "
-                    f"(keys: {sorted(kwargs)})"
-                )
-        if left:
-            raise DataError(
-                f"batch keys {sorted(left)} are not positional arguments of "
-                f"{type(model).__name__}.forward (it takes "
-                f"{', '.join(p.name for p in params) or 'nothing more'}): rename the data's keys"
-            )
-        return tuple(ordered)
-
     def batch_len(self, batch: Batch) -> int:
         """Examples in a batch."""
         if isinstance(batch, Mapping):
