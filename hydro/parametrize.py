@@ -363,7 +363,6 @@ class _InitSource:
 READOUT = "mup_readout"
 
 
-
 def _insert_readout_multipliers(
     sur, plan, node_map, readouts, info: SurrogateInfo, always: bool = False
 ) -> None:  # noqa: ANN001
