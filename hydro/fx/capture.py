@@ -109,6 +109,9 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = copy.deepcopy(gm.graph)
     # an empty root: the code reads every attribute from the Captured it runs bound to
     new = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
+    for name, sub in gm.named_children():  # subgraphs of `with` regions: code, kept along
+        if isinstance(sub, torch.fx.GraphModule):
+            new.add_submodule(name, copy.deepcopy(sub))
     new.graph = graph
     new._in_spec, new._out_spec = gm._in_spec, gm._out_spec
     return new
