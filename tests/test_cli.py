@@ -292,7 +292,7 @@ def test_ctrl_c_says_how_to_resume(project):
                             cwd=project, env=env, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default)  # fmt: skip
     seen = ""
-    while "trials 2/400" not in seen:  # the first group is done: training is under way
+    while "| 2/400" not in seen:  # the first group is done: training is under way
         char = proc.stderr.read(1)
         assert char, seen
         seen += char
