@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import hydro
-from hydro.errors import DataError, ModelError
+from hydro.errors import ConfigError, DataError, ModelError
 
 SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
 
@@ -165,3 +165,13 @@ def test_a_dataset_of_dicts():
     assert isinstance(batch, dict) and batch["input_ids"].shape == (8, 6)
     result = hydro.tune(task, SPACE, n_trials=2, ratio=2, fuse=2, storage="sqlite:///:memory:")
     assert [t["state"] for t in result.trials] == ["COMPLETE", "COMPLETE"]
+
+
+def test_checkpoint_every_is_a_task_setting_and_a_config_key():
+    from hydro.tuning.config import TASK_KEYS
+
+    d = keyword_data()
+    assert hydro.Task(model=model(), train_data=d, val_data=d).checkpoint_every == 50
+    assert "checkpoint_every" in TASK_KEYS
+    with pytest.raises(ConfigError, match=r"checkpoint_every must be an integer >= 0"):
+        hydro.Task(model=model(), train_data=d, val_data=d, checkpoint_every=-1)

@@ -25,7 +25,7 @@ TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "s
             "pruner", "pruner_args", "task", "space", "verify_top_k"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
-             "target_key"}  # fmt: skip
+             "target_key", "checkpoint_every"}  # fmt: skip
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -183,7 +183,8 @@ def _task(spec: Any, path: str) -> Task:
     # keyword arguments are the searchable architecture choices
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
-                                   "batch_size", "target_key") if k in spec}  # fmt: skip
+                                   "batch_size", "target_key", "checkpoint_every")
+              if k in spec}  # fmt: skip
     try:
         return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),
                     loss=loss, metric=metric, **kwargs)  # fmt: skip

@@ -68,8 +68,12 @@ class Task:
         steps: training steps per trial.
         eval_every: steps between evaluations (the intermediate values pruners see).
         batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it).
-        example_inputs: inputs shaped like a batch, for tracing; by default the first
+        example_inputs: inputs shaped like a batch, for capture; by default the first
             training batch.
+        target_key: with dict batches, the key of the targets (popped before the model call
+            unless ``loss="model"``).
+        checkpoint_every: steps between checkpoints of a fused group run by an executor, so a
+            retried group resumes where it stopped (0: never).
 
     Raises:
         ConfigError: an unknown loss, optimizer or scheduler, or a count that is not positive.
@@ -98,6 +102,7 @@ class Task:
     batch_size: int = 32
     example_inputs: tuple[Any, ...] | None = None
     target_key: str = "labels"
+    checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
         self.loss_name = self.loss if isinstance(self.loss, str) else _name(self.loss)
@@ -123,6 +128,9 @@ class Task:
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 4)
         _positive(self.eval_every, "eval_every")
+        ce = self.checkpoint_every
+        if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
+            raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
         if not isinstance(self.target_key, str):
             raise ConfigError(f"target_key must be a string, got {self.target_key!r}")
         if not isinstance(self.model, nn.Module) and not callable(self.model):
