@@ -10,6 +10,7 @@ are compared after every step.
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hydro.fusion import fuse, trial_loss
 from hydro.fx.capture import Captured, capture
 from tests.fusion.exactness import assert_close
 from tests.fusion.real import no_dropout
-from tests.real_models import MODELS, build
+from tests.real_models import MODELS, build, timm_available
 
 LRS = [1e-3, 3e-3, 2e-2]
 B = 3
@@ -55,9 +56,22 @@ def own_or_ce(out: object, kwargs: dict, labels: torch.Tensor, fused: bool) -> t
     return trial_loss(F.cross_entropy, out, labels) if fused else F.cross_entropy(out, labels)
 
 
+# float64 tolerances. Deep timm CNNs do not reach 1e-9: grouped and depthwise convolutions sum
+# in another order than n separate ones, BatchNorm passes that on, and Adam turns a gradient's
+# last bits into whole steps where the gradient is near zero (worst seen: 5e-8 relative, a
+# resnet18 BatchNorm bias after two steps).
+TOL64 = {"timm_resnet18": (1e-7, 1e-15), "timm_convnext_atto": (1e-7, 1e-15)}
+# mobilenetv3_small and efficientnet_b0 (squeeze-excitation, BatchNormAct) fuse and their fused
+# forward agrees to 1e-13, but some BatchNorm running means (~1e-7) differ in their leading
+# digit after a step, by amounts that change from run to run: an open finding, not tested here.
+EXACT_TIMM = ["timm_resnet18", "timm_convnext_atto", "timm_vit_tiny"]
+_tol64 = (1e-9, 1e-15)
+
+
 def tol(t: torch.Tensor) -> dict:
     # HF language models compute their loss on logits.float(): float32 values stay float32
-    return dict(rtol=1e-9, atol=1e-15) if t.dtype == torch.float64 else dict(rtol=2e-6, atol=0)
+    rtol, atol = _tol64
+    return dict(rtol=rtol, atol=atol) if t.dtype == torch.float64 else dict(rtol=2e-6, atol=0)
 
 
 def check(name: str, fused, models, opts, fused_opt, data) -> None:  # noqa: ANN001
@@ -140,3 +154,18 @@ def test_real_model_fused_training_is_exact(name: str) -> None:
     assert not torch.equal(w[1], w[0]) and not torch.equal(w[2], w[1])
     assert list(trials[2].state_dict()) == list(cap.state_dict())
     train_both(name, fused_n, trials, data)
+
+
+@pytest.mark.skipif(not timm_available(), reason="timm needs a torchvision that imports")
+@pytest.mark.parametrize("name", EXACT_TIMM)
+def test_timm_model_fused_training_is_exact(name: str, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(sys.modules[__name__], "_tol64", TOL64.get(name, _tol64))
+    members = []
+    for seed in range(3):
+        model, make = build(name, seed=seed)
+        members.append(no_dropout(model).double().train())
+    data = batches(name, make)
+    separate = [copy.deepcopy(m) for m in members]
+    fused = fuse(members)
+    train_both(name, fused, separate, data)
+    assert type(fused.trial(2)) is type(members[0])
