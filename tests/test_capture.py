@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import hydro
 from hydro.fx.capture import Captured, capture
-from tests.real_models import MODELS, NanoConfig, NanoGPT, build
+from tests.real_models import MODELS, TIMM_MODELS, NanoConfig, NanoGPT, build, timm_available
 
 # parameter cut at ratio 8 measured on these configs (target / surrogate parameters), rounded down
 MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "hf_gpt2": 30,
@@ -195,3 +195,25 @@ def test_captured_keeps_non_persistent_buffers_out_of_the_state_dict():
     assert set(cap.state_dict()) == set(model.state_dict())
     assert "bert.embeddings.position_ids" in dict(cap.named_buffers())
     del transformers
+
+
+@pytest.mark.skipif(not timm_available(), reason="timm needs a torchvision that imports")
+@pytest.mark.parametrize("name", list(TIMM_MODELS))
+def test_timm_model_scales(name: str) -> None:
+    model, make = build(name)
+    model = model.double()
+    args, _ = make(4, torch.Generator().manual_seed(0))
+    args = tuple(a.double() for a in args)
+    same = hydro.scale(model, ratio=1, example_inputs=args)
+    same.load_state_dict(model.state_dict())
+    same.eval(), model.eval()
+    assert torch.equal(same(*args), model(*args))
+    ratio = 8
+    if name == "timm_efficientnet_b0":  # a squeeze-excitation width of 4
+        with pytest.raises(hydro.ScaleError, match="not divisible by ratio 8.*Nearest ratios"):
+            hydro.scale(model, ratio=8, example_inputs=args)
+        ratio = 2
+    sur = hydro.scale(model, ratio=ratio, example_inputs=args)
+    full = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in sur.parameters()) < full / ratio
+    assert sur(*args).shape == model(*args).shape
