@@ -284,3 +284,25 @@ def test_tune_yaml_follows_the_schema(name):
             assert not dist.get("log") or dist["low"] > 0
         if hp == "dropout":
             assert "dropout" in model_kwargs  # the tuner passes it to the factory
+
+
+def test_hf_gpt2_example_tunes_fused_with_its_own_loss(tmp_path):
+    """examples/hf_gpt2 as its config states it (smaller: steps, text, trials), end to end."""
+    from hydro.integrations.optuna import optimize
+    from hydro.tuning.config import load
+    from hydro.tuning.tune import open_study
+
+    spec = yaml.safe_load((ROOT / "examples" / "hf_gpt2" / "tune.yaml").read_text())
+    spec["task"].update(steps=4, eval_every=2, batch_size=4)
+    spec["task"]["model_args"].update(n_layer=1)
+    spec["task"]["data_args"].update(max_chars=4_000)
+    spec["space"]["warmup"].update(low=0, high=2)
+    spec.update(storage=f"sqlite:///{tmp_path / 'hf.db'}", trials=4, fuse=4)
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cfg = load(str(path))
+    study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
+    optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse, seed=0)
+    trials = study.get_trials()
+    assert len(trials) == 4 and all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
+    assert {t.user_attrs["fused"] for t in trials} == {4}  # one fused group, its loss per trial

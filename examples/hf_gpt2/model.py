@@ -13,7 +13,7 @@ from examples.charlm.data import VOCAB_SIZE
 
 
 def gpt2(
-    n_layer: int = 4, n_head: int = 4, n_embd: int = 256, block_size: int = 64, dropout: float = 0.0
+    n_layer: int = 4, n_head: int = 8, n_embd: int = 256, block_size: int = 64, dropout: float = 0.0
 ) -> nn.Module:
     """``GPT2LMHeadModel`` over the characters of ``examples.charlm.data``.
 
