@@ -14,27 +14,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
-from hydro.fx.capture import Captured, capture_graph
+from hydro.fx.capture import Captured, capture_graph, register_at
 
 MODES = ("train", "eval")
-
-
-def _set_path(
-    root: nn.Module, path: str, value: torch.Tensor, buffer: bool, persistent: bool = True
-) -> None:
-    """Register ``value`` at a dotted ``path`` of ``root``, making plain containers."""
-    *parents, leaf = path.split(".")
-    node = root
-    for name in parents:
-        child = node._modules.get(name)
-        if child is None:
-            child = nn.Module()
-            node.add_module(name, child)
-        node = child
-    if buffer:
-        node.register_buffer(leaf, value, persistent=persistent)
-    else:
-        node.register_parameter(leaf, value)
 
 
 def _signature(model: nn.Module) -> str:
@@ -119,11 +101,11 @@ class FusedModel(nn.Module):
                 if hasattr(p, "infshape"):
                     fused.infshape = p.infshape  # muP metadata for hydro.optim
                 canonical[id(p)] = fused
-            _set_path(self, name, canonical[id(p)], buffer=False)
+            register_at(self, name, canonical[id(p)], "param")
         persistent = set(first.state_dict())
         for name, _ in first.named_buffers(remove_duplicate=False):
             stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
-            _set_path(self, name, stacked, buffer=True, persistent=name in persistent)
+            register_at(self, name, stacked, "buffer", persistent=name in persistent)
         self.register_buffer("diverged", torch.zeros(n, dtype=torch.bool))
         for p in self.parameters():
             p.hydro_diverged = self.diverged  # lets hydro.optim freeze diverged trials

@@ -57,9 +57,9 @@ class Captured(nn.Module):
         super().__init__()
         source = state if state is not None else next(iter(graphs.values()))
         for key, value in source.named_parameters(remove_duplicate=False):
-            _set(self, key, value, "param")
+            register_at(self, key, value, "param")
         for key, value in source.named_buffers(remove_duplicate=False):
-            _set(self, key, value, "buffer", persistent=key not in non_persistent)
+            register_at(self, key, value, "buffer", persistent=key not in non_persistent)
         for gm in graphs.values():
             for key, sub in gm.named_children():  # subgraphs of `with` regions: code, not state
                 if isinstance(sub, torch.fx.GraphModule):
@@ -68,7 +68,7 @@ class Captured(nn.Module):
                 if node.op == "get_attr" and not _has(self, node.target):
                     value = _get(gm, node.target)
                     if isinstance(value, torch.Tensor):
-                        _set(self, node.target, value, "buffer", persistent=False)
+                        register_at(self, node.target, value, "buffer", persistent=False)
         # not registered as submodules: the graphs share this module's tensors, not own copies
         object.__setattr__(self, "graphs", dict(graphs))
         object.__setattr__(self, "captured_name", name)
@@ -84,9 +84,10 @@ class Captured(nn.Module):
         memo[id(self)] = new
         nn.Module.__init__(new)
         for key, value in self.named_parameters(remove_duplicate=False):
-            _set(new, key, copy.deepcopy(value, memo), "param")
+            register_at(new, key, copy.deepcopy(value, memo), "param")
         for key, value in self.named_buffers(remove_duplicate=False):
-            _set(new, key, copy.deepcopy(value, memo), "buffer", persistent=_persistent(self, key))
+            keep = _persistent(self, key)
+            register_at(new, key, copy.deepcopy(value, memo), "buffer", persistent=keep)
         for key, value in self.__dict__.items():
             if key not in new.__dict__ and not key.startswith("_") and key != "graphs":
                 object.__setattr__(new, key, copy.deepcopy(value, memo))
@@ -127,9 +128,11 @@ def _has(root: nn.Module, path: str) -> bool:
     return _get(root, path) is not None
 
 
-def _set(
+def register_at(
     root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent: bool = True
 ) -> None:
+    """Register ``value`` (``kind`` "param" or "buffer") at a dotted ``path`` of ``root``,
+    making plain containers for the modules on the way."""
     *parents, leaf = path.split(".")
     mod = root
     for part in parents:

@@ -45,6 +45,7 @@ from hydro.tuning.group import GroupInfo, Outcome, group_key, train_group
 from hydro.tuning.progress import Progress
 from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.task import Task
+from hydro_fluid.executors.local import start_ticks
 
 __all__ = ["GroupCallback", "TransferSampler", "is_void", "optimize"]
 
@@ -383,17 +384,8 @@ def _counts(study: optuna.Study) -> tuple[int, int]:
     return finished, running
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started (Linux clock ticks since boot), to tell a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _me() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_ticks(os.getpid())}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_ticks(os.getpid())}
 
 
 def _owner_alive(t: FrozenTrial, now: float) -> bool:
@@ -410,7 +402,7 @@ def _owner_alive(t: FrozenTrial, now: float) -> bool:
         except (PermissionError, TypeError, ValueError):
             pass
         started = owner.get("started")
-        return started is None or _start_ticks(int(pid)) in (None, started)
+        return started is None or start_ticks(int(pid)) in (None, started)
     beat = t.user_attrs.get(_BEAT)
     if beat is None:
         beat = t.datetime_start.timestamp() if t.datetime_start else now

@@ -165,7 +165,7 @@ class LocalExecutor:
         return len(set(self.slots)) if self.slots[0] != "cpu" else len(self.slots)
 
 
-def _start_ticks(pid: int) -> int | None:
+def start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -181,7 +181,7 @@ def _alive(pid: int, ticks: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return ticks is None or _start_ticks(pid) in (None, ticks)
+    return ticks is None or start_ticks(pid) in (None, ticks)
 
 
 def _scratch_dir() -> Path:
@@ -208,7 +208,7 @@ def _scratch_dir() -> Path:
                 shutil.rmtree(old, ignore_errors=True)
         except ValueError:
             continue
-    ticks = _start_ticks(os.getpid())
+    ticks = start_ticks(os.getpid())
     prefix = f"run-{os.getpid()}-{'x' if ticks is None else ticks}-"
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
@@ -417,7 +417,7 @@ class _Run:
                 self.ex.collective_timeout,
                 set(self.ledger.pruned[group.name]),
                 os.getpid(),
-                _start_ticks(os.getpid()),
+                start_ticks(os.getpid()),
             )
             proc = self.ctx.Process(
                 target=_worker_main,
