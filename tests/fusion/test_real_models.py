@@ -127,13 +127,18 @@ def train_both(name: str, fused, models, data) -> None:  # noqa: ANN001
     check(name, fused, models, opts, fused_opt, data)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_real_model_fused_training_is_exact(name: str) -> None:
+def three_members(name: str) -> tuple[list, list]:
+    """Three float64 builds of model ``name`` (seeds 0-2, dropout off) and its batches."""
     members = []
     for seed in range(3):
         model, make = build(name, seed=seed)
         members.append(no_dropout(model).double().train())
-    data = batches(name, make)
+    return members, batches(name, make)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_real_model_fused_training_is_exact(name: str) -> None:
+    members, data = three_members(name)
     separate = [copy.deepcopy(m) for m in members]
 
     # a list of plain modules: parameters exist before the first call, capture happens at it
@@ -160,11 +165,7 @@ def test_real_model_fused_training_is_exact(name: str) -> None:
 @pytest.mark.parametrize("name", EXACT_TIMM)
 def test_timm_model_fused_training_is_exact(name: str, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(sys.modules[__name__], "_tol64", TOL64.get(name, _tol64))
-    members = []
-    for seed in range(3):
-        model, make = build(name, seed=seed)
-        members.append(no_dropout(model).double().train())
-    data = batches(name, make)
+    members, data = three_members(name)
     separate = [copy.deepcopy(m) for m in members]
     fused = fuse(members)
     train_both(name, fused, separate, data)
