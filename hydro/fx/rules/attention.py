@@ -20,8 +20,11 @@ def sdpa(a, node, out) -> None:  # noqa: ANN001
         a.broadcast(out[:-3], [TensorSyms(q[:-3]), TensorSyms(k[:-3]), TensorSyms(v[:-3])], node)
     else:
         a.broadcast(out[:-2], [TensorSyms(q[:-2]), TensorSyms(k[:-2]), TensorSyms(v[:-2])], node)
-    if b.get("attn_mask") is not None:
-        a.broadcast(out, [a.syms_of(b["attn_mask"])], node)
+    mask = a.syms_of(b.get("attn_mask"))
+    if isinstance(mask, TensorSyms):
+        # the mask broadcasts against the attention weights [..., L_q, L_k], not the output
+        # [..., L_q, D_v]: aligning it with the output ties key length to head dim by value
+        a.broadcast(TensorSyms((*out[:-2], q[-2], k[-2])), [mask], node)
 
 
 RULES = {"scaled_dot_product_attention": sdpa}

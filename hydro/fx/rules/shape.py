@@ -121,19 +121,50 @@ def slice_(a, node, out) -> None:  # noqa: ANN001
 
 
 def index(a, node, out) -> None:  # noqa: ANN001
+    """``x[i, j]`` with index tensors: indexed dimensions are read by value, the others move as
+    NumPy's advanced indexing moves them (never matched by size)."""
     b = bound(node)
     x = a.syms_of(b["self"])
-    idx = list(b["indices"])
+    idx = list(b["indices"]) + [None] * (len(x) - len(b["indices"]))
     given = [i for i, t in enumerate(idx) if t is not None]
-    if len(given) != 1:
-        a.generic(node, out)
+    if not given or not isinstance(out, TensorSyms):
         return
-    d = given[0]
-    shape = a.values.get(idx[d])
-    k = len(shape.shape) if isinstance(shape, torch.Tensor) else 1
-    a.tie_all(out[:d], x[:d], node)
-    a.tie_all(out[d + k :], x[d + 1 :], node)
-    a.indexed.add(x[d])
+    shapes = [a.values.get(idx[i]) for i in given]
+    k = max((t.dim() for t in shapes if isinstance(t, torch.Tensor)), default=1)
+    rest = [s for i, s in enumerate(x) if i not in given]
+    if given == list(range(given[0], given[-1] + 1)):  # adjacent: the index dims stay in place
+        d = given[0]
+        a.tie_all(out[:d], x[:d], node)
+        a.tie_all(out[d + k :], x[given[-1] + 1 :], node)
+        index_out = out[d : d + k]
+    else:  # separated: the index dims go first
+        a.tie_all(out[k:], rest, node)
+        index_out = out[:k]
+    a.broadcast(TensorSyms(index_out), [a.syms_of(idx[i]) for i in given], node)
+    for i in given:
+        a.indexed.add(x[i])
+
+
+def pad(a, node, out) -> None:  # noqa: ANN001
+    """Padding changes the last ``len(pad) // 2`` dimensions; the others pass through."""
+    b = bound(node)
+    x = a.syms_of(b.get("self", b.get("input", node.args[0])))
+    widths = b.get("pad", b.get("padding", node.args[1] if len(node.args) > 1 else ()))
+    padded = len(widths) // 2 if isinstance(widths, (list, tuple)) else len(x)
+    for o, i in list(zip(out, x))[: len(x) - padded]:
+        a.union(o, i, node)
+    for o, i, (lo, hi) in zip(out[len(x) - padded :], x[len(x) - padded :],
+                              reversed(list(zip(widths[::2], widths[1::2])))):  # fmt: skip
+        if lo == 0 and hi == 0:
+            a.union(o, i, node)
+
+
+def loss(a, node, out) -> None:  # noqa: ANN001
+    """A classification loss: ``reduction='none'`` gives the target's shape; reduced, a scalar."""
+    b = bound(node)
+    target = a.syms_of(b.get("target"))
+    if isinstance(out, TensorSyms) and isinstance(target, TensorSyms) and len(out) == len(target):
+        a.tie_all(out, target, node)
 
 
 def arange(a, node, out) -> None:  # noqa: ANN001
@@ -166,6 +197,9 @@ RULES = {
     "cat": cat, "concat": cat, "stack": stack, "split": split, "split_with_sizes": split,
     "chunk": split, "tensor_split": split, "unbind": unbind, "select": select,
     "slice": slice_, "narrow": slice_, "index": index, "arange": arange,
+    "pad": pad, "constant_pad_nd": pad, "reflection_pad1d": pad, "reflection_pad2d": pad,
+    "replication_pad1d": pad, "replication_pad2d": pad,
+    "cross_entropy_loss": loss, "nll_loss": loss, "nll_loss_nd": loss, "nll_loss2d": loss,
 }  # fmt: skip
 # Python's own operators on ints (sizes computed from ``x.size(0)``): their values are not widths
 INT_RULES = {name: _int_op for name in ("mul", "add", "sub", "floordiv", "truediv", "neg")}
