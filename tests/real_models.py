@@ -309,3 +309,72 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable]:
     """Build model ``name`` with weights drawn from ``seed``."""
     torch.manual_seed(seed)
     return {**MODELS, **TIMM_MODELS}[name]()
+
+
+# --- sized variants (size coincidences: sequence == head dim, == width, == heads...) -------------
+
+
+def sized(name: str, width: int, heads: int, seq: int) -> tuple[nn.Module, Callable]:
+    """One-layer model ``name`` of ``width`` with ``heads`` heads, its batches ``seq`` long
+    (for ``hf_vit``: ``seq`` patches of 4 pixels per side)."""
+    if name == "nanogpt":
+        model: nn.Module = NanoGPT(NanoConfig(block_size=max(seq, 16), n_layer=1, n_head=heads,
+                                              n_embd=width))  # fmt: skip
+
+        def with_targets(b: int, g: torch.Generator) -> Batch:
+            x = _ids(b, g, seq)
+            return (x,), {"targets": x}
+
+        return model, with_targets
+    if name in ("encoder_batch_first", "encoder_seq_first"):
+        model = EncoderClassifier(name == "encoder_batch_first", width, heads)
+
+        def plain(b: int, g: torch.Generator) -> Batch:
+            return (_ids(b, g, seq),), {}
+
+        return model, plain
+    import transformers as T
+
+    if name == "hf_vit":
+        side = 4 * math.isqrt(seq)
+        cfg = T.ViTConfig(image_size=side, patch_size=4, hidden_size=width, num_hidden_layers=1,
+                          num_attention_heads=heads, intermediate_size=2 * width,
+                          num_labels=5)  # fmt: skip
+
+        def pixels(b: int, g: torch.Generator) -> Batch:
+            x = torch.randn(b, 3, side, side, generator=g)
+            return (), {"pixel_values": x, "labels": torch.randint(0, 5, (b,), generator=g)}
+
+        return T.ViTForImageClassification(cfg), pixels
+    common = dict(vocab_size=VOCAB, num_hidden_layers=1, num_attention_heads=heads,
+                  hidden_size=width, intermediate_size=2 * width)  # fmt: skip
+    if name == "hf_gpt2":
+        cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=max(seq, 16), n_embd=width, n_layer=1,
+                           n_head=heads, bos_token_id=0, eos_token_id=0,
+                           use_cache=False)  # fmt: skip
+        model = T.GPT2LMHeadModel(cfg)
+    elif name == "hf_llama":
+        cfg = T.LlamaConfig(**common, num_key_value_heads=heads // 2,
+                            max_position_embeddings=max(seq, 16), bos_token_id=0,
+                            eos_token_id=0, pad_token_id=0, use_cache=False)  # fmt: skip
+        model = T.LlamaForCausalLM(cfg)
+    elif name == "hf_bert":
+        cfg = T.BertConfig(**common, max_position_embeddings=max(seq, 16), num_labels=3,
+                           pad_token_id=0)  # fmt: skip
+
+        def masked(b: int, g: torch.Generator) -> Batch:
+            x = _ids(b, g, seq)
+            mask = torch.ones_like(x)
+            mask[:, -1:] = 0
+            labels = torch.randint(0, 3, (b,), generator=g)
+            return (), {"input_ids": x, "attention_mask": mask, "labels": labels}
+
+        return T.BertForSequenceClassification(cfg), masked
+    else:
+        raise KeyError(name)
+
+    def lm(b: int, g: torch.Generator) -> Batch:
+        x = _ids(b, g, seq)
+        return (), {"input_ids": x, "labels": x}
+
+    return model, lm

@@ -16,7 +16,15 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import hydro
 from hydro.fx.capture import Captured, capture
-from tests.real_models import MODELS, TIMM_MODELS, NanoConfig, NanoGPT, build, timm_available
+from tests.real_models import (
+    MODELS,
+    TIMM_MODELS,
+    NanoConfig,
+    NanoGPT,
+    build,
+    sized,
+    timm_available,
+)
 
 # parameter cut at ratio 8 measured on these configs (target / surrogate parameters), rounded down
 MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "hf_gpt2": 30,
@@ -217,3 +225,43 @@ def test_timm_model_scales(name: str) -> None:
     full = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for p in sur.parameters()) < full / ratio
     assert sur(*args).shape == model(*args).shape
+
+
+# (model, width, heads, sequence, batch) where a sequence or batch size equals a width, a head
+# dim or a head count; each against the same model at sizes that coincide with nothing
+COINCIDENCES = [
+    ("hf_gpt2", 256, 4, 64, 2),  # seq == head dim (4 heads kept, head dim 64 -> 8)
+    ("hf_gpt2", 64, 4, 64, 2),  # seq == width
+    ("hf_bert", 64, 4, 16, 2),  # seq == head dim, with a padding mask
+    ("hf_llama", 128, 16, 8, 16),  # seq == head dim, batch == head count
+    ("nanogpt", 64, 4, 16, 64),  # seq == head dim, batch == width
+    ("encoder_seq_first", 64, 4, 4, 16),  # seq == head count, batch == head dim ([T, B, C])
+    ("encoder_batch_first", 64, 4, 64, 4),  # seq == width, batch == head count
+    ("hf_vit", 64, 4, 64, 2),  # image patches == width
+]
+
+
+@pytest.mark.parametrize(("name", "width", "heads", "seq", "batch"), COINCIDENCES)
+def test_sizes_that_coincide_with_widths_are_not_widths(name, width, heads, seq, batch):
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    shapes = {}
+    for s, b in ((seq, batch), (9 if name != "hf_vit" else 36, 3)):  # 36 patches: nothing equal
+        torch.manual_seed(0)
+        model, make = sized(name, width, heads, s)
+        args, kwargs = make(b, torch.Generator().manual_seed(0))
+        sur = hydro.scale(model, 8, example_inputs=args, example_kwargs=kwargs, seed=0)
+        shapes[s] = {k: tuple(v.shape) for k, v in sur.state_dict().items()}
+        full = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if s == seq:
+            rows = {k: v[:-1] for k, v in full.items()}
+        out = sur(*args, **kwargs)
+        loss = out.loss if hasattr(out, "loss") else out[1] if isinstance(out, tuple) else out.sum()
+        assert torch.isfinite(loss)
+    coincident, plain = shapes.values()
+    for key, shape in plain.items():
+        if "position" in key or "wpe" in key:  # tables sized by the sequence keep their rows
+            assert coincident[key] == (*rows[key], shape[-1]), key
+        else:
+            assert coincident[key] == shape, key
+    assert any(shape != full[k] for k, shape in plain.items())
