@@ -242,6 +242,8 @@ def _rebuild(
             _rewrite_literals(old, new, plan)
     for old, k in plan.int_rewrites.items():
         node_map[old].update_arg(1, k)
+    for old, (i, value) in plan.literal_rewrites.items():  # muP attention scales (widths.py)
+        node_map[old].update_arg(i, value)
     for sub in subs.values():
         sub.recompile()
     for name, sub in subs.items():

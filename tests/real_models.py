@@ -41,6 +41,7 @@ class NanoConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True  # nanoGPT picks SDPA when torch has it; False: its manual attention
 
 
 class NanoLayerNorm(nn.Module):
@@ -64,6 +65,10 @@ class NanoAttention(nn.Module):
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
+        self.flash = cfg.flash
+        if not self.flash:
+            n = cfg.block_size
+            self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(1, 1, n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -71,9 +76,16 @@ class NanoAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
-        )
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
+                is_causal=True,
+            )  # fmt: skip
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = self.attn_dropout(att) @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

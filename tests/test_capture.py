@@ -265,3 +265,34 @@ def test_sizes_that_coincide_with_widths_are_not_widths(name, width, heads, seq,
         else:
             assert coincident[key] == shape, key
     assert any(shape != full[k] for k, shape in plain.items())
+
+
+@pytest.mark.parametrize("ratio", [1, 8])
+def test_manual_attention_scale_follows_mup_like_sdpa(ratio):
+    """nanoGPT's manual path ``q @ k^T * (1 / sqrt(d))`` and its SDPA path give one surrogate
+    function: the literal scale is rewritten to muP's ``1/d`` relative to the target, exactly as
+    SDPA's ``scale=`` is (4 heads at ratio 8: the head dim shrinks 16 -> 2)."""
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    surs, models = [], []
+    for flash in (True, False):
+        torch.manual_seed(0)
+        model = NanoGPT(NanoConfig(n_layer=1, flash=flash)).double()
+        scaled = capture(model, (idx,), {"targets": idx})
+        sur = hydro.scale(scaled, ratio, example_inputs=(idx,), example_kwargs={"targets": idx},
+                          seed=0)  # fmt: skip
+        surs.append(sur.eval())
+        models.append(model.eval())
+    sdpa, manual = surs
+    manual.load_state_dict(sdpa.state_dict(), strict=False)  # the manual path adds its mask
+    logits, loss = manual(idx, targets=idx)
+    want_logits, want_loss = sdpa(idx, targets=idx)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    report = str(hydro.inspect(models[1], ratio, example_inputs=(idx,),
+                               example_kwargs={"targets": idx}))  # fmt: skip
+    if ratio == 1:  # the target itself, bit for bit
+        manual.load_state_dict(models[1].state_dict())
+        assert torch.equal(manual(idx, targets=idx)[0], models[1](idx, targets=idx)[0])
+        assert "attention scale" not in report
+    else:
+        assert "attention scale x 0.25 -> x 2 (muP 1/d for head dim 16 -> 2)" in report

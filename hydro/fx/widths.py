@@ -117,6 +117,7 @@ class WidthPlan:
     head_decisions: list[str] = field(default_factory=list)
     kept: list[tuple[str, int, int]] = field(default_factory=list)
     int_rewrites: dict = field(default_factory=dict)
+    literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
@@ -757,6 +758,7 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
     )  # fmt: skip
     _verify(a, plan, node_error)
     _check_buffers(a, plan, touching)
+    plan.literal_rewrites = _attention_scales(a, plan, decisions)
     for key, syms in a.param_syms.items():
         name = a.tensor_names[key][0]
         if key in {id(p) for p in a.root.parameters()}:
@@ -853,6 +855,79 @@ def _check_buffers(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
             "head dim: use head_policy='keep_head_dim' with a ratio that divides the head count "
             "(and the key/value head count), or give the model more heads."
         )
+
+
+_PASS_THROUGH = ("view", "reshape", "_unsafe_view", "transpose", "permute", "t", "contiguous",
+                 "clone", "to", "_to_copy", "expand", "unsqueeze", "alias")  # fmt: skip
+
+
+def _scalar_factor(node: torch.fx.Node) -> tuple[int, float, bool] | None:
+    """``(argument index, literal, divides)`` of a ``mul``/``div`` of a tensor by a number."""
+    name = op_name(node)
+    if name not in ("mul", "div") or len(node.args) != 2:
+        return None
+    for i, arg in enumerate(node.args):
+        other = node.args[1 - i]
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            if isinstance(other, torch.fx.Node) and (name == "mul" or i == 1):
+                return i, float(arg), name == "div"
+    return None
+
+
+def _attention_scales(a: Analysis, plan: WidthPlan, decisions: list[str]) -> dict:
+    """Literal attention scales rewritten for muP: ``q @ k^T * s`` (or ``/ s``, or ``q * s``
+    before the product) where the product of two activations contracts a dimension that shrinks
+    from ``d`` to ``d'`` becomes ``s * d / d'`` (``/ s`` becomes ``/ (s * d' / d)``): logits
+    scale as ``1/d`` relative to the target, as SDPA's ``scale=`` is set. The scale is found by
+    the symbol of the contracted dimension, never by its value; at ratio 1 nothing changes.
+    """
+    rewrites: dict[torch.fx.Node, tuple[int, float]] = {}
+    for node in list(a.node_syms):
+        if node.op != "call_function" or op_name(node) not in ("matmul", "bmm"):
+            continue
+        x, y = node.args[0], node.args[1]
+        if a.param_of(x) is not None or a.param_of(y) is not None:
+            continue  # a layer's weight: not attention
+        xs = a.syms_of(x)
+        if not isinstance(xs, TensorSyms) or len(xs) < 2:
+            continue
+        d_old, d_new = a.sizes[xs[-1]], plan.new_dim(xs[-1])
+        if d_old == d_new or not plan.is_width(xs[-1]):
+            continue
+        found = _find_scale(node)
+        if found is None:
+            continue
+        mul, (i, value, divides) = found
+        new = value * d_new / d_old if divides else value * d_old / d_new
+        rewrites[mul] = (i, new)
+        op = "/" if divides else "x"
+        text = (f"{describe(mul)}: attention scale {op} {value:g} -> {op} {new:g} "
+                f"(muP 1/d for head dim {d_old} -> {d_new})")  # fmt: skip
+        if text not in decisions:
+            decisions.append(text)
+    return rewrites
+
+
+def _find_scale(matmul: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, float, bool]] | None:
+    """The scalar ``mul``/``div`` applied to an attention product's output (first) or to one of
+    its operands, through views and transposes."""
+    node = matmul
+    while len(node.users) == 1:
+        node = next(iter(node.users))
+        found = _scalar_factor(node)
+        if found is not None:
+            return node, found
+        if op_name(node) not in _PASS_THROUGH:
+            break
+    for arg in matmul.args[:2]:
+        while isinstance(arg, torch.fx.Node) and arg.op == "call_function":
+            found = _scalar_factor(arg)
+            if found is not None:
+                return arg, found
+            if op_name(arg) not in _PASS_THROUGH:
+                break
+            arg = arg.args[0]
+    return None
 
 
 def _dim_names(a: Analysis) -> dict[int, str]:
