@@ -296,3 +296,21 @@ def test_manual_attention_scale_follows_mup_like_sdpa(ratio):
         assert "attention scale" not in report
     else:
         assert "attention scale x 0.25 -> x 2 (muP 1/d for head dim 16 -> 2)" in report
+
+
+def test_sequence_length_is_fixed_at_capture_and_says_so():
+    pytest.importorskip("transformers")
+    model, make = build("hf_gpt2")
+    args, kwargs = make(2, torch.Generator().manual_seed(0))  # sequence length 12
+    sur = hydro.scale(model, 8, example_inputs=args, example_kwargs=kwargs, seed=0)
+    ids = torch.randint(0, 61, (5, 12))
+    assert sur(input_ids=ids, labels=ids).logits.shape == (5, 12, 61)  # any batch size
+    short = ids[:, :8]
+    with pytest.raises(hydro.TraceError) as err:
+        sur(input_ids=short, labels=short)
+    msg = str(err.value)
+    assert "captured with input 'input_ids' of shape (B, 12); called with (5, 8)" in msg
+    assert "Only the batch dimension is dynamic" in msg and "Capture again" in msg
+    one = capture(nn.Linear(4, 2), (torch.randn(1, 4),))  # export fixes a batch of 1
+    with pytest.raises(hydro.TraceError, match="batch of 1.*example batch of 2 or more"):
+        one(torch.randn(3, 4))

@@ -29,6 +29,7 @@ import torch
 import torch.fx
 from torch import nn
 from torch.export import Dim
+from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import TraceError
@@ -76,6 +77,7 @@ class Captured(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         gm = self.graphs["train" if self.training else "eval"]
         self._in_spec, self._out_spec = gm._in_spec, gm._out_spec
+        _check_shapes(self, gm, args, kwargs)
         return type(gm).forward(self, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Captured:
@@ -97,6 +99,51 @@ class Captured(nn.Module):
 
     def extra_repr(self) -> str:
         return f"captured {self.captured_name}, graphs: {', '.join(self.graphs)}"
+
+
+def _captured_shapes(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int | None, ...]] | None]:
+    """Each graph input's name and shape as captured, ``None`` where a dimension is dynamic."""
+    shapes = getattr(gm, "_hydro_shapes", None)
+    if shapes is None:
+        shapes = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                val = node.meta.get("val")
+                dims = tuple(d if type(d) is int else None for d in getattr(val, "shape", ()))
+                shapes.append((node.name, dims) if isinstance(val, torch.Tensor) else None)
+        gm._hydro_shapes = shapes
+    return shapes
+
+
+def _check_shapes(cap: Captured, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Only the batch dimension of a capture is dynamic: a sequence length (or image size)
+    other than the example's would run a graph whose sizes were fixed at capture, so it fails
+    here, clearly, rather than deep inside (or, worse, reshapes silently)."""
+    try:
+        flat = tree_flatten_spec((tuple(args), dict(kwargs)), gm._in_spec)
+    except Exception:
+        return  # a call of another structure: the graph's own error says which
+    for x, want in zip(flat, _captured_shapes(gm)):
+        if want is None or not isinstance(x, torch.Tensor):
+            continue
+        name, dims = want
+        bad = [i for i, (got, d) in enumerate(zip(x.shape, dims)) if d is not None and got != d]
+        if x.dim() == len(dims) and not bad:
+            continue
+        shown = "(" + ", ".join("B" if d is None else str(d) for d in dims) + ")"
+        if bad == [0] and dims[0] == 1:
+            raise TraceError(
+                f"{cap.captured_name} was captured with a batch of 1 in input '{name}', which "
+                "torch.export fixes (a size of 1 is never dynamic); called with batch "
+                f"{x.shape[0]}. Capture with an example batch of 2 or more"
+            )
+        raise TraceError(
+            f"{cap.captured_name} was captured with input '{name}' of shape {shown}; called with "
+            f"{tuple(x.shape)}. Only the batch dimension is dynamic: every other size (sequence "
+            "length, image size) is fixed by the example inputs. Capture again with example "
+            f"inputs of this size (hydro.scale/hydro.tune/Task(example_inputs=...)), or pad or "
+            f"crop the inputs to {shown}"
+        )
 
 
 def _persistent(root: nn.Module, path: str) -> bool:
