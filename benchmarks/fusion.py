@@ -137,6 +137,13 @@ def vmap_step(make, n: int) -> Callable[[], None]:
         for name, _ in models[0].named_buffers()
     }
     base = copy.deepcopy(built[0][0])
+    for gm in getattr(base, "graphs", {}).values():
+        # a captured graph views tensors whose layout vmap changes: reshape is the same
+        # computation where the view was valid, and also valid under vmap
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+        gm.recompile()
 
     def one(p, b, *inputs):  # noqa: ANN001
         return torch.func.functional_call(base, (p, b), inputs)
@@ -240,7 +247,7 @@ class HftaGPT(nn.Module):
         self.layers = len(
             {name.split(".")[1] for name, _ in m0.named_parameters() if name[:2] == "h."}
         )
-        self.readout = float(m0.get_submodule("mup_readout_0").scale)
+        self.readout = float(m0.get_buffer("mup_readout.scale"))  # the muP readout multiplier
         self.wte = _stack([m.wte.weight for m in models], m0.wte.weight)
         self.wpe = _stack([m.wpe.weight for m in models], m0.wpe.weight)
         params = {}
@@ -255,14 +262,11 @@ class HftaGPT(nn.Module):
                     params[name] = _stack(ts, p)  # LayerNorm affine [n, C]
         self.p = nn.ParameterDict({k.replace(".", "_"): v for k, v in params.items()})
         self.vocab, self.c = m0.wte.weight.shape
-        # the traced surrogate's head count (a view to (B, T, heads, C // heads))
+        # the captured surrogate's head count (a view to (B, T, heads, C // heads))
         self.heads = next(
-            node.args[3]
-            for node in m0.graph.nodes
-            if node.op == "call_method"
-            and node.target == "view"
-            and len(node.args) == 5
-            and isinstance(node.args[3], int)
+            node.args[1][2]
+            for node in m0.graphs["train"].graph.nodes
+            if node.target is torch.ops.aten.view.default and len(node.args[1]) == 4
         )
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:

@@ -10,7 +10,13 @@ broadcast over the trial dimension: the number of ops does not depend on ``n`` (
 ``tests/test_optim_ops.py``), there is no Python loop over trials and no host synchronization.
 The arithmetic is ``torch.optim``'s single-tensor implementation with trial ``k``'s values
 (checked step by step against ``torch.optim`` in ``tests/test_optim.py`` and ``tests/fusion``).
-``compile=True`` runs the element-wise part through ``torch.compile`` (one pass over memory).
+Eagerly, the update runs parameter by parameter (a fixed handful of ops each, whatever ``n``)
+with its intermediates in two scratch buffers shared by all parameters, so each parameter's
+passes hit the cache; ``compile=True`` runs the ``_foreach`` form through ``torch.compile`` (one
+pass over memory); ``compile="auto"`` (the default) compiles on CUDA only.
+
+Continuous batching: :meth:`FusedOptimizer.reset_trial` gives one slot the state of a new
+optimizer with new hyperparameters, for a new trial, leaving the other slots untouched.
 
 muP: a parameter carrying ``infshape`` (every parameter of a Hydro surrogate) gets the learning
 rate and weight decay multipliers of :func:`hydro.parametrize.optimizer_multipliers`; a plain
@@ -117,6 +123,17 @@ def _trial_sums(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([g if g.dim() == 1 else g.sum(dim=tuple(range(1, g.dim()))) for g in grads])
 
 
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-d zero of ``like``'s dtype and device (``torch.where(..., out=)`` needs a tensor)."""
+    key = (like.dtype, like.device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return _ZEROS[key]
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: per-trial hyperparameters, muP multipliers, isolation.
 
@@ -124,8 +141,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         params: parameters (or parameter groups) with a leading trial dimension ``n``.
         defaults: default hyperparameters, each a scalar or one value per trial.
         compile: run the element-wise update through ``torch.compile``: ``True`` (inductor), a
-            backend name or a backend callable. If compiling fails, the step warns once and runs
-            eagerly (same results).
+            backend name or a backend callable; ``False``: eager; ``"auto"`` (default): compile
+            with inductor on CUDA, eager on a CPU (where the eager step is as fast as torch's
+            fused kernel run per trial and a 20-90 s compile pays back only after thousands of
+            steps; see docs/fusion.md). If compiling fails, the step warns once and runs eagerly
+            (same results).
     """
 
     kind = "adam"  # which muP multipliers apply: "adam" or "sgd"
@@ -133,7 +153,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     cohort_key = "step"  # a state tensor [n] shared by the parameters that step together
 
     def __init__(
-        self, params: Iterable, defaults: dict, compile: bool | str | Callable = False
+        self, params: Iterable, defaults: dict, compile: bool | str | Callable = "auto"
     ) -> None:
         self.n: int | None = None
         self._device_cache: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
@@ -142,6 +162,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._trial_optimizers: list[torch.optim.Optimizer] | None = None
         self.compile = compile
         self._math: Callable | None = None
+        self._scratch_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters become float64 tensors ``[n]``."""
@@ -243,12 +265,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
+        if self.compile == "auto":
+            # CPU: the eager step below is memory-bound and as fast as torch's fused kernel
+            # per trial; compiling (20-90 s) pays back only after thousands of steps. CUDA:
+            # the eager step launches a few kernels per parameter tensor, the compiled one a
+            # handful in all.
+            self.compile = "inductor" if params[0].device.type == "cuda" else False
         if self.compile and self._math is None:
             backend = "inductor" if self.compile is True else self.compile
             self._math = torch.compile(type(self)._elementwise, backend=backend, fullgraph=True)
         if self._math is not None:
             try:
-                self._math(params, grads, state, coeffs, True)
+                self._math(params, grads, state, coeffs)
                 return
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
                 warnings.warn(
@@ -260,7 +288,40 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
                 self._math = None
                 self.compile = False
-        type(self)._elementwise(params, grads, state, coeffs, False)
+        for i, p in enumerate(params):
+            self._update(
+                p,
+                grads[i],
+                {key: values[i] for key, values in state.items()},
+                {key: values[i] for key, values in coeffs.items()},
+                self._scratch(p),
+            )
+
+    def _scratch(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two work tensors shaped like ``p``: views of two buffers shared by all parameters.
+
+        The eager update runs parameter by parameter, so its intermediates live in the same
+        small memory every time (in cache, never freshly allocated and faulted in) and each
+        parameter's passes run while its state is still in cache.
+        """
+        key = (p.device, p.dtype, tuple(p.shape))
+        hit = self._scratch_views.get(key)
+        if hit is not None:
+            return hit
+        pool = (p.device, p.dtype)
+        buffers = self._scratch_buffers.get(pool)
+        if buffers is None or buffers[0].numel() < p.numel():
+            size = max(p.numel(), *(q.numel() for g in self.param_groups for q in g["params"]))
+            buffers = tuple(torch.empty(size, dtype=p.dtype, device=p.device) for _ in range(2))
+            self._scratch_buffers[pool] = buffers
+            self._scratch_views = {k: v for k, v in self._scratch_views.items() if k[:2] != pool}
+        views = tuple(b[: p.numel()].view(p.shape) for b in buffers)
+        self._scratch_views[key] = views
+        return views
+
+    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+        """The eager update of one parameter (``state``, ``c``: its state and coefficients)."""
+        raise NotImplementedError
 
     def _state_keys(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -309,8 +370,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
-        """The update of every parameter; ``compiled``: written for the compiler to fuse."""
+    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+        """The update of every parameter as ``_foreach`` ops, for ``torch.compile`` to fuse."""
         raise NotImplementedError
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -374,16 +435,105 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.n = len(index)
         self._device_cache.clear()
 
+    def reset_trial(self, k: int, **hyperparams: float | bool | tuple[float, float]) -> None:
+        """Start slot ``k`` afresh, as a newly constructed optimizer would, for a new trial.
+
+        Slot ``k``'s state (step count, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+        ``momentum_buffer``) returns to that of a new optimizer, its diverged flag is cleared,
+        and each hyperparameter given (one value: ``lr=3e-4``, ``betas=(0.9, 0.95)``,
+        ``weight_decay=0.1``, ...) is set for slot ``k`` in every parameter group; the others
+        keep slot ``k``'s current values. Every other slot is left bit for bit as it was. Pair
+        with re-initializing slot ``k`` of the fused model's parameters, and with
+        :meth:`hydro.optim.lr_scheduler.TrialScheduler.reset_trial` (after this call) when a
+        scheduler drives the learning rate: the new trial then trains exactly as it would alone
+        from its step 0 (``tests/test_optim_reset.py``).
+
+        Args:
+            k: the slot, ``0 <= k < n``.
+            **hyperparams: per-trial hyperparameters of this optimizer, one value each.
+
+        Raises:
+            hydro.errors.ConfigError: ``k`` out of range, an unknown hyperparameter or a value
+                that is not one number (``betas``: one pair).
+
+        Example:
+            >>> import torch
+            >>> from hydro.fusion import fuse
+            >>> import hydro.optim
+            >>> fused = fuse(torch.nn.Linear(4, 1), n=2)
+            >>> opt = hydro.optim.Adam(fused.parameters(), lr=[1e-3, 1e-2])
+            >>> fused(torch.randn(8, 4)).sum().backward()
+            >>> opt.step()
+            >>> opt.reset_trial(1, lr=3e-3, betas=(0.8, 0.99))
+            >>> opt.param_groups[0]["lr"].tolist()
+            [0.001, 0.003]
+            >>> [float(s["step"][1]) for s in opt.state.values()]
+            [0.0, 0.0]
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (self.n or 0):
+            raise ConfigError(f"reset_trial: slot {k!r} is not one of the {self.n} fused trials")
+        unknown = sorted(set(hyperparams) - set(self.per_trial_keys))
+        if unknown:
+            raise ConfigError(
+                f"reset_trial: {type(self).__name__} has no per-trial hyperparameter "
+                f"{', '.join(unknown)}; it has {', '.join(self.per_trial_keys)}"
+            )
+        values: dict[str, float | tuple[float, float]] = {}
+        for key, value in hyperparams.items():
+            try:
+                if key == "betas":
+                    if not _is_pair(value):
+                        raise TypeError
+                    values[key] = (float(value[0]), float(value[1]))
+                else:
+                    values[key] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                form = "one (beta1, beta2) pair" if key == "betas" else "one number"
+                raise ConfigError(
+                    f"reset_trial: {key} sets one trial's value and must be {form}; got {value!r}"
+                ) from None
+        previous = [dict(group) for group in self.param_groups]
+        for group in self.param_groups:
+            for key, value in values.items():
+                if key == "betas":
+                    betas = tuple(b.clone() for b in group["betas"])
+                    betas[0][k], betas[1][k] = value
+                    group["betas"] = betas
+                else:
+                    column = group[key].clone()
+                    column[k] = value
+                    group[key] = column
+        try:
+            self._validate()
+        except ConfigError:
+            for group, before in zip(self.param_groups, previous):
+                group.update(before)
+            raise
+        done: set[int] = set()  # cohort tensors are shared between parameters
+        for state in self.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0 and id(value) not in done:
+                    done.add(id(value))
+                    value[k] = 0
+        flags = self._diverged()
+        if flags is not None:
+            flags[k] = False
+        self._device_cache.clear()
+
+    def _validate(self) -> None:
+        """Reject per-trial hyperparameters that no trial could use."""
+
     def trial_optimizers(self) -> list[torch.optim.Optimizer]:
         """One stand-in ``torch.optim`` optimizer per trial, for per-trial schedulers to drive."""
         if self._trial_optimizers is None:
             self._trial_optimizers = [self._stand_in(k) for k in range(self.n)]
         return self._trial_optimizers
 
-    def _stand_in(self, k: int) -> torch.optim.Optimizer:
+    def _stand_in(self, k: int, base_lr: Sequence[float] | None = None) -> torch.optim.Optimizer:
         groups = []
-        for group in self.param_groups:
-            values = {"params": [torch.zeros(1)], "lr": float(group["lr"][k])}
+        for g, group in enumerate(self.param_groups):
+            lr = float(group["lr"][k]) if base_lr is None else float(base_lr[g])
+            values = {"params": [torch.zeros(1)], "lr": lr}
             if "betas" in group:
                 values["betas"] = tuple(float(b[k]) for b in group["betas"])
             if "momentum" in group:
@@ -422,13 +572,16 @@ class SGD(FusedOptimizer):
         weight_decay: HyperParam = 0.0,
         nesterov: bool | Sequence[bool] = False,
         *,
-        compile: bool | str | Callable = False,
+        compile: bool | str | Callable = "auto",
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov,
         )  # fmt: skip
         super().__init__(params, defaults, compile=compile)
+        self._validate()
+
+    def _validate(self) -> None:
         for group in self.param_groups:
             bad = (group["nesterov"] > 0) & ((group["momentum"] <= 0) | (group["dampening"] != 0))
             if bool(bad.any()):
@@ -481,7 +634,7 @@ class SGD(FusedOptimizer):
         return out
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
         d = torch._foreach_addcmul(grads, params, coeffs["wd"]) if "wd" in coeffs else grads
         if "active" in coeffs:  # a frozen trial's gradient may be non-finite: zero it
             d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
@@ -492,6 +645,19 @@ class SGD(FusedOptimizer):
             d_scaled = torch._foreach_mul(d, coeffs["y"])
             d = torch._foreach_addcmul(d_scaled, bufs, coeffs["x"])
         torch._foreach_addcmul_(params, d, coeffs["neg_lr"])
+
+    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+        s1, s2 = scratch
+        d = g
+        if "wd" in c:
+            d = torch.addcmul(g, p, c["wd"], out=s2)
+        if "active" in c:  # a frozen trial's gradient may be non-finite: zero it
+            d = torch.where(c["active"], d, _zero(p), out=s2)
+        if "momentum_buffer" in state:
+            buf = state["momentum_buffer"]
+            buf.mul_(c["a"]).addcmul_(d, c["c"])
+            d = torch.mul(d, c["y"], out=s1).addcmul_(buf, c["x"])
+        p.addcmul_(d, c["neg_lr"])
 
 
 class Adam(FusedOptimizer):
@@ -521,7 +687,7 @@ class Adam(FusedOptimizer):
         weight_decay: HyperParam = 0.0,
         amsgrad: bool | Sequence[bool] = False,
         *,
-        compile: bool | str | Callable = False,
+        compile: bool | str | Callable = "auto",
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         super().__init__(params, defaults, compile=compile)
@@ -573,7 +739,7 @@ class Adam(FusedOptimizer):
         return out
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs, compiled) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
         d = grads
         if "decay" in coeffs:  # AdamW: decoupled weight decay
             torch._foreach_mul_(params, coeffs["decay"])
@@ -582,16 +748,11 @@ class Adam(FusedOptimizer):
         if "active" in coeffs:  # a frozen trial's gradient may be non-finite: zero it
             d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if compiled:  # inductor leaves a lerp with tensor weights unfused
-            torch._foreach_mul_(exp_avg, coeffs["b1"])
-            torch._foreach_addcmul_(exp_avg, d, coeffs["w1"])
-        else:
-            torch._foreach_lerp_(exp_avg, d, coeffs["w1"])
-        if compiled:
-            torch._foreach_mul_(exp_avg_sq, coeffs["b2"])
-            torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(d, coeffs["c2"]), d)
-        else:  # fewer passes over memory: v + (1 - beta2) * (d * d - v)
-            torch._foreach_lerp_(exp_avg_sq, torch._foreach_mul(d, d), coeffs["c2"])
+        # inductor leaves a lerp with tensor weights unfused: torch's mul + addcmul instead
+        torch._foreach_mul_(exp_avg, coeffs["b1"])
+        torch._foreach_addcmul_(exp_avg, d, coeffs["w1"])
+        torch._foreach_mul_(exp_avg_sq, coeffs["b2"])
+        torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(d, coeffs["c2"]), d)
         if "max_exp_avg_sq" in state and "amsgrad" in coeffs:
             most = state["max_exp_avg_sq"]
             torch._foreach_maximum_(most, exp_avg_sq)
@@ -599,14 +760,33 @@ class Adam(FusedOptimizer):
         else:
             second = exp_avg_sq
         denom = torch._foreach_sqrt(second)
-        if compiled:  # torch's order of operations
-            torch._foreach_div_(denom, coeffs["bc2_sqrt"])
-            torch._foreach_add_(denom, coeffs["eps"])
-            step = torch._foreach_mul(exp_avg, coeffs["neg_step_size"])
-        else:  # one pass less: the same quotient with sqrt(bias correction 2) moved up
-            torch._foreach_add_(denom, coeffs["eps_bc2"])
-            step = torch._foreach_mul(exp_avg, coeffs["neg_step_bc2"])
+        torch._foreach_div_(denom, coeffs["bc2_sqrt"])  # torch's order of operations
+        torch._foreach_add_(denom, coeffs["eps"])
+        step = torch._foreach_mul(exp_avg, coeffs["neg_step_size"])
         torch._foreach_addcdiv_(params, step, denom)
+
+    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+        # Seven ops over this parameter's memory (one more for weight decay, one for frozen
+        # trials), intermediates in two scratch tensors: s2 holds the gradient used until v is
+        # updated, then the step; s1 holds d * d, then the denominator.
+        s1, s2 = scratch
+        d = g
+        if "wd" in c:
+            d = torch.addcmul(g, p, c["wd"], out=s2)
+        if "active" in c:  # a frozen trial's gradient may be non-finite: zero it
+            d = torch.where(c["active"], d, _zero(p), out=s2)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(d, c["w1"])
+        exp_avg_sq.lerp_(torch.mul(d, d, out=s1), c["c2"])  # v + (1 - beta2) * (d * d - v)
+        second = exp_avg_sq
+        if "max_exp_avg_sq" in state and "amsgrad" in c:
+            most = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+            second = torch.where(c["amsgrad"], most, exp_avg_sq, out=s1)
+        # the same quotient as torch's with sqrt(bias correction 2) moved into the numerator
+        denom = torch.sqrt(second, out=s1).add_(c["eps_bc2"])
+        if "decay" in c:  # AdamW's decoupled decay, as torch's first; here while p is in cache
+            p.mul_(c["decay"])
+        p.addcdiv_(torch.mul(exp_avg, c["neg_step_bc2"], out=s2), denom)
 
 
 class AdamW(Adam):
@@ -631,6 +811,6 @@ class AdamW(Adam):
         weight_decay: HyperParam = 1e-2,
         amsgrad: bool | Sequence[bool] = False,
         *,
-        compile: bool | str | Callable = False,
+        compile: bool | str | Callable = "auto",
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, compile=compile)
