@@ -17,6 +17,17 @@ Not a test: run it by hand (22 minutes for the default 3 seeds, one thread, busy
 
     python benchmarks/transfer.py
     python benchmarks/transfer.py --seeds 1 --steps 100    # a quick look (not the same optimum)
+
+``--depth`` runs the depth experiment instead: an 8-block, 256-wide target against Hydro
+surrogates at (ratio, depth_ratio) = (8, 1), (8, 2), (8, 4) and a naive narrow and shallow model
+in standard parametrization (2 blocks, width 32), over a learning-rate grid; it prints each
+model's best learning rate, its Spearman rank correlation with the target over the grid, the
+target's loss at that learning rate, and the median wall time of a training step. Its defaults
+(2 seeds, 100 steps of 8 x 32 characters, 7 learning rates, validation on 256 windows spread
+over the held-out tail) are sized to finish in about 20
+minutes on the busy 2-core CPU::
+
+    python benchmarks/transfer.py --depth
 """
 
 from __future__ import annotations
@@ -69,12 +80,16 @@ def train(
     data: dict,
     batches: torch.Tensor,
     args: argparse.Namespace,
+    times: list[float] | None = None,
 ) -> float:
-    """Train ``model`` with AdamW on ``groups`` over the given batch indices; validation loss."""
+    """Train ``model`` with AdamW on ``groups`` over the given batch indices; validation loss.
+
+    With ``times``, the wall time of each step is appended to it."""
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
     x, y = data["train"]
     for idx in batches:
+        t0 = time.perf_counter()
         loss = F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten())
         if not torch.isfinite(loss):
             return float("nan")  # diverged: no point in training on
@@ -82,17 +97,21 @@ def train(
         loss.backward()
         opt.step()
         sched.step()
+        if times is not None:
+            times.append(time.perf_counter() - t0)
     loss = evaluate(model, *data["val"])
     return loss if math.isfinite(loss) else float("nan")
 
 
-def sweep(model: nn.Module, make_groups, lrs: list[float], data, batches, args) -> list[float]:
+def sweep(
+    model: nn.Module, make_groups, lrs: list[float], data, batches, args, times=None
+) -> list[float]:
     """Validation loss for each learning rate, every run starting from the same initialization."""
     init = {k: v.clone() for k, v in model.state_dict().items()}
     losses = []
     for lr in lrs:
         model.load_state_dict(init)
-        losses.append(train(model, make_groups(model, lr), data, batches, args))
+        losses.append(train(model, make_groups(model, lr), data, batches, args, times))
     return losses
 
 
@@ -144,8 +163,92 @@ def plot(lrs, widths, sp, mu, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# the depth experiment's sizes: a 256-wide, 8-block target costs ~0.5 s a step here
+DEPTH_DEFAULTS = dict(seeds=2, steps=100, warmup=10, batch_size=8, block_size=32,
+                      lr_exp=[-11, -5])  # fmt: skip
+DEPTH_MODELS = ("full", "(8,1)", "(8,2)", "(8,4)", "naive")
+
+
+def depth_main(args: argparse.Namespace) -> None:
+    """Learning-rate transfer across width and depth: the 8-block target against its surrogates."""
+    lrs = [2.0**e for e in range(args.lr_exp[0], args.lr_exp[1] + 1)]
+    data = load(block_size=args.block_size)
+    # the validation windows, thinned: a full pass over them costs the 256-wide target ~25 s
+    vx, vy = data["val"]
+    every = max(1, len(vx) // args.val_windows)
+    data["val"] = (vx[::every][: args.val_windows], vy[::every][: args.val_windows])
+    margs = dict(n_head=args.n_head, block_size=args.block_size)
+    runs: dict[str, list] = {k: [] for k in DEPTH_MODELS}
+    times: dict[str, list[float]] = {k: [] for k in DEPTH_MODELS}
+    start = time.time()
+
+    def plain_groups(model, lr):
+        return [{"params": list(model.parameters()), "lr": lr, "weight_decay": args.weight_decay}]
+
+    def mup_groups(model, lr):
+        return hydro.parametrize.param_groups(model, lr=lr, weight_decay=args.weight_decay)
+
+    for seed in range(args.seeds):
+        g = torch.Generator().manual_seed(seed)
+        batches = torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
+        torch.manual_seed(seed)
+        target = gpt(n_layer=args.depth_layers, n_embd=args.depth_width, **margs)
+        example = (data["train"][0][:2],)
+        models = {"full": (target, plain_groups)}
+        for d in (1, 2, 4):
+            sur = hydro.scale(target, 8, depth_ratio=d, example_inputs=example, seed=seed)
+            models[f"(8,{d})"] = (sur, mup_groups)
+        torch.manual_seed(seed)
+        naive = gpt(n_layer=args.depth_layers // 4, n_embd=args.depth_width // 8, **margs)
+        models["naive"] = (naive, plain_groups)
+        for name in reversed(DEPTH_MODELS):  # cheap ones first: numbers early
+            model, groups = models[name]
+            runs[name].append(sweep(model, groups, lrs, data, batches, args, times[name]))
+            print(f"seed {seed} {name:>6} done at {time.time() - start:6.0f} s", flush=True)
+        med = {k: np.nanmedian(np.array(v, dtype=float), axis=0) for k, v in runs.items()}
+        print(f"\nValidation loss after {args.steps} steps, median over {seed + 1} seed(s); "
+              "* = best lr")  # fmt: skip
+        print(depth_table(lrs, med))
+        print(depth_summary(lrs, med, times), flush=True)
+        print(f"elapsed {time.time() - start:.0f} s\n", flush=True)
+
+
+def depth_table(lrs: list[float], losses: dict[str, np.ndarray]) -> str:
+    head = f"{'lr':>6} | " + " ".join(f"{k:>8}" for k in losses)
+    lines = [head, "-" * len(head)]
+    for i, lr in enumerate(lrs):
+        cells = []
+        for v in losses.values():
+            best = not np.isnan(v[i]) and v[i] == np.nanmin(v)
+            cells.append(f"{'nan' if np.isnan(v[i]) else f'{v[i]:.3f}':>7}{'*' if best else ' '}")
+        lines.append(f"2^{int(round(math.log2(lr))):<4} | " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def depth_summary(lrs: list[float], losses: dict[str, np.ndarray], times: dict) -> str:
+    full = losses["full"]
+    base = float(np.median(times["(8,1)"]))
+    lines = ["model  | best lr | shift (2x steps) | Spearman vs full | full's loss at that lr "
+             "| step ms | step / (8,1)"]  # fmt: skip
+    for k, v in losses.items():
+        b = best_lr(lrs, v)
+        shift = math.log2(b / best_lr(lrs, full))
+        rho = spearman(list(v), list(full))
+        at = full[lrs.index(b)]
+        ms = float(np.median(times[k]))
+        lines.append(f"{k:>6} | 2^{int(round(math.log2(b))):<5} | {shift:+16.0f} | "
+                     f"{rho if rho is not None else float('nan'):+16.3f} | "
+                     f"{at:.3f} ({at - np.nanmin(full):+.3f})"
+                     f"{'':>8}| {ms * 1e3:7.1f} | {ms / base:.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--depth", action="store_true", help="the depth experiment (see above)")
+    p.add_argument("--depth-layers", type=int, default=8)
+    p.add_argument("--depth-width", type=int, default=256)
+    p.add_argument("--val-windows", type=int, default=256, help="validation windows (--depth)")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
@@ -162,6 +265,12 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=Path("docs/img/transfer.png"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.depth:
+        for key, value in DEPTH_DEFAULTS.items():  # only where not given on the command line
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+        depth_main(args)
+        return
 
     widths = sorted(args.widths)
     target_width = widths[-1]
