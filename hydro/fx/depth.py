@@ -36,6 +36,9 @@ from hydro.fx.capture import Captured, register_at
 from hydro.fx.widths import _clean_path
 
 _ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+_A = torch.ops.aten
+_PASSTHROUGH = (_A.to.dtype, _A.to.dtype_layout, _A._to_copy.default, _A.clone.default,
+                _A.alias.default, _A.contiguous.default, _A.detach.default)  # fmt: skip
 
 
 @dataclass
@@ -215,13 +218,21 @@ def _owner(node: torch.fx.Node, blocks: list[str]) -> int | None:
     return None
 
 
+def _tensorish(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return isinstance(val, torch.Tensor) or val is None and "nn_module_stack" in node.meta
+
+
 def _sig(node: torch.fx.Node) -> tuple:
     return (node.op, str(node.target), len(node.args))
 
 
 def _confirm(graph: torch.fx.Graph, stack: Stack) -> _Found | str:
     """The stack's blocks in ``graph``, or why they are not a stack of residual blocks."""
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    # sizes (batch x heads) computed once and reused by later blocks are no block's own
+    nodes = [n for n in graph.nodes if n.op == "call_function" and _tensorish(n)]
     owner = {n: _owner(n, stack.blocks) for n in nodes}
     segs: list[list[torch.fx.Node]] = [[] for _ in stack.blocks]
     for n in nodes:
@@ -272,16 +283,24 @@ def _residual_adds(
     seg: list[torch.fx.Node], stream: torch.fx.Node, members: set[torch.fx.Node]
 ) -> list[tuple[torch.fx.Node, int]]:
     """The chain of residual adds of one block: ``stream + branch(stream)``, then again from
-    that sum."""
+    that sum. A no-op conversion of the stream (LLaMA's ``hidden.to(float32)``, which export
+    records inside the norm) still counts as the stream."""
     found = []
+    aliases = {stream}
     for n in seg:
-        if n.target not in _ADDS or len(n.args) < 2 or stream not in n.args[:2]:
+        if n.target in _PASSTHROUGH and n.args and n.args[0] in aliases:
+            aliases.add(n)
             continue
-        j = 1 if n.args[0] is stream else 0
+        if n.target not in _ADDS or len(n.args) < 2:
+            continue
+        a, b = n.args[:2]
+        j = 1 if a in aliases else 0 if b in aliases else None
+        if j is None:
+            continue
         other = n.args[j]
         if isinstance(other, torch.fx.Node) and other in members and _reads(other, stream, members):
             found.append((n, j))
-            stream = n
+            stream, aliases = n, {n}
     return found
 
 
