@@ -33,6 +33,7 @@ minutes on the busy 2-core CPU::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -165,7 +166,7 @@ def plot(lrs, widths, sp, mu, path: Path, title: str) -> None:
 
 # the depth experiment's sizes: a 256-wide, 8-block target costs ~0.5 s a step here
 DEPTH_DEFAULTS = dict(seeds=2, steps=100, warmup=10, batch_size=8, block_size=32,
-                      lr_exp=[-11, -5])  # fmt: skip
+                      lr_exp=[-14, -8])  # fmt: skip
 DEPTH_MODELS = ("full", "(8,1)", "(8,2)", "(8,4)", "naive")
 
 
@@ -188,7 +189,7 @@ def depth_main(args: argparse.Namespace) -> None:
     def mup_groups(model, lr):
         return hydro.parametrize.param_groups(model, lr=lr, weight_decay=args.weight_decay)
 
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         g = torch.Generator().manual_seed(seed)
         batches = torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
         torch.manual_seed(seed)
@@ -205,12 +206,28 @@ def depth_main(args: argparse.Namespace) -> None:
             model, groups = models[name]
             runs[name].append(sweep(model, groups, lrs, data, batches, args, times[name]))
             print(f"seed {seed} {name:>6} done at {time.time() - start:6.0f} s", flush=True)
-        med = {k: np.nanmedian(np.array(v, dtype=float), axis=0) for k, v in runs.items()}
-        print(f"\nValidation loss after {args.steps} steps, median over {seed + 1} seed(s); "
-              "* = best lr")  # fmt: skip
-        print(depth_table(lrs, med))
-        print(depth_summary(lrs, med, times), flush=True)
+        depth_report(lrs, runs, times, args.steps)
         print(f"elapsed {time.time() - start:.0f} s\n", flush=True)
+        if args.save:
+            args.save.write_text(json.dumps({"lrs": lrs, "runs": runs, "times": times,
+                                             "steps": args.steps}))  # fmt: skip
+
+
+def depth_report(lrs: list[float], runs: dict, times: dict, steps: int) -> None:
+    med = {k: np.nanmedian(np.array(v, dtype=float), axis=0) for k, v in runs.items()}
+    n = len(runs["full"])
+    print(f"\nValidation loss after {steps} steps, median over {n} seed(s); * = best lr")
+    print(depth_table(lrs, med))
+    print(depth_summary(lrs, med, times), flush=True)
+
+
+def depth_combine(paths: list[Path]) -> None:
+    """One report from the saved results of several runs (seeds run as separate processes)."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    lrs = parts[0]["lrs"]
+    runs = {k: [r for p in parts for r in p["runs"][k]] for k in DEPTH_MODELS}
+    times = {k: [t for p in parts for t in p["times"][k]] for k in DEPTH_MODELS}
+    depth_report(lrs, runs, times, parts[0]["steps"])
 
 
 def depth_table(lrs: list[float], losses: dict[str, np.ndarray]) -> str:
@@ -249,6 +266,9 @@ def main() -> None:
     p.add_argument("--depth-layers", type=int, default=8)
     p.add_argument("--depth-width", type=int, default=256)
     p.add_argument("--val-windows", type=int, default=256, help="validation windows (--depth)")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--save", type=Path, help="--depth: write the results as JSON here")
+    p.add_argument("--combine", type=Path, nargs="+", help="--depth: report saved results")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
@@ -265,6 +285,9 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=Path("docs/img/transfer.png"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.combine:
+        depth_combine(args.combine)
+        return
     if args.depth:
         for key, value in DEPTH_DEFAULTS.items():  # only where not given on the command line
             if getattr(args, key) == p.get_default(key):
