@@ -179,15 +179,10 @@ def depth_main(args: argparse.Namespace) -> None:
     every = max(1, len(vx) // args.val_windows)
     data["val"] = (vx[::every][: args.val_windows], vy[::every][: args.val_windows])
     margs = dict(n_head=args.n_head, block_size=args.block_size)
-    runs: dict[str, list] = {k: [] for k in DEPTH_MODELS}
-    times: dict[str, list[float]] = {k: [] for k in DEPTH_MODELS}
+    names = args.models or list(DEPTH_MODELS)
+    runs: dict[str, list] = {_label(k, args): [] for k in names}
+    times: dict[str, list[float]] = {_label(k, args): [] for k in names}
     start = time.time()
-
-    def plain_groups(model, lr):
-        return [{"params": list(model.parameters()), "lr": lr, "weight_decay": args.weight_decay}]
-
-    def mup_groups(model, lr):
-        return hydro.parametrize.param_groups(model, lr=lr, weight_decay=args.weight_decay)
 
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         g = torch.Generator().manual_seed(seed)
@@ -195,22 +190,78 @@ def depth_main(args: argparse.Namespace) -> None:
         torch.manual_seed(seed)
         target = gpt(n_layer=args.depth_layers, n_embd=args.depth_width, **margs)
         example = (data["train"][0][:2],)
-        models = {"full": (target, plain_groups)}
-        for d in (1, 2, 4):
-            sur = hydro.scale(target, 8, depth_ratio=d, example_inputs=example, seed=seed)
-            models[f"(8,{d})"] = (sur, mup_groups)
-        torch.manual_seed(seed)
-        naive = gpt(n_layer=args.depth_layers // 4, n_embd=args.depth_width // 8, **margs)
-        models["naive"] = (naive, plain_groups)
-        for name in reversed(DEPTH_MODELS):  # cheap ones first: numbers early
+        models = build_depth_models(target, example, seed, args, margs)
+        for name in reversed(list(models)):  # cheap ones first: numbers early
             model, groups = models[name]
-            runs[name].append(sweep(model, groups, lrs, data, batches, args, times[name]))
+            key = _label(name, args)
+            runs[key].append(sweep(model, groups, lrs, data, batches, args, times[key]))
             print(f"seed {seed} {name:>6} done at {time.time() - start:6.0f} s", flush=True)
-        depth_report(lrs, runs, times, args.steps)
-        print(f"elapsed {time.time() - start:.0f} s\n", flush=True)
-        if args.save:
+        if args.save:  # first: a partial run (no full model) is reported with --combine
             args.save.write_text(json.dumps({"lrs": lrs, "runs": runs, "times": times,
                                              "steps": args.steps}))  # fmt: skip
+        depth_report(lrs, runs, times, args.steps)
+        print(f"elapsed {time.time() - start:.0f} s\n", flush=True)
+
+
+def _label(name: str, args: argparse.Namespace) -> str:
+    if args.depth_alpha == 1.0 or not name.startswith("("):
+        return name
+    return f"{name}a{args.depth_alpha:g}"
+
+
+def build_depth_models(target, example, seed, args, margs) -> dict:  # noqa: ANN001
+    """``{name: (model, param-group maker)}`` for the names in ``args.models``."""
+
+    def plain_groups(model, lr):
+        return [{"params": list(model.parameters()), "lr": lr, "weight_decay": args.weight_decay}]
+
+    def mup_groups(model, lr):
+        return hydro.parametrize.param_groups(model, lr=lr, weight_decay=args.weight_decay)
+
+    models = {}
+    for name in args.models or DEPTH_MODELS:
+        if name == "full":
+            models[name] = (target, plain_groups)
+        elif name == "naive":
+            torch.manual_seed(seed)
+            naive = gpt(n_layer=args.depth_layers // 4, n_embd=args.depth_width // 8, **margs)
+            models[name] = (naive, plain_groups)
+        else:
+            r, d = (int(v) for v in name.strip("()").split(","))
+            sur = hydro.scale(target, r, depth_ratio=d, depth_alpha=args.depth_alpha,
+                              example_inputs=example, seed=seed)  # fmt: skip
+            models[name] = (sur, mup_groups)
+    return models
+
+
+def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
+    """Median wall time of one training step of each surrogate, measured interleaved (one step
+    of each in turn, ``rounds`` times) so that a busy machine slows them alike."""
+    data = load(block_size=args.block_size)
+    margs = dict(n_head=args.n_head, block_size=args.block_size)
+    torch.manual_seed(0)
+    target = gpt(n_layer=args.depth_layers, n_embd=args.depth_width, **margs)
+    args.models = ["(8,1)", "(8,2)", "(8,4)", "naive"]
+    models = build_depth_models(target, (data["train"][0][:2],), 0, args, margs)
+    x, y = data["train"]
+    opts = {k: torch.optim.AdamW(g(m, 1e-3)) for k, (m, g) in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for r in range(rounds + 3):
+        idx = torch.randint(len(x), (args.batch_size,))
+        for k, (m, _) in models.items():
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(m(x[idx]).flatten(0, 1), y[idx].flatten())
+            opts[k].zero_grad(set_to_none=True)
+            loss.backward()
+            opts[k].step()
+            if r >= 3:  # warm-up rounds
+                times[k].append(time.perf_counter() - t0)
+    base = float(np.median(times["(8,1)"]))
+    print(f"step time, median of {rounds} interleaved steps ({args.batch_size} x "
+          f"{args.block_size} characters, {args.threads} thread(s)):")  # fmt: skip
+    for k, v in times.items():
+        ms = float(np.median(v))
+        print(f"{k:>6}: {ms * 1e3:7.1f} ms  {ms / base:.2f} x (8,1)")
 
 
 def depth_report(lrs: list[float], runs: dict, times: dict, steps: int) -> None:
@@ -218,15 +269,17 @@ def depth_report(lrs: list[float], runs: dict, times: dict, steps: int) -> None:
     n = len(runs["full"])
     print(f"\nValidation loss after {steps} steps, median over {n} seed(s); * = best lr")
     print(depth_table(lrs, med))
-    print(depth_summary(lrs, med, times), flush=True)
+    if "full" in med and "(8,1)" in med:
+        print(depth_summary(lrs, med, times), flush=True)
 
 
 def depth_combine(paths: list[Path]) -> None:
     """One report from the saved results of several runs (seeds run as separate processes)."""
     parts = [json.loads(p.read_text()) for p in paths]
     lrs = parts[0]["lrs"]
-    runs = {k: [r for p in parts for r in p["runs"][k]] for k in DEPTH_MODELS}
-    times = {k: [t for p in parts for t in p["times"][k]] for k in DEPTH_MODELS}
+    names = list(dict.fromkeys(k for p in parts for k in p["runs"]))
+    runs = {k: [r for p in parts for r in p["runs"].get(k, [])] for k in names}
+    times = {k: [t for p in parts for t in p["times"].get(k, [])] for k in names}
     depth_report(lrs, runs, times, parts[0]["steps"])
 
 
@@ -244,7 +297,7 @@ def depth_table(lrs: list[float], losses: dict[str, np.ndarray]) -> str:
 
 def depth_summary(lrs: list[float], losses: dict[str, np.ndarray], times: dict) -> str:
     full = losses["full"]
-    base = float(np.median(times["(8,1)"]))
+    base = float(np.median(times["(8,1)"]))  # the sweep's own timings: not interleaved
     lines = ["model  | best lr | shift (2x steps) | Spearman vs full | full's loss at that lr "
              "| step ms | step / (8,1)"]  # fmt: skip
     for k, v in losses.items():
@@ -267,6 +320,9 @@ def main() -> None:
     p.add_argument("--depth-width", type=int, default=256)
     p.add_argument("--val-windows", type=int, default=256, help="validation windows (--depth)")
     p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--depth-alpha", type=float, default=1.0, help="--depth: 1 CompleteP, 0.5")
+    p.add_argument("--models", nargs="+", help=f"--depth: a subset of {', '.join(DEPTH_MODELS)}")
+    p.add_argument("--step-times", action="store_true", help="--depth: interleaved step times")
     p.add_argument("--save", type=Path, help="--depth: write the results as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", help="--depth: report saved results")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -292,7 +348,10 @@ def main() -> None:
         for key, value in DEPTH_DEFAULTS.items():  # only where not given on the command line
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
-        depth_main(args)
+        if args.step_times:
+            depth_step_times(args)
+        else:
+            depth_main(args)
         return
 
     widths = sorted(args.widths)
