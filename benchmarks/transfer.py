@@ -23,11 +23,16 @@ surrogates at (ratio, depth_ratio) = (8, 1), (8, 2), (8, 4) and a naive narrow a
 in standard parametrization (2 blocks, width 32), over a learning-rate grid; it prints each
 model's best learning rate, its Spearman rank correlation with the target over the grid, the
 target's loss at that learning rate, and the median wall time of a training step. Its defaults
-(2 seeds, 100 steps of 8 x 32 characters, 7 learning rates, validation on 256 windows spread
-over the held-out tail) are sized to finish in about 20
-minutes on the busy 2-core CPU::
+(100 steps of 8 x 32 characters, 7 learning rates 2^-14 to 2^-8, validation on 256 windows spread
+over the held-out tail) were sized for 20 minutes; on the shared 2-core CPU at a load average of
+about 14 one seed took 28.5 minutes, three quarters of it the full model, so the two seeds ran as two
+processes and were combined::
 
-    python benchmarks/transfer.py --depth
+    python benchmarks/transfer.py --depth --seeds 1 --first-seed 0 --save s0.json &
+    python benchmarks/transfer.py --depth --seeds 1 --first-seed 1 --save s1.json
+    python benchmarks/transfer.py --combine s0.json s1.json
+    python benchmarks/transfer.py --depth --step-times       # interleaved step times
+    python benchmarks/transfer.py --depth --depth-alpha 0.5 --models "(8,2)" "(8,4)" --save a.json
 """
 
 from __future__ import annotations
@@ -266,7 +271,7 @@ def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
 
 def depth_report(lrs: list[float], runs: dict, times: dict, steps: int) -> None:
     med = {k: np.nanmedian(np.array(v, dtype=float), axis=0) for k, v in runs.items()}
-    n = len(runs["full"])
+    n = max(len(v) for v in runs.values())
     print(f"\nValidation loss after {steps} steps, median over {n} seed(s); * = best lr")
     print(depth_table(lrs, med))
     if "full" in med and "(8,1)" in med:
