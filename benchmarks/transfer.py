@@ -24,9 +24,9 @@ in standard parametrization (2 blocks, width 32), over a learning-rate grid; it 
 model's best learning rate, its Spearman rank correlation with the target over the grid, the
 target's loss at that learning rate, and the median wall time of a training step. Its defaults
 (100 steps of 8 x 32 characters, 7 learning rates 2^-14 to 2^-8, validation on 256 windows spread
-over the held-out tail) were sized for 20 minutes; on the shared 2-core CPU at a load average of
-about 14 one seed took 28.5 minutes, three quarters of it the full model, so the two seeds ran as two
-processes and were combined::
+over the held-out tail) were sized for 20 minutes; on the shared 2-core CPU at a load average
+of about 14 one seed took 28.5 minutes, three quarters of it the full model, so the two seeds
+ran as two processes and were combined::
 
     python benchmarks/transfer.py --depth --seeds 1 --first-seed 0 --save s0.json &
     python benchmarks/transfer.py --depth --seeds 1 --first-seed 1 --save s1.json
