@@ -68,7 +68,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from hydro.inspection import inspect
 
     model, inputs = _model_and_inputs(args.model)
-    report = inspect(model, args.ratio, example_inputs=inputs, head_policy=args.head_policy)
+    report = inspect(model, args.ratio, example_inputs=inputs, head_policy=args.head_policy,
+                     depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha)  # fmt: skip
     print(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -287,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=int, default=8)
     p.add_argument("--head-policy", default="keep_head_dim",
                    choices=["keep_head_dim", "keep_head_count"])  # fmt: skip
+    p.add_argument("--depth-ratio", type=int, default=1, help="keep every k-th repeated block")
+    p.add_argument("--depth-alpha", type=float, default=1.0, help="1: CompleteP, 0.5: Depth-muP")
     p.add_argument("--json", help="also write the plan as JSON to this file")
     p.set_defaults(func=cmd_inspect)
 

@@ -40,6 +40,9 @@ class InspectReport:
     head_decisions: list[str] = field(default_factory=list)
     multipliers: dict[str, float] = field(default_factory=dict)
     kept: list[tuple[str, int, int]] = field(default_factory=list)
+    depth_ratio: int = 1
+    stacks: list[Any] = field(default_factory=list)
+    depth_multipliers: dict[str, float] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -56,6 +59,11 @@ class InspectReport:
             "head_decisions": self.head_decisions,
             "multipliers": self.multipliers,
             "kept": [list(k) for k in self.kept],
+            "depth_ratio": self.depth_ratio,
+            "stacks": [{"path": st.path, "blocks": list(st.blocks), "kept": list(st.kept),
+                        "left_whole": st.reason, "multiplier": st.multiplier}
+                       for st in self.stacks],
+            "depth_multipliers": self.depth_multipliers,
         }  # fmt: skip
 
     def __str__(self) -> str:
@@ -81,6 +89,8 @@ class InspectReport:
                      "per forward pass (matmul-like ops)")  # fmt: skip
         lines += [f"attention: {d}" for d in self.head_decisions]
         lines += [f"muP multiplier {k} = {v:g}" for k, v in self.multipliers.items()]
+        lines += [_stack_line(st) for st in self.stacks]
+        lines += [f"depth multiplier {k} = {v:g}" for k, v in self.depth_multipliers.items()]
         lines += [
             f"fixed: '{name}' dimension {dim} ({size}) is indexed or sliced by a fixed size "
             "(vocabulary, positions), not a width"
@@ -96,6 +106,8 @@ def inspect(
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     head_policy: HeadPolicy = "keep_head_dim",
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> InspectReport:
     """Describe how :func:`hydro.scale` shrinks ``model``: per layer and in total.
 
@@ -105,6 +117,10 @@ def inspect(
         example_inputs: positional inputs shaped like a real batch (FLOPs are counted for it).
         example_kwargs: keyword inputs of that call.
         head_policy: as for :func:`hydro.scale`.
+        depth_ratio: as for :func:`hydro.scale`; the report then names each stack of repeated
+            blocks with the blocks it keeps, or why it is left whole. Removed blocks keep their
+            rows, with no surrogate parameters or FLOPs.
+        depth_alpha: as for :func:`hydro.scale`.
 
     Returns:
         An :class:`InspectReport`; ``print(report)`` shows the table (with how attention heads
@@ -120,13 +136,16 @@ def inspect(
         [('0', 'input'), ('2', 'output')]
     """
     scaled = build(model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                   head_policy=head_policy)  # fmt: skip
+                   head_policy=head_policy, depth_ratio=depth_ratio,
+                   depth_alpha=depth_alpha)  # fmt: skip
     sur, plan = scaled.surrogate, scaled.plan
     mode = "train" if "train" in sur.graphs else next(iter(sur.graphs))
     sur_values = propagate(sur, sur.graphs[mode], scaled.inputs, scaled.kwargs)
     report = InspectReport(ratio, head_decisions=list(sur.hydro.head_decisions),
                            multipliers=dict(sur.hydro.multipliers),
-                           kept=list(plan.kept))  # fmt: skip
+                           kept=list(plan.kept), depth_ratio=depth_ratio,
+                           stacks=list(sur.hydro.stacks),
+                           depth_multipliers=dict(sur.hydro.depth_multipliers))  # fmt: skip
     roles = sur.hydro.roles
     target_graph = scaled.captured.graphs[mode].graph
     flops: dict[int, tuple[int, int]] = {}  # per parameter id: (target, surrogate) FLOPs
@@ -138,6 +157,7 @@ def inspect(
                 old = flops.get(key, (0, 0))
                 flops[key] = (old[0] + t, old[1] + s_)
                 counted_nodes.add(u.node)
+    _removed_flops(model, report.stacks, flops)
     sur_params = dict(sur.named_parameters())
     kinds = {}  # module path -> type, from where the graphs were recorded
     for node in target_graph.nodes:
@@ -174,6 +194,33 @@ def inspect(
                 f_t, _flops(scaled.node_map[node], sur_values),
             ))  # fmt: skip
     return report
+
+
+def _stack_line(st: Any) -> str:
+    if st.reason is not None:
+        return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) left whole: {st.reason}"
+    if not st.cut:
+        return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) kept whole"
+    return (f"depth: stack '{st.path}' keeps {len(st.kept)} of {len(st.blocks)} blocks "
+            f"({', '.join(st.kept)}), residual branches x {st.multiplier:g}")  # fmt: skip
+
+
+def _removed_flops(model: nn.Module, stacks: list, flops: dict[int, tuple[int, int]]) -> None:
+    """Target FLOPs of the parameters of removed blocks: those of the same parameter of the
+    stack's first block (identical blocks on the same stream); none in the surrogate."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for st in stacks:
+        if not st.cut:
+            continue
+        first = st.blocks[0]
+        for block in st.blocks:
+            if block in st.kept:
+                continue
+            for name, p in params.items():
+                if name.startswith(block + "."):
+                    twin = params.get(first + name[len(block) :])
+                    if twin is not None and id(twin) in flops and id(p) not in flops:
+                        flops[id(p)] = (flops[id(twin)][0], 0)
 
 
 def _flops(node: torch.fx.Node, values: dict) -> int:

@@ -25,6 +25,16 @@ per-step decay of AdamW and of SGD's coupled decay) does not change with width.
 These are the rules of ``mup.MuAdam`` / ``mup.MuSGD``; :func:`optimizer_multipliers` returns them
 per parameter so that Hydro's fused optimizers and plain ``torch.optim`` users (through
 :func:`param_groups`) apply exactly what ``mup`` would.
+
+Depth (``depth_ratio > 1``, see :mod:`hydro.fx.depth`): a stack of ``L`` blocks cut to ``L_s``
+multiplies each kept block's residual branches by ``(L / L_s) ** alpha`` (CompleteP, alpha = 1;
+Depth-muP, alpha = 1/2), the target being the base depth. With Adam-like optimizers CompleteP
+scales the learning rate of every parameter inside the blocks by ``(L_s / L) ** (alpha - 1)``:
+1 at alpha = 1, ``sqrt(L / L_s)`` at alpha = 1/2. Hydro divides their weight decay by the same
+factor, as it does for width, so that ``lr * weight_decay`` does not change with depth. The
+factor rides on the parameter's ``infshape`` (:func:`depth_lr_mult`), so it reaches the fused
+optimizers and ``param_groups`` with the muP ones. ``mup.MuAdam`` does not know it; with
+alpha = 1 (the default) there is nothing to know.
 """
 
 from __future__ import annotations
@@ -67,6 +77,24 @@ def optimizer_multipliers(param: torch.Tensor, kind: OptimizerKind = "adam") -> 
     infshape = getattr(param, "infshape", None)
     if infshape is None:
         return 1.0, 1.0
+    lr_m, wd_m = _width_multipliers(param, infshape, kind)
+    depth = depth_lr_mult(param) if kind == "adam" else 1.0
+    if depth == 1.0:
+        return lr_m, wd_m
+    return lr_m * depth, wd_m / depth
+
+
+def depth_lr_mult(param: torch.Tensor) -> float:
+    """The CompleteP depth learning-rate factor of a parameter inside a depth-cut block.
+
+    1 for every parameter of a surrogate built with ``depth_alpha=1`` (the default) or
+    ``depth_ratio=1``, and for parameters outside the cut stacks.
+    """
+    infshape = getattr(param, "infshape", None)
+    return float(getattr(infshape, "hydro_depth_lr", 1.0))
+
+
+def _width_multipliers(param: torch.Tensor, infshape: Any, kind: str) -> tuple[float, float]:
     ninf = infshape.ninf()
     if ninf > 2:
         raise ValueError(
@@ -120,6 +148,23 @@ def param_groups(
     ]
 
 
+def set_depth_lr(sur: nn.Module, plan: Any) -> None:
+    """Attach the CompleteP depth learning-rate factor to the parameters of cut stacks' blocks.
+
+    ``plan`` is a :class:`hydro.fx.depth.DepthPlan`. Nothing is attached where the factor is 1.
+    """
+    for stack in plan.stacks:
+        if not stack.cut:
+            continue
+        factor = (len(stack.blocks) / len(stack.kept)) ** (1.0 - plan.alpha)
+        if factor == 1.0:
+            continue
+        for name, p in sur.named_parameters():
+            if any(name.startswith(b + ".") for b in stack.kept) and hasattr(p, "infshape"):
+                p.infshape = copy.copy(p.infshape)  # tuple subclass: the copy holds the factor
+                p.infshape.hydro_depth_lr = factor
+
+
 # --- applying muP to a freshly rebuilt surrogate -------------------------------------------------
 
 Role = Literal["input", "hidden", "output", "vector", "fixed"]
@@ -138,6 +183,12 @@ class SurrogateInfo:
         init_std: ``(target std, surrogate std)`` of each parameter's initialization.
         multipliers: the readout multipliers inserted, by buffer name (``mup_readout.scale``).
         head_decisions: how each attention head split was scaled.
+        depth_ratio: every ``depth_ratio``-th block of each stack of repeated blocks is kept.
+        depth_alpha: the depth exponent (1: CompleteP, 0.5: Depth-muP).
+        stacks: the stacks of repeated blocks found (:class:`hydro.fx.depth.Stack`): which
+            blocks are kept, or why a stack was left whole.
+        depth_multipliers: the residual-branch multipliers inserted, by buffer name
+            (``depth_residual.scale``).
     """
 
     ratio: int
@@ -149,6 +200,10 @@ class SurrogateInfo:
     head_decisions: list[str] = field(default_factory=list)
     init_mult: dict[str, float] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
+    depth_ratio: int = 1
+    depth_alpha: float = 1.0
+    stacks: list = field(default_factory=list)
+    depth_multipliers: dict[str, float] = field(default_factory=dict)
 
 
 def role_of(width_mask: tuple[bool, ...], uses: list) -> Role:

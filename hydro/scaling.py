@@ -22,7 +22,9 @@ from torch import nn
 
 from hydro import parametrize
 from hydro.errors import ScaleError, TraceError
+from hydro.fx import depth
 from hydro.fx.capture import Captured, capture
+from hydro.fx.depth import DepthPlan
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
 from hydro.fx.rules.shape import SIZE_ARG
 from hydro.fx.widths import HeadPolicy, WidthPlan, analyze, describe, op_name, propagate
@@ -38,6 +40,8 @@ def scale(
     output_mult: float = 1.0,
     seed: int | None = None,
     parametrization: Literal["mup", "sp"] = "mup",
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> Captured:
     """Build a muP surrogate of ``model`` with every hidden width divided by ``ratio``.
 
@@ -63,6 +67,15 @@ def scale(
         parametrization: ``"mup"`` (default); ``"sp"`` builds the *naively* width-scaled model
             instead (standard parametrization at the new width), for comparisons such as coord
             checks.
+        depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated residual
+            blocks (``nn.ModuleList``/``nn.Sequential`` of identically shaped blocks, confirmed
+            in the captured graph), at least one per stack; 1 (default) keeps every block.
+            ``sur.hydro.stacks`` and :func:`hydro.inspect` say which blocks are kept and which
+            stacks are left whole, and why.
+        depth_alpha: the depth parametrization: each kept block's residual branches are
+            multiplied by ``(L_target / L_surrogate) ** depth_alpha``; 1 (default) is CompleteP,
+            0.5 Depth-muP (which also scales the blocks' Adam learning rates, see
+            :mod:`hydro.parametrize`).
 
     Returns:
         A :class:`hydro.fx.capture.Captured` module called exactly like ``model`` (same
@@ -73,6 +86,7 @@ def scale(
 
     Raises:
         TraceError: the model cannot be captured (naming module, file, line and what to do).
+        ScaleError: ``depth_ratio`` is not a positive integer, ``depth_alpha`` not in [0, 1].
         ScaleError: a width ``ratio`` does not divide, a head split that cannot shrink, an op
             over parameters with no width rule, a literal Hydro cannot rewrite.
 
@@ -90,7 +104,7 @@ def scale(
     return build(
         model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
         head_policy=head_policy, output_mult=output_mult, seed=seed,
-        parametrization=parametrization,
+        parametrization=parametrization, depth_ratio=depth_ratio, depth_alpha=depth_alpha,
     ).surrogate  # fmt: skip
 
 
@@ -106,6 +120,7 @@ class Scaled:
     target: nn.Module
     captured: Captured
     _stats: dict = field(default_factory=dict, repr=False)
+    depth: DepthPlan | None = None
 
     def sample(self, seed: int | None = None) -> Captured:
         """Another surrogate with the same graphs, independently initialized from ``seed``.
@@ -132,6 +147,8 @@ def build(
     seed: int | None = None,
     parametrization: Literal["mup", "sp"] = "mup",
     always_readout: bool = False,
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> Scaled:
     """:func:`scale`, returning the width plan and node map along with the surrogate.
 
@@ -142,6 +159,7 @@ def build(
         raise ScaleError(f"ratio must be a positive integer (1, 2, 4, 8...), got {ratio!r}")
     if parametrization not in ("mup", "sp"):
         raise ScaleError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
+    depth.check_args(depth_ratio, depth_alpha)
     kwargs = dict(example_kwargs or {})
     if example_inputs is None and not kwargs:
         inputs = guess_inputs(model)
@@ -162,18 +180,37 @@ def build(
                     "run on them; pass example_inputs=(x, ...) shaped like a real batch"
                 ) from exc
             raise
+    cap, depth_plan = depth.cut(cap, model, depth_ratio, depth_alpha)
     plan = analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
     sur, node_map, new_tensors = _rebuild(cap, plan, model)
     info = parametrize.apply(
         sur, model, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
         standard=parametrization == "sp", always_readout=always_readout,
     )  # fmt: skip
+    _apply_depth(sur, depth_plan, node_map, info, standard=parametrization == "sp")
     _check(sur, plan, node_map, inputs, kwargs)
     sur.hydro = info
     device = next((p.device for p in model.parameters() if not p.is_meta), None)
     if device is not None and device.type != "cpu":
         sur.to(device)  # keeps the Parameter objects, and so their infshapes
-    return Scaled(sur, plan, node_map, inputs, kwargs, model, cap)
+    return Scaled(sur, plan, node_map, inputs, kwargs, model, cap, depth=depth_plan)
+
+
+def _apply_depth(
+    sur: Captured,
+    plan: DepthPlan,
+    node_map: dict[torch.fx.Node, torch.fx.Node],
+    info: parametrize.SurrogateInfo,
+    standard: bool = False,
+) -> None:
+    """Record the depth cut on ``sur.hydro``; parametrize it (unless ``standard``: the naive
+    shallow model, blocks dropped and nothing else)."""
+    info.depth_ratio, info.depth_alpha = plan.depth_ratio, plan.alpha
+    info.stacks = plan.stacks
+    if standard:
+        return
+    info.depth_multipliers = depth.insert_multipliers(sur, plan, node_map)
+    parametrize.set_depth_lr(sur, plan)
 
 
 def _to_meta(x: Any) -> Any:
