@@ -8,7 +8,8 @@ layer kind, the narrowest surrogate width at which the learning-rate optimum sti
 
 Here a layer's width is the narrowest of its width dimensions in the surrogate (a Linear's
 hidden features, a convolution's channels, an embedding's dimension), and an attention op's is
-its head dim. ``ratio="auto"`` (:func:`choose`) picks the largest power of two, up to
+its head dim. A layer narrower than its floor in the target itself has that width as its floor:
+it may stay, not shrink. ``ratio="auto"`` (:func:`choose`) picks the largest power of two, up to
 :data:`MAX_AUTO_RATIO`, that keeps every layer at or above its floor; an explicit ratio that
 goes below warns (:func:`warn_below`).
 """
@@ -27,12 +28,12 @@ from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.widths import Analysis, HeadPolicy, WidthPlan, _solve, module_of, propagate
 
 # Narrowest surrogate width (features, channels, head dim) at which the learning-rate optimum
-# transferred in benchmarks/width_floor.py; the measured table is in docs/transfer.md.
-FLOORS: dict[str, int] = {
-    "linear": 16,  # TEMP
-    "conv": 16,  # TEMP
-    "attention": 8,  # TEMP
-}
+# transferred in benchmarks/width_floor.py (3 seeds; the tables are in docs/transfer.md, "Width
+# floor"): an MLP's hidden width 32 transferred and 16 did not; BatchNorm conv channels 8
+# transferred and 4 did not, but the held-out BatchNorm ResNet of issue 11 failed at 8 (and 16
+# channels) and transferred at 16 (and 32), so the conv floor takes 16; a head dim of 8, the
+# narrowest measured, transferred (narrower ones were not measured).
+FLOORS: dict[str, int] = {"linear": 32, "conv": 16, "attention": 8}
 MAX_AUTO_RATIO = 64
 
 _CONV = ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d",
@@ -103,8 +104,8 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
         narrow = min(dims, key=plan.new_dim)
         name = plan.tensor_names[key][0]
         path = name[: -len(".weight")] if name.endswith(".weight") else name
-        rows.setdefault((path, kind), LayerWidth(path, kind, plan.sizes[narrow],
-                                                 plan.new_dim(narrow), floors[kind]))  # fmt: skip
+        rows.setdefault((path, kind), _row(path, kind, plan.sizes[narrow], plan.new_dim(narrow),
+                                           floors))  # fmt: skip
     used = {u.node for us in plan.uses.values() for u in us}
     for node in plan.node_syms:
         if node.op != "call_function" or node in used:
@@ -114,9 +115,14 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
             continue
         owner = module_of(node)
         path = owner[0] if owner and owner[0] else node.name
-        rows.setdefault((path, "attention"), LayerWidth(
-            path, "attention", plan.sizes[d], plan.new_dim(d), floors["attention"]))  # fmt: skip
+        rows.setdefault((path, "attention"), _row(path, "attention", plan.sizes[d],
+                                                  plan.new_dim(d), floors))  # fmt: skip
     return list(rows.values())
+
+
+def _row(path: str, kind: str, target: int, surrogate: int, floors: dict[str, int]) -> LayerWidth:
+    # a layer already narrower than the floor in the target may stay as it is, not shrink
+    return LayerWidth(path, kind, target, surrogate, min(floors[kind], target))
 
 
 def _head_dim(node: torch.fx.Node, plan: WidthPlan) -> int | None:
