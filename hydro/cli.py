@@ -64,6 +64,15 @@ def _ratios(text: str) -> list[int]:
         raise ConfigError(f"--ratios must be integers separated by commas, got {text!r}") from exc
 
 
+def _ratio(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from exc
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hydro.inspection import inspect
 
@@ -133,12 +142,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
+    from hydro.fx.floor import task_ratio
     from hydro.integrations.optuna import optimize
 
     try:
         preflight(cfg.task, cfg.space)
     except HydroError as exc:  # name the file, as for any other mistake in it
         raise type(exc)(f"{cfg.path}: task: {exc}") from exc
+    auto = cfg.ratio == "auto"
+    cfg.ratio = task_ratio(cfg.task, cfg.ratio)  # the largest ratio within the width floors
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
     study.set_user_attr("hydro_task", task_recipe(cfg.task))
     args.interrupted = (
@@ -147,7 +159,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )
     before = len(study.trials)
     print(f"study '{cfg.study}' in {cfg.storage or 'sqlite:///hydro.db'}: {before} trials so far, "
-          f"target {cfg.trials}; ratio {cfg.ratio}, {cfg.fuse} trials per fused group",
+          f"target {cfg.trials}; ratio {cfg.ratio}{' (auto)' if auto else ''}, {cfg.fuse} "
+          "trials per fused group",
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
              seed=cfg.seed, progress=True, executor=executor)  # fmt: skip
@@ -260,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", help="Optuna storage URL (default: the config's, or hydro.db)")
     p.add_argument("--study", help="study name")
     p.add_argument("--trials", type=int, help="trials to finish")
-    p.add_argument("--ratio", type=int, help="surrogate width divisor")
+    p.add_argument("--ratio", type=_ratio, help="surrogate width divisor, or 'auto' (default, "
+                   "unless the config sets one): the largest within the width floors")  # fmt: skip
     p.add_argument("--fuse", type=int, help="trials per fused group")
     p.add_argument("--executor", choices=["inline", "local", "ray"], default=None,
                    help="where groups train: this process (default), local worker processes, "
@@ -285,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
-    p.add_argument("--ratio", type=int, default=8)
+    p.add_argument(
+        "--ratio",
+        type=_ratio,
+        default="auto",
+        help="width divisor, or 'auto' (default): the largest within the width floors",
+    )
     p.add_argument("--head-policy", default="keep_head_dim",
                    choices=["keep_head_dim", "keep_head_count"])  # fmt: skip
     p.add_argument("--depth-ratio", type=int, default=1, help="keep every k-th repeated block")

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from hydro.fx.floor import LayerWidth, bounding, layer_widths
 from hydro.fx.rules.common import bound
 from hydro.fx.widths import HeadPolicy, module_of, op_name, propagate
 from hydro.scaling import build
@@ -29,6 +30,7 @@ class LayerPlan:
     surrogate_params: int
     target_flops: int
     surrogate_flops: int
+    floor: int | None = None  # the width floor of its kind, where a width of it shrinks
 
 
 @dataclass
@@ -43,6 +45,8 @@ class InspectReport:
     depth_ratio: int = 1
     stacks: list[Any] = field(default_factory=list)
     depth_multipliers: dict[str, float] = field(default_factory=dict)
+    floors: list[LayerWidth] = field(default_factory=list)
+    auto: str | None = None  # why ratio="auto" chose ``ratio``
 
     @property
     def totals(self) -> dict[str, int]:
@@ -64,21 +68,23 @@ class InspectReport:
                         "left_whole": st.reason, "multiplier": st.multiplier}
                        for st in self.stacks],
             "depth_multipliers": self.depth_multipliers,
+            "floors": [vars(lw) | {"below": lw.below} for lw in self.floors],
+            "auto": self.auto,
         }  # fmt: skip
 
     def __str__(self) -> str:
         header = ("module", "kind", "role", "target", "surrogate", "params", "sur params",
-                  "FLOPs", "sur FLOPs")  # fmt: skip
+                  "FLOPs", "sur FLOPs", "floor")  # fmt: skip
         body = [
             (r.path, r.kind, r.role, _shape(r.target_shape), _shape(r.surrogate_shape),
              _num(r.target_params), _num(r.surrogate_params), _num(r.target_flops),
-             _num(r.surrogate_flops))
+             _num(r.surrogate_flops), _floor(r, self.floors))
             for r in self.rows
         ]  # fmt: skip
         t = self.totals
         body.append(("total", "", "", "", "", _num(t["target_params"]),
                      _num(t["surrogate_params"]), _num(t["target_flops"]),
-                     _num(t["surrogate_flops"])))  # fmt: skip
+                     _num(t["surrogate_flops"]), ""))  # fmt: skip
         widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *body]]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -87,6 +93,14 @@ class InspectReport:
         f = t["target_flops"] / max(1, t["surrogate_flops"])
         lines.append(f"ratio {self.ratio}: {p:.1f}x fewer parameters, {f:.1f}x fewer FLOPs "
                      "per forward pass (matmul-like ops)")  # fmt: skip
+        lines += [self.auto] if self.auto else []
+        below = [lw for lw in self.floors if lw.below]
+        closest = bounding(self.floors)
+        if below:
+            lines.append(f"below the width floor ({len(below)} layers; the learning rate may not "
+                         f"transfer): " + "; ".join(map(str, below[:4])))  # fmt: skip
+        elif closest is not None:
+            lines.append(f"width floor: closest to it (bounds the ratio) {closest}")
         lines += [f"attention: {d}" for d in self.head_decisions]
         lines += [f"muP multiplier {k} = {v:g}" for k, v in self.multipliers.items()]
         lines += [_stack_line(st) for st in self.stacks]
@@ -101,7 +115,7 @@ class InspectReport:
 
 def inspect(
     model: nn.Module,
-    ratio: int = 8,
+    ratio: int | str = 8,
     *,
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
@@ -113,7 +127,7 @@ def inspect(
 
     Args:
         model: the target model.
-        ratio: the width divisor.
+        ratio: the width divisor, or ``"auto"`` (as for :func:`hydro.scale`).
         example_inputs: positional inputs shaped like a real batch (FLOPs are counted for it).
         example_kwargs: keyword inputs of that call.
         head_policy: as for :func:`hydro.scale`.
@@ -141,7 +155,7 @@ def inspect(
     sur, plan = scaled.surrogate, scaled.plan
     mode = "train" if "train" in sur.graphs else next(iter(sur.graphs))
     sur_values = propagate(sur, sur.graphs[mode], scaled.inputs, scaled.kwargs)
-    report = InspectReport(ratio, head_decisions=list(sur.hydro.head_decisions),
+    report = InspectReport(plan.ratio, head_decisions=list(sur.hydro.head_decisions),
                            multipliers=dict(sur.hydro.multipliers),
                            kept=list(plan.kept), depth_ratio=depth_ratio,
                            stacks=list(sur.hydro.stacks),
@@ -193,6 +207,12 @@ def inspect(
                 tuple(getattr(out_t, "shape", ())), tuple(getattr(out_s, "shape", ())), 0, 0,
                 f_t, _flops(scaled.node_map[node], sur_values),
             ))  # fmt: skip
+    report.floors = layer_widths(plan)
+    report.auto = str(sur.hydro.auto) if sur.hydro.auto else None
+    by_path = {lw.path: lw.floor for lw in report.floors}
+    for row in report.rows:
+        row.floor = by_path.get(row.path.split(":")[0] if row.kind == "scaled_dot_product_attention"
+                                else row.path)  # fmt: skip
     return report
 
 
@@ -221,6 +241,14 @@ def _removed_flops(model: nn.Module, stacks: list, flops: dict[int, tuple[int, i
                     twin = params.get(first + name[len(block) :])
                     if twin is not None and id(twin) in flops and id(p) not in flops:
                         flops[id(p)] = (flops[id(twin)][0], 0)
+
+
+def _floor(row: LayerPlan, floors: list[LayerWidth]) -> str:
+    if row.floor is None:
+        return ""
+    path = row.path.split(":")[0]
+    below = any(lw.below and lw.path == path for lw in floors)
+    return f"{row.floor}{' (below)' if below else ''}"
 
 
 def _flops(node: torch.fx.Node, values: dict) -> int:

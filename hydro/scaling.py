@@ -22,7 +22,7 @@ from torch import nn
 
 from hydro import parametrize
 from hydro.errors import ScaleError, TraceError
-from hydro.fx import depth
+from hydro.fx import depth, floor
 from hydro.fx.capture import Captured, capture
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
@@ -32,7 +32,7 @@ from hydro.fx.widths import HeadPolicy, WidthPlan, analyze, describe, op_name, p
 
 def scale(
     model: nn.Module,
-    ratio: int = 8,
+    ratio: int | Literal["auto"] = 8,
     *,
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
@@ -53,6 +53,10 @@ def scale(
             the surrogate's initialization is derived from its per-parameter statistics). It may
             live on the ``meta`` device (a large target then costs no memory).
         ratio: the width divisor; ``ratio=1`` gives the model itself in standard parametrization.
+            ``"auto"`` picks the largest power of two (up to 64) that keeps every layer at or
+            above its measured width floor (:mod:`hydro.fx.floor`; the choice and the layer
+            that bounds it are in ``sur.hydro.ratio`` and ``sur.hydro.auto``). An explicit
+            ratio that takes a layer below its floor warns (``HydroWarning``) naming it.
         example_inputs: positional inputs of one call, batch in dimension 0 (a batch of 2 is
             plenty). Optional when the model takes one input that feeds a Linear, Conv or
             Embedding layer, from which Hydro makes its own.
@@ -138,7 +142,7 @@ class Scaled:
 
 def build(
     model: nn.Module,
-    ratio: int = 8,
+    ratio: int | Literal["auto"] = 8,
     *,
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
@@ -155,8 +159,7 @@ def build(
     ``always_readout`` inserts the readout multiplier even where it is 1 (ratio 1), so that
     its value can be set per trial (the ``output_mult`` hyperparameter).
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
-        raise ScaleError(f"ratio must be a positive integer (1, 2, 4, 8...), got {ratio!r}")
+    floor.check_ratio(ratio)
     if parametrization not in ("mup", "sp"):
         raise ScaleError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
     depth.check_args(depth_ratio, depth_alpha)
@@ -181,7 +184,13 @@ def build(
                 ) from exc
             raise
     cap, depth_plan = depth.cut(cap, model, depth_ratio, depth_alpha)
-    plan = analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
+    if ratio == "auto":  # the largest ratio that keeps every width above its floor
+        auto, plan = floor.choose(cap, run_inputs, run_kwargs, head_policy)
+        floor.warn_if_full(auto, type(model).__name__)
+    else:
+        auto, plan = None, analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
+        if parametrization == "mup":  # a naive (sp) model is not meant to transfer anyway
+            floor.warn_below(plan, stacklevel=4)
     sur, node_map, new_tensors = _rebuild(cap, plan, model)
     info = parametrize.apply(
         sur, model, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
@@ -193,6 +202,7 @@ def build(
     device = next((p.device for p in model.parameters() if not p.is_meta), None)
     if device is not None and device.type != "cpu":
         sur.to(device)  # keeps the Parameter objects, and so their infshapes
+    sur.hydro.auto = auto
     return Scaled(sur, plan, node_map, inputs, kwargs, model, cap, depth=depth_plan)
 
 

@@ -51,7 +51,7 @@ class TuneConfig:
     study: str
     storage: str | None
     trials: int
-    ratio: int
+    ratio: int | str  # 'auto' until cmd_tune resolves it
     fuse: int
     seed: int
     verify_top_k: int
@@ -140,7 +140,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         study=str(raw.get("study", "hydro")),
         storage=raw.get("storage"),
         trials=_int(raw.get("trials", 32), "trials", path),
-        ratio=_int(raw.get("ratio", 8), "ratio", path),
+        ratio=_ratio(raw.get("ratio", "auto"), path),
         fuse=_int(raw.get("fuse", 16), "fuse", path),
         seed=seed,
         verify_top_k=_int(raw.get("verify_top_k", 0), "verify_top_k", path, minimum=0),
@@ -255,6 +255,13 @@ def _mapping(value: Any, key: str, path: str) -> dict:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path}: {key} must be a mapping")
     return dict(value)
+
+
+def _ratio(value: Any, path: str) -> int | str:
+    if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and value >= 1:
+        return value
+    raise ConfigError(f"{path}: ratio must be 'auto' or an integer >= 1 (2, 4, 8...), got "
+                      f"{value!r}")  # fmt: skip
 
 
 def _int(value: Any, key: str, path: str, minimum: int = 1) -> int:

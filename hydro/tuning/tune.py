@@ -18,6 +18,7 @@ from torch import nn
 
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
+from hydro.fx.floor import task_ratio
 from hydro.tuning.group import group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
@@ -220,7 +221,7 @@ def tune(
     space: Space,
     *,
     n_trials: int,
-    ratio: int = 8,
+    ratio: int | str = 8,
     fuse: int = 16,
     study: optuna.Study | str | None = None,
     storage: str | None = None,
@@ -239,7 +240,9 @@ def tune(
             ``trial.suggest_*``. Names: see :data:`hydro.tuning.space.HYPERPARAMETERS`, plus the
             model factory's keyword arguments.
         n_trials: configurations to finish.
-        ratio: surrogate width divisor (1 tunes the full model itself, fused).
+        ratio: surrogate width divisor (1 tunes the full model itself, fused), or ``"auto"``:
+            the largest that keeps every layer above its width floor (``result.ratio`` says
+            which; see :func:`hydro.scale`).
         fuse: trials per fused group.
         study: an Optuna study, or a study name (default ``"hydro"``) to create or resume in
             ``storage``.
@@ -282,6 +285,7 @@ def tune(
     check_space(space, task.model_args())
     preflight(task, space)
     base_seed = 0 if seed is None else int(seed)
+    ratio = task_ratio(task, ratio)  # "auto": the largest ratio within the width floors
     if isinstance(study, optuna.Study):
         the_study = study
     else:
