@@ -132,7 +132,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
-    from hydro.integrations.optuna import optimize
+    from hydro.tuning.driver import optimize
 
     try:
         preflight(cfg.task, cfg.space)

@@ -69,7 +69,7 @@ def _block(marker: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import hydro
-    import hydro.integrations.optuna as driver
+    import hydro.tuning.driver as driver
 
     p = argparse.ArgumentParser()
     p.add_argument("storage")

@@ -18,6 +18,7 @@ from torch import nn
 
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
+from hydro.tuning.driver import optimize
 from hydro.tuning.group import group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
@@ -272,8 +273,6 @@ def tune(
         >>> sorted(result.best_params)
         ['lr']
     """
-    from hydro.integrations.optuna import optimize
-
     if not isinstance(task, Task):
         raise ConfigError(f"task must be a hydro.Task, got {type(task).__name__}")
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
