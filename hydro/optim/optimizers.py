@@ -374,16 +374,105 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.n = len(index)
         self._device_cache.clear()
 
+    def reset_trial(self, k: int, **hyperparams: float | bool | tuple[float, float]) -> None:
+        """Start slot ``k`` afresh, as a newly constructed optimizer would, for a new trial.
+
+        Slot ``k``'s state (step count, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+        ``momentum_buffer``) returns to that of a new optimizer, its diverged flag is cleared,
+        and each hyperparameter given (one value: ``lr=3e-4``, ``betas=(0.9, 0.95)``,
+        ``weight_decay=0.1``, ...) is set for slot ``k`` in every parameter group; the others
+        keep slot ``k``'s current values. Every other slot is left bit for bit as it was. Pair
+        with re-initializing slot ``k`` of the fused model's parameters, and with
+        :meth:`hydro.optim.lr_scheduler.TrialScheduler.reset_trial` (after this call) when a
+        scheduler drives the learning rate: the new trial then trains exactly as it would alone
+        from its step 0 (``tests/test_optim_reset.py``).
+
+        Args:
+            k: the slot, ``0 <= k < n``.
+            **hyperparams: per-trial hyperparameters of this optimizer, one value each.
+
+        Raises:
+            hydro.errors.ConfigError: ``k`` out of range, an unknown hyperparameter or a value
+                that is not one number (``betas``: one pair).
+
+        Example:
+            >>> import torch
+            >>> from hydro.fusion import fuse
+            >>> import hydro.optim
+            >>> fused = fuse(torch.nn.Linear(4, 1), n=2)
+            >>> opt = hydro.optim.Adam(fused.parameters(), lr=[1e-3, 1e-2])
+            >>> fused(torch.randn(8, 4)).sum().backward()
+            >>> opt.step()
+            >>> opt.reset_trial(1, lr=3e-3, betas=(0.8, 0.99))
+            >>> opt.param_groups[0]["lr"].tolist()
+            [0.001, 0.003]
+            >>> [float(s["step"][1]) for s in opt.state.values()]
+            [0.0, 0.0]
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (self.n or 0):
+            raise ConfigError(f"reset_trial: slot {k!r} is not one of the {self.n} fused trials")
+        unknown = sorted(set(hyperparams) - set(self.per_trial_keys))
+        if unknown:
+            raise ConfigError(
+                f"reset_trial: {type(self).__name__} has no per-trial hyperparameter "
+                f"{', '.join(unknown)}; it has {', '.join(self.per_trial_keys)}"
+            )
+        values: dict[str, float | tuple[float, float]] = {}
+        for key, value in hyperparams.items():
+            try:
+                if key == "betas":
+                    if not _is_pair(value):
+                        raise TypeError
+                    values[key] = (float(value[0]), float(value[1]))
+                else:
+                    values[key] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                form = "one (beta1, beta2) pair" if key == "betas" else "one number"
+                raise ConfigError(
+                    f"reset_trial: {key} sets one trial's value and must be {form}; got {value!r}"
+                ) from None
+        previous = [dict(group) for group in self.param_groups]
+        for group in self.param_groups:
+            for key, value in values.items():
+                if key == "betas":
+                    betas = tuple(b.clone() for b in group["betas"])
+                    betas[0][k], betas[1][k] = value
+                    group["betas"] = betas
+                else:
+                    column = group[key].clone()
+                    column[k] = value
+                    group[key] = column
+        try:
+            self._validate()
+        except ConfigError:
+            for group, before in zip(self.param_groups, previous):
+                group.update(before)
+            raise
+        done: set[int] = set()  # cohort tensors are shared between parameters
+        for state in self.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0 and id(value) not in done:
+                    done.add(id(value))
+                    value[k] = 0
+        flags = self._diverged()
+        if flags is not None:
+            flags[k] = False
+        self._device_cache.clear()
+
+    def _validate(self) -> None:
+        """Reject per-trial hyperparameters that no trial could use."""
+
     def trial_optimizers(self) -> list[torch.optim.Optimizer]:
         """One stand-in ``torch.optim`` optimizer per trial, for per-trial schedulers to drive."""
         if self._trial_optimizers is None:
             self._trial_optimizers = [self._stand_in(k) for k in range(self.n)]
         return self._trial_optimizers
 
-    def _stand_in(self, k: int) -> torch.optim.Optimizer:
+    def _stand_in(self, k: int, base_lr: Sequence[float] | None = None) -> torch.optim.Optimizer:
         groups = []
-        for group in self.param_groups:
-            values = {"params": [torch.zeros(1)], "lr": float(group["lr"][k])}
+        for g, group in enumerate(self.param_groups):
+            lr = float(group["lr"][k]) if base_lr is None else float(base_lr[g])
+            values = {"params": [torch.zeros(1)], "lr": lr}
             if "betas" in group:
                 values["betas"] = tuple(float(b[k]) for b in group["betas"])
             if "momentum" in group:
@@ -429,6 +518,9 @@ class SGD(FusedOptimizer):
             nesterov=nesterov,
         )  # fmt: skip
         super().__init__(params, defaults, compile=compile)
+        self._validate()
+
+    def _validate(self) -> None:
         for group in self.param_groups:
             bad = (group["nesterov"] > 0) & ((group["momentum"] <= 0) | (group["dampening"] != 0))
             if bool(bad.any()):
