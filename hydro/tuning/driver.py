@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy
@@ -40,7 +41,14 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
-from hydro.tuning.group import GroupInfo, Outcome, group_key, train_group
+from hydro.tuning.group import (
+    FusedGroup,
+    GroupInfo,
+    Outcome,
+    _evaluated,
+    group_key,
+    train_group,
+)
 from hydro.tuning.progress import Progress
 from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.task import Task
@@ -139,6 +147,7 @@ def optimize(
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
     start = time.perf_counter()
     bar = Progress(study, n_trials, _finished) if progress else None
+    occupancy = Occupancy(fuse)
     with _Heartbeat(study) as heart:
         try:
             while True:
@@ -158,13 +167,20 @@ def optimize(
                     if bar is not None:
                         bar.update()
                     continue
-                trials = _ask(study, min(batch, budget), n_trials, seed, heart)
-                if trials:
-                    _run_batch(study, task_or_callback, space, trials, ratio, seed, fuse,
-                               device, executor, is_task, heart, bar, checkpoint_every)  # fmt: skip
+                if is_task and executor is None:
+                    _Stream(study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
+                            heart, bar, start, timeout, occupancy).run()  # fmt: skip
+                else:
+                    trials = _ask(study, min(batch, budget), n_trials, seed, heart)
+                    if trials:
+                        _run_batch(study, task_or_callback, space, trials, ratio, seed, fuse,
+                                   device, executor, is_task, heart, bar,
+                                   checkpoint_every)  # fmt: skip
                 if bar is not None:
                     bar.update()
         finally:
+            if occupancy.steps:
+                study.set_user_attr("hydro_occupancy", occupancy.as_dict())
             if bar is not None:
                 bar.close()
 
@@ -178,8 +194,6 @@ def _run_batch(study, task, space, trials, ratio, seed, fuse, device, executor, 
         if executor is not None:
             _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook,
                              every)  # fmt: skip
-        elif is_task:
-            _run_task_batch(study, task, space, trials, ratio, seed, device, told, hook)
         else:
             _run_callback_batch(study, task, space, trials, told)
     except BaseException as exc:
@@ -218,6 +232,197 @@ def _plan_groups(trials, task, space, ratio, fuse, seed):  # noqa: ANN001, ANN20
     return groups, params
 
 
+
+@dataclass
+class Occupancy:
+    """How full a run kept its fused groups: live members per fused step, out of ``fuse``.
+
+    ``steps``/``live`` count every fused step; ``*_asking`` only the steps taken while the
+    study still had trials to ask (a study's last groups drain as their members end).
+    """
+
+    fuse: int
+    steps: int = 0
+    live: int = 0
+    steps_asking: int = 0
+    live_asking: int = 0
+
+    def fraction(self, asking: bool = True) -> float | None:
+        """Mean live members per step over ``fuse`` (while asking, by default)."""
+        steps, live = (self.steps_asking, self.live_asking) if asking else (self.steps, self.live)
+        return live / (steps * self.fuse) if steps else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"fuse": self.fuse, "steps": self.steps, "live": self.live,
+                "steps_asking": self.steps_asking, "live_asking": self.live_asking,
+                "while_asking": self.fraction(True), "overall": self.fraction(False)}  # fmt: skip
+
+
+class _Stream:
+    """Continuous batching in this process: fused groups whose freed slots take new trials.
+
+    Trials are asked one at a time, when a slot is free. A trial that cannot join the group
+    asking for it (another batch size or architecture, :func:`group_key`) waits in ``pending``
+    for a group of its own. Every asked trial is told, whatever happens.
+    """
+
+    def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
+                 start, timeout, occupancy) -> None:  # noqa: ANN001  # fmt: skip
+        self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
+        self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
+        self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
+        self.hook = bar.update if bar is not None else None
+        self.pending: dict[tuple, list[tuple[optuna.Trial, dict]]] = {}
+        self.running: dict[int, optuna.Trial] = {}  # asked, not yet told
+        self.asking = True
+        self.occupancy = occupancy
+
+    def run(self) -> None:
+        try:
+            while True:
+                first = self._pop_pending() or self._ask()
+                if first is None:
+                    break
+                key = group_key(first[1], self.task)
+                members = [first]
+                while len(members) < self.fuse:
+                    more = self._next(key)
+                    if more is None:
+                        break
+                    members.append(more)
+                run_group(self, members)
+        except BaseException as exc:
+            stopped = isinstance(exc, KeyboardInterrupt)
+            for t in self.running.values():
+                reason = _INTERRUPTED if stopped else f"{type(exc).__name__}: {exc}"[:500]
+                _fail(self.study, t._trial_id, t.number, t.params, reason, requeue=stopped)
+            raise
+        finally:
+            self.heart.release(t._trial_id for t in self.running.values())
+
+    def _stopping(self) -> bool:
+        if self.timeout is not None and time.perf_counter() - self.start > self.timeout:
+            return True
+        return bool(self.study.user_attrs.get("hydro_sampler_exhausted"))
+
+    def _ask(self) -> tuple[optuna.Trial, dict] | None:
+        """A new trial with its sampled parameters, or None when the study has enough."""
+        if not self.asking or self._stopping():
+            self.asking = False
+            return None
+        _reclaim_stale(self.study)
+        finished, running = _counts(self.study)
+        got = _ask(self.study, 1, self.n_trials, self.seed, self.heart) \
+            if finished + running < self.n_trials else []  # fmt: skip
+        if not got:
+            self.asking = False
+            return None
+        t = got[0]
+        self.running[t.number] = t
+        _seed_sampler(self.study.sampler, self.seed, t.number)
+        params = sample(t, self.space)
+        check_names(params, self.task.model_args())
+        t.set_user_attr("ratio", self.ratio)
+        t.set_user_attr("fused", self.fuse)
+        return t, params
+
+    def _pop_pending(self) -> tuple[optuna.Trial, dict] | None:
+        for key in sorted(self.pending, key=lambda k: -len(self.pending[k])):
+            if self.pending[key]:
+                return self.pending[key].pop(0)
+        return None
+
+    def _next(self, key: tuple) -> tuple[optuna.Trial, dict] | None:
+        """The next trial for a slot of a group with ``key``: one waiting, else newly asked
+        (trials asked on the way that do not fit wait for a group of their own)."""
+        if self.pending.get(key):
+            return self.pending[key].pop(0)
+        for _ in range(self.fuse):
+            got = self._ask()
+            if got is None:
+                return None
+            other = group_key(got[1], self.task)
+            if other == key:
+                return got
+            self.pending.setdefault(other, []).append(got)
+        return None
+
+    def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo) -> None:
+        _tell(self.study, trial, outcome, info)
+        self.running.pop(trial.number, None)
+        self.heart.release([trial._trial_id])
+
+
+def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None:
+    """Train one fused group to the end: every slot freed by pruning, divergence or completion
+    takes the next trial at once, until the study has no more to ask."""
+    task, steps = stream.task, stream.task.steps
+    gid = min(t.number for t, _ in members)
+    trials = {t.number: t for t, _ in members}
+    joined = {t.number: time.perf_counter() for t, _ in members}
+    for slot, (t, _) in enumerate(members):
+        t.set_user_attr("group", gid)
+        t.set_user_attr("slot", slot)
+    group = FusedGroup(task, [(t.number, p, stream.seed + t.number) for t, p in members],
+                       ratio=stream.ratio, device=stream.device)  # fmt: skip
+
+    def report(number: int, step: int, value: float) -> bool:
+        return _report_and_ask(trials[number], step, value, stream.hook)
+
+    while group.n:
+        losses = group.step()
+        stream.occupancy.steps += 1
+        stream.occupancy.live += group.n
+        if stream.asking:
+            stream.occupancy.steps_asking += 1
+            stream.occupancy.live_asking += group.n
+        if stream.bar is not None:
+            stream.bar.occupancy = stream.occupancy.fraction(asking=False)
+        ended: dict[int, Outcome] = {}
+        for slot in group.diverged(losses):
+            m = group.members[slot]
+            ended[slot] = Outcome("fail", None, m.step, f"diverged at step {m.step}: non-finite "
+                                  "loss or gradient", m.history)  # fmt: skip
+        due = [slot for slot in group.due() if slot not in ended]
+        if due:
+            values = group.evaluate()
+            for slot in due:
+                m, out = group.members[slot], {}
+                _evaluated(slot, m.step, float(values[slot]), m.history, out, report_for(
+                    report, m.id), steps)  # fmt: skip
+                if slot in out:
+                    ended[slot] = out[slot]
+        for slot, m in enumerate(group.members):
+            if slot not in ended and m.step >= steps:
+                last = m.history[-1][1] if m.history else None
+                ended[slot] = Outcome("complete", last, steps, "", m.history)
+        if not ended:
+            continue
+        for slot in sorted(ended):  # tell every ended trial before asking new ones
+            number = group.members[slot].id
+            info = GroupInfo(ratio=stream.ratio, size=stream.fuse, widths=group.widths,
+                             seconds=time.perf_counter() - joined.pop(number))  # fmt: skip
+            stream.tell(trials.pop(number), ended[slot], info)
+        freed = []
+        for slot in sorted(ended):
+            nxt = stream._next(group.key)
+            if nxt is None:
+                freed.append(slot)
+                continue
+            t, params = nxt
+            t.set_user_attr("group", gid)
+            t.set_user_attr("slot", slot)
+            trials[t.number] = t
+            joined[t.number] = time.perf_counter()
+            group.put(slot, t.number, params, stream.seed + t.number)
+        if freed:
+            group.drop(freed)
+
+
+def report_for(report: Callable[[int, int, float], bool], number: int) -> Callable:
+    """``report`` for one member, as :func:`_evaluated` calls it (by slot)."""
+    return lambda _slot, step, value: report(number, step, value)
+
 def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
     """Give the study a member's intermediate value; True when its pruner prunes it."""
     try:
@@ -228,20 +433,6 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
     if hook is not None:
         hook()
     return pruned
-
-
-def _run_task_batch(study, task, space, trials, ratio, seed, device, told, hook) -> None:  # noqa: ANN001
-    groups, params = _plan_groups(trials, task, space, ratio, len(trials), seed)
-    for members in groups:
-        outcomes, info = train_group(
-            task, [params[t.number] for t in members], ratio=ratio,
-            seeds=[seed + t.number for t in members], device=device,
-            report=lambda k, step, value, members=members: _report_and_ask(
-                members[k], step, value, hook),
-        )  # fmt: skip
-        for t, outcome in zip(members, outcomes):
-            _tell(study, t, outcome, info)
-            told.add(t.number)
 
 
 def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook, every):  # noqa: ANN001, ANN202
