@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
             optuna.Study.ask = stopping_ask
         else:
-            train = driver.train_group
+            train = driver.run_group
 
             def stopping_train(*args, **kw):  # noqa: ANN002, ANN003, ANN202
                 calls["n"] += 1
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                     _block(a.marker)
                 return train(*args, **kw)
 
-            driver.train_group = stopping_train
+            driver.run_group = stopping_train
     executor = None
     if a.executor == "local":
         from hydro_fluid import LocalExecutor
