@@ -127,3 +127,46 @@ def test_pruned_study_keeps_groups_full_and_trials_reproducible():
         assert [v for _, v in alone.history] == pytest.approx(
             [t.intermediate_values[s] for s, _ in alone.history], rel=1e-9
         )
+
+
+# -- device ------------------------------------------------------------------------------------
+
+
+def test_device_cpu_and_a_clear_error_for_missing_cuda():
+    from hydro.tuning.group import check_device
+
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="not a torch device"):
+        check_device("gpu0")
+    with pytest.raises(ConfigError, match="'cpu' or 'cuda"):
+        check_device("meta")
+    task = make_task(steps=4)
+    space = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
+    result = hydro.tune(task, space, n_trials=2, ratio=2, fuse=2, storage="sqlite:///:memory:",
+                        device="cpu")  # fmt: skip
+    assert len(result.study.trials) == 2
+    if torch.cuda.is_available():
+        assert check_device("cuda").startswith("cuda")
+        return
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        check_device("cuda")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        hydro.tune(task, space, n_trials=2, ratio=2, storage="sqlite:///:memory:", device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error path needs a machine without CUDA")
+def test_cli_device_flag_and_config_key(tmp_path, monkeypatch, capsys):
+    from hydro.cli import main
+    from tests.test_cli import CONFIG, TOY
+
+    (tmp_path / "toymod.py").write_text(TOY)
+    (tmp_path / "tune.yaml").write_text(CONFIG)
+    (tmp_path / "gpu.yaml").write_text("device: cuda\n" + CONFIG)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "toymod", raising=False)
+    assert main(["tune", "tune.yaml", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["tune", "gpu.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "gpu.yaml: device:" in err and "CUDA is not available" in err
+    assert main(["tune", "gpu.yaml", "--device", "cpu", "--trials", "2"]) == 0

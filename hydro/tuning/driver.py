@@ -46,6 +46,7 @@ from hydro.tuning.group import (
     GroupInfo,
     Outcome,
     _evaluated,
+    check_device,
     group_key,
     train_group,
 )
@@ -125,6 +126,7 @@ def optimize(
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
+    device = check_device(device)
     is_task = isinstance(task_or_callback, Task)
     if executor is not None and not is_task:
         raise ConfigError("an executor runs Hydro's training loop: pass a Task, not a callback")
@@ -230,7 +232,6 @@ def _plan_groups(trials, task, space, ratio, fuse, seed):  # noqa: ANN001, ANN20
                 t.set_user_attr("fused", len(members))
             groups.append(members)
     return groups, params
-
 
 
 @dataclass
@@ -422,6 +423,7 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
 def report_for(report: Callable[[int, int, float], bool], number: int) -> Callable:
     """``report`` for one member, as :func:`_evaluated` calls it (by slot)."""
     return lambda _slot, step, value: report(number, step, value)
+
 
 def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
     """Give the study a member's intermediate value; True when its pruner prunes it."""

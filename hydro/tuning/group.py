@@ -56,6 +56,37 @@ class GroupInfo:
     occupancy: float = 1.0  # mean live members per fused step, as a fraction of the slots
 
 
+def check_device(device: Any) -> str:
+    """``device`` as a string torch accepts, or a :class:`ConfigError` saying what to use.
+
+    ``"cuda"`` (or ``"cuda:1"``) needs a CUDA build of torch and a visible GPU; ``"cpu"``
+    always works.
+
+    Example:
+        >>> check_device("cpu")
+        'cpu'
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: use 'cpu', 'cuda' or "
+                          "'cuda:N'") from exc  # fmt: skip
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {device!r} was asked but CUDA is not available here "
+                "(torch.cuda.is_available() is False: no GPU visible, or a CPU-only build of "
+                f"torch {torch.__version__}). Use device 'cpu', or run where a GPU and a CUDA "
+                "build of torch are installed."
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")  # fmt: skip
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r}: Hydro trains on 'cpu' or 'cuda[:N]'")
+    return str(dev)
+
+
 def group_key(params: dict[str, Any], task: Task) -> tuple:
     """Trials can share one fused model when their batch size and architecture agree.
 
