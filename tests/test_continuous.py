@@ -145,6 +145,7 @@ def test_device_cpu_and_a_clear_error_for_missing_cuda():
     result = hydro.tune(task, space, n_trials=2, ratio=2, fuse=2, storage="sqlite:///:memory:",
                         device="cpu")  # fmt: skip
     assert len(result.study.trials) == 2
+    assert result.occupancy["fuse"] == 2 and result.occupancy["overall"] == 1.0
     if torch.cuda.is_available():
         assert check_device("cuda").startswith("cuda")
         return

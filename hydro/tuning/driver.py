@@ -141,6 +141,8 @@ def optimize(
         if study.direction != want:
             raise ConfigError(f"the study's direction is {study.direction.name.lower()} but the "
                               f"task's is {task_or_callback.direction}")  # fmt: skip
+    if study.user_attrs.get("hydro_occupancy") is not None:
+        study.set_user_attr("hydro_occupancy", None)  # describes the last run only
     if study.user_attrs.get("hydro_sampler_exhausted"):
         study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
     if checkpoint_every is None:

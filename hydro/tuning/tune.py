@@ -68,6 +68,15 @@ class TuneResult:
             if not is_surplus(t)
         ]  # fmt: skip
 
+    @property
+    def occupancy(self) -> dict[str, Any] | None:
+        """How full the fused groups stayed in the last run (continuous batching): ``fuse``,
+        ``overall`` (mean live trials per fused step over ``fuse``) and ``while_asking`` (the
+        same over the steps taken while the study still had trials to ask); ``None`` when the
+        run trained on an executor (fixed groups)."""
+        occ = self.study.user_attrs.get("hydro_occupancy")
+        return dict(occ) if occ else None
+
     def export(self, path: str | os.PathLike) -> dict[str, Any]:
         """Write the best hyperparameters and their provenance to YAML (or JSON by extension)."""
         return export(self.study, path, verification=self.verification)
