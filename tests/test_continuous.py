@@ -171,3 +171,27 @@ def test_cli_device_flag_and_config_key(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "gpu.yaml: device:" in err and "CUDA is not available" in err
     assert main(["tune", "gpu.yaml", "--device", "cpu", "--trials", "2"]) == 0
+
+
+def _mlp(width: int = 16) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 3)).double()  # fmt: skip
+
+
+def test_trials_that_do_not_fit_wait_for_a_group_of_their_own():
+    from optuna.distributions import CategoricalDistribution
+
+    base = make_task(steps=4)
+    task = hydro.Task(model=_mlp, train_data=base.train_data, val_data=base.val_data, steps=4,
+                      eval_every=2, batch_size=16)  # fmt: skip
+    space = {"lr": FloatDistribution(1e-3, 1e-1, log=True),
+             "width": CategoricalDistribution([16, 32])}  # fmt: skip
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1),
+                                pruner=optuna.pruners.NopPruner())  # fmt: skip
+    optimize(study, task, space, n_trials=10, ratio=2, fuse=3)
+    trials = study.trials
+    assert len(trials) == 10 and all(t.state == TrialState.COMPLETE for t in trials)
+    by_group: dict[int, set] = {}
+    for t in trials:
+        by_group.setdefault(t.user_attrs["group"], set()).add(t.params["width"])
+    assert len(by_group) >= 2 and all(len(widths) == 1 for widths in by_group.values())
