@@ -9,11 +9,15 @@ prints the table.
 
 Measures, per run kind (median over seeds):
 
-* ICC: intra-group correlation of the first evaluation's residuals (a trial's value minus the
+Trials are compared by cohort: the 8 consecutive trials asked together (one fused group when
+groups are fixed; with continuous batching and alone they share no data).
+
+* ICC: intra-cohort correlation of the first evaluation's residuals (a trial's value minus the
   mean of its configuration over the one-per-group runs). Members sharing one data order share
   its noise: ICC near 1 means the group, not the configuration, moves the value.
-* clustered: groups whose members were all pruned or all kept, over the groups of the run,
-  against what a random shuffle of the same pruning decisions over the groups gives.
+* clustered: cohorts whose members were all pruned or all kept, against what a random shuffle
+  of the same pruning decisions over the cohorts gives. (The first cohort is never pruned when
+  trained fused: no trial has finished when it reports.)
 * good pruned: of the 8 best configurations (by their mean final value trained alone), how many
   were pruned.
 
@@ -74,7 +78,8 @@ def run(fuse: int, seed: int) -> list[dict]:
         study.enqueue_trial(c)
     optimize(study, make_task(), space, n_trials=N_CONFIGS, ratio=4, fuse=fuse, seed=seed * 1000)
     index = {json.dumps(c, sort_keys=True): i for i, c in enumerate(configs())}
-    return [{"config": index[json.dumps(t.params, sort_keys=True)], "group": t.user_attrs["group"],
+    # cohort: the 8 trials asked together (one fused group when groups are fixed)
+    return [{"config": index[json.dumps(t.params, sort_keys=True)], "group": t.number // 8,
              "pruned": t.state == TrialState.PRUNED,
              "first": t.intermediate_values.get(EVERY), "final": t.value}
             for t in study.trials]  # fmt: skip
@@ -134,13 +139,13 @@ def report(paths: list[str]) -> None:
     quality = {c: statistics.fmean(finals.get(c) or firsts[c]) for c in firsts}
     good = set(sorted(quality, key=quality.get)[:8])
     print(f"{N_CONFIGS} configurations, median pruner, {STEPS} steps, eval every {EVERY}")
-    print("| run | fuse | data order | ICC (median) | groups all-same / shuffled | good pruned |")
+    print("| run | fuse | data order | ICC per seed | cohorts all-same / shuffled | good pruned |")
     print("|---|---|---|---|---|---|")
     for path, r in runs.items():
         iccs = [icc(rows, mean_first) for rows in r["seeds"]]
         cl = [clustered(rows) for rows in r["seeds"]]
         gp = [sum(1 for x in rows if x["pruned"] and x["config"] in good) for rows in r["seeds"]]
-        icc_text = "-" if r["fuse"] == 1 else f"{statistics.median(iccs):.2f}"
+        icc_text = " ".join(f"{v:.2f}" for v in iccs)
         print(
             f"| {path} | {r['fuse']} | {r['order']} | {icc_text} | "
             f"{' '.join(f'{a}/{b:.1f}' for a, b in cl)} | {' '.join(map(str, gp))} of 8 |"
