@@ -289,7 +289,7 @@ class _Stream:
                 key = group_key(first[1], self.task)
                 members = [first]
                 while len(members) < self.fuse:
-                    more = self._next(key)
+                    more = self.next_trial(key)
                     if more is None:
                         break
                     members.append(more)
@@ -335,7 +335,7 @@ class _Stream:
                 return self.pending[key].pop(0)
         return None
 
-    def _next(self, key: tuple) -> tuple[optuna.Trial, dict] | None:
+    def next_trial(self, key: tuple) -> tuple[optuna.Trial, dict] | None:
         """The next trial for a slot of a group with ``key``: one waiting, else newly asked
         (trials asked on the way that do not fit wait for a group of their own)."""
         if self.pending.get(key):
@@ -391,7 +391,7 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
             values = group.evaluate()
             for slot in due:
                 m, out = group.members[slot], {}
-                _evaluated(slot, m.step, float(values[slot]), m.history, out, report_for(
+                _evaluated(slot, m.step, float(values[slot]), m.history, out, _report_for(
                     report, m.id), steps)  # fmt: skip
                 if slot in out:
                     ended[slot] = out[slot]
@@ -408,7 +408,7 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
             stream.tell(trials.pop(number), ended[slot], info)
         freed = []
         for slot in sorted(ended):
-            nxt = stream._next(group.key)
+            nxt = stream.next_trial(group.key)
             if nxt is None:
                 freed.append(slot)
                 continue
@@ -422,7 +422,7 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
             group.drop(freed)
 
 
-def report_for(report: Callable[[int, int, float], bool], number: int) -> Callable:
+def _report_for(report: Callable[[int, int, float], bool], number: int) -> Callable:
     """``report`` for one member, as :func:`_evaluated` calls it (by slot)."""
     return lambda _slot, step, value: report(number, step, value)
 
