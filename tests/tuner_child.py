@@ -96,6 +96,18 @@ def main(argv: list[str] | None = None) -> None:
                 return ask(self, *args, **kw)
 
             optuna.Study.ask = stopping_ask
+        elif where == "put":  # a freed slot taking its next trial (continuous batching)
+            from hydro.tuning.group import FusedGroup
+
+            put = FusedGroup.put
+
+            def stopping_put(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+                calls["n"] += 1
+                if calls["n"] == int(k):
+                    _block(a.marker)
+                return put(self, *args, **kw)
+
+            FusedGroup.put = stopping_put
         else:
             train = driver.run_group
 
