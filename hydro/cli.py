@@ -139,11 +139,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = config_module.load(
         args.config, storage=args.storage, study=args.study, trials=args.trials,
         ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
+        device=args.device,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
     from hydro.fx.floor import task_ratio
-    from hydro.integrations.optuna import optimize
+    from hydro.tuning.driver import optimize
 
     try:
         preflight(cfg.task, cfg.space)
@@ -163,10 +164,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
           "trials per fused group",
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
-             seed=cfg.seed, progress=True, executor=executor)  # fmt: skip
+             seed=cfg.seed, progress=True, executor=executor, device=cfg.device)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
-        result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed)
+        result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
+                                     device=cfg.device)  # fmt: skip
         study.set_user_attr("hydro_verification", result.verification)
     print(f"best value {result.best_value:.6g} (trial {result.best_trial.number})")
     for key, value in result.best_params.items():
@@ -280,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where groups train: this process (default), local worker processes, "
                    "or a Ray cluster (RAY_ADDRESS, else a local one)")  # fmt: skip
     p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "
+                   "cuda:N (overrides the config's device)")  # fmt: skip
     p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)

@@ -60,7 +60,9 @@ def test_tune_sqlite_export_and_resume(tmp_path):
     assert (tmp_path / "hydro.db").exists()
     assert sorted(result.best_params) == ["lr", "warmup", "weight_decay"]
     assert math.isfinite(result.best_value)
-    assert len(result.trials) == 6 and {r["group"] for r in result.trials} == {0, 3}
+    # continuous batching: one group of 3 slots, each freed slot refilled, trains all six
+    assert len(result.trials) == 6 and {r["group"] for r in result.trials} == {0}
+    assert {t.user_attrs["slot"] for t in result.study.trials} == {0, 1, 2}
     best = result.best_trial
     assert best.user_attrs["ratio"] == 2 and best.user_attrs["fused"] == 3
     assert best.user_attrs["surrogate_widths"] == {"target": [64], "surrogate": [32]}
@@ -80,14 +82,15 @@ def test_tune_sqlite_export_and_resume(tmp_path):
 
 
 def test_killed_run_resumes_without_retraining(tmp_path):
-    """The child stops at a known point (one group told, the next asked and RUNNING) and says so
-    in a marker file; the study exists before it starts, so nothing races on creating it."""
+    """The child stops at a known point (the first two trials told, the two refilling their
+    slots asked and RUNNING) and says so in a marker file; the study exists before it starts,
+    so nothing races on creating it."""
     storage = f"sqlite:///{tmp_path / 'kill.db'}"
     optuna.create_study(storage=storage, study_name="hydro")
     marker = tmp_path / "stopped"
     child = [sys.executable, "-m", "tests.tuner_child", storage, "8", "--fuse", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*child, "--stop", "train:2", "--marker", str(marker)], cwd=ROOT,
+    proc = subprocess.Popen([*child, "--stop", "put:2", "--marker", str(marker)], cwd=ROOT,
                             env=env)  # fmt: skip
     try:
         while not marker.exists():

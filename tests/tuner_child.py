@@ -69,7 +69,7 @@ def _block(marker: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import hydro
-    import hydro.integrations.optuna as driver
+    import hydro.tuning.driver as driver
 
     p = argparse.ArgumentParser()
     p.add_argument("storage")
@@ -96,8 +96,20 @@ def main(argv: list[str] | None = None) -> None:
                 return ask(self, *args, **kw)
 
             optuna.Study.ask = stopping_ask
+        elif where == "put":  # a freed slot taking its next trial (continuous batching)
+            from hydro.tuning.group import FusedGroup
+
+            put = FusedGroup.put
+
+            def stopping_put(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+                calls["n"] += 1
+                if calls["n"] == int(k):
+                    _block(a.marker)
+                return put(self, *args, **kw)
+
+            FusedGroup.put = stopping_put
         else:
-            train = driver.train_group
+            train = driver.run_group
 
             def stopping_train(*args, **kw):  # noqa: ANN002, ANN003, ANN202
                 calls["n"] += 1
@@ -105,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                     _block(a.marker)
                 return train(*args, **kw)
 
-            driver.train_group = stopping_train
+            driver.run_group = stopping_train
     executor = None
     if a.executor == "local":
         from hydro_fluid import LocalExecutor

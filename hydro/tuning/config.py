@@ -22,7 +22,7 @@ from hydro.tuning.space import check_names, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
-            "pruner", "pruner_args", "task", "space", "verify_top_k"}  # fmt: skip
+            "pruner", "pruner_args", "task", "space", "verify_top_k", "device"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every"}  # fmt: skip
@@ -59,6 +59,7 @@ class TuneConfig:
     space: dict
     sampler: optuna.samplers.BaseSampler
     pruner: optuna.pruners.BasePruner
+    device: str = "cpu"
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -148,6 +149,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         space=space,
         sampler=_sampler(raw, space, seed, path),
         pruner=_pruner(raw, path),
+        device=_device(raw.get("device", "cpu"), path),
     )
 
 
@@ -262,6 +264,17 @@ def _ratio(value: Any, path: str) -> int | str:
         return value
     raise ConfigError(f"{path}: ratio must be 'auto' or an integer >= 1 (2, 4, 8...), got "
                       f"{value!r}")  # fmt: skip
+
+
+def _device(value: Any, path: str) -> str:
+    from hydro.tuning.group import check_device
+
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    try:
+        return check_device(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: device: {exc}") from exc
 
 
 def _int(value: Any, key: str, path: str, minimum: int = 1) -> int:

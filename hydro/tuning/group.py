@@ -11,7 +11,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ from hydro.fusion import fuse
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import checkpoint as _checkpoint
-from hydro.tuning.task import Task
+from hydro.tuning.task import Task, stack_batches
 
 # report(member, step, value) -> True when the caller prunes that member
 Report = Callable[[int, int, float], bool]
@@ -53,6 +53,38 @@ class GroupInfo:
     widths: dict[str, list[int]]
     seconds: float = 0.0
     pid: int = field(default_factory=os.getpid)  # the process that trained the group
+    occupancy: float = 1.0  # mean live members per fused step, as a fraction of the slots
+
+
+def check_device(device: Any) -> str:
+    """``device`` as a string torch accepts, or a :class:`ConfigError` saying what to use.
+
+    ``"cuda"`` (or ``"cuda:1"``) needs a CUDA build of torch and a visible GPU; ``"cpu"``
+    always works.
+
+    Example:
+        >>> check_device("cpu")
+        'cpu'
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: use 'cpu', 'cuda' or "
+                          "'cuda:N'") from exc  # fmt: skip
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {device!r} was asked but CUDA is not available here "
+                "(torch.cuda.is_available() is False: no GPU visible, or a CPU-only build of "
+                f"torch {torch.__version__}). Use device 'cpu', or run where a GPU and a CUDA "
+                "build of torch are installed."
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")  # fmt: skip
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r}: Hydro trains on 'cpu' or 'cuda[:N]'")
+    return str(dev)
 
 
 def group_key(params: dict[str, Any], task: Task) -> tuple:
@@ -109,42 +141,14 @@ def build_members(
     architecture (dropout) show up as literals in the captured graphs: the target is captured
     once more with the argument changed, the literals that follow it are located, and each
     member's copy gets its own value there. Where a literal does not equal the argument
-    (computed from it), that member is captured on its own.
+    (computed from it), that member is captured on its own. A member's surrogate depends only
+    on its own arguments and seed.
     """
-    names = sorted(k for k in task.model_args() if k in params[0])
-    args = [{k: p[k] for k in names} for p in params]
-    always = any("output_mult" in p for p in params)
     if target is None:
-        target = task.build_model(**args[0])
-    ex_args, ex_kwargs = example
-    scaled = build(target, ratio, example_inputs=ex_args, example_kwargs=ex_kwargs,
-                   seed=int(seeds[0]), always_readout=always)  # fmt: skip
-    members: list[nn.Module] = [scaled.surrogate]
-    sites = {}  # argument name -> [(mode, node name, argument index)] where its value is written
-    for name in names:
-        other = next((a[name] for a in args if a[name] != args[0][name]), None)
-        if other is not None:
-            key = (id(task.model), structure(task, tuple(args[0].items())), name, ratio)
-            if key not in _SITES:  # one extra capture per argument, not per group
-                _SITES[key] = _literal_sites(task, scaled, args[0], name, other, example)
-            sites[name] = _SITES[key]
-    for k in range(1, len(params)):
-        differs = [n for n in names if args[k][n] != args[0][n]]
-        if any(sites.get(n) is None for n in differs):
-            own = build(task.build_model(**args[k]), ratio, example_inputs=ex_args,
-                        example_kwargs=ex_kwargs, seed=int(seeds[k]),
-                        always_readout=always)  # fmt: skip
-            members.append(own.surrogate)
-            continue
-        sur = scaled.sample(int(seeds[k]))
-        for n in differs:
-            for mode, node_name, index in sites[n]:
-                node = next(x for x in sur.graphs[mode].graph.nodes if x.name == node_name)
-                node.update_arg(index, args[k][n])
-        for gm in sur.graphs.values():
-            gm.recompile()
-        members.append(sur)
-    return members
+        target = _target(task, params[0])
+    always = any("output_mult" in p for p in params)
+    builder = _Builder(task, ratio, example, target, params[0], always)
+    return [builder.make(dict(p), int(sd)) for p, sd in zip(params, seeds)]
 
 
 def _lit(x: Any) -> Any:
@@ -184,6 +188,200 @@ def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  #
     return sites
 
 
+@dataclass
+class Member:
+    """One trial in a slot of a :class:`FusedGroup`: its own seed, data stream and step count."""
+
+    id: Any  # the caller's name for it (a trial number, an index)
+    params: dict[str, Any]
+    seed: int
+    batches: Iterator[Any]
+    step: int = 0  # steps trained so far
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+
+class FusedGroup:
+    """A fused group whose slots train independent trials, each at its own step.
+
+    Every slot has its own initialization, data order (its trial seed's stream, fed to the
+    fused model as per-trial batches), optimizer state and schedule position, so a trial's result
+    depends only on its parameters and seed, not on its slot or on the trials beside it. A slot
+    freed by pruning, divergence or completion takes a new trial with :meth:`put` (a fresh
+    surrogate in that slot, its optimizer state and schedule restarted) or leaves the group with
+    :meth:`drop`.
+
+    Args:
+        task: what to train.
+        members: ``(id, params, seed)`` of the first trials (all with the same :func:`group_key`).
+        ratio: surrogate width divisor.
+        device: where to train.
+        refill: slots will take new trials (:meth:`put`); ``False`` when they never do.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        members: Sequence[tuple[Any, dict[str, Any], int]],
+        *,
+        ratio: int,
+        device: str | torch.device = "cpu",
+        refill: bool = True,
+    ) -> None:
+        self.task, self.ratio, self.device = task, ratio, device
+        first = dict(members[0][1])
+        self.key = group_key(first, task)
+        self.batch_size = int(first.get("batch_size", task.batch_size))
+        sample_batch = next(task.train_batches(min(self.batch_size, 2), seed=int(members[0][2])))
+        target = _target(task, first)
+        task.validate(target, sample_batch)  # clear errors before any training
+        if task.example_inputs is not None:
+            example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
+        else:
+            args, kwargs, _ = task.split(sample_batch)
+            example = (args, kwargs)
+        self.builder = _Builder(task, ratio, example, target, first,
+                                any("output_mult" in m[1] for m in members))  # fmt: skip
+        self.members = [self._member(i, p, sd) for i, p, sd in members]
+        modules = [self.builder.make(m.params, m.seed) for m in self.members]
+        self.widths = _widths(modules[0])
+        if ratio > 1 and not self.widths["target"]:
+            warnings.warn(HydroWarning(
+                f"no width of {type(target).__name__} can shrink (every dimension is tied to the "
+                f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: "
+                "Hydro tunes the full model itself, fused. Use a model with hidden layers, or "
+                "ratio=1."
+            ), stacklevel=3)  # fmt: skip
+        self.fused = fuse(modules).to(device)
+        self.fused.train()
+        self.slot_params = [m.params for m in self.members]  # what slot k's schedule reads
+        self.opt = _optimizer(task, self.fused, self.slot_params)
+        self.sched = _scheduler(task, self.opt, self.slot_params, always=refill)
+        self.clip = [p.get("grad_clip") for p in self.slot_params]
+        self.steps = 0  # fused steps taken
+        self.live_steps = 0  # sum over those steps of the slots that trained
+
+    def _member(self, id: Any, params: dict[str, Any], seed: int) -> Member:  # noqa: A002
+        params = dict(params)
+        if group_key(params, self.task) != self.key:
+            raise ConfigError(f"trial {id!r} cannot join this fused group: its batch size or "
+                              "architecture differs (group_key)")  # fmt: skip
+        batches = self.task.train_batches(self.batch_size, seed=int(seed))
+        return Member(id, params, int(seed), batches)
+
+    @property
+    def n(self) -> int:
+        """Slots in the group now."""
+        return len(self.members)
+
+    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
+        """Start trial ``id`` in ``slot`` from scratch: a fresh surrogate from ``seed``, a fresh
+        optimizer state and schedule with its own hyperparameters, its own data stream."""
+        member = self._member(id, params, seed)
+        if "output_mult" in member.params and not self.builder.readout:
+            raise ConfigError("output_mult is searched but this group was built without it")
+        self.fused.load_trial(slot, self.builder.make(member.params, member.seed).to(self.device))
+        hyper = _hyper(self.task, member.params)
+        self.opt.reset_trial(slot, **hyper)
+        self.slot_params[slot] = member.params
+        if self.sched is None:
+            if "warmup" in member.params:
+                raise ConfigError("warmup is searched but this group was built without "
+                                  "schedules (refill=False)")  # fmt: skip
+        else:
+            self.sched.reset_trial(slot, base_lr=hyper["lr"])  # rebuilt from slot_params
+        self.clip[slot] = member.params.get("grad_clip")
+        self.members[slot] = member
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """Remove ``slots`` from the group (they stop costing compute)."""
+        keep = [k for k in range(self.n) if k not in set(slots)]
+        if keep:
+            self.fused.select(keep)
+            self.opt.select(keep)
+        self.members = [self.members[k] for k in keep]
+        self.clip = [self.clip[k] for k in keep]
+        self.slot_params[:] = [self.slot_params[k] for k in keep]
+
+    def step(self) -> list[float]:
+        """One training step of every slot, each on the next batch of its own stream; returns
+        the slots' losses."""
+        batch = stack_batches([next(m.batches) for m in self.members])
+        losses = _train_step(self.task, self.fused, self.opt, batch, self.clip, self.device,
+                             shared=False)  # fmt: skip
+        if self.sched is not None:
+            self.sched.step()
+        for m in self.members:
+            m.step += 1
+        self.steps += 1
+        self.live_steps += self.n
+        return losses
+
+    def diverged(self, losses: Sequence[float]) -> list[int]:
+        """Slots whose loss or gradients stopped being finite (frozen by the optimizer)."""
+        flags = self.fused.diverged.tolist()
+        return [k for k in range(self.n) if flags[k] or not math.isfinite(losses[k])]
+
+    def due(self) -> list[int]:
+        """Slots at an evaluation step (every ``eval_every`` of their own steps, and the last)."""
+        every, last = self.task.eval_every, self.task.steps
+        return [k for k, m in enumerate(self.members) if m.step % every == 0 or m.step == last]
+
+    def evaluate(self) -> list[float]:
+        """Every slot's validation value."""
+        return evaluate(self.task, self.fused, self.batch_size, self.device)
+
+
+def _target(task: Task, params: dict[str, Any]) -> nn.Module:
+    """The target model for ``params``' architecture, built from a fixed seed: surrogates draw
+    from its statistics, so a trial's initialization must not depend on which group built it."""
+    args = {k: params[k] for k in task.model_args() if k in params}
+    if isinstance(task.model, nn.Module):
+        return task.build_model(**args)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return task.build_model(**args)
+
+
+class _Builder:
+    """Surrogates for one group: one capture and width analysis, then each member an
+    independent draw from its seed with its own factory arguments (see :func:`build_members`)."""
+
+    def __init__(self, task, ratio, example, target, params0, readout) -> None:  # noqa: ANN001
+        self.task, self.ratio, self.example, self.readout = task, ratio, example, readout
+        self.names = sorted(k for k in task.model_args() if k in params0)
+        self.args0 = {k: params0[k] for k in self.names}
+        self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
+                            seed=0, always_readout=readout)  # fmt: skip
+
+    def make(self, params: dict[str, Any], seed: int) -> nn.Module:
+        task, ex_args, ex_kwargs = self.task, *self.example
+        args = {k: params[k] for k in self.names}
+        differs = [n for n in self.names if args[n] != self.args0[n]]
+        sites = {n: self._sites(n, args[n]) for n in differs}
+        if any(v is None for v in sites.values()):
+            sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
+                        example_kwargs=ex_kwargs, seed=int(seed),
+                        always_readout=self.readout).surrogate  # fmt: skip
+        else:
+            sur = self.scaled.sample(int(seed))
+            for n in differs:
+                for mode, node_name, index in sites[n]:
+                    node = next(x for x in sur.graphs[mode].graph.nodes if x.name == node_name)
+                    node.update_arg(index, args[n])
+            if differs:
+                for gm in sur.graphs.values():
+                    gm.recompile()
+        _apply_model_params(sur, params, task.model_args())
+        return sur
+
+    def _sites(self, name: str, value: Any) -> list | None:
+        task = self.task
+        key = (id(task.model), structure(task, tuple(self.args0.items())), name, self.ratio)
+        if key not in _SITES:  # one extra capture per argument, not per group
+            _SITES[key] = _literal_sites(task, self.scaled, self.args0, name, value, self.example)
+        return _SITES[key]
+
+
 def train_group(
     task: Task,
     params: Sequence[dict[str, Any]],
@@ -197,6 +395,10 @@ def train_group(
     checkpoint_every: int = 0,
 ) -> tuple[list[Outcome], GroupInfo]:
     """Train ``len(params)`` trials of ``task`` fused, and return how each ended.
+
+    Each member trains on its own data order (from its seed) and ends exactly as it would
+    alone. Members that end early leave the group; nothing takes their place (the driver's
+    continuous batching refills slots: :class:`FusedGroup`).
 
     Args:
         task: what to train.
@@ -213,126 +415,105 @@ def train_group(
         checkpoint_every: save a checkpoint every this many steps (0: never).
     """
     start = time.perf_counter()
-    params = [dict(p) for p in params]
     n = len(params)
-    batch_size = int(params[0].get("batch_size", task.batch_size))
-    batches = task.train_batches(batch_size, seed=int(seeds[0]))
-    first = next(task.train_batches(min(batch_size, 2), seed=int(seeds[0])))
-    target = task.build_model(**{k: params[0][k] for k in task.model_args() if k in params[0]})
-    task.validate(target, first)  # clear errors before any training
-    if task.example_inputs is not None:
-        example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
-    else:
-        args, kwargs, _ = task.split(first)
-        example = (args, kwargs)
-    # one capture and width analysis for the group; each member an independent draw
-    members = build_members(task, params, ratio, seeds, example, target=target)
-    for sur, p in zip(members, params):  # after sampling: samples copy the first member
-        _apply_model_params(sur, p, task.model_args())
-    widths = _widths(members[0])
-    if ratio > 1 and not widths["target"]:
-        warnings.warn(HydroWarning(
-            f"no width of {type(target).__name__} can shrink (every dimension is tied to the "
-            f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: Hydro "
-            "tunes the full model itself, fused. Use a model with hidden layers, or ratio=1."
-        ), stacklevel=2)  # fmt: skip
-    fused = fuse(members).to(device)
-    fused.train()
-    opt = _optimizer(task, fused, params)
-    sched = _scheduler(task, opt, params)
-    clip = [p.get("grad_clip") for p in params]
-
-    alive = list(range(n))  # original member index of each fused position
+    group = FusedGroup(task, [(k, p, s) for k, (p, s) in enumerate(zip(params, seeds))],
+                       ratio=ratio, device=device, refill=False)  # fmt: skip
     outcomes: dict[int, Outcome] = {}
-    history: dict[int, list[tuple[int, float]]] = {k: [] for k in range(n)}
+    history: dict[int, list[tuple[int, float]]] = {k: group.members[k].history for k in range(n)}
     first = 1
     saved = _checkpoint.load(checkpoint) if checkpoint is not None else None
     if saved is not None:
-        first, alive = _resume(saved, fused, opt, sched, outcomes, history)
-        for _ in range(first - 1):  # the data stream continues where it stopped
-            next(batches)
+        first = _resume(saved, group, outcomes, history)
     for step in range(first, task.steps + 1):
-        losses = _train_step(task, fused, opt, next(batches), [clip[k] for k in alive], device)
-        if sched is not None:
-            sched.step()
-        _fail_diverged(fused, alive, outcomes, history, step, losses)
+        losses = group.step()
+        alive = [m.id for m in group.members]
+        for pos in group.diverged(losses):
+            k = alive[pos]
+            if k not in outcomes:
+                outcomes[k] = Outcome("fail", None, step, f"diverged at step {step}: non-finite "
+                                      "loss or gradient", history[k])  # fmt: skip
         for k in pruned() if pruned is not None else ():
             if k in alive and k not in outcomes:
                 last = history[k][-1][1] if history[k] else None
                 outcomes[k] = Outcome("pruned", last, step, "", history[k])
-        if step % task.eval_every == 0 or step == task.steps:
-            values = evaluate(task, fused, batch_size, device)
+        if group.due():
+            values = group.evaluate()
             for pos, k in enumerate(alive):
-                if k in outcomes:
-                    continue
-                v = float(values[pos])
-                history[k].append((step, v))
-                if not math.isfinite(v):
-                    outcomes[k] = Outcome("fail", None, step, "non-finite validation value",
-                                          history[k])  # fmt: skip
-                elif report is not None and report(k, step, v) and step < task.steps:
-                    outcomes[k] = Outcome("pruned", v, step, "", history[k])
+                if k not in outcomes:
+                    _evaluated(k, step, float(values[pos]), history[k], outcomes, report,
+                               task.steps)  # fmt: skip
         # members that ended (pruned, failed) leave the fused model and stop costing compute
-        keep = [pos for pos, k in enumerate(alive) if k not in outcomes]
-        if len(keep) < len(alive):
-            if not keep:
+        gone = [pos for pos, k in enumerate(alive) if k in outcomes]
+        if gone:
+            if len(gone) == len(alive):
                 break
-            fused.select(keep)
-            opt.select(keep)
-            alive = [alive[pos] for pos in keep]
+            group.drop(gone)
         if checkpoint is not None and checkpoint_every and step % checkpoint_every == 0 \
                 and step < task.steps:  # fmt: skip
-            _checkpoint.save(checkpoint, _state(step, fused, opt, alive, outcomes, history))
-    for k in alive:
-        if k not in outcomes:
-            last = history[k][-1][1] if history[k] else None
-            outcomes[k] = Outcome("complete", last, task.steps, "", history[k])
-    info = GroupInfo(ratio=ratio, size=n, widths=widths, seconds=time.perf_counter() - start)
+            _checkpoint.save(checkpoint, _state(step, group, outcomes, history))
+    for m in group.members:
+        if m.id not in outcomes:
+            last = history[m.id][-1][1] if history[m.id] else None
+            outcomes[m.id] = Outcome("complete", last, task.steps, "", history[m.id])
+    info = GroupInfo(ratio=ratio, size=n, widths=group.widths,
+                     seconds=time.perf_counter() - start,
+                     occupancy=group.live_steps / max(1, group.steps * n))  # fmt: skip
     return [outcomes[k] for k in range(n)], info
 
 
-def _state(step, fused, opt, alive, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
+def _evaluated(k, step, v, history, outcomes, report, last) -> None:  # noqa: ANN001
+    """Record member ``k``'s validation value; end it on a non-finite value or a prune."""
+    history.append((step, v))
+    if not math.isfinite(v):
+        outcomes[k] = Outcome("fail", None, step, "non-finite validation value", history)
+    elif report is not None and report(k, step, v) and step < last:
+        outcomes[k] = Outcome("pruned", v, step, "", history)
+
+
+def _state(step, group, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
     """Everything the loop needs to go on after ``step``: tensors and plain containers only."""
     return {
         "step": step,
-        "model": fused.state_dict(),
-        "optimizer": opt.state_dict(),
-        "alive": list(alive),
+        "model": group.fused.state_dict(),
+        "optimizer": group.opt.state_dict(),
+        "alive": [m.id for m in group.members],
         "outcomes": {k: [o.state, o.value, o.step, o.reason] for k, o in outcomes.items()},
         "history": {k: [list(h) for h in v] for k, v in history.items()},
         "rng": _checkpoint.rng_state(),
     }
 
 
-def _resume(saved, fused, opt, sched, outcomes, history) -> tuple[int, list[int]]:  # noqa: ANN001
-    """Put a freshly built group in the state of checkpoint ``saved``; returns (next step,
-    alive members)."""
+def _resume(saved, group, outcomes, history) -> int:  # noqa: ANN001
+    """Put a freshly built group in the state of checkpoint ``saved``; returns the next step."""
     step = int(saved["step"])
     for k, v in saved["history"].items():
-        history[int(k)] = [(int(s), float(x)) for s, x in v]
+        history[int(k)][:] = [(int(s), float(x)) for s, x in v]
     for k, (state, value, at, reason) in saved["outcomes"].items():
         outcomes[int(k)] = Outcome(state, value, at, reason, history[int(k)])
-    if sched is not None:  # per-trial schedules are pure functions of the step: replay them
+    if group.sched is not None:  # per-trial schedules are pure functions of the step: replay them
         for _ in range(step):
-            sched.step()
+            group.sched.step()
     alive = [int(k) for k in saved["alive"]]
-    if len(alive) < fused.n:
-        fused.select(alive)
-        opt.select(alive)
-    fused.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["optimizer"])
+    if len(alive) < group.n:
+        group.drop([pos for pos, m in enumerate(group.members) if m.id not in alive])
+    for m in group.members:  # each data stream continues where it stopped
+        for _ in range(step):
+            next(m.batches)
+        m.step = step
+    group.fused.load_state_dict(saved["model"])
+    group.opt.load_state_dict(saved["optimizer"])
     _checkpoint.set_rng_state(saved["rng"])
-    return step + 1, alive
+    return step + 1
 
 
-def _train_step(task, fused, opt, batch, clip, device) -> list[float]:  # noqa: ANN001
+def _train_step(task, fused, opt, batch, clip, device, shared=True) -> list[float]:  # noqa: ANN001
     """One step of every member; returns their losses as floats.
 
     Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
     which autograd accepts only once no graph still refers to them.
     """
     args, kwargs, y = task.split(batch, device)
-    losses = task.trial_losses(fused(*args, **kwargs), y)
+    losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
     opt.zero_grad(set_to_none=True)
     # non-finite losses give non-finite gradients: the optimizer freezes those members
     losses.sum().backward()
@@ -355,14 +536,6 @@ def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list
         count += size
     fused.train()
     return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
-
-
-def _fail_diverged(fused, alive, outcomes, history, step, losses) -> None:  # noqa: ANN001
-    flags = fused.diverged.tolist()
-    for pos, k in enumerate(alive):
-        if k not in outcomes and (flags[pos] or not math.isfinite(losses[pos])):
-            outcomes[k] = Outcome("fail", None, step, f"diverged at step {step}: non-finite "
-                                  "loss or gradient", history[k])  # fmt: skip
 
 
 def _apply_model_params(sur: nn.Module, p: dict[str, Any], model_args: set[str]) -> None:
@@ -403,30 +576,55 @@ def _optimizer(task: Task, fused: nn.Module, params: Sequence[dict]) -> fused_op
                eps=column("eps", 1e-8), weight_decay=wd)  # fmt: skip
 
 
-def _scheduler(task: Task, opt: fused_optim.FusedOptimizer, params: Sequence[dict]) -> Any:
+def _hyper(task: Task, p: dict[str, Any]) -> dict[str, Any]:
+    """One trial's optimizer hyperparameters, as :meth:`FusedOptimizer.reset_trial` takes them."""
+    defaults = DEFAULTS[task.optimizer]
+    out = {"lr": float(p.get("lr", defaults["lr"])),
+           "weight_decay": float(p.get("weight_decay", defaults["weight_decay"]))}  # fmt: skip
+    if task.optimizer == "sgd":
+        out["momentum"] = float(p.get("momentum", 0.0))
+    else:
+        out["betas"] = (float(p.get("beta1", 0.9)), float(p.get("beta2", 0.999)))
+        out["eps"] = float(p.get("eps", 1e-8))
+    return out
+
+
+def _scheduler(
+    task: Task, opt: fused_optim.FusedOptimizer, params: Sequence[dict], always: bool = False
+) -> Any:
+    """Each member's own learning-rate schedule (warm-up, then the task's decay), read from
+    ``params[k]`` whenever slot ``k``'s schedule is (re)built; ``None`` when no member has one
+    (unless ``always``: a group whose slots take new trials)."""
     steps = task.steps
     warm = [int(p.get("warmup", 0)) for p in params]
     if any(w >= steps for w in warm):
         raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps})")
-    S = fused_optim.lr_scheduler
-    if task.scheduler == "none" and not any(warm):
+    if task.scheduler == "none" and not any(warm) and not always:
         return None
-    # a member without warm-up spends one step at its base lr: one schedule shape for all
-    w1 = [max(w, 1) for w in warm]
-    rest = [steps - w for w in w1]
-    if task.scheduler == "cosine":
-        main = S.CosineAnnealingLR(opt, T_max=rest)
-    elif task.scheduler == "linear":
-        main = S.LinearLR(opt, start_factor=1.0, end_factor=1e-3, total_iters=rest)
-    elif task.scheduler == "step":
-        main = S.StepLR(opt, step_size=[max(1, r // 3) for r in rest], gamma=0.1)
+    return fused_optim.lr_scheduler.TrialScheduler(
+        opt, lambda o, k: _schedule(task.scheduler, steps, int(params[k].get("warmup", 0)), o)
+    )
+
+
+def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> Any:
+    """One trial's torch schedule on (stand-in) optimizer ``o``: the one docs/tuning.md gives
+    for the full model, whatever the other members of its group do."""
+    if warmup >= steps:
+        raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps})")
+    S = torch.optim.lr_scheduler
+    rest = steps - max(warmup, 1)
+    if kind == "cosine":
+        main = S.CosineAnnealingLR(o, T_max=rest)
+    elif kind == "linear":
+        main = S.LinearLR(o, start_factor=1.0, end_factor=1e-3, total_iters=rest)
+    elif kind == "step":
+        main = S.StepLR(o, step_size=max(1, rest // 3), gamma=0.1)
     else:
-        main = S.LinearLR(opt, start_factor=1.0, end_factor=1.0, total_iters=1)
-    if not any(warm):
+        main = S.LinearLR(o, start_factor=1.0, end_factor=1.0, total_iters=1)
+    if not warmup:
         return main
-    warmup = S.LinearLR(opt, start_factor=[1.0 / (w + 1) if w else 1.0 for w in warm],
-                        end_factor=1.0, total_iters=w1)  # fmt: skip
-    return S.SequentialLR(opt, [warmup, main], milestones=[[w] for w in w1])
+    ramp = S.LinearLR(o, start_factor=1.0 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+    return S.SequentialLR(o, [ramp, main], milestones=[warmup])
 
 
 def _widths(sur: nn.Module) -> dict[str, list[int]]:

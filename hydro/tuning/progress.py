@@ -40,6 +40,8 @@ class Progress:
         self.bar.start_t = self.bar._time()  # ETA from this run's rate, not from resumed trials
         self.interval = interval
         self._last = -interval
+        # mean live members per fused step out of ``fuse`` (continuous batching), when known
+        self.occupancy: float | None = None
         self.update()
 
     def update(self) -> None:
@@ -48,7 +50,10 @@ class Progress:
             return
         self._last = now
         done = min(self.finished(self.study), self.bar.total)
-        self.bar.set_postfix_str(postfix(self.study), refresh=False)
+        text = postfix(self.study)
+        if self.occupancy is not None:
+            text += f", slots busy {self.occupancy:.0%}"
+        self.bar.set_postfix_str(text, refresh=False)
         self.bar.update(done - self.bar.n)
         self.bar.refresh()
 

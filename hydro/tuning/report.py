@@ -89,6 +89,14 @@ def write_report(study: optuna.Study, path: str) -> None:
         )
     except ValueError:
         best = "no completed trial yet"
+    occ = study.user_attrs.get("hydro_occupancy")
+    if occ and occ.get("overall") is not None:
+        asking = occ.get("while_asking")
+        best += (
+            f"<br>fused groups of {occ['fuse']}: on average {occ['overall']:.0%} of the slots "
+            "trained at each fused step"
+            + (f" ({asking:.0%} while trials remained to ask)" if asking is not None else "")
+        )
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>Hydro study {html.escape(study.study_name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}

@@ -316,8 +316,9 @@ class Task:
             "loss='model'"
         )
 
-    def trial_losses(self, output: Any, target: Any) -> torch.Tensor:
-        """Each trial's training loss ``[n]`` from a fused model's output."""
+    def trial_losses(self, output: Any, target: Any, shared: bool = True) -> torch.Tensor:
+        """Each trial's training loss ``[n]`` from a fused model's output; ``shared=False``:
+        ``target`` has a leading ``[n]``, each trial's own batch."""
         from hydro.fusion import trial_loss
 
         if self.loss == MODEL_LOSS:
@@ -328,7 +329,7 @@ class Task:
                     f"got {tuple(loss.shape)}"
                 )
             return loss
-        return trial_loss(self.loss, self.logits_of(output), target)
+        return trial_loss(self.loss, self.logits_of(output), target, shared=shared)
 
     def trial_metrics(self, output: Any, target: Any) -> torch.Tensor:
         """Each trial's validation metric ``[n]`` for one batch (the loss without a metric)."""
@@ -488,6 +489,12 @@ def _take(data: Any, idx: Any) -> Batch:
         return {k: v[idx] for k, v in data.items()}
     x, y = data
     return _index(x, idx), y[idx]
+
+
+def stack_batches(batches: list[Batch]) -> Batch:
+    """Batches of the same structure stacked along a new leading trial dimension ``[n, ...]``
+    (for ``fused(..., shared=False)``: every trial its own data)."""
+    return torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *batches)
 
 
 def _batch(batch: Any) -> Batch:

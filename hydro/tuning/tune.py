@@ -19,7 +19,8 @@ from torch import nn
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.fx.floor import task_ratio
-from hydro.tuning.group import group_key, train_group
+from hydro.tuning.driver import optimize
+from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
 from hydro.tuning.task import Task
@@ -67,6 +68,15 @@ class TuneResult:
             for t in self.study.get_trials(deepcopy=False)
             if not is_surplus(t)
         ]  # fmt: skip
+
+    @property
+    def occupancy(self) -> dict[str, Any] | None:
+        """How full the fused groups stayed in the last run (continuous batching): ``fuse``,
+        ``overall`` (mean live trials per fused step over ``fuse``) and ``while_asking`` (the
+        same over the steps taken while the study still had trials to ask); ``None`` when the
+        run trained on an executor (fixed groups)."""
+        occ = self.study.user_attrs.get("hydro_occupancy")
+        return dict(occ) if occ else None
 
     def export(self, path: str | os.PathLike) -> dict[str, Any]:
         """Write the best hyperparameters and their provenance to YAML (or JSON by extension)."""
@@ -231,6 +241,7 @@ def tune(
     seed: int | None = None,
     verify_top_k: int = 0,
     progress: bool = False,
+    device: str = "cpu",
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -259,6 +270,10 @@ def tune(
         verify_top_k: afterwards, train the full model (unmodified, standard parametrization)
             with the best ``k`` configurations and report which wins and the rank agreement.
         progress: print progress to stderr.
+        device: where groups train in this process (``"cpu"``, ``"cuda"``, ``"cuda:N"``): the
+            inline executor and ``verify_top_k``. A ``"local"`` or ``"ray"`` executor places
+            groups on its own devices (every visible GPU, else CPU). Asking for CUDA where
+            none is available is a :class:`~hydro.errors.ConfigError`.
 
     Returns:
         A :class:`TuneResult`.
@@ -275,12 +290,11 @@ def tune(
         >>> sorted(result.best_params)
         ['lr']
     """
-    from hydro.integrations.optuna import optimize
-
     if not isinstance(task, Task):
         raise ConfigError(f"task must be a hydro.Task, got {type(task).__name__}")
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise ConfigError(f"n_trials must be a positive integer, got {n_trials!r}")
+    device = check_device(device)
     executor = make_executor(executor)
     check_space(space, task.model_args())
     preflight(task, space)
@@ -293,10 +307,11 @@ def tune(
         the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
-             progress=progress, executor=executor)  # fmt: skip
+             progress=progress, executor=executor, device=device)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
-        result.verification = verify(task, the_study, verify_top_k, seed=base_seed)
+        result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
+                                     device=device)  # fmt: skip
         the_study.set_user_attr("hydro_verification", result.verification)  # for report/export
     return result
 
@@ -343,7 +358,9 @@ def make_executor(executor: Any) -> Any:
                       "hydro_fluid executor")  # fmt: skip
 
 
-def verify(task: Task, study: optuna.Study, top_k: int, *, seed: int = 0) -> dict[str, Any]:
+def verify(
+    task: Task, study: optuna.Study, top_k: int, *, seed: int = 0, device: str = "cpu"
+) -> dict[str, Any]:
     """Train the full model with a study's ``top_k`` best configurations and compare.
 
     The full model is the task's model itself (ratio 1: standard parametrization, unmodified),
@@ -364,7 +381,8 @@ def verify(task: Task, study: optuna.Study, top_k: int, *, seed: int = 0) -> dic
     full: dict[int, float | None] = {}
     for members in groups.values():
         outcomes, _ = train_group(task, [t.params for t in members], ratio=1,
-                                  seeds=[seed + t.number for t in members])  # fmt: skip
+                                  seeds=[seed + t.number for t in members],
+                                  device=device)  # fmt: skip
         for t, o in zip(members, outcomes):
             full[t.number] = o.value if o.state == "complete" else None
     rows = [{"trial": t.number, "params": dict(t.params), "surrogate_value": t.value,
