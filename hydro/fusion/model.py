@@ -130,6 +130,13 @@ class FusedModel(nn.Module):
             if name not in written and name != "diverged" and bool((b == b[:1]).all())
         }
 
+    @property
+    def fallbacks(self) -> list[str]:
+        """Nodes of the fused graphs built so far that have no fused form for per-trial operands
+        and run under ``torch.func.vmap`` instead (slower; a warning is logged for each), as
+        ``"name (op)"``. Empty when every op took its fused path."""
+        return sorted({f for gm in self._graphs.values() for f in gm.hydro_fallbacks})
+
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
         for src in self._sources:  # captures and trial(k) follow dtype and device
@@ -376,13 +383,12 @@ def _literals(
         aligned[id(m)], maps[id(m)] = nodes, names
     ref_names = {a: a.name for a in template.graph.nodes}
     for i, a in enumerate(ref):
-        for pos, value in enumerate(a.args):
+        width = max(len(aligned[id(m)][i].args) for m in members)
+        for pos in range(width):
+            value = _positional(a, pos)
             if isinstance(value, torch.fx.Node):
                 continue
-            column = []
-            for m in members:
-                args = aligned[id(m)][i].args
-                column.append(_plain(args[pos], maps[id(m)]) if pos < len(args) else None)
+            column = [_plain(_positional(aligned[id(m)][i], pos), maps[id(m)]) for m in members]
             mine = _plain(value, ref_names)
             if all(v == mine for v in column):
                 continue
@@ -394,7 +400,29 @@ def _literals(
                     f"argument {pos} is {column[0]!r} in one and {column[1:]} in others; only "
                     "float literals (dropout rates, multipliers) may differ between trials"
                 )
+        for key in a.kwargs:
+            column = [_plain(aligned[id(m)][i].kwargs.get(key), maps[id(m)]) for m in members]
+            if any(v != column[0] for v in column):
+                raise FuseError(
+                    f"the models' graphs differ at node '{a.name}' ({a.format_node()}): "
+                    f"keyword {key} is {column[0]!r} in one and {column[1:]} in others; fuse "
+                    "needs one architecture"
+                )
     return out
+
+
+def _positional(node: torch.fx.Node, pos: int) -> object:
+    """Argument ``pos`` of ``node``, the op's default where the graph left it out (export omits
+    an argument equal to its default: a dropout rate of 0 in one member, 0.1 in another)."""
+    if pos < len(node.args):
+        return node.args[pos]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or pos >= len(schema.arguments):
+        return None
+    arg = schema.arguments[pos]
+    if arg.name in node.kwargs:
+        return node.kwargs[arg.name]
+    return arg.default_value if arg.has_default_value() else None
 
 
 def _plain(value: object, names: Mapping[torch.fx.Node, str]) -> object:

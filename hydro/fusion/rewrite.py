@@ -243,6 +243,7 @@ def fuse_graph(
     rw.graph.lint()
     gm = torch.fx.GraphModule(rw.owners, rw.graph, "FusedGraph")
     gm._in_spec, gm._out_spec = template._in_spec, template._out_spec
+    gm.hydro_fallbacks = rw.fallbacks
     return gm
 
 
@@ -261,6 +262,7 @@ class _Rewriter:
         self.spec: dict[Node, object] = {}
         self.owners: dict[str, object] = {}
         self._expanded: dict[Node, Node] = {}
+        self.fallbacks: list[str] = []  # nodes run under torch.func.vmap
         device = next(iter(tensors.values())).device if tensors else None
         self.device = device
 
@@ -634,6 +636,7 @@ class _Rewriter:
             node.name,
             node.format_node(),
         )
+        self.fallbacks.append(f"{node.name} ({node.target})")
         leaves, treespec = tree_flatten((list(node.args), dict(node.kwargs)))
         specs = []
         for a in leaves:
