@@ -94,14 +94,22 @@ class FusedModel(nn.Module):
 
         first = models[0]
         canonical: dict[int, nn.Parameter] = {}
+        object.__setattr__(self, "_frozen_shared", set())  # frozen parameters stored once
         for name, p in first.named_parameters(remove_duplicate=False):
             if id(p) not in canonical:
-                stacked = torch.stack([m.get_parameter(name).detach() for m in models]).clone()
+                values = [m.get_parameter(name) for m in models]
+                if _frozen_and_equal(values):
+                    # trained by no trial and equal in all: one copy, read by every trial
+                    stacked = p.detach().clone().unsqueeze(0).expand(n, *p.shape)
+                else:
+                    stacked = torch.stack([v.detach() for v in values]).clone()
                 fused = nn.Parameter(stacked, requires_grad=p.requires_grad)
                 if hasattr(p, "infshape"):
                     fused.infshape = p.infshape  # muP metadata for hydro.optim
                 canonical[id(p)] = fused
             register_at(self, name, canonical[id(p)], "param")
+            if canonical[id(p)].dim() and canonical[id(p)].stride(0) == 0:
+                self._frozen_shared.add(name)  # every tied name of a shared parameter
         persistent = set(first.state_dict())
         for name, _ in first.named_buffers(remove_duplicate=False):
             stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
@@ -117,18 +125,28 @@ class FusedModel(nn.Module):
 
     @property
     def shared_tensors(self) -> set[str]:
-        """Buffers equal in every trial and never written by the graphs captured so far (a
-        causal mask, rotary frequencies): the fused graph reads them once, as trial 0's."""
+        """Tensors the fused graph reads once, for every trial, as trial 0's: buffers equal in
+        every trial and never written by the graphs captured so far (a causal mask, rotary
+        frequencies), and the parameters of :attr:`frozen_shared`."""
         written = set()
         for graphs in self._captures.values():
             for g in graphs:
                 for gm in g.values():
                     written |= mutated_targets(gm)
-        return {
+        buffers = {
             name
-            for name, b in self.named_buffers()
+            for name, b in self.named_buffers(remove_duplicate=False)
             if name not in written and name != "diverged" and bool((b == b[:1]).all())
         }
+        return buffers | self._frozen_shared
+
+    @property
+    def frozen_shared(self) -> set[str]:
+        """Names of the parameters that are frozen (``requires_grad=False``) in every member and
+        equal by value in all of them at :func:`fuse` time: stored once (an ``expand``-ed view
+        ``[n, ...]`` of one copy). Layers that read only these and the shared inputs (a frozen
+        pretrained backbone) run once for the whole group."""
+        return set(self._frozen_shared)
 
     @property
     def fallbacks(self) -> list[str]:
@@ -139,6 +157,10 @@ class FusedModel(nn.Module):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
+        for name in self._frozen_shared:  # a dtype or device move copies n rows: one again
+            p = self.get_parameter(name)
+            if p.data.stride(0) != 0:
+                p.data = p.data[0].clone().unsqueeze(0).expand(p.shape)
         for src in self._sources:  # captures and trial(k) follow dtype and device
             src._apply(fn, recurse)
         self._graphs.clear()
@@ -257,6 +279,10 @@ class FusedModel(nn.Module):
             )
         with torch.no_grad():
             for name, value in theirs.items():
+                if name in self._frozen_shared:
+                    if torch.equal(mine[name][k], value.to(mine[name])):
+                        continue
+                    self._unshare(name)
                 mine[name][k].copy_(value)
         key = _signature(module)
         known = [i for i, s in enumerate(self._sources) if _signature(s) == key]
@@ -268,6 +294,15 @@ class FusedModel(nn.Module):
             self._captures.clear()
         self._graphs.clear()
         self.diverged[k] = False
+
+    def _unshare(self, name: str) -> None:
+        """One copy per trial again for a frozen shared parameter (a trial loads other values):
+        its tied names follow, graphs are rebuilt."""
+        p = self.get_parameter(name)
+        p.data = p.data.clone()
+        tied = {k for k, q in self.named_parameters(remove_duplicate=False) if q is p}
+        self._frozen_shared.difference_update(tied)
+        self._graphs.clear()
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> FusedModel:
         """Keep only the trials ``indices`` (in that order), in place, and return ``self``.
@@ -284,6 +319,9 @@ class FusedModel(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 grad = p.grad
+                if p.dim() and p.data.stride(0) == 0:  # frozen and shared: still one copy
+                    p.data = p.data[:1].expand(len(index), *p.shape[1:])
+                    continue
                 p.data = p.data[index.to(p.device)]
                 if grad is not None:
                     p.grad = grad[index.to(p.device)]
@@ -300,12 +338,17 @@ class FusedModel(nn.Module):
 
 
 def _capture_mode(model: nn.Module, example: tuple, mode: str) -> torch.fx.GraphModule:
-    was = model.training
-    model.train(mode == "train")
+    """Capture ``model`` in ``mode``. The training graph keeps submodules the user put in
+    evaluation mode inside a model in training mode (a frozen backbone's BatchNorm, fine-tuning
+    a head) as they were given; the evaluation graph has every module in evaluation mode."""
+    was = {m: m.training for m in model.modules()}
+    if mode == "eval" or not model.training:
+        model.train(mode == "train")
     try:
         return capture_graph(model, example[0], example[1], prefix=f"{mode}_")
     finally:
-        model.train(was)
+        for m, flag in was.items():
+            m.training = flag
 
 
 def _at_least_two(x: object) -> object:
@@ -432,6 +475,15 @@ def _plain(value: object, names: Mapping[torch.fx.Node, str]) -> object:
     )
 
 
+def _frozen_and_equal(values: Sequence[torch.Tensor]) -> bool:
+    """Frozen in every member and equal by value: trained by no trial, the same for all."""
+    first = values[0]
+    return all(not v.requires_grad for v in values) and all(
+        v.shape == first.shape and v.dtype == first.dtype and torch.equal(v, first)
+        for v in values[1:]
+    )
+
+
 def _check_same_architecture(models: Sequence[nn.Module]) -> None:
     ref_shapes = {k: v.shape for k, v in models[0].state_dict().items()}
     for i, m in enumerate(models[1:], start=1):
@@ -453,7 +505,8 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     rescaled per tensor to the standard deviation of ``model``'s tensor, so a custom init scale
     (GPT-2's 0.02, muP's width-scaled std) carries over. A captured model (no user code to run):
     every tensor is redrawn from the statistics of the given one (mean, std, normal or uniform:
-    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases) stay.
+    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases) and
+    frozen parameters (``requires_grad=False``: a pretrained backbone) stay.
     """
     from hydro.parametrize import init_like
 
@@ -462,7 +515,7 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     with torch.no_grad():
         if isinstance(model, Captured):
             for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
-                if old.numel() >= 2:
+                if old.numel() >= 2 and old.requires_grad:
                     draw = torch.empty(new.shape, dtype=torch.float64)
                     init_like(draw, old, 1.0, generator)
                     new.copy_(draw)
@@ -473,7 +526,7 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
         for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
-            if old.numel() < 2:
+            if old.numel() < 2 or not old.requires_grad:  # frozen: part of the task, kept
                 new.copy_(old)
                 continue
             std_old, std_new = old.double().std(), new.double().std()
