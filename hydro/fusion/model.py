@@ -71,7 +71,7 @@ class FusedModel(nn.Module):
         torch.Size([2, 3])
     """
 
-    def __init__(self, models: Sequence[nn.Module]) -> None:
+    def __init__(self, models: Sequence[nn.Module], share_frozen: bool = True) -> None:
         super().__init__()
         if not models:
             raise FuseError("fuse() needs at least one model")
@@ -98,7 +98,7 @@ class FusedModel(nn.Module):
         for name, p in first.named_parameters(remove_duplicate=False):
             if id(p) not in canonical:
                 values = [m.get_parameter(name) for m in models]
-                if _frozen_and_equal(values):
+                if share_frozen and _frozen_and_equal(values):
                     # trained by no trial and equal in all: one copy, read by every trial
                     stacked = p.detach().clone().unsqueeze(0).expand(n, *p.shape)
                 else:
@@ -545,6 +545,7 @@ def fuse(
     seed: int = 0,
     example_inputs: tuple | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    share_frozen: bool = True,
 ) -> FusedModel:
     """Fuse trials of one model into a :class:`FusedModel`.
 
@@ -561,6 +562,10 @@ def fuse(
         example_inputs: one model's positional inputs, to capture now rather than at the first
             call.
         example_kwargs: one model's keyword inputs, likewise.
+        share_frozen: store parameters that are frozen (``requires_grad=False``) and equal in
+            every member once, and run the layers that read only them and shared inputs once
+            for the group (:attr:`FusedModel.frozen_shared`). ``False`` keeps one copy per
+            trial.
 
     Returns:
         The fused model. Float literals may differ between the given models (dropout rates, a
@@ -593,7 +598,7 @@ def fuse(
             raise FuseError("fuse() takes an nn.Module or a list of nn.Modules")
         if n is not None and n != len(members):
             raise FuseError(f"fuse got {len(members)} models but n={n}")
-    fused = FusedModel(members)
+    fused = FusedModel(members, share_frozen=share_frozen)
     if example_inputs is not None or example_kwargs is not None:
         fused.capture(tuple(example_inputs or ()), example_kwargs)
     return fused
