@@ -216,6 +216,11 @@ class FusedModel(nn.Module):
             shared_names = self.shared_tensors - mutated
             gm = fuse_graph(template, self.n, shared, tensors, shared_names, literals)
             gm.hydro_mutated = sorted(mutated)
+            gm.hydro_shared = shared_names
+            # a graph built before this one may read, as shared, buffers this one writes per
+            # trial (an evaluation graph built before the first training step): rebuild it
+            for other in [c for c, g in self._graphs.items() if g.hydro_shared & mutated]:
+                del self._graphs[other]
             self._graphs[cache] = gm
         return self._graphs[cache]
 

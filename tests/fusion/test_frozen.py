@@ -171,3 +171,23 @@ def test_trials_in_and_out_keep_the_shared_copy() -> None:
     fused_n = fuse(copy.deepcopy(members[0]), n=3, seed=2)
     assert fused_n.frozen_shared == fused.frozen_shared | {"backbone.0.weight"}
     assert not torch.equal(fused_n.get_parameter("head.0.weight")[1], members[0].head[0].weight)
+
+
+def test_eval_graph_built_before_training_follows_the_statistics() -> None:
+    """An evaluation graph built first reads BatchNorm statistics equal in every trial (fresh)
+    once; the first training step writes them per trial, and evaluation must follow."""
+    torch.manual_seed(0)
+    models = [FineTune(cnn=True).double() for _ in range(3)]  # nothing frozen
+    x, y = _data(cnn=True, steps=1)[0]
+    fused = fuse([copy.deepcopy(m) for m in models])
+    fused.eval()
+    fused(x)
+    fused.train()
+    fused(x)  # running statistics move, differently per trial
+    fused.eval()
+    out = fused(x)
+    for k, m in enumerate(models):
+        m.train()
+        m(x)
+        m.eval()
+        assert_close(out[k], m(x), **TOL, msg=f"trial {k}")
