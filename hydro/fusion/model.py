@@ -71,7 +71,7 @@ class FusedModel(nn.Module):
         torch.Size([2, 3])
     """
 
-    def __init__(self, models: Sequence[nn.Module]) -> None:
+    def __init__(self, models: Sequence[nn.Module], share_frozen: bool = True) -> None:
         super().__init__()
         if not models:
             raise FuseError("fuse() needs at least one model")
@@ -94,14 +94,22 @@ class FusedModel(nn.Module):
 
         first = models[0]
         canonical: dict[int, nn.Parameter] = {}
+        object.__setattr__(self, "_frozen_shared", set())  # frozen parameters stored once
         for name, p in first.named_parameters(remove_duplicate=False):
             if id(p) not in canonical:
-                stacked = torch.stack([m.get_parameter(name).detach() for m in models]).clone()
+                values = [m.get_parameter(name) for m in models]
+                if share_frozen and _frozen_and_equal(values):
+                    # trained by no trial and equal in all: one copy, read by every trial
+                    stacked = p.detach().clone().unsqueeze(0).expand(n, *p.shape)
+                else:
+                    stacked = torch.stack([v.detach() for v in values]).clone()
                 fused = nn.Parameter(stacked, requires_grad=p.requires_grad)
                 if hasattr(p, "infshape"):
                     fused.infshape = p.infshape  # muP metadata for hydro.optim
                 canonical[id(p)] = fused
             register_at(self, name, canonical[id(p)], "param")
+            if canonical[id(p)].dim() and canonical[id(p)].stride(0) == 0:
+                self._frozen_shared.add(name)  # every tied name of a shared parameter
         persistent = set(first.state_dict())
         for name, _ in first.named_buffers(remove_duplicate=False):
             stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
@@ -117,21 +125,42 @@ class FusedModel(nn.Module):
 
     @property
     def shared_tensors(self) -> set[str]:
-        """Buffers equal in every trial and never written by the graphs captured so far (a
-        causal mask, rotary frequencies): the fused graph reads them once, as trial 0's."""
+        """Tensors the fused graph reads once, for every trial, as trial 0's: buffers equal in
+        every trial and never written by the graphs captured so far (a causal mask, rotary
+        frequencies), and the parameters of :attr:`frozen_shared`."""
         written = set()
         for graphs in self._captures.values():
             for g in graphs:
                 for gm in g.values():
                     written |= mutated_targets(gm)
-        return {
+        buffers = {
             name
-            for name, b in self.named_buffers()
+            for name, b in self.named_buffers(remove_duplicate=False)
             if name not in written and name != "diverged" and bool((b == b[:1]).all())
         }
+        return buffers | self._frozen_shared
+
+    @property
+    def frozen_shared(self) -> set[str]:
+        """Names of the parameters that are frozen (``requires_grad=False``) in every member and
+        equal by value in all of them at :func:`fuse` time: stored once (an ``expand``-ed view
+        ``[n, ...]`` of one copy). Layers that read only these and the shared inputs (a frozen
+        pretrained backbone) run once for the whole group."""
+        return set(self._frozen_shared)
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Nodes of the fused graphs built so far that have no fused form for per-trial operands
+        and run under ``torch.func.vmap`` instead (slower; a warning is logged for each), as
+        ``"name (op)"``. Empty when every op took its fused path."""
+        return sorted({f for gm in self._graphs.values() for f in gm.hydro_fallbacks})
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
+        for name in self._frozen_shared:  # a dtype or device move copies n rows: one again
+            p = self.get_parameter(name)
+            if p.data.stride(0) != 0:
+                p.data = p.data[0].clone().unsqueeze(0).expand(p.shape)
         for src in self._sources:  # captures and trial(k) follow dtype and device
             src._apply(fn, recurse)
         self._graphs.clear()
@@ -187,6 +216,11 @@ class FusedModel(nn.Module):
             shared_names = self.shared_tensors - mutated
             gm = fuse_graph(template, self.n, shared, tensors, shared_names, literals)
             gm.hydro_mutated = sorted(mutated)
+            gm.hydro_shared = shared_names
+            # a graph built before this one may read, as shared, buffers this one writes per
+            # trial (an evaluation graph built before the first training step): rebuild it
+            for other in [c for c, g in self._graphs.items() if g.hydro_shared & mutated]:
+                del self._graphs[other]
             self._graphs[cache] = gm
         return self._graphs[cache]
 
@@ -250,6 +284,10 @@ class FusedModel(nn.Module):
             )
         with torch.no_grad():
             for name, value in theirs.items():
+                if name in self._frozen_shared:
+                    if torch.equal(mine[name][k], value.to(mine[name])):
+                        continue
+                    self._unshare(name)
                 mine[name][k].copy_(value)
         key = _signature(module)
         known = [i for i, s in enumerate(self._sources) if _signature(s) == key]
@@ -261,6 +299,15 @@ class FusedModel(nn.Module):
             self._captures.clear()
         self._graphs.clear()
         self.diverged[k] = False
+
+    def _unshare(self, name: str) -> None:
+        """One copy per trial again for a frozen shared parameter (a trial loads other values):
+        its tied names follow, graphs are rebuilt."""
+        p = self.get_parameter(name)
+        p.data = p.data.clone()
+        tied = {k for k, q in self.named_parameters(remove_duplicate=False) if q is p}
+        self._frozen_shared.difference_update(tied)
+        self._graphs.clear()
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> FusedModel:
         """Keep only the trials ``indices`` (in that order), in place, and return ``self``.
@@ -277,6 +324,9 @@ class FusedModel(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 grad = p.grad
+                if p.dim() and p.data.stride(0) == 0:  # frozen and shared: still one copy
+                    p.data = p.data[:1].expand(len(index), *p.shape[1:])
+                    continue
                 p.data = p.data[index.to(p.device)]
                 if grad is not None:
                     p.grad = grad[index.to(p.device)]
@@ -293,12 +343,17 @@ class FusedModel(nn.Module):
 
 
 def _capture_mode(model: nn.Module, example: tuple, mode: str) -> torch.fx.GraphModule:
-    was = model.training
-    model.train(mode == "train")
+    """Capture ``model`` in ``mode``. The training graph keeps submodules the user put in
+    evaluation mode inside a model in training mode (a frozen backbone's BatchNorm, fine-tuning
+    a head) as they were given; the evaluation graph has every module in evaluation mode."""
+    was = {m: m.training for m in model.modules()}
+    if mode == "eval" or not model.training:
+        model.train(mode == "train")
     try:
         return capture_graph(model, example[0], example[1], prefix=f"{mode}_")
     finally:
-        model.train(was)
+        for m, flag in was.items():
+            m.training = flag
 
 
 def _at_least_two(x: object) -> object:
@@ -376,13 +431,12 @@ def _literals(
         aligned[id(m)], maps[id(m)] = nodes, names
     ref_names = {a: a.name for a in template.graph.nodes}
     for i, a in enumerate(ref):
-        for pos, value in enumerate(a.args):
+        width = max(len(aligned[id(m)][i].args) for m in members)
+        for pos in range(width):
+            value = _positional(a, pos)
             if isinstance(value, torch.fx.Node):
                 continue
-            column = []
-            for m in members:
-                args = aligned[id(m)][i].args
-                column.append(_plain(args[pos], maps[id(m)]) if pos < len(args) else None)
+            column = [_plain(_positional(aligned[id(m)][i], pos), maps[id(m)]) for m in members]
             mine = _plain(value, ref_names)
             if all(v == mine for v in column):
                 continue
@@ -394,13 +448,44 @@ def _literals(
                     f"argument {pos} is {column[0]!r} in one and {column[1:]} in others; only "
                     "float literals (dropout rates, multipliers) may differ between trials"
                 )
+        for key in a.kwargs:
+            column = [_plain(aligned[id(m)][i].kwargs.get(key), maps[id(m)]) for m in members]
+            if any(v != column[0] for v in column):
+                raise FuseError(
+                    f"the models' graphs differ at node '{a.name}' ({a.format_node()}): "
+                    f"keyword {key} is {column[0]!r} in one and {column[1:]} in others; fuse "
+                    "needs one architecture"
+                )
     return out
+
+
+def _positional(node: torch.fx.Node, pos: int) -> object:
+    """Argument ``pos`` of ``node``, the op's default where the graph left it out (export omits
+    an argument equal to its default: a dropout rate of 0 in one member, 0.1 in another)."""
+    if pos < len(node.args):
+        return node.args[pos]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or pos >= len(schema.arguments):
+        return None
+    arg = schema.arguments[pos]
+    if arg.name in node.kwargs:
+        return node.kwargs[arg.name]
+    return arg.default_value if arg.has_default_value() else None
 
 
 def _plain(value: object, names: Mapping[torch.fx.Node, str]) -> object:
     """An argument with nodes replaced by their template names, comparable across graphs."""
     return torch.fx.node.map_aggregate(
         value, lambda v: ("node", names.get(v, v.name)) if isinstance(v, torch.fx.Node) else v
+    )
+
+
+def _frozen_and_equal(values: Sequence[torch.Tensor]) -> bool:
+    """Frozen in every member and equal by value: trained by no trial, the same for all."""
+    first = values[0]
+    return all(not v.requires_grad for v in values) and all(
+        v.shape == first.shape and v.dtype == first.dtype and torch.equal(v, first)
+        for v in values[1:]
     )
 
 
@@ -425,7 +510,8 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     rescaled per tensor to the standard deviation of ``model``'s tensor, so a custom init scale
     (GPT-2's 0.02, muP's width-scaled std) carries over. A captured model (no user code to run):
     every tensor is redrawn from the statistics of the given one (mean, std, normal or uniform:
-    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases) stay.
+    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases) and
+    frozen parameters (``requires_grad=False``: a pretrained backbone) stay.
     """
     from hydro.parametrize import init_like
 
@@ -434,7 +520,7 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     with torch.no_grad():
         if isinstance(model, Captured):
             for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
-                if old.numel() >= 2:
+                if old.numel() >= 2 and old.requires_grad:
                     draw = torch.empty(new.shape, dtype=torch.float64)
                     init_like(draw, old, 1.0, generator)
                     new.copy_(draw)
@@ -445,7 +531,7 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
         for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
-            if old.numel() < 2:
+            if old.numel() < 2 or not old.requires_grad:  # frozen: part of the task, kept
                 new.copy_(old)
                 continue
             std_old, std_new = old.double().std(), new.double().std()
@@ -464,6 +550,7 @@ def fuse(
     seed: int = 0,
     example_inputs: tuple | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    share_frozen: bool = True,
 ) -> FusedModel:
     """Fuse trials of one model into a :class:`FusedModel`.
 
@@ -480,6 +567,10 @@ def fuse(
         example_inputs: one model's positional inputs, to capture now rather than at the first
             call.
         example_kwargs: one model's keyword inputs, likewise.
+        share_frozen: store parameters that are frozen (``requires_grad=False``) and equal in
+            every member once, and run the layers that read only them and shared inputs once
+            for the group (:attr:`FusedModel.frozen_shared`). ``False`` keeps one copy per
+            trial.
 
     Returns:
         The fused model. Float literals may differ between the given models (dropout rates, a
@@ -512,7 +603,7 @@ def fuse(
             raise FuseError("fuse() takes an nn.Module or a list of nn.Modules")
         if n is not None and n != len(members):
             raise FuseError(f"fuse got {len(members)} models but n={n}")
-    fused = FusedModel(members)
+    fused = FusedModel(members, share_frozen=share_frozen)
     if example_inputs is not None or example_kwargs is not None:
         fused.capture(tuple(example_inputs or ()), example_kwargs)
     return fused

@@ -55,6 +55,11 @@ def expand_shared(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
     return from_trials(grown, ("F", spec[1], spec[2]))
 
 
+def expand_trials(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A shared value (a frozen parameter stored once) as a per-trial one, ``[n, ...]`` (a view)."""
+    return x.unsqueeze(0).expand(n, *x.shape)
+
+
 def lift(x: object, n: int, spec: Spec, rank: int) -> object:
     """An operand of a broadcasting op as ``[n | 1, 1, ..., *its shape]`` of ``rank + 1`` dims."""
     if not isinstance(x, torch.Tensor) or spec is None or spec[0] == "S":

@@ -201,7 +201,8 @@ def mutated_targets(gm: torch.fx.GraphModule) -> set[str]:
             continue
         written = []
         if node.target is aten.batch_norm.default:
-            written = [node.args[3], node.args[4]]
+            if node.args[5]:  # training: the running statistics are updated (eval: read only)
+                written = [node.args[3], node.args[4]]
         elif node.target._schema.is_mutable:
             written = [node.args[0]]
         out |= {a.target for a in written if isinstance(a, Node) and a.op == "get_attr"}
@@ -243,6 +244,7 @@ def fuse_graph(
     rw.graph.lint()
     gm = torch.fx.GraphModule(rw.owners, rw.graph, "FusedGraph")
     gm._in_spec, gm._out_spec = template._in_spec, template._out_spec
+    gm.hydro_fallbacks = rw.fallbacks
     return gm
 
 
@@ -261,6 +263,7 @@ class _Rewriter:
         self.spec: dict[Node, object] = {}
         self.owners: dict[str, object] = {}
         self._expanded: dict[Node, Node] = {}
+        self.fallbacks: list[str] = []  # nodes run under torch.func.vmap
         device = next(iter(tensors.values())).device if tensors else None
         self.device = device
 
@@ -288,6 +291,14 @@ class _Rewriter:
         if a not in self._expanded:
             self._expanded[a] = self.fn(ops.expand_shared, self.env[a], self.n, spec)
         return self._expanded[a]
+
+    def as_trial(self, a: Node | None) -> Node | None:
+        """A per-trial or shared (a frozen parameter read once) operand as ``[n, ...]``."""
+        if a is None:
+            return None
+        if self.spec.get(a) == ("S",):
+            return self.fn(ops.expand_trials, self.env[a], self.n)
+        return self.env[a]
 
     def literal(self, node: Node, pos: int) -> Node | None:
         """A per-trial literal of ``node`` at ``pos`` as a ``[n]`` float64 tensor, or ``None``."""
@@ -634,6 +645,7 @@ class _Rewriter:
             node.name,
             node.format_node(),
         )
+        self.fallbacks.append(f"{node.name} ({node.target})")
         leaves, treespec = tree_flatten((list(node.args), dict(node.kwargs)))
         specs = []
         for a in leaves:
@@ -729,18 +741,19 @@ def _linear(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
         transposed = False
     else:
         return False
-    ws = rw.spec.get(w)
-    if not (isinstance(ws, tuple) and ws[0] == "T" and w.meta["val"].dim() == 2):
-        return False
-    if b is not None and rw.spec.get(b) != ("T",):
+    ws, bs = rw.spec.get(w), None if b is None else rw.spec.get(b)
+    if w.meta["val"].dim() != 2 or ("T",) not in (ws, bs):
+        return False  # no per-trial operand (a frozen shared layer): runs as it is
+    if ws not in (("T",), ("S",)) or bs not in (None, ("T",), ("S",)):
         return False
     xs = rw.spec.get(x)
     if not isinstance(xs, tuple) or xs[0] not in ("F", "SB", "S", "T"):
         return False
     out = rw.out_spec(node)
     out = ("T",) if out == "?" else out
-    bias = None if b is None else rw.env[b]
-    rw.env[node] = rw.fn(ops.trial_linear, rw.env[x], rw.env[w], bias, rw.n, xs, out, transposed)
+    bias = rw.as_trial(b)
+    rw.env[node] = rw.fn(ops.trial_linear, rw.env[x], rw.as_trial(w), bias, rw.n, xs, out,
+                         transposed)  # fmt: skip
     rw.spec[node] = out
     return True
 
@@ -797,9 +810,8 @@ def _group_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> boo
     w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
     eps = _arg(node, 4, "eps", 1e-5)
     s = _batched_input(rw, node, x, "group_norm")
-    rw.env[node] = rw.fn(ops.trial_group_norm, rw.env[x], groups,
-                         None if w is None else rw.env[w], None if b is None else rw.env[b],
-                         eps, rw.n, s)  # fmt: skip
+    rw.env[node] = rw.fn(ops.trial_group_norm, rw.env[x], groups, rw.as_trial(w),
+                         rw.as_trial(b), eps, rw.n, s)  # fmt: skip
     rw.spec[node] = ("F", 0, 1)
     return True
 
@@ -807,10 +819,14 @@ def _group_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> boo
 def _batch_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     x, w, b, rm, rv, training, momentum, eps = node.args[:8]
     s = _batched_input(rw, node, x, "batch_norm")
-    for a in (w, b, rm, rv):
-        if a is not None and rw.spec.get(a) != ("T",):
-            raise rw.error(node, "BatchNorm parameters and statistics must be per trial")
-    args = [None if a is None else rw.env[a] for a in (w, b, rm, rv)]
+    shared = all(a is None or rw.spec.get(a) == ("S",) for a in (w, b, rm, rv))
+    # Frozen and equal in every trial, nothing written (evaluation mode, or no running
+    # statistics): on the shared input it runs once; in evaluation mode it is per sample
+    if shared and s[0] == "SB" and (not training or rm is None):
+        return False
+    if shared and not training:
+        return False
+    args = [rw.as_trial(a) for a in (w, b, rm, rv)]
     rw.env[node] = rw.fn(ops.trial_batch_norm, rw.env[x], *args, training, momentum, eps,
                          rw.n, s)  # fmt: skip
     rw.spec[node] = ("F", 0, 1)
@@ -819,7 +835,7 @@ def _batch_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> boo
 
 def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     w = node.args[1]
-    if rw.spec.get(w) != ("T",):
+    if "T" not in kinds:  # a frozen shared convolution: runs as it is
         return False
     x = node.args[0]
     s = _batched_input(rw, node, x, "a convolution")
@@ -837,9 +853,8 @@ def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     padding = _arg(node, 4, "padding", [0] * k)
     dilation = _arg(node, 5, "dilation", [1] * k)
     groups = _arg(node, 6, "groups", 1)
-    rw.env[node] = rw.fn(ops.trial_conv, dims, rw.env[x], rw.env[w],
-                         None if b is None else rw.env[b], stride, padding, dilation, groups,
-                         rw.n, s)  # fmt: skip
+    rw.env[node] = rw.fn(ops.trial_conv, dims, rw.env[x], rw.as_trial(w), rw.as_trial(b),
+                         stride, padding, dilation, groups, rw.n, s)  # fmt: skip
     rw.spec[node] = ("F", 0, 1)
     return True
 

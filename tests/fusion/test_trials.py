@@ -232,6 +232,7 @@ def test_per_trial_parameter_op_falls_back_to_vmap(caplog) -> None:
         out = fused(x)
     warned = [r.getMessage() for r in caplog.records if "vmap" in r.getMessage()]
     assert len(warned) == 1 and "node 'bilinear'" in warned[0]
+    assert fused.fallbacks == ["bilinear (aten.bilinear.default)"]
     for k, m in enumerate(models):
         torch.testing.assert_close(out[k], m(x), rtol=1e-12, atol=1e-12)
 
