@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import optuna
 import pytest
 import torch
@@ -145,3 +147,17 @@ def test_cli_flag_overrides_the_config(tmp_path, monkeypatch, capsys) -> None:
     assert [t.user_attrs["surrogate_blocks"]["surrogate"] for t in study.trials] == [2, 2]
     assert main(["tune", "tune.yaml", "--depth-ratio", "0"]) == 2
     assert "depth_ratio must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_depth_reaches_groups_in_worker_processes() -> None:
+    from hydro.tuning.driver import optimize
+    from hydro_fluid import LocalExecutor
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    executor = LocalExecutor(devices=[], num_workers=1)
+    optimize(study, _task(2), LR, n_trials=2, ratio=2, fuse=2, executor=executor, depth_ratio=2)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    for t in study.trials:
+        assert t.user_attrs["depth_ratio"] == 2 and t.user_attrs["worker_pid"] != os.getpid()
+        # GroupInfo comes back from the worker: it built the depth-cut surrogates
+        assert t.user_attrs["surrogate_blocks"] == {"target": 4, "surrogate": 2}
