@@ -139,7 +139,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = config_module.load(
         args.config, storage=args.storage, study=args.study, trials=args.trials,
         ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
-        device=args.device,
+        device=args.device, depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -160,11 +160,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )
     before = len(study.trials)
     print(f"study '{cfg.study}' in {cfg.storage or 'sqlite:///hydro.db'}: {before} trials so far, "
-          f"target {cfg.trials}; ratio {cfg.ratio}{' (auto)' if auto else ''}, {cfg.fuse} "
+          f"target {cfg.trials}; ratio {cfg.ratio}{' (auto)' if auto else ''}"
+          f"{f', depth ratio {cfg.depth_ratio}' if cfg.depth_ratio > 1 else ''}, {cfg.fuse} "
           "trials per fused group",
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
-             seed=cfg.seed, progress=True, executor=executor, device=cfg.device)  # fmt: skip
+             seed=cfg.seed, progress=True, executor=executor, device=cfg.device,
+             depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
@@ -285,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "
                    "cuda:N (overrides the config's device)")  # fmt: skip
     p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")
+    p.add_argument("--depth-ratio", type=int, help="surrogates keep every k-th repeated block "
+                   "(default: the config's, else 1)")  # fmt: skip
+    p.add_argument("--depth-alpha", type=float, help="depth cut's residual exponent: 1 "
+                   "CompleteP (default), 0.5 Depth-muP")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 

@@ -22,7 +22,8 @@ from hydro.tuning.space import check_names, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
-            "pruner", "pruner_args", "task", "space", "verify_top_k", "device"}  # fmt: skip
+            "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
+            "depth_alpha"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every"}  # fmt: skip
@@ -60,6 +61,8 @@ class TuneConfig:
     sampler: optuna.samplers.BaseSampler
     pruner: optuna.pruners.BasePruner
     device: str = "cpu"
+    depth_ratio: int = 1
+    depth_alpha: float = 1.0
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -150,6 +153,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         sampler=_sampler(raw, space, seed, path),
         pruner=_pruner(raw, path),
         device=_device(raw.get("device", "cpu"), path),
+        depth_ratio=_int(raw.get("depth_ratio", 1), "depth_ratio", path),
+        depth_alpha=_alpha(raw.get("depth_alpha", 1.0), path),
     )
 
 
@@ -264,6 +269,13 @@ def _ratio(value: Any, path: str) -> int | str:
         return value
     raise ConfigError(f"{path}: ratio must be 'auto' or an integer >= 1 (2, 4, 8...), got "
                       f"{value!r}")  # fmt: skip
+
+
+def _alpha(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{path}: depth_alpha must be a number in [0, 1] (1: CompleteP, 0.5: "
+                          f"Depth-muP), got {value!r}")  # fmt: skip
+    return float(value)
 
 
 def _device(value: Any, path: str) -> str:

@@ -79,6 +79,8 @@ def optimize(
     timeout: float | None = None,
     executor: Any = None,
     checkpoint_every: int | None = None,
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -123,9 +125,15 @@ def optimize(
         checkpoint_every: with an executor, each group saves a checkpoint every this many
             steps (default: the task's ``checkpoint_every`` if it has one, else 50), so a group
             whose worker dies resumes there and ends bit-identical to an uninterrupted run.
+        depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated residual
+            blocks in the surrogates (:func:`hydro.scale`); 1 (default) keeps them all.
+        depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP, 0.5:
+            Depth-muP).
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
+    check_depth(depth_ratio, depth_alpha)
+    depth = (depth_ratio, float(depth_alpha))
     device = check_device(device)
     is_task = isinstance(task_or_callback, Task)
     if executor is not None and not is_task:
@@ -173,13 +181,13 @@ def optimize(
                     continue
                 if is_task and executor is None:
                     _Stream(study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
-                            heart, bar, start, timeout, occupancy).run()  # fmt: skip
+                            heart, bar, start, timeout, occupancy, depth).run()  # fmt: skip
                 else:
                     trials = _ask(study, min(batch, budget), n_trials, seed, heart)
                     if trials:
                         _run_batch(study, task_or_callback, space, trials, ratio, seed, fuse,
                                    device, executor, is_task, heart, bar,
-                                   checkpoint_every)  # fmt: skip
+                                   checkpoint_every, depth)  # fmt: skip
                 if bar is not None:
                     bar.update()
         finally:
@@ -190,14 +198,14 @@ def optimize(
 
 
 def _run_batch(study, task, space, trials, ratio, seed, fuse, device, executor, is_task,
-               heart, bar, every) -> None:  # noqa: ANN001  # fmt: skip
+               heart, bar, every, depth=(1, 1.0)) -> None:  # noqa: ANN001  # fmt: skip
     """Train one batch of asked trials; whatever happens, none of them stays RUNNING."""
     told: set[int] = set()
     hook = bar.update if bar is not None else None
     try:
         if executor is not None:
             _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook,
-                             every)  # fmt: skip
+                             every, depth)  # fmt: skip
         else:
             _run_callback_batch(study, task, space, trials, told)
     except BaseException as exc:
@@ -211,9 +219,9 @@ def _run_batch(study, task, space, trials, ratio, seed, fuse, device, executor, 
         heart.release(t._trial_id for t in trials)
 
 
-def _plan_groups(trials, task, space, ratio, fuse, seed):  # noqa: ANN001, ANN202
+def _plan_groups(trials, task, space, ratio, fuse, seed, depth=(1, 1.0)):  # noqa: ANN001, ANN202
     """Sample each trial, then split them into fused groups of at most ``fuse`` members that
-    agree on :func:`group_key`, recording group id, ratio and size on every trial.
+    agree on :func:`group_key`, recording group id, ratio, depth and size on every trial.
 
     A group's id is its lowest trial number: unique even when several processes share a study.
     """
@@ -231,6 +239,7 @@ def _plan_groups(trials, task, space, ratio, fuse, seed):  # noqa: ANN001, ANN20
             for t in members:
                 t.set_user_attr("group", min(m.number for m in members))
                 t.set_user_attr("ratio", ratio)
+                _set_depth(t, depth)
                 t.set_user_attr("fused", len(members))
             groups.append(members)
     return groups, params
@@ -270,7 +279,7 @@ class _Stream:
     """
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
-                 start, timeout, occupancy) -> None:  # noqa: ANN001  # fmt: skip
+                 start, timeout, occupancy, depth=(1, 1.0)) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -279,6 +288,7 @@ class _Stream:
         self.running: dict[int, optuna.Trial] = {}  # asked, not yet told
         self.asking = True
         self.occupancy = occupancy
+        self.depth = depth  # (depth_ratio, depth_alpha)
 
     def run(self) -> None:
         try:
@@ -326,6 +336,7 @@ class _Stream:
         params = sample(t, self.space)
         check_names(params, self.task.model_args())
         t.set_user_attr("ratio", self.ratio)
+        _set_depth(t, self.depth)
         t.set_user_attr("fused", self.fuse)
         return t, params
 
@@ -367,7 +378,8 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
     group = FusedGroup(task, [(t.number, p, stream.seed + t.number) for t, p in members],
-                       ratio=stream.ratio, device=stream.device)  # fmt: skip
+                       ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
+                       depth_alpha=stream.depth[1])  # fmt: skip
 
     def report(number: int, step: int, value: float) -> bool:
         return _report_and_ask(trials[number], step, value, stream.hook)
@@ -404,6 +416,8 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
         for slot in sorted(ended):  # tell every ended trial before asking new ones
             number = group.members[slot].id
             info = GroupInfo(ratio=stream.ratio, size=stream.fuse, widths=group.widths,
+                             depth_ratio=stream.depth[0], depth_alpha=stream.depth[1],
+                             blocks=group.blocks,
                              seconds=time.perf_counter() - joined.pop(number))  # fmt: skip
             stream.tell(trials.pop(number), ended[slot], info)
         freed = []
@@ -439,17 +453,18 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
     return pruned
 
 
-def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook, every):  # noqa: ANN001, ANN202
+def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook, every,
+                     depth=(1, 1.0)):  # noqa: ANN001, ANN202  # fmt: skip
     from hydro_fluid import TrialGroup
 
     by_number = {t.number: t for t in trials}
-    groups, params = _plan_groups(trials, task, space, ratio, fuse, seed)
+    groups, params = _plan_groups(trials, task, space, ratio, fuse, seed, depth)
     fluid_groups = [
         TrialGroup(f"group-{min(t.number for t in members)}", tuple(t.number for t in members),
                    (task.steps,) * len(members))
         for members in groups
     ]  # fmt: skip
-    fn = functools.partial(_train_in_worker, task, params, ratio, seed, every)
+    fn = functools.partial(_train_in_worker, task, params, ratio, seed, every, depth)
     on_report = lambda number, step, value: _report_and_ask(by_number[number], step, value, hook)  # noqa: E731
     for result in executor.run(fluid_groups, fn, report=on_report):
         outcomes, info = result.value if result.value is not None else ({}, None)
@@ -462,7 +477,7 @@ def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, execut
             told.add(number)
 
 
-def _train_in_worker(task, params, ratio, seed, every, group, ctx):  # noqa: ANN001, ANN202
+def _train_in_worker(task, params, ratio, seed, every, depth, group, ctx):  # noqa: ANN001, ANN202
     """A group's training in a hydro_fluid worker; reports and prunes through ``ctx``, and
     checkpoints in ``ctx.checkpoint_dir`` (which survives a retry of the group)."""
     ids = list(group.trial_ids)
@@ -478,8 +493,26 @@ def _train_in_worker(task, params, ratio, seed, every, group, ctx):  # noqa: ANN
                                  seeds=[seed + i for i in ids], report=report,
                                  device=ctx.device, pruned=pruned,
                                  checkpoint=ctx.checkpoint_dir if ctx.rank == 0 else None,
-                                 checkpoint_every=every)  # fmt: skip
+                                 checkpoint_every=every, depth_ratio=depth[0],
+                                 depth_alpha=depth[1])  # fmt: skip
     return dict(zip(ids, outcomes)), info
+
+
+def _set_depth(trial: optuna.Trial, depth: tuple[int, float]) -> None:
+    trial.set_user_attr("depth_ratio", depth[0])
+    trial.set_user_attr("depth_alpha", depth[1])
+
+
+def check_depth(depth_ratio: Any, depth_alpha: Any) -> None:
+    """A :class:`ConfigError` unless ``depth_ratio`` is an integer >= 1 and ``depth_alpha`` a
+    number in [0, 1] (the arguments of :func:`hydro.scale`), before any trial is asked."""
+    from hydro.errors import ScaleError
+    from hydro.fx.depth import check_args
+
+    try:
+        check_args(depth_ratio, depth_alpha)
+    except ScaleError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _tell(
@@ -488,6 +521,8 @@ def _tell(
     try:
         if info is not None:
             trial.set_user_attr("surrogate_widths", info.widths)
+            if info.blocks:
+                trial.set_user_attr("surrogate_blocks", info.blocks)
             trial.set_user_attr("group_seconds", round(info.seconds, 3))
             trial.set_user_attr("worker_pid", info.pid)
         if outcome.state == "complete" and outcome.value is not None \

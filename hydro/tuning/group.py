@@ -51,6 +51,9 @@ class GroupInfo:
     ratio: int
     size: int
     widths: dict[str, list[int]]
+    depth_ratio: int = 1
+    depth_alpha: float = 1.0
+    blocks: dict[str, int] = field(default_factory=dict)  # repeated blocks: target, surrogate
     seconds: float = 0.0
     pid: int = field(default_factory=os.getpid)  # the process that trained the group
     occupancy: float = 1.0  # mean live members per fused step, as a fraction of the slots
@@ -133,6 +136,9 @@ def build_members(
     seeds: Sequence[int],
     example: tuple[tuple, dict],
     target: nn.Module | None = None,
+    *,
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> list[nn.Module]:
     """One surrogate per member, each from its own factory arguments and seed.
 
@@ -142,12 +148,13 @@ def build_members(
     once more with the argument changed, the literals that follow it are located, and each
     member's copy gets its own value there. Where a literal does not equal the argument
     (computed from it), that member is captured on its own. A member's surrogate depends only
-    on its own arguments and seed.
+    on its own arguments and seed. ``depth_ratio``/``depth_alpha`` cut stacks of repeated
+    blocks (:func:`hydro.scale`).
     """
     if target is None:
         target = _target(task, params[0])
     always = any("output_mult" in p for p in params)
-    builder = _Builder(task, ratio, example, target, params[0], always)
+    builder = _Builder(task, ratio, example, target, params[0], always, (depth_ratio, depth_alpha))
     return [builder.make(dict(p), int(sd)) for p, sd in zip(params, seeds)]
 
 
@@ -216,6 +223,8 @@ class FusedGroup:
         ratio: surrogate width divisor.
         device: where to train.
         refill: slots will take new trials (:meth:`put`); ``False`` when they never do.
+        depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated blocks.
+        depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP).
     """
 
     def __init__(
@@ -226,8 +235,11 @@ class FusedGroup:
         ratio: int,
         device: str | torch.device = "cpu",
         refill: bool = True,
+        depth_ratio: int = 1,
+        depth_alpha: float = 1.0,
     ) -> None:
         self.task, self.ratio, self.device = task, ratio, device
+        self.depth_ratio, self.depth_alpha = depth_ratio, depth_alpha
         first = dict(members[0][1])
         self.key = group_key(first, task)
         self.batch_size = int(first.get("batch_size", task.batch_size))
@@ -240,11 +252,14 @@ class FusedGroup:
             args, kwargs, _ = task.split(sample_batch)
             example = (args, kwargs)
         self.builder = _Builder(task, ratio, example, target, first,
-                                any("output_mult" in m[1] for m in members))  # fmt: skip
+                                any("output_mult" in m[1] for m in members),
+                                (depth_ratio, depth_alpha))  # fmt: skip
         self.members = [self._member(i, p, sd) for i, p, sd in members]
         modules = [self.builder.make(m.params, m.seed) for m in self.members]
         self.widths = _widths(modules[0])
-        if ratio > 1 and not self.widths["target"]:
+        self.blocks = _blocks(modules[0])
+        cut = self.blocks.get("surrogate", 0) < self.blocks.get("target", 0)
+        if ratio > 1 and not self.widths["target"] and not cut:
             warnings.warn(HydroWarning(
                 f"no width of {type(target).__name__} can shrink (every dimension is tied to the "
                 f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: "
@@ -346,12 +361,13 @@ class _Builder:
     """Surrogates for one group: one capture and width analysis, then each member an
     independent draw from its seed with its own factory arguments (see :func:`build_members`)."""
 
-    def __init__(self, task, ratio, example, target, params0, readout) -> None:  # noqa: ANN001
+    def __init__(self, task, ratio, example, target, params0, readout, depth=(1, 1.0)) -> None:  # noqa: ANN001
         self.task, self.ratio, self.example, self.readout = task, ratio, example, readout
+        self.depth = {"depth_ratio": int(depth[0]), "depth_alpha": float(depth[1])}
         self.names = sorted(k for k in task.model_args() if k in params0)
         self.args0 = {k: params0[k] for k in self.names}
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
-                            seed=0, always_readout=readout)  # fmt: skip
+                            seed=0, always_readout=readout, **self.depth)  # fmt: skip
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -360,8 +376,8 @@ class _Builder:
         sites = {n: self._sites(n, args[n]) for n in differs}
         if any(v is None for v in sites.values()):
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
-                        example_kwargs=ex_kwargs, seed=int(seed),
-                        always_readout=self.readout).surrogate  # fmt: skip
+                        example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
+                        **self.depth).surrogate  # fmt: skip
         else:
             sur = self.scaled.sample(int(seed))
             for n in differs:
@@ -376,7 +392,13 @@ class _Builder:
 
     def _sites(self, name: str, value: Any) -> list | None:
         task = self.task
-        key = (id(task.model), structure(task, tuple(self.args0.items())), name, self.ratio)
+        key = (
+            id(task.model),
+            structure(task, tuple(self.args0.items())),
+            name,
+            self.ratio,
+            tuple(self.depth.values()),
+        )
         if key not in _SITES:  # one extra capture per argument, not per group
             _SITES[key] = _literal_sites(task, self.scaled, self.args0, name, value, self.example)
         return _SITES[key]
@@ -393,6 +415,8 @@ def train_group(
     pruned: Callable[[], set[int]] | None = None,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> tuple[list[Outcome], GroupInfo]:
     """Train ``len(params)`` trials of ``task`` fused, and return how each ended.
 
@@ -413,11 +437,15 @@ def train_group(
         checkpoint: a directory for the group's checkpoint: training resumes from the one
             found there, and ends bit-identical to a run never interrupted.
         checkpoint_every: save a checkpoint every this many steps (0: never).
+        depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated blocks
+            (:func:`hydro.scale`); 1 keeps them all.
+        depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP).
     """
     start = time.perf_counter()
     n = len(params)
     group = FusedGroup(task, [(k, p, s) for k, (p, s) in enumerate(zip(params, seeds))],
-                       ratio=ratio, device=device, refill=False)  # fmt: skip
+                       ratio=ratio, device=device, refill=False, depth_ratio=depth_ratio,
+                       depth_alpha=depth_alpha)  # fmt: skip
     outcomes: dict[int, Outcome] = {}
     history: dict[int, list[tuple[int, float]]] = {k: group.members[k].history for k in range(n)}
     first = 1
@@ -455,7 +483,8 @@ def train_group(
         if m.id not in outcomes:
             last = history[m.id][-1][1] if history[m.id] else None
             outcomes[m.id] = Outcome("complete", last, task.steps, "", history[m.id])
-    info = GroupInfo(ratio=ratio, size=n, widths=group.widths,
+    info = GroupInfo(ratio=ratio, size=n, widths=group.widths, depth_ratio=depth_ratio,
+                     depth_alpha=depth_alpha, blocks=group.blocks,
                      seconds=time.perf_counter() - start,
                      occupancy=group.live_steps / max(1, group.steps * n))  # fmt: skip
     return [outcomes[k] for k in range(n)], info
@@ -640,6 +669,16 @@ def _widths(sur: nn.Module) -> dict[str, list[int]]:
                 target.add(int(d_old))
                 surrogate.add(int(d_new))
     return {"target": sorted(target), "surrogate": sorted(surrogate)}
+
+
+def _blocks(sur: nn.Module) -> dict[str, int]:
+    """Repeated blocks (summed over stacks) in the target and kept in the surrogate; empty
+    where no depth cut was asked (``depth_ratio=1`` looks for no stacks)."""
+    stacks = getattr(sur.hydro, "stacks", None) or []
+    if not stacks:
+        return {}
+    return {"target": sum(len(s.blocks) for s in stacks),
+            "surrogate": sum(len(s.kept) for s in stacks)}  # fmt: skip
 
 
 def _to(x: Any, device: Any) -> Any:

@@ -19,7 +19,7 @@ from torch import nn
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.fx.floor import task_ratio
-from hydro.tuning.driver import optimize
+from hydro.tuning.driver import check_depth, optimize
 from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
@@ -187,7 +187,10 @@ def export(
             "direction": study.direction.name.lower(),
             "surrogate_value": best.value,
             "ratio": best.user_attrs.get("ratio"),
+            "depth_ratio": best.user_attrs.get("depth_ratio", 1),
+            "depth_alpha": best.user_attrs.get("depth_alpha", 1.0),
             "surrogate_widths": best.user_attrs.get("surrogate_widths"),
+            "surrogate_blocks": best.user_attrs.get("surrogate_blocks"),
             "trials_finished": counts["finished"],
             "trials": {k: counts[k] for k in ("complete", "pruned", "failed", "interrupted")},
             "hydro_version": hydro.__version__,
@@ -242,6 +245,8 @@ def tune(
     verify_top_k: int = 0,
     progress: bool = False,
     device: str = "cpu",
+    depth_ratio: int = 1,
+    depth_alpha: float = 1.0,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -274,6 +279,12 @@ def tune(
             inline executor and ``verify_top_k``. A ``"local"`` or ``"ray"`` executor places
             groups on its own devices (every visible GPU, else CPU). Asking for CUDA where
             none is available is a :class:`~hydro.errors.ConfigError`.
+        depth_ratio: also cut depth: the surrogates keep every ``depth_ratio``-th block of each
+            stack of repeated residual blocks (:func:`hydro.scale`; each trial records it in
+            ``user_attrs``). 1 (default) keeps every block. ``verify_top_k`` still trains the
+            full model.
+        depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP, 0.5:
+            Depth-muP).
 
     Returns:
         A :class:`TuneResult`.
@@ -295,6 +306,7 @@ def tune(
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise ConfigError(f"n_trials must be a positive integer, got {n_trials!r}")
     device = check_device(device)
+    check_depth(depth_ratio, depth_alpha)
     executor = make_executor(executor)
     check_space(space, task.model_args())
     preflight(task, space)
@@ -307,7 +319,8 @@ def tune(
         the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
-             progress=progress, executor=executor, device=device)  # fmt: skip
+             progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
+             depth_alpha=depth_alpha)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
