@@ -25,7 +25,7 @@ import torch.fx
 
 from hydro.errors import HydroWarning, ScaleError
 from hydro.fx.rules.common import TensorSyms, bound, op_name
-from hydro.fx.widths import Analysis, HeadPolicy, WidthPlan, _solve, module_of, propagate
+from hydro.fx.widths import HeadPolicy, WidthPlan, _solve, analysis, module_of
 
 # Narrowest surrogate width (features, channels, head dim) at which the learning-rate optimum
 # transferred in benchmarks/width_floor.py (3 seeds; the tables are in docs/transfer.md, "Width
@@ -179,12 +179,7 @@ def choose(
     ``root`` is a captured model (:func:`hydro.fx.capture.capture`); the analysis runs once and
     each candidate ratio is only solved.
     """
-    values: dict[torch.fx.Node, Any] = {}
-    for gm in root.graphs.values():
-        values.update(propagate(root, gm, example_inputs, example_kwargs))
-    a = Analysis(root, values)
-    for gm in root.graphs.values():
-        a.run_graph(gm.graph, None)
+    a = analysis(root, example_inputs, example_kwargs)
     ratio, reason = max_ratio, f"{max_ratio} is the largest ratio 'auto' tries"
     while ratio > 1:
         try:

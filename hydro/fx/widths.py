@@ -621,13 +621,21 @@ def analyze(
             a buffer derived from a width that would have to be cut (rotary frequencies),
             naming the node, module or buffer and the ratios that would work.
     """
+    return _solve(analysis(root, example_inputs, example_kwargs), ratio, head_policy)
+
+
+def analysis(
+    root: torch.nn.Module, example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any]
+) -> Analysis:
+    """The width symbols and relations of every graph of ``root``, before any ratio is solved
+    (:func:`analyze` solves one ratio; ``ratio="auto"`` solves several from one analysis)."""
     values: dict[torch.fx.Node, Any] = {}
     for gm in root.graphs.values():
         values.update(propagate(root, gm, example_inputs, example_kwargs))
     a = Analysis(root, values)
     for gm in root.graphs.values():
         a.run_graph(gm.graph, None)
-    return _solve(a, ratio, head_policy)
+    return a
 
 
 def _close_fixed(a: Analysis) -> set[int]:

@@ -6,18 +6,7 @@ divergence or completion is refilled at once with a newly asked trial, and every
 intermediate values are reported and each result told, so any sampler, pruner and storage works
 unchanged. ``hydro.integrations.optuna`` is its public face.
 
-Example:
-    >>> import optuna, torch, hydro
-    >>> from hydro.integrations.optuna import optimize
-    >>> x, y = torch.randn(256, 8), torch.randint(0, 3, (256,))
-    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-    ...                             torch.nn.Linear(64, 3))
-    >>> task = hydro.Task(model=model, train_data=(x, y), val_data=(x, y), steps=10)
-    >>> space = {"lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
-    >>> study = optuna.create_study()
-    >>> optimize(study, task, space, n_trials=4, ratio=2, fuse=4)
-    >>> len(study.trials)
-    4
+Its example is in :mod:`hydro.integrations.optuna`.
 """
 
 from __future__ import annotations
