@@ -126,6 +126,17 @@ def _trial_sums(grads: list[torch.Tensor]) -> torch.Tensor:
 _ZEROS: dict[tuple, torch.Tensor] = {}
 
 
+def _decayed_gradient(p: torch.Tensor, g: torch.Tensor, c: dict, out: torch.Tensor) -> torch.Tensor:
+    """``g`` plus L2 weight decay where ``c`` has it, zeroed for frozen trials (their gradient may
+    be non-finite); written to ``out`` when either applies, else ``g`` itself."""
+    d = g
+    if "wd" in c:
+        d = torch.addcmul(g, p, c["wd"], out=out)
+    if "active" in c:
+        d = torch.where(c["active"], d, _zero(p), out=out)
+    return d
+
+
 def _zero(like: torch.Tensor) -> torch.Tensor:
     """A 0-d zero of ``like``'s dtype and device (``torch.where(..., out=)`` needs a tensor)."""
     key = (like.dtype, like.device)
@@ -648,11 +659,7 @@ class SGD(FusedOptimizer):
 
     def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
         s1, s2 = scratch
-        d = g
-        if "wd" in c:
-            d = torch.addcmul(g, p, c["wd"], out=s2)
-        if "active" in c:  # a frozen trial's gradient may be non-finite: zero it
-            d = torch.where(c["active"], d, _zero(p), out=s2)
+        d = _decayed_gradient(p, g, c, out=s2)
         if "momentum_buffer" in state:
             buf = state["momentum_buffer"]
             buf.mul_(c["a"]).addcmul_(d, c["c"])
@@ -770,11 +777,7 @@ class Adam(FusedOptimizer):
         # trials), intermediates in two scratch tensors: s2 holds the gradient used until v is
         # updated, then the step; s1 holds d * d, then the denominator.
         s1, s2 = scratch
-        d = g
-        if "wd" in c:
-            d = torch.addcmul(g, p, c["wd"], out=s2)
-        if "active" in c:  # a frozen trial's gradient may be non-finite: zero it
-            d = torch.where(c["active"], d, _zero(p), out=s2)
+        d = _decayed_gradient(p, g, c, out=s2)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(d, c["w1"])
         exp_avg_sq.lerp_(torch.mul(d, d, out=s1), c["c2"])  # v + (1 - beta2) * (d * d - v)
