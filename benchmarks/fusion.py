@@ -339,6 +339,19 @@ def matmul_peak(size: int = 2048) -> float:
     return 2 * size**3 / seconds / 1e9
 
 
+def stacked(model: nn.Module, n: int) -> list[nn.Parameter]:
+    """``model``'s parameters stacked n times (``[n, ...]``, muP infshapes kept), each with a
+    small random gradient: what a fused optimizer steps."""
+    ps = []
+    for q in model.parameters():
+        t = nn.Parameter(q.detach()[None].repeat(n, *[1] * q.dim()).clone())
+        if hasattr(q, "infshape"):
+            t.infshape = q.infshape
+        t.grad = torch.randn_like(t) * 1e-3
+        ps.append(t)
+    return ps
+
+
 def old_optimizers(rev: str) -> types.ModuleType | None:
     """``hydro/optim/optimizers.py`` as of git revision ``rev`` (the per-trial loop), or None."""
     try:
@@ -367,14 +380,7 @@ def optimizer_table(args: argparse.Namespace) -> None:
             model = MODELS[name]()[0]
             params = {}
             for kind in ("old", "new", "compiled"):
-                ps = []
-                for q in model.parameters():
-                    t = nn.Parameter(q.detach()[None].repeat(n, *[1] * q.dim()).clone())
-                    if hasattr(q, "infshape"):
-                        t.infshape = q.infshape
-                    t.grad = torch.randn_like(t) * 1e-3
-                    ps.append(t)
-                params[kind] = ps
+                params[kind] = stacked(model, n)
             hp = dict(lr=LRS(n), betas=(0.9, [0.99 - 0.001 * k for k in range(n)]),
                       eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])  # fmt: skip
             steps = {}

@@ -22,25 +22,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion import LRS, MODELS, old_optimizers, timed  # noqa: E402
+from fusion import LRS, MODELS, old_optimizers, stacked, timed  # noqa: E402
 
 import hydro.optim  # noqa: E402
-
-
-def stacked(model: nn.Module, n: int) -> list[nn.Parameter]:
-    ps = []
-    for q in model.parameters():
-        t = nn.Parameter(q.detach()[None].repeat(n, *[1] * q.dim()).clone())
-        if hasattr(q, "infshape"):
-            t.infshape = q.infshape
-        t.grad = torch.randn_like(t) * 1e-3
-        ps.append(t)
-    return ps
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 import hydro  # noqa: E402
+from benchmarks.transfer import lr_lambda  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
 from hydro.tuning.tune import spearman  # noqa: E402
 
@@ -124,21 +125,11 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, -2), y.flatten())
 
 
-def schedule(warmup: int, steps: int):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return f
-
-
 def train(model: nn.Module, lr: float, data: dict, batches: torch.Tensor, steps: int,
           loss_of: Callable) -> float:  # fmt: skip
     """AdamW with muP groups, warm-up and cosine decay; the validation loss (NaN if diverged)."""
     opt = torch.optim.AdamW(hydro.parametrize.param_groups(model, lr=lr), betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(max(1, steps // 10), steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps))
     x, y = data["train"]
     model.train()
     for idx in batches:
