@@ -42,6 +42,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 import hydro  # noqa: E402
+import hydro.optim  # noqa: E402
 from examples.charlm.data import load  # noqa: E402
 from examples.charlm.model import gpt  # noqa: E402
+from hydro.errors import HydroWarning  # noqa: E402
+from hydro.fusion import fuse, trial_loss  # noqa: E402
+from hydro.tuning.group import _schedule  # noqa: E402
 from hydro.tuning.tune import spearman  # noqa: E402
 
 
@@ -169,91 +174,277 @@ def plot(lrs, widths, sp, mu, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-# the depth experiment's sizes: a 256-wide, 8-block target costs ~0.5 s a step here
-DEPTH_DEFAULTS = dict(seeds=2, steps=100, warmup=10, batch_size=8, block_size=32,
-                      lr_exp=[-14, -8])  # fmt: skip
-DEPTH_MODELS = ("full", "(8,1)", "(8,2)", "(8,4)", "naive")
+# --- depth: fused grids of the 8-block target and its surrogates ---------------------------------
+
+# the depth experiment's sizes: one step of the 256-wide, 8-block target costs ~0.35 s here, a
+# fused step of its 8-point learning-rate grid ~1.9 s
+DEPTH_DEFAULTS = dict(seeds=3, steps=200, warmup=20, batch_size=8, block_size=32,
+                      lr_exp=[-14, -7])  # fmt: skip
+# name: (width ratio, depth ratio, depth alpha) for Hydro surrogates; the plain models:
+# "full" the target, "narrow" gpt(8 blocks, width 32) and "naive" gpt(2 blocks, width 32), in SP
+SURROGATES = {"(8,1)": (8, 1, 1.0), "(8,2)": (8, 2, 1.0), "(8,4)": (8, 4, 1.0),
+              "(8,2)a.5": (8, 2, 0.5), "(8,4)a.5": (8, 4, 0.5)}  # fmt: skip
+DEPTH_MODELS = ("full", *SURROGATES, "narrow", "naive")
+WD_GRID = [0.0, 1.0, 4.0, 16.0, 64.0]  # AdamW's decay per step is lr x wd: ~1e-4 x 64 at most
+WARMUP_FRACTIONS = [0, 0.025, 0.075, 0.225, 0.675]  # of the steps: 0, 5, 15, 45, 135 of 200
 
 
-def depth_main(args: argparse.Namespace) -> None:
-    """Learning-rate transfer across width and depth: the 8-block target against its surrogates."""
-    lrs = [2.0**e for e in range(args.lr_exp[0], args.lr_exp[1] + 1)]
+def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, args) -> nn.Module:  # noqa: ANN001
+    """One model of the depth experiment, initialized from ``seed``."""
+    margs = dict(n_head=args.n_head, block_size=args.block_size)
+    if name == "full":
+        return target
+    if name in ("narrow", "naive"):
+        torch.manual_seed(seed)
+        layers = args.depth_layers if name == "narrow" else args.depth_layers // 4
+        return gpt(n_layer=layers, n_embd=args.depth_width // 8, **margs)
+    r, d, alpha = SURROGATES[name]
+    return hydro.scale(target, r, depth_ratio=d, depth_alpha=alpha, example_inputs=example,
+                       seed=seed)  # fmt: skip
+
+
+def fused_grid(
+    model: nn.Module, trials: list[dict], data: dict, batches: torch.Tensor, args, times=None
+) -> list[float]:  # noqa: ANN001
+    """Validation loss of each trial (``lr``, ``weight_decay``, ``warmup``), all trained at once
+    as one fused model (``hydro.fuse`` of copies of ``model``: the same initialization for every
+    trial) with ``hydro.optim.AdamW`` and each trial's own schedule: what training each alone
+    with ``torch.optim.AdamW`` (muP multipliers through ``param_groups``) would give."""
+    fused = fuse([model] * len(trials))
+    opt = hydro.optim.AdamW(fused.parameters(), lr=[t["lr"] for t in trials],
+                            weight_decay=[t["weight_decay"] for t in trials])  # fmt: skip
+    # Hydro's own schedule (warm-up from lr / (warmup + 1), then cosine to 0): the one hydro.tune
+    # trains with, so that the end-to-end run and the grids are the same recipe
+    sched = hydro.optim.lr_scheduler.TrialScheduler(
+        opt, lambda o, k: _schedule("cosine", args.steps, trials[k]["warmup"], o)
+    )
+    x, y = data["train"]
+    for idx in batches:
+        t0 = time.perf_counter()
+        out = fused(x[idx])
+        loss = trial_loss(F.cross_entropy, out.flatten(1, 2), y[idx].flatten()).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+    fused.eval()
+    vx, vy = data["val"]
+    total = torch.zeros(len(trials), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(0, len(vx), 128):
+            out = fused(vx[i : i + 128]).flatten(1, 2)
+            total += trial_loss(F.cross_entropy, out, vy[i : i + 128].flatten()).double() * (
+                vy[i : i + 128].numel()
+            )
+    losses = (total / vy.numel()).tolist()
+    return [math.nan if d or not math.isfinite(v) else v for v, d in zip(losses, fused.diverged)]
+
+
+def depth_data(args) -> dict:  # noqa: ANN001
     data = load(block_size=args.block_size)
     # the validation windows, thinned: a full pass over them costs the 256-wide target ~25 s
     vx, vy = data["val"]
     every = max(1, len(vx) // args.val_windows)
     data["val"] = (vx[::every][: args.val_windows], vy[::every][: args.val_windows])
-    margs = dict(n_head=args.n_head, block_size=args.block_size)
+    return data
+
+
+def depth_batches(data: dict, seed: int, args) -> torch.Tensor:  # noqa: ANN001
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
+
+
+def depth_target(seed: int, args) -> nn.Module:  # noqa: ANN001
+    torch.manual_seed(seed)
+    return gpt(n_layer=args.depth_layers, n_embd=args.depth_width, n_head=args.n_head,
+               block_size=args.block_size)  # fmt: skip
+
+
+def depth_main(args: argparse.Namespace) -> None:
+    """The learning-rate grid of every model, 3 seeds; then, at each model's best rate (median
+    curve), the weight-decay and warm-up grids. Cheap models first, the full model last; the
+    results are saved after every grid, so an interrupted run still reports."""
+    lrs = [2.0**e for e in range(args.lr_exp[0], args.lr_exp[1] + 1)]
+    warmups = [round(f * args.steps) for f in WARMUP_FRACTIONS]
+    data = depth_data(args)
     names = args.models or list(DEPTH_MODELS)
-    runs: dict[str, list] = {_label(k, args): [] for k in names}
-    times: dict[str, list[float]] = {_label(k, args): [] for k in names}
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    res = {"lrs": lrs, "wds": WD_GRID, "warmups": warmups, "steps": args.steps, "seeds": seeds,
+           "lr": {}, "wd": {}, "warmup": {}, "best_lr": {}, "times": {}}  # fmt: skip
+    if args.save and args.save.exists():  # resume: grids already done are kept
+        res.update(json.loads(args.save.read_text()))
     start = time.time()
 
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        g = torch.Generator().manual_seed(seed)
-        batches = torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
-        torch.manual_seed(seed)
-        target = gpt(n_layer=args.depth_layers, n_embd=args.depth_width, **margs)
-        example = (data["train"][0][:2],)
-        models = build_depth_models(target, example, seed, args, margs)
-        for name in reversed(list(models)):  # cheap ones first: numbers early
-            model, groups = models[name]
-            key = _label(name, args)
-            runs[key].append(sweep(model, groups, lrs, data, batches, args, times[key]))
-            print(f"seed {seed} {name:>6} done at {time.time() - start:6.0f} s", flush=True)
-        if args.save:  # first: a partial run (no full model) is reported with --combine
-            args.save.write_text(json.dumps({"lrs": lrs, "runs": runs, "times": times,
-                                             "steps": args.steps}))  # fmt: skip
-        depth_report(lrs, runs, times, args.steps)
-        print(f"elapsed {time.time() - start:.0f} s\n", flush=True)
+    def save() -> None:
+        if args.save:
+            args.save.write_text(json.dumps(res))
+
+    order = [n for n in names if n != "full"] + (["full"] if "full" in names else [])
+    for name in order:
+        for phase in ("lr", "second"):
+            for seed in seeds:
+                key = "lr" if phase == "lr" else "wd"
+                done = res[key].get(name, {})
+                if str(seed) in done:
+                    continue
+                target = depth_target(seed, args)
+                model = build_depth_model(name, target, (data["train"][0][:2],), seed, args)
+                if phase == "lr":
+                    trials = [{"lr": lr, "weight_decay": 0.0, "warmup": args.warmup} for lr in lrs]
+                else:
+                    lr = res["best_lr"][name]
+                    trials = [{"lr": lr, "weight_decay": wd, "warmup": args.warmup}
+                              for wd in WD_GRID]  # fmt: skip
+                    trials += [{"lr": lr, "weight_decay": 0.0, "warmup": w} for w in warmups]
+                times: list[float] = []
+                losses = fused_grid(model, trials, data, depth_batches(data, seed, args), args,
+                                    times)  # fmt: skip
+                res["times"].setdefault(f"{name} {phase}", []).append(
+                    [len(trials), float(np.median(times))]
+                )
+                if phase == "lr":
+                    res["lr"].setdefault(name, {})[str(seed)] = losses
+                else:
+                    res["wd"].setdefault(name, {})[str(seed)] = losses[: len(WD_GRID)]
+                    res["warmup"].setdefault(name, {})[str(seed)] = losses[len(WD_GRID) :]
+                save()
+                print(f"{name:>9} {phase:>6} seed {seed}: {time.time() - start:6.0f} s "
+                      f"({np.median(times) * 1e3:.0f} ms a fused step of {len(trials)})",
+                      flush=True)  # fmt: skip
+            if phase == "lr":
+                med = np.nanmedian(np.array(list(res["lr"][name].values()), dtype=float), axis=0)
+                res["best_lr"][name] = lrs[int(np.nanargmin(med))]
+                save()
+    depth_report(res, args.plot)
 
 
-def _label(name: str, args: argparse.Namespace) -> str:
-    if args.depth_alpha == 1.0 or not name.startswith("("):
-        return name
-    return f"{name}a{args.depth_alpha:g}"
+def _median(runs: dict) -> np.ndarray:
+    return np.nanmedian(np.array(list(runs.values()), dtype=float), axis=0)
 
 
-def build_depth_models(target, example, seed, args, margs) -> dict:  # noqa: ANN001
-    """``{name: (model, param-group maker)}`` for the names in ``args.models``."""
+def _steps_off(grid: list[float], a: float, b: float) -> int:
+    return grid.index(a) - grid.index(b)
 
-    def plain_groups(model, lr):
-        return [{"params": list(model.parameters()), "lr": lr, "weight_decay": args.weight_decay}]
 
-    def mup_groups(model, lr):
-        return hydro.parametrize.param_groups(model, lr=lr, weight_decay=args.weight_decay)
+def depth_report(res: dict, plot_path: Path | None = None) -> dict:
+    """Print the grids and the transfer summary; return the summary rows."""
+    rows = {}
+    for key, grid, label in (("lr", res["lrs"], "learning rate"),
+                             ("wd", res["wds"], "weight decay"),
+                             ("warmup", res["warmups"], "warm-up steps")):  # fmt: skip
+        runs = {k: v for k, v in res[key].items() if v}
+        if not runs:
+            continue
+        med = {k: _median(v) for k, v in runs.items()}
+        n = max(len(v) for v in runs.values())
+        print(f"\n{label}: validation loss after {res['steps']} steps, median of {n} seed(s)"
+              f"{' (each at its own best lr)' if key != 'lr' else ''}; * = best")  # fmt: skip
+        fmt = (lambda v: f"2^{int(round(math.log2(v)))}") if key == "lr" else (lambda v: f"{v:g}")
+        print(_grid_table(grid, med, fmt))
+        if "full" not in med:
+            continue
+        full = med["full"]
+        fbest = grid[int(np.nanargmin(full))]
+        spread = np.nanmax(np.array(list(runs["full"].values())), axis=0) - np.nanmin(
+            np.array(list(runs["full"].values())), axis=0
+        )
+        print(f"full model, seed-to-seed range (max - min) per point: "
+              f"{' '.join(f'{s:.3f}' for s in spread)}")  # fmt: skip
+        print("model     | best    | steps off | Spearman | pass | full's loss there | per seed")
+        for k, v in med.items():
+            b = grid[int(np.nanargmin(v))]
+            off = _steps_off(grid, b, fbest)
+            rho = spearman(list(v), list(full))
+            at = full[grid.index(b)]
+            per_seed = [fmt(grid[int(np.nanargmin(s))]) for s in runs[k].values()]
+            ok = abs(off) <= 1 and rho is not None and rho >= 0.9
+            rows[(key, k)] = dict(best=b, off=off, rho=rho, at=at, ok=ok)
+            print(f"{k:>9} | {fmt(b):>7} | {off:+9d} | {rho if rho is not None else math.nan:+8.3f}"
+                  f" | {'yes' if ok else 'no':>4} | {at:.3f} ({at - np.nanmin(full):+.3f})     | "
+                  f"{', '.join(per_seed)}")  # fmt: skip
+    times = {k: v for k, v in res["times"].items() if k.endswith(" lr")}
+    if times:
+        print("\nfused step of the learning-rate grid, median over seeds (ms; per trial):")
+        for k, v in times.items():
+            n, t = v[0][0], float(np.median([t for _, t in v]))
+            print(f"{k[:-3]:>9}: {t * 1e3:8.1f} ms for {n} trials, {t / n * 1e3:7.1f} ms a trial")
+    if plot_path is not None:
+        try:
+            depth_plot(res, plot_path)
+            print(f"plot: {plot_path}")
+        except ImportError:
+            pass
+    return rows
 
-    models = {}
-    for name in args.models or DEPTH_MODELS:
-        if name == "full":
-            models[name] = (target, plain_groups)
-        elif name == "naive":
-            torch.manual_seed(seed)
-            naive = gpt(n_layer=args.depth_layers // 4, n_embd=args.depth_width // 8, **margs)
-            models[name] = (naive, plain_groups)
-        else:
-            r, d = (int(v) for v in name.strip("()").split(","))
-            sur = hydro.scale(target, r, depth_ratio=d, depth_alpha=args.depth_alpha,
-                              example_inputs=example, seed=seed)  # fmt: skip
-            models[name] = (sur, mup_groups)
-    return models
+
+def _grid_table(grid: list[float], med: dict[str, np.ndarray], fmt) -> str:  # noqa: ANN001
+    head = f"{'':>6} | " + " ".join(f"{k:>9}" for k in med)
+    lines = [head, "-" * len(head)]
+    for i, g in enumerate(grid):
+        cells = []
+        for v in med.values():
+            best = not np.isnan(v[i]) and v[i] == np.nanmin(v)
+            cells.append(f"{'nan' if np.isnan(v[i]) else f'{v[i]:.3f}':>8}{'*' if best else ' '}")
+        lines.append(f"{fmt(g):>6} | " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def depth_plot(res: dict, path: Path) -> None:
+    """Three panels (learning rate, weight decay, warm-up): each model's median loss above its
+    own best, so that curves of different levels compare by shape and by where they bottom."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("lr", res["lrs"], "learning rate (AdamW)"), ("wd", res["wds"], "weight decay"),
+              ("warmup", res["warmups"], "warm-up steps"))  # fmt: skip
+    for ax, (key, grid, label) in zip(axes, panels):
+        xs = list(range(len(grid)))
+        for k, runs in res[key].items():
+            if not runs:
+                continue
+            v = _median(runs)
+            style = dict(lw=3, color="black") if k == "full" else dict(lw=1.5)
+            if k in ("narrow", "naive"):
+                style["ls"] = "--"
+            (line,) = ax.plot(xs, v - np.nanmin(v), marker="o", label=k, **style)
+            i = int(np.nanargmin(v))
+            ax.plot(xs[i], 0, marker="*", markersize=14, color=line.get_color())
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"2^{int(round(math.log2(g)))}" if key == "lr" else f"{g:g}"
+                            for g in grid])  # fmt: skip
+        ax.set_xlabel(label)
+        ax.set_ylim(-0.02, 0.6)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss above the model's best (nats/char)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"8-block, 256-wide char GPT and its surrogates: {res['steps']} steps, median of "
+                 f"{len(res['seeds'])} seeds")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
-    """Median wall time of one training step of each surrogate, measured interleaved (one step
-    of each in turn, ``rounds`` times) so that a busy machine slows them alike."""
+    """Median wall time of one training step of each surrogate alone (not fused), measured
+    interleaved (one step of each in turn, ``rounds`` times) so that a busy machine slows them
+    alike."""
     data = load(block_size=args.block_size)
-    margs = dict(n_head=args.n_head, block_size=args.block_size)
-    torch.manual_seed(0)
-    target = gpt(n_layer=args.depth_layers, n_embd=args.depth_width, **margs)
-    args.models = ["(8,1)", "(8,2)", "(8,4)", "naive"]
-    models = build_depth_models(target, (data["train"][0][:2],), 0, args, margs)
+    target = depth_target(0, args)
+    names = ["full", "(8,1)", "(8,2)", "(8,4)", "naive"]
+    models = {k: build_depth_model(k, target, (data["train"][0][:2],), 0, args) for k in names}
     x, y = data["train"]
-    opts = {k: torch.optim.AdamW(g(m, 1e-3)) for k, (m, g) in models.items()}
+    opts = {k: torch.optim.AdamW(hydro.parametrize.param_groups(m, 1e-4))
+            for k, m in models.items()}  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in models}
     for r in range(rounds + 3):
         idx = torch.randint(len(x), (args.batch_size,))
-        for k, (m, _) in models.items():
+        for k, m in models.items():
             t0 = time.perf_counter()
             loss = F.cross_entropy(m(x[idx]).flatten(0, 1), y[idx].flatten())
             opts[k].zero_grad(set_to_none=True)
@@ -269,53 +460,58 @@ def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
         print(f"{k:>6}: {ms * 1e3:7.1f} ms  {ms / base:.2f} x (8,1)")
 
 
-def depth_report(lrs: list[float], runs: dict, times: dict, steps: int) -> None:
-    med = {k: np.nanmedian(np.array(v, dtype=float), axis=0) for k, v in runs.items()}
-    n = max(len(v) for v in runs.values())
-    print(f"\nValidation loss after {steps} steps, median over {n} seed(s); * = best lr")
-    print(depth_table(lrs, med))
-    if "full" in med and "(8,1)" in med:
-        print(depth_summary(lrs, med, times), flush=True)
+DEPTH_TUNE_SPACE = {"lr": (2.0**-15, 2.0**-6), "weight_decay": (0.0, 16.0), "warmup": (0, 45)}
 
 
-def depth_combine(paths: list[Path]) -> None:
-    """One report from the saved results of several runs (seeds run as separate processes)."""
-    parts = [json.loads(p.read_text()) for p in paths]
-    lrs = parts[0]["lrs"]
-    names = list(dict.fromkeys(k for p in parts for k in p["runs"]))
-    runs = {k: [r for p in parts for r in p["runs"].get(k, [])] for k in names}
-    times = {k: [t for p in parts for t in p["times"].get(k, [])] for k in names}
-    depth_report(lrs, runs, times, parts[0]["steps"])
+def depth_tune(args: argparse.Namespace) -> None:
+    """End to end: ``hydro.tune`` on the charlm task at (8, 4) and at (8, 1), the same search,
+    then the full model trained (3 seeds, the grids' batches) with each choice."""
+    import optuna
+
+    data = depth_data(args)
+    space = {
+        "lr": optuna.distributions.FloatDistribution(*DEPTH_TUNE_SPACE["lr"], log=True),
+        "weight_decay": optuna.distributions.FloatDistribution(*DEPTH_TUNE_SPACE["weight_decay"]),
+        "warmup": optuna.distributions.IntDistribution(*DEPTH_TUNE_SPACE["warmup"]),
+    }
+    out = {}
+    for d in args.tune_depths:
+        task = hydro.Task(model=depth_target(0, args), train_data=data["train"],
+                          val_data=data["val"], loss="cross_entropy", optimizer="adamw",
+                          scheduler="cosine", steps=args.steps, eval_every=args.steps // 4,
+                          batch_size=args.batch_size)  # fmt: skip
+        t0 = time.perf_counter()
+        result = hydro.tune(task, space, n_trials=args.tune_trials, ratio=8, depth_ratio=d,
+                            fuse=args.tune_fuse, storage="sqlite:///:memory:", seed=0)  # fmt: skip
+        wall = time.perf_counter() - t0
+        params = dict(result.best_params)
+        print(f"(8,{d}): {wall:.0f} s, best {params}", flush=True)
+        trial = [{"lr": params["lr"], "weight_decay": params["weight_decay"],
+                  "warmup": int(params["warmup"])}]  # fmt: skip
+        full = [fused_grid(depth_target(s, args), trial, data, depth_batches(data, s, args),
+                           args)[0] for s in range(3)]  # fmt: skip
+        out[f"(8,{d})"] = {"wall_s": wall, "params": params, "full_losses": full}
+        print(f"  full model with it: {full}", flush=True)
+        if args.save:
+            args.save.write_text(json.dumps(out))
 
 
-def depth_table(lrs: list[float], losses: dict[str, np.ndarray]) -> str:
-    head = f"{'lr':>6} | " + " ".join(f"{k:>8}" for k in losses)
-    lines = [head, "-" * len(head)]
-    for i, lr in enumerate(lrs):
-        cells = []
-        for v in losses.values():
-            best = not np.isnan(v[i]) and v[i] == np.nanmin(v)
-            cells.append(f"{'nan' if np.isnan(v[i]) else f'{v[i]:.3f}':>7}{'*' if best else ' '}")
-        lines.append(f"2^{int(round(math.log2(lr))):<4} | " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def depth_summary(lrs: list[float], losses: dict[str, np.ndarray], times: dict) -> str:
-    full = losses["full"]
-    base = float(np.median(times["(8,1)"]))  # the sweep's own timings: not interleaved
-    lines = ["model  | best lr | shift (2x steps) | Spearman vs full | full's loss at that lr "
-             "| step ms | step / (8,1)"]  # fmt: skip
-    for k, v in losses.items():
-        b = best_lr(lrs, v)
-        shift = math.log2(b / best_lr(lrs, full))
-        rho = spearman(list(v), list(full))
-        at = full[lrs.index(b)]
-        ms = float(np.median(times[k]))
-        lines.append(f"{k:>6} | 2^{int(round(math.log2(b))):<5} | {shift:+16.0f} | "
-                     f"{rho if rho is not None else float('nan'):+16.3f} | "
-                     f"{at:.3f} ({at - np.nanmin(full):+.3f})"
-                     f"{'':>8}| {ms * 1e3:7.1f} | {ms / base:.2f}")  # fmt: skip
-    return "\n".join(lines)
+def depth_tune_report(tune: dict, grids: dict) -> None:
+    """The end-to-end table: each choice's full-model loss against the grids' best."""
+    best = min(float(np.nanmin(_median(grids[k]["full"]))) for k in ("lr", "wd", "warmup")
+               if grids[k].get("full"))  # fmt: skip
+    base = tune.get("(8,1)", {}).get("wall_s")
+    print(f"full model's grid best (median of seeds): {best:.4f}")
+    print(
+        "surrogate | tune wall s | vs (8,1) | chosen lr, wd, warm-up | full model loss "
+        "(median of 3) | vs grid best"
+    )
+    for k, v in tune.items():
+        p, loss = v["params"], float(np.nanmedian(v["full_losses"]))
+        rel = f"{v['wall_s'] / base:.2f}" if base else "-"
+        print(f"{k:>9} | {v['wall_s']:11.0f} | {rel:>8} | 2^{math.log2(p['lr']):.2f}, "
+              f"{p['weight_decay']:.2f}, {int(p['warmup'])} | {loss:.4f} | "
+              f"{(loss / best - 1) * 100:+.2f}%")  # fmt: skip
 
 
 def main() -> None:
@@ -325,11 +521,16 @@ def main() -> None:
     p.add_argument("--depth-width", type=int, default=256)
     p.add_argument("--val-windows", type=int, default=256, help="validation windows (--depth)")
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--depth-alpha", type=float, default=1.0, help="--depth: 1 CompleteP, 0.5")
     p.add_argument("--models", nargs="+", help=f"--depth: a subset of {', '.join(DEPTH_MODELS)}")
     p.add_argument("--step-times", action="store_true", help="--depth: interleaved step times")
-    p.add_argument("--save", type=Path, help="--depth: write the results as JSON here")
-    p.add_argument("--combine", type=Path, nargs="+", help="--depth: report saved results")
+    p.add_argument("--save", type=Path, help="--depth: the results as JSON (resumed if there)")
+    p.add_argument("--report", type=Path, help="--depth: report a saved result")
+    p.add_argument("--tune", action="store_true", help="--depth: the end-to-end hydro.tune run")
+    p.add_argument("--tune-depths", type=int, nargs="+", default=[4, 1])
+    p.add_argument("--tune-trials", type=int, default=24)
+    p.add_argument("--tune-fuse", type=int, default=8)
+    p.add_argument("--tune-report", type=Path, help="--depth: report a saved --tune result "
+                   "against the grids of --report")  # fmt: skip
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
@@ -346,15 +547,22 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=Path("docs/img/transfer.png"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.combine:
-        depth_combine(args.combine)
-        return
     if args.depth:
+        warnings.filterwarnings("ignore", category=HydroWarning)  # ratio 8 is below the floor
         for key, value in DEPTH_DEFAULTS.items():  # only where not given on the command line
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
-        if args.step_times:
+        if args.plot == p.get_default("plot"):
+            args.plot = Path("docs/img/transfer_depth.png")
+        if args.tune_report:
+            depth_tune_report(json.loads(args.tune_report.read_text()),
+                              json.loads(args.report.read_text()))  # fmt: skip
+        elif args.report:
+            depth_report(json.loads(args.report.read_text()), args.plot)
+        elif args.step_times:
             depth_step_times(args)
+        elif args.tune:
+            depth_tune(args)
         else:
             depth_main(args)
         return

@@ -30,11 +30,15 @@ Depth (``depth_ratio > 1``, see :mod:`hydro.fx.depth`): a stack of ``L`` blocks 
 multiplies each kept block's residual branches by ``(L / L_s) ** alpha`` (CompleteP, alpha = 1;
 Depth-muP, alpha = 1/2), the target being the base depth. With Adam-like optimizers CompleteP
 scales the learning rate of every parameter inside the blocks by ``(L_s / L) ** (alpha - 1)``:
-1 at alpha = 1, ``sqrt(L / L_s)`` at alpha = 1/2. Hydro divides their weight decay by the same
-factor, as it does for width, so that ``lr * weight_decay`` does not change with depth. The
-factor rides on the parameter's ``infshape`` (:func:`depth_lr_mult`), so it reaches the fused
-optimizers and ``param_groups`` with the muP ones. ``mup.MuAdam`` does not know it; with
-alpha = 1 (the default) there is nothing to know.
+1 at alpha = 1, ``sqrt(L / L_s)`` at alpha = 1/2 (hidden weights, their biases and the blocks'
+norm gains and biases alike; parameters outside the blocks get none). The weight decay gets no
+depth factor: AdamW's decay keeps its width rule only, as in the CompleteP authors' reference
+implementation, so at alpha = 1/2 ``lr * weight_decay`` inside the blocks is ``sqrt(L / L_s)``
+times the target's. Not implemented: CompleteP's Adam epsilon rule (``eps`` times ``ratio *
+(L / L_s) ** alpha`` in the surrogate; see docs/concepts.md for why it does not matter at
+``eps=1e-8``). The factor rides on the parameter's ``infshape`` (:func:`depth_lr_mult`), so it
+reaches the fused optimizers and ``param_groups`` with the muP ones. ``mup.MuAdam`` does not
+know it; with alpha = 1 (the default) there is nothing to know.
 """
 
 from __future__ import annotations
@@ -78,10 +82,10 @@ def optimizer_multipliers(param: torch.Tensor, kind: OptimizerKind = "adam") -> 
     if infshape is None:
         return 1.0, 1.0
     lr_m, wd_m = _width_multipliers(param, infshape, kind)
+    # CompleteP: the depth factor is on the learning rate only; the weight decay keeps its
+    # width rule (lr * weight_decay changes with depth where alpha < 1, as in Dey et al.)
     depth = depth_lr_mult(param) if kind == "adam" else 1.0
-    if depth == 1.0:
-        return lr_m, wd_m
-    return lr_m * depth, wd_m / depth
+    return lr_m * depth, wd_m
 
 
 def depth_lr_mult(param: torch.Tensor) -> float:

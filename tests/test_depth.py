@@ -86,12 +86,35 @@ def test_cut_model_computes_the_shallow_model_with_scaled_branches() -> None:
         state = {k.replace("h.2.", "h.1."): v for k, v in sur.state_dict().items()}
         ref.load_state_dict(state)
         torch.testing.assert_close(sur.eval()(x), ref.eval()(x), rtol=1e-12, atol=1e-12)
-        # CompleteP: Adam lr x (L / L_s)^(1 - alpha) inside the kept blocks, lr * wd unchanged
+        # CompleteP: Adam lr x (L / L_s)^(1 - alpha) inside the kept blocks, no depth factor
+        # on the weight decay
         f = 2.0 ** (1 - alpha)
-        assert optimizer_multipliers(sur.get_parameter("h.2.attn.c_attn.weight")) == (f, 1 / f)
-        assert optimizer_multipliers(sur.get_parameter("h.0.ln_1.weight")) == (f, 1 / f)
+        assert optimizer_multipliers(sur.get_parameter("h.2.attn.c_attn.weight")) == (f, 1.0)
+        assert optimizer_multipliers(sur.get_parameter("h.0.ln_1.weight")) == (f, 1.0)
         assert optimizer_multipliers(sur.get_parameter("ln_f.weight")) == (1.0, 1.0)
         assert optimizer_multipliers(sur.get_parameter("h.0.ln_1.weight"), "sgd") == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_adam_rules_are_completep_relative_to_the_target(alpha: float) -> None:
+    """Every parameter's (lr, weight decay) multipliers at (8, 4), against CompleteP's rules
+    written out with the target as the base (m_N = 1/8, m_L = 2/8): hidden weights lr
+    m_N^-1 m_L^(alpha-1), weight decay m_N (no depth factor); the blocks' biases and norm
+    gains lr m_L^(alpha-1); embeddings and the final norm untouched."""
+    sur = hydro.scale(_gpt(8, 64), 8, depth_ratio=4, depth_alpha=alpha, example_inputs=(X,))
+    assert sur.hydro.depth_multipliers == {"depth_residual.scale": 4.0**alpha}
+    m_n, m_l = 1 / 8, 2 / 8
+    for name, p in sur.named_parameters():
+        in_block = name.startswith(("h.0.", "h.4."))
+        hidden = in_block and p.dim() == 2
+        lr = (1 / m_n if hidden else 1.0) * (m_l ** (alpha - 1) if in_block else 1.0)
+        wd = m_n if hidden else 1.0
+        got = optimizer_multipliers(p)
+        assert got == pytest.approx((lr, wd), rel=1e-12), name
+    # the per-step decay of a hidden weight: width-invariant, and only at alpha = 1 depth-invariant
+    (group,) = [g for g in param_groups(sur, lr=1e-3, weight_decay=0.1)
+                if any(p is sur.get_parameter("h.4.mlp.c_fc.weight") for p in g["params"])]  # fmt: skip
+    assert group["lr"] * group["weight_decay"] == pytest.approx(1e-4 * 4.0 ** (1 - alpha))
 
 
 def _stacks(name: str, k: int = 2) -> tuple[list[depth.Stack], nn.Module, object]:
