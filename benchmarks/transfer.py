@@ -320,6 +320,21 @@ def depth_main(args: argparse.Namespace) -> None:
     depth_report(res, args.plot)
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from several saved runs of ``depth_main`` (models or seeds run apart)."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    res = parts[0]
+    for part in parts[1:]:
+        for key in ("lr", "wd", "warmup"):
+            for model, runs in part[key].items():
+                res[key].setdefault(model, {}).update(runs)
+        res["best_lr"].update(part["best_lr"])
+        for k, v in part["times"].items():
+            res["times"].setdefault(k, []).extend(v)
+        res["seeds"] = sorted(set(res["seeds"]) | set(part["seeds"]))
+    return res
+
+
 def _median(runs: dict) -> np.ndarray:
     return np.nanmedian(np.array(list(runs.values()), dtype=float), axis=0)
 
@@ -460,19 +475,22 @@ def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
         print(f"{k:>6}: {ms * 1e3:7.1f} ms  {ms / base:.2f} x (8,1)")
 
 
-DEPTH_TUNE_SPACE = {"lr": (2.0**-15, 2.0**-6), "weight_decay": (0.0, 16.0), "warmup": (0, 45)}
+# the end-to-end search: the grids' ranges (warm-up up to 22.5% of the steps, 45 of 200)
+DEPTH_TUNE_SPACE = {"lr": (2.0**-15, 2.0**-6), "weight_decay": (0.0, 16.0), "warmup": (0, 0.225)}
 
 
 def depth_tune(args: argparse.Namespace) -> None:
     """End to end: ``hydro.tune`` on the charlm task at (8, 4) and at (8, 1), the same search,
-    then the full model trained (3 seeds, the grids' batches) with each choice."""
+    then the full model trained (``--tune-seeds`` seeds, the grids' batches) with each choice."""
     import optuna
 
     data = depth_data(args)
     space = {
         "lr": optuna.distributions.FloatDistribution(*DEPTH_TUNE_SPACE["lr"], log=True),
         "weight_decay": optuna.distributions.FloatDistribution(*DEPTH_TUNE_SPACE["weight_decay"]),
-        "warmup": optuna.distributions.IntDistribution(*DEPTH_TUNE_SPACE["warmup"]),
+        "warmup": optuna.distributions.IntDistribution(
+            0, round(DEPTH_TUNE_SPACE["warmup"][1] * args.steps)
+        ),
     }
     out = {}
     for d in args.tune_depths:
@@ -484,16 +502,22 @@ def depth_tune(args: argparse.Namespace) -> None:
         result = hydro.tune(task, space, n_trials=args.tune_trials, ratio=8, depth_ratio=d,
                             fuse=args.tune_fuse, storage="sqlite:///:memory:", seed=0)  # fmt: skip
         wall = time.perf_counter() - t0
-        params = dict(result.best_params)
-        print(f"(8,{d}): {wall:.0f} s, best {params}", flush=True)
-        trial = [{"lr": params["lr"], "weight_decay": params["weight_decay"],
-                  "warmup": int(params["warmup"])}]  # fmt: skip
-        full = [fused_grid(depth_target(s, args), trial, data, depth_batches(data, s, args),
-                           args)[0] for s in range(3)]  # fmt: skip
-        out[f"(8,{d})"] = {"wall_s": wall, "params": params, "full_losses": full}
-        print(f"  full model with it: {full}", flush=True)
+        out[f"(8,{d})"] = {"wall_s": wall, "params": dict(result.best_params)}
+        print(f"(8,{d}): {wall:.0f} s, best {result.best_params}", flush=True)
         if args.save:
             args.save.write_text(json.dumps(out))
+    for v in out.values():  # then the full model with each choice (the grids' seeds and batches)
+        p = v["params"]
+        trial = [{"lr": p["lr"], "weight_decay": p["weight_decay"], "warmup": int(p["warmup"])}]
+        v["full_losses"] = []
+        for s in range(args.tune_seeds):
+            batches = depth_batches(data, s, args)
+            v["full_losses"].append(
+                fused_grid(depth_target(s, args), trial, data, batches, args)[0]
+            )
+            if args.save:
+                args.save.write_text(json.dumps(out))
+        print(f"  full model with {p}: {v['full_losses']}", flush=True)
 
 
 def depth_tune_report(tune: dict, grids: dict) -> None:
@@ -504,9 +528,11 @@ def depth_tune_report(tune: dict, grids: dict) -> None:
     print(f"full model's grid best (median of seeds): {best:.4f}")
     print(
         "surrogate | tune wall s | vs (8,1) | chosen lr, wd, warm-up | full model loss "
-        "(median of 3) | vs grid best"
+        "(median of seeds) | vs grid best"
     )
     for k, v in tune.items():
+        if not v.get("full_losses"):
+            continue
         p, loss = v["params"], float(np.nanmedian(v["full_losses"]))
         rel = f"{v['wall_s'] / base:.2f}" if base else "-"
         print(f"{k:>9} | {v['wall_s']:11.0f} | {rel:>8} | 2^{math.log2(p['lr']):.2f}, "
@@ -524,11 +550,13 @@ def main() -> None:
     p.add_argument("--models", nargs="+", help=f"--depth: a subset of {', '.join(DEPTH_MODELS)}")
     p.add_argument("--step-times", action="store_true", help="--depth: interleaved step times")
     p.add_argument("--save", type=Path, help="--depth: the results as JSON (resumed if there)")
-    p.add_argument("--report", type=Path, help="--depth: report a saved result")
+    p.add_argument("--report", type=Path, nargs="+",
+                   help="--depth: report saved results (several are merged)")  # fmt: skip
     p.add_argument("--tune", action="store_true", help="--depth: the end-to-end hydro.tune run")
     p.add_argument("--tune-depths", type=int, nargs="+", default=[4, 1])
     p.add_argument("--tune-trials", type=int, default=24)
     p.add_argument("--tune-fuse", type=int, default=8)
+    p.add_argument("--tune-seeds", type=int, default=3, help="full-model runs of each choice")
     p.add_argument("--tune-report", type=Path, help="--depth: report a saved --tune result "
                    "against the grids of --report")  # fmt: skip
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -555,10 +583,9 @@ def main() -> None:
         if args.plot == p.get_default("plot"):
             args.plot = Path("docs/img/transfer_depth.png")
         if args.tune_report:
-            depth_tune_report(json.loads(args.tune_report.read_text()),
-                              json.loads(args.report.read_text()))  # fmt: skip
+            depth_tune_report(json.loads(args.tune_report.read_text()), merge(args.report))
         elif args.report:
-            depth_report(json.loads(args.report.read_text()), args.plot)
+            depth_report(merge(args.report), args.plot)
         elif args.step_times:
             depth_step_times(args)
         elif args.tune:
