@@ -282,12 +282,16 @@ def depth_main(args: argparse.Namespace) -> None:
             args.save.write_text(json.dumps(res))
 
     order = [n for n in names if n != "full"] + (["full"] if "full" in names else [])
+    if args.best_lr:  # the second phase at a given rate, without the first
+        res["best_lr"].update({name: args.best_lr for name in order})
+    wds = args.wd_grid or WD_GRID
+    warmups = args.warmup_grid or warmups
+    res["wds"], res["warmups"] = wds, warmups
     for name in order:
-        for phase in ("lr", "second"):
+        for phase in args.phases:
             for seed in seeds:
-                key = "lr" if phase == "lr" else "wd"
-                done = res[key].get(name, {})
-                if str(seed) in done:
+                key = "lr" if phase == "lr" else args.second[0]
+                if str(seed) in res[key].get(name, {}):
                     continue
                 target = depth_target(seed, args)
                 model = build_depth_model(name, target, (data["train"][0][:2],), seed, args)
@@ -296,8 +300,9 @@ def depth_main(args: argparse.Namespace) -> None:
                 else:
                     lr = res["best_lr"][name]
                     trials = [{"lr": lr, "weight_decay": wd, "warmup": args.warmup}
-                              for wd in WD_GRID]  # fmt: skip
-                    trials += [{"lr": lr, "weight_decay": 0.0, "warmup": w} for w in warmups]
+                              for wd in wds if "wd" in args.second]  # fmt: skip
+                    trials += [{"lr": lr, "weight_decay": 0.0, "warmup": w}
+                               for w in warmups if "warmup" in args.second]  # fmt: skip
                 times: list[float] = []
                 losses = fused_grid(model, trials, data, depth_batches(data, seed, args), args,
                                     times)  # fmt: skip
@@ -307,13 +312,16 @@ def depth_main(args: argparse.Namespace) -> None:
                 if phase == "lr":
                     res["lr"].setdefault(name, {})[str(seed)] = losses
                 else:
-                    res["wd"].setdefault(name, {})[str(seed)] = losses[: len(WD_GRID)]
-                    res["warmup"].setdefault(name, {})[str(seed)] = losses[len(WD_GRID) :]
+                    if "wd" in args.second:
+                        res["wd"].setdefault(name, {})[str(seed)] = losses[: len(wds)]
+                        losses = losses[len(wds) :]
+                    if "warmup" in args.second:
+                        res["warmup"].setdefault(name, {})[str(seed)] = losses
                 save()
                 print(f"{name:>9} {phase:>6} seed {seed}: {time.time() - start:6.0f} s "
                       f"({np.median(times) * 1e3:.0f} ms a fused step of {len(trials)})",
                       flush=True)  # fmt: skip
-            if phase == "lr":
+            if phase == "lr" and not args.best_lr:
                 med = np.nanmedian(np.array(list(res["lr"][name].values()), dtype=float), axis=0)
                 res["best_lr"][name] = lrs[int(np.nanargmin(med))]
                 save()
@@ -321,17 +329,25 @@ def depth_main(args: argparse.Namespace) -> None:
 
 
 def merge(paths: list[Path]) -> dict:
-    """One result from several saved runs of ``depth_main`` (models or seeds run apart)."""
+    """One result from several saved runs of ``depth_main`` (models, seeds or parts of a grid
+    run apart): each grid becomes the union of the runs' grid values, missing points ``nan``."""
     parts = [json.loads(p.read_text()) for p in paths]
-    res = parts[0]
-    for part in parts[1:]:
-        for key in ("lr", "wd", "warmup"):
-            for model, runs in part[key].items():
-                res[key].setdefault(model, {}).update(runs)
-        res["best_lr"].update(part["best_lr"])
-        for k, v in part["times"].items():
+    res = {"steps": parts[0]["steps"], "best_lr": {}, "times": {}}
+    res["seeds"] = sorted({s for p in parts for s in p["seeds"]})
+    for key, grid in (("lr", "lrs"), ("wd", "wds"), ("warmup", "warmups")):
+        values: dict[str, dict[str, dict[float, float]]] = {}
+        for p in parts:
+            for model, runs in p[key].items():
+                for seed, losses in runs.items():
+                    values.setdefault(model, {}).setdefault(seed, {}).update(zip(p[grid], losses))
+        used = {g for r in values.values() for v in r.values() for g in v}
+        res[grid] = sorted(used)
+        res[key] = {m: {s: [v.get(g) for g in res[grid]] for s, v in runs.items()}
+                    for m, runs in values.items()}  # fmt: skip
+    for p in parts:
+        res["best_lr"].update(p["best_lr"])
+        for k, v in p["times"].items():
             res["times"].setdefault(k, []).extend(v)
-        res["seeds"] = sorted(set(res["seeds"]) | set(part["seeds"]))
     return res
 
 
@@ -360,12 +376,15 @@ def depth_report(res: dict, plot_path: Path | None = None) -> dict:
         print(_grid_table(grid, med, fmt))
         if "full" not in med:
             continue
+        # the summary is over the points the full model was run at (NaN there is divergence)
+        ran = [i for i in range(len(grid)) if any(r[i] is not None for r in runs["full"].values())]
+        grid = [grid[i] for i in ran]
+        med = {k: v[ran] for k, v in med.items()}
         full = med["full"]
         fbest = grid[int(np.nanargmin(full))]
-        spread = np.nanmax(np.array(list(runs["full"].values())), axis=0) - np.nanmin(
-            np.array(list(runs["full"].values())), axis=0
-        )
-        print(f"full model, seed-to-seed range (max - min) per point: "
+        fruns = np.array(list(runs["full"].values()), dtype=float)[:, ran]
+        spread = np.nanmax(fruns, axis=0) - np.nanmin(fruns, axis=0)
+        print(f"full model ({len(fruns)} seed(s)), seed-to-seed range (max - min) per point: "
               f"{' '.join(f'{s:.3f}' for s in spread)}")  # fmt: skip
         print("model     | best    | steps off | Spearman | pass | full's loss there | per seed")
         for k, v in med.items():
@@ -373,7 +392,8 @@ def depth_report(res: dict, plot_path: Path | None = None) -> dict:
             off = _steps_off(grid, b, fbest)
             rho = spearman(list(v), list(full))
             at = full[grid.index(b)]
-            per_seed = [fmt(grid[int(np.nanargmin(s))]) for s in runs[k].values()]
+            seeds = np.array(list(runs[k].values()), dtype=float)[:, ran]
+            per_seed = [fmt(grid[int(np.nanargmin(s))]) for s in seeds]
             ok = abs(off) <= 1 and rho is not None and rho >= 0.9
             rows[(key, k)] = dict(best=b, off=off, rho=rho, at=at, ok=ok)
             print(f"{k:>9} | {fmt(b):>7} | {off:+9d} | {rho if rho is not None else math.nan:+8.3f}"
@@ -552,6 +572,17 @@ def main() -> None:
     p.add_argument("--save", type=Path, help="--depth: the results as JSON (resumed if there)")
     p.add_argument("--report", type=Path, nargs="+",
                    help="--depth: report saved results (several are merged)")  # fmt: skip
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        default=["lr", "second"],
+        choices=["lr", "second"],
+        help="--depth: the learning-rate grid, then the second grids at its best",
+    )
+    p.add_argument("--second", nargs="+", default=["wd", "warmup"], choices=["wd", "warmup"])
+    p.add_argument("--best-lr", type=float, help="--depth: the second grids at this rate")
+    p.add_argument("--wd-grid", type=float, nargs="+")
+    p.add_argument("--warmup-grid", type=int, nargs="+")
     p.add_argument("--tune", action="store_true", help="--depth: the end-to-end hydro.tune run")
     p.add_argument("--tune-depths", type=int, nargs="+", default=[4, 1])
     p.add_argument("--tune-trials", type=int, default=24)
