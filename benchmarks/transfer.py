@@ -18,21 +18,28 @@ Not a test: run it by hand (22 minutes for the default 3 seeds, one thread, busy
     python benchmarks/transfer.py
     python benchmarks/transfer.py --seeds 1 --steps 100    # a quick look (not the same optimum)
 
-``--depth`` runs the depth experiment instead: an 8-block, 256-wide target against Hydro
-surrogates at (ratio, depth_ratio) = (8, 1), (8, 2), (8, 4) and a naive narrow and shallow model
-in standard parametrization (2 blocks, width 32), over a learning-rate grid; it prints each
-model's best learning rate, its Spearman rank correlation with the target over the grid, the
-target's loss at that learning rate, and the median wall time of a training step. Its defaults
-(100 steps of 8 x 32 characters, 7 learning rates 2^-14 to 2^-8, validation on 256 windows spread
-over the held-out tail) were sized for 20 minutes; on the shared 2-core CPU at a load average
-of about 14 one seed took 28.5 minutes, three quarters of it the full model, so the two seeds
-ran as two processes and were combined::
+``--depth`` runs the depth experiment instead: an 8-block, 256-wide target (``full``) against
+Hydro surrogates at (ratio, depth_ratio) = (8, 1), (8, 2), (8, 4) (CompleteP, and (8, 2), (8, 4)
+with ``depth_alpha=0.5``), a naive narrow model (8 blocks, width 32) and a naive narrow and
+shallow one (2 blocks, width 32), both in standard parametrization. Each model gets a
+learning-rate grid (2^-14 to 2^-7), then, at its best rate on the median curve, a weight-decay
+and a warm-up grid; 3 seeds, 200 AdamW steps of 8 x 32 characters with Hydro's own schedule
+(``hydro.tune``'s warm-up and cosine), validation on 256 windows of the held-out tail. Every grid
+trains as ONE fused model (``hydro.fuse`` of copies of the model, per-trial hyperparameters
+through ``hydro.optim``): the same numbers as training each point alone, in a fraction of the
+time. It prints each model's best value, steps off the full model's, Spearman rank correlation
+with the full model over the grid, the full model's loss at the model's choice, and fused step
+times; ``--report`` merges saved parts (a grid may be split across processes by seed, by
+``--lr-exp`` range or by ``--second``); ``--tune`` is the end-to-end run (``hydro.tune`` at (8, 4)
+and (8, 1), then the full model trained with each choice), ``--tune-report`` its table::
 
-    python benchmarks/transfer.py --depth --seeds 1 --first-seed 0 --save s0.json &
-    python benchmarks/transfer.py --depth --seeds 1 --first-seed 1 --save s1.json
-    python benchmarks/transfer.py --combine s0.json s1.json
-    python benchmarks/transfer.py --depth --step-times       # interleaved step times
-    python benchmarks/transfer.py --depth --depth-alpha 0.5 --models "(8,2)" "(8,4)" --save a.json
+    python benchmarks/transfer.py --depth --save depth.json            # everything, in order
+    python benchmarks/transfer.py --depth --models full --first-seed 1 --seeds 1 \
+        --phases lr --lr-exp -14 -11 --save full_s1_lo.json             # one part of one grid
+    python benchmarks/transfer.py --depth --report depth.json full_*.json
+    python benchmarks/transfer.py --depth --step-times                  # interleaved step times
+    python benchmarks/transfer.py --depth --tune --save tune.json
+    python benchmarks/transfer.py --depth --tune-report tune.json --report depth.json full_*.json
 """
 
 from __future__ import annotations
