@@ -366,8 +366,9 @@ def _steps_off(grid: list[float], a: float, b: float) -> int:
     return grid.index(a) - grid.index(b)
 
 
-def depth_report(res: dict, plot_path: Path | None = None) -> dict:
-    """Print the grids and the transfer summary; return the summary rows."""
+def depth_report(res: dict, plot_path: Path | None = None, reference: str = "full") -> dict:
+    """Print the grids and the transfer summary against ``reference`` (the full model; another
+    model where the full model's grids are missing); return the summary rows."""
     rows = {}
     for key, grid, label in (("lr", res["lrs"], "learning rate"),
                              ("wd", res["wds"], "weight decay"),
@@ -381,19 +382,21 @@ def depth_report(res: dict, plot_path: Path | None = None) -> dict:
               f"{' (each at its own best lr)' if key != 'lr' else ''}; * = best")  # fmt: skip
         fmt = (lambda v: f"2^{int(round(math.log2(v)))}") if key == "lr" else (lambda v: f"{v:g}")
         print(_grid_table(grid, med, fmt))
-        if "full" not in med:
+        if reference not in med:
             continue
         # the summary is over the points the full model was run at (NaN there is divergence)
-        ran = [i for i in range(len(grid)) if any(r[i] is not None for r in runs["full"].values())]
+        ref_runs = runs[reference]
+        ran = [i for i in range(len(grid)) if any(r[i] is not None for r in ref_runs.values())]
         grid = [grid[i] for i in ran]
         med = {k: v[ran] for k, v in med.items()}
-        full = med["full"]
+        full = med[reference]
         fbest = grid[int(np.nanargmin(full))]
-        fruns = np.array(list(runs["full"].values()), dtype=float)[:, ran]
+        fruns = np.array(list(ref_runs.values()), dtype=float)[:, ran]
         spread = np.nanmax(fruns, axis=0) - np.nanmin(fruns, axis=0)
-        print(f"full model ({len(fruns)} seed(s)), seed-to-seed range (max - min) per point: "
+        print(f"{reference} ({len(fruns)} seed(s)), seed-to-seed range (max - min) per point: "
               f"{' '.join(f'{s:.3f}' for s in spread)}")  # fmt: skip
-        print("model     | best    | steps off | Spearman | pass | full's loss there | per seed")
+        print(f"model     | best    | steps off | Spearman | pass | {reference}'s loss there "
+              "| per seed")  # fmt: skip
         for k, v in med.items():
             b = grid[int(np.nanargmin(v))]
             off = _steps_off(grid, b, fbest)
@@ -401,7 +404,7 @@ def depth_report(res: dict, plot_path: Path | None = None) -> dict:
             at = full[grid.index(b)]
             seeds = np.array(list(runs[k].values()), dtype=float)[:, ran]
             per_seed = [fmt(grid[int(np.nanargmin(s))]) for s in seeds]
-            ok = abs(off) <= 1 and rho is not None and rho >= 0.9
+            ok = abs(off) <= 1 and rho is not None and rho >= 0.9 - 1e-9
             rows[(key, k)] = dict(best=b, off=off, rho=rho, at=at, ok=ok)
             print(f"{k:>9} | {fmt(b):>7} | {off:+9d} | {rho if rho is not None else math.nan:+8.3f}"
                   f" | {'yes' if ok else 'no':>4} | {at:.3f} ({at - np.nanmin(full):+.3f})     | "
@@ -587,6 +590,7 @@ def main() -> None:
         help="--depth: the learning-rate grid, then the second grids at its best",
     )
     p.add_argument("--second", nargs="+", default=["wd", "warmup"], choices=["wd", "warmup"])
+    p.add_argument("--reference", default="full", help="--report: the model compared against")
     p.add_argument("--best-lr", type=float, help="--depth: the second grids at this rate")
     p.add_argument("--wd-grid", type=float, nargs="+")
     p.add_argument("--warmup-grid", type=int, nargs="+")
@@ -623,7 +627,7 @@ def main() -> None:
         if args.tune_report:
             depth_tune_report(json.loads(args.tune_report.read_text()), merge(args.report))
         elif args.report:
-            depth_report(merge(args.report), args.plot)
+            depth_report(merge(args.report), args.plot, args.reference)
         elif args.step_times:
             depth_step_times(args)
         elif args.tune:
