@@ -467,8 +467,8 @@ def depth_plot(res: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss above the model's best (nats/char)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"8-block, 256-wide char GPT and its surrogates: {res['steps']} steps, median of "
-                 f"{len(res['seeds'])} seeds")  # fmt: skip
+    fig.suptitle(f"Depth experiment (char GPT, target 8 blocks x 256): {res['steps']} steps, "
+                 f"median of {len(res['seeds'])} seeds")  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
