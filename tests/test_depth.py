@@ -112,8 +112,9 @@ def test_adam_rules_are_completep_relative_to_the_target(alpha: float) -> None:
         got = optimizer_multipliers(p)
         assert got == pytest.approx((lr, wd), rel=1e-12), name
     # the per-step decay of a hidden weight: width-invariant, and only at alpha = 1 depth-invariant
+    fc = sur.get_parameter("h.4.mlp.c_fc.weight")
     (group,) = [g for g in param_groups(sur, lr=1e-3, weight_decay=0.1)
-                if any(p is sur.get_parameter("h.4.mlp.c_fc.weight") for p in g["params"])]  # fmt: skip
+                if any(p is fc for p in g["params"])]  # fmt: skip
     assert group["lr"] * group["weight_decay"] == pytest.approx(1e-4 * 4.0 ** (1 - alpha))
 
 
