@@ -501,8 +501,11 @@ class _Fleet(_Stream):
     def run(self) -> None:
         fn = functools.partial(_stream_in_worker, self.task, self.ratio, self.fuse, self.depth,
                                self.every)  # fmt: skip
+        # a worker captures its group's model with torch.export: an import of seconds, paid
+        # once in the forkserver instead of in every worker
         self._guard(lambda: self.executor.run([], fn, more=self.more, on_result=self.ended,
-                                              request=self.answer))  # fmt: skip
+                                              request=self.answer,
+                                              preload=["torch.export._trace"]))  # fmt: skip
 
     def more(self) -> list:
         from hydro_fluid import TrialGroup

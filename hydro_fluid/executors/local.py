@@ -136,6 +136,7 @@ class LocalExecutor:
         more: MoreFn | None = None,
         on_result: ResultFn | None = None,
         request: RequestFn | None = None,
+        preload: Sequence[str] = (),
     ) -> list[GroupResult]:
         """Run ``fn(group, ctx)`` for every group and return one result per group that ran.
 
@@ -152,6 +153,9 @@ class LocalExecutor:
             on_result: Called with each group's result as soon as the group ends.
             request: Answers ``ctx.request(payload)`` of a worker: called here as
                 ``request(group_name, payload)``; its return value goes back to the worker.
+            preload: Modules to import once in the forkserver (with ``torch``, ``hydro_fluid``
+                and ``fn``'s module), so that every worker starts with them imported; only
+                the first run of this process (which starts the forkserver) can preload.
         """
         try:
             pickle.dumps(fn)
@@ -165,7 +169,7 @@ class LocalExecutor:
         sizes = {g.name: self._size(world_size, g.name) for g in groups}
         root = self.checkpoint_dir or _scratch_dir()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        run = _Run(self, ledger, fn, report, sizes, root, more, request, world_size)
+        run = _Run(self, ledger, fn, report, sizes, root, more, request, world_size, preload)
         try:
             run.loop()
         finally:
@@ -385,14 +389,18 @@ class _Run:
     """The parent's event loop for one ``LocalExecutor.run`` call."""
 
     def __init__(self, executor: LocalExecutor, ledger: Ledger, fn, report, sizes, root: Path,
-                 more=None, request=None, world_size=1):  # fmt: skip
+                 more=None, request=None, world_size=1, preload=()):  # fmt: skip
         self.ex, self.ledger, self.fn, self.report = executor, ledger, fn, report
         self.more, self.request, self.world_size = more, request, world_size
         self.sizes: dict[str, int] = dict(sizes)
         self.root = root
         self.ctx = mp.get_context(executor.start_method)
         if executor.start_method == "forkserver":
-            self.ctx.set_forkserver_preload(["torch", "hydro_fluid"])
+            # fn's module too (the tuner's driver imports in seconds): every worker forks with
+            # it imported. Only the run that starts this process's forkserver decides.
+            module = getattr(getattr(fn, "func", fn), "__module__", None)
+            extra = [module] if module and module != "__main__" else []
+            self.ctx.set_forkserver_preload(["torch", "hydro_fluid", *extra, *preload])
         self.free = set(range(len(executor.slots)))
         self.running: dict[str, _Attempt] = {}
 

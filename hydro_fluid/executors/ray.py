@@ -185,9 +185,11 @@ class RayExecutor:
         more: MoreFn | None = None,
         on_result: ResultFn | None = None,
         request: RequestFn | None = None,
+        preload: Sequence[str] = (),
     ) -> list[GroupResult]:
         """Run ``fn(group, ctx)`` for every group; same contract as :meth:`LocalExecutor.run`
-        (``more`` is asked for groups while fewer than ``len(self.slots)`` run)."""
+        (``more`` is asked for groups while fewer than ``len(self.slots)`` run; ``preload``
+        is not needed: Ray reuses its worker processes, which keep what they imported)."""
         ray = _import_ray()
         ledger = Ledger(self.max_retries, on_result=on_result)
         ledger.submit(groups)  # checks the groups first
