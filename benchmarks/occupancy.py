@@ -69,6 +69,24 @@ def post_hoc(study: optuna.Study, fuse: int, steps: int, batch: int | None = Non
     return sum(map(sum, trained.values())) / sum(max(v) * fuse for v in trained.values())
 
 
+def slots_busy(study: optuna.Study, slots: int) -> float:
+    """Executor slots' busy time over ``slots`` x the span of the run: each group's span is from
+    its first trial's start of training (told time - ``group_seconds``) to its last trial's
+    end. The old tree's ``group_seconds`` include building the group, the new tree's do not,
+    so this favours the old tree a little."""
+    spans: dict[int, list[float]] = {}
+    for t in study.trials:
+        if t.datetime_complete is None or "group_seconds" not in t.user_attrs:
+            continue
+        end = t.datetime_complete.timestamp()
+        start = end - t.user_attrs["group_seconds"]
+        span = spans.setdefault(t.user_attrs["group"], [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+    first = min(s for s, _ in spans.values())
+    last = max(e for _, e in spans.values())
+    return sum(e - s for s, e in spans.values()) / (slots * (last - first))
+
+
 def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int) -> dict:
     task = make_task(steps)
     study = optuna.create_study(
@@ -93,6 +111,7 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
         "while_asking": occ["while_asking"] if occ else post_hoc(study, fuse, steps, fuse * slots),
         "recorded": bool(occ),
         "groups": len({t.user_attrs["group"] for t in study.trials}),
+        "slots_busy": slots_busy(study, slots),
         "best": study.best_value,
     }
 
@@ -117,15 +136,17 @@ def main() -> None:
     print(f"{a.trials} trials, fuse {a.fuse}, {a.steps} steps, median pruner, TPE, {where}; "
           f"hydro from {hydro.__file__}; load average {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
-    print("| seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) | seconds "
-          "| best |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
+          "| slots busy | seconds | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for seed, r in enumerate(rows, start=a.first_seed):
         how = "" if r["recorded"] else " (from trials)"
         print(f"| {seed} | {r['pruned']} | {r['groups']} | {r['overall']:.1%}{how} | "
-              f"{r['while_asking']:.1%}{how} | {r['seconds']:.1f} | {r['best']:.4f} |")  # fmt: skip
+              f"{r['while_asking']:.1%}{how} | {r['slots_busy']:.1%} | {r['seconds']:.1f} | "
+              f"{r['best']:.4f} |")  # fmt: skip
     print(f"median live/fuse {statistics.median(r['overall'] for r in rows):.1%}, while asking "
-          f"{statistics.median(r['while_asking'] for r in rows):.1%}, "
+          f"{statistics.median(r['while_asking'] for r in rows):.1%}, slots busy "
+          f"{statistics.median(r['slots_busy'] for r in rows):.1%}, "
           f"median seconds {statistics.median(r['seconds'] for r in rows):.1f}")  # fmt: skip
 
 
