@@ -400,7 +400,8 @@ class _Run:
             # it imported. Only the run that starts this process's forkserver decides.
             module = getattr(getattr(fn, "func", fn), "__module__", None)
             extra = [module] if module and module != "__main__" else []
-            self.ctx.set_forkserver_preload(["torch", "hydro_fluid", *extra, *preload])
+            modules = ["torch", "hydro_fluid", *extra, *preload]
+            self.ctx.set_forkserver_preload([*modules, "hydro_fluid.executors._forkserver"])
         self.free = set(range(len(executor.slots)))
         self.running: dict[str, _Attempt] = {}
 
