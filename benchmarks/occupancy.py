@@ -6,15 +6,19 @@ pruned and the next batch waited for its slowest member. Run it on two trees to 
 
     PYTHONPATH=/path/to/old/tree python3 benchmarks/occupancy.py
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py
+    PYTHONPATH=$PWD python3 benchmarks/occupancy.py --executor local   # 2 worker processes
 
 Where the driver records ``hydro_occupancy`` (continuous batching) that figure is printed;
 otherwise it is computed from the trials: steps each trial trained over (steps each group ran
-x fuse). Prints a table; not a test.
+x fuse), and, "while asking", the same over the groups of every batch but the last (a tree
+that asks ``fuse x slots`` trials per batch has nothing left to ask during its last batch).
+Prints a table and the load average; not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -49,10 +53,14 @@ SPACE = {
 }
 
 
-def post_hoc(study: optuna.Study, fuse: int, steps: int) -> float:
-    """Occupancy from the trials alone: each trial's trained steps over its group's lifetime."""
+def post_hoc(study: optuna.Study, fuse: int, steps: int, batch: int | None = None) -> float:
+    """Occupancy from the trials alone: each trial's trained steps over its group's lifetime;
+    with ``batch`` (trials asked per batch), over the groups of every batch but the last."""
     trained: dict[int, list[int]] = {}
+    last = (len(study.trials) - 1) // batch if batch else None
     for t in study.trials:
+        if batch and t.user_attrs["group"] // batch == last:
+            continue
         if t.state == TrialState.COMPLETE:
             n = steps
         else:
@@ -61,22 +69,49 @@ def post_hoc(study: optuna.Study, fuse: int, steps: int) -> float:
     return sum(map(sum, trained.values())) / sum(max(v) * fuse for v in trained.values())
 
 
-def run(seed: int, trials: int, fuse: int, steps: int) -> dict:
+def slots_busy(study: optuna.Study, slots: int) -> float:
+    """Executor slots' busy time over ``slots`` x the span of the run: each group's span is from
+    its first trial's start of training (told time - ``group_seconds``) to its last trial's
+    end. The old tree's ``group_seconds`` include building the group, the new tree's do not,
+    so this favours the old tree a little."""
+    spans: dict[int, list[float]] = {}
+    for t in study.trials:
+        if t.datetime_complete is None or "group_seconds" not in t.user_attrs:
+            continue
+        end = t.datetime_complete.timestamp()
+        start = end - t.user_attrs["group_seconds"]
+        span = spans.setdefault(t.user_attrs["group"], [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+    first = min(s for s, _ in spans.values())
+    last = max(e for _, e in spans.values())
+    return sum(e - s for s, e in spans.values()) / (slots * (last - first))
+
+
+def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int) -> dict:
     task = make_task(steps)
     study = optuna.create_study(
         sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=fuse, n_warmup_steps=10),
     )
+    ex = None
+    if executor == "local":
+        from hydro_fluid import LocalExecutor
+
+        ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)
     start = time.perf_counter()
-    optimize(study, task, SPACE, n_trials=trials, ratio=4, fuse=fuse, seed=seed)
+    optimize(study, task, SPACE, n_trials=trials, ratio=4, fuse=fuse, seed=seed, executor=ex)
     seconds = time.perf_counter() - start
     occ = study.user_attrs.get("hydro_occupancy")
     pruned = sum(t.state == TrialState.PRUNED for t in study.trials)
+    slots = workers if ex is not None else 1
     return {
         "seconds": seconds,
         "pruned": pruned,
         "overall": occ["overall"] if occ else post_hoc(study, fuse, steps),
-        "while_asking": occ["while_asking"] if occ else None,
+        "while_asking": occ["while_asking"] if occ else post_hoc(study, fuse, steps, fuse * slots),
+        "recorded": bool(occ),
+        "groups": len({t.user_attrs["group"] for t in study.trials}),
+        "slots_busy": slots_busy(study, slots),
         "best": study.best_value,
     }
 
@@ -87,19 +122,31 @@ def main() -> None:
     p.add_argument("--fuse", type=int, default=8)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--executor", choices=["inline", "local"], default="inline",
+                   help="inline: groups in this process; local: LocalExecutor workers")  # fmt: skip
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, +1, ...")
+    p.add_argument("--workers", type=int, default=2, help="worker slots with --executor local")
     a = p.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(1)
-    rows = [run(seed, a.trials, a.fuse, a.steps) for seed in range(a.repeats)]
-    print(f"{a.trials} trials, fuse {a.fuse}, {a.steps} steps, median pruner, TPE; "
-          f"hydro from {hydro.__file__}")  # fmt: skip
-    print("| seed | pruned | live/fuse (all steps) | live/fuse (while asking) | seconds | best |")
-    print("|---|---|---|---|---|---|")
-    for seed, r in enumerate(rows):
-        asking = "-" if r["while_asking"] is None else f"{r['while_asking']:.1%}"
-        print(f"| {seed} | {r['pruned']} | {r['overall']:.1%} | {asking} | {r['seconds']:.1f} | "
+    load = os.getloadavg()[0]
+    rows = [run(seed, a.trials, a.fuse, a.steps, a.executor, a.workers)
+            for seed in range(a.first_seed, a.first_seed + a.repeats)]  # fmt: skip
+    where = "in process" if a.executor == "inline" else f"LocalExecutor, {a.workers} workers"
+    print(f"{a.trials} trials, fuse {a.fuse}, {a.steps} steps, median pruner, TPE, {where}; "
+          f"hydro from {hydro.__file__}; load average {load:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
+    print("| seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
+          "| slots busy | seconds | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for seed, r in enumerate(rows, start=a.first_seed):
+        how = "" if r["recorded"] else " (from trials)"
+        print(f"| {seed} | {r['pruned']} | {r['groups']} | {r['overall']:.1%}{how} | "
+              f"{r['while_asking']:.1%}{how} | {r['slots_busy']:.1%} | {r['seconds']:.1f} | "
               f"{r['best']:.4f} |")  # fmt: skip
-    print(f"median live/fuse {statistics.median(r['overall'] for r in rows):.1%}, "
+    print(f"median live/fuse {statistics.median(r['overall'] for r in rows):.1%}, while asking "
+          f"{statistics.median(r['while_asking'] for r in rows):.1%}, slots busy "
+          f"{statistics.median(r['slots_busy'] for r in rows):.1%}, "
           f"median seconds {statistics.median(r['seconds'] for r in rows):.1f}")  # fmt: skip
 
 

@@ -34,10 +34,8 @@ from hydro.tuning.group import (
     FusedGroup,
     GroupInfo,
     Outcome,
-    _evaluated,
     check_device,
     group_key,
-    train_group,
 )
 from hydro.tuning.progress import Progress
 from hydro.tuning.space import Space, check_names, check_space, sample
@@ -127,8 +125,6 @@ def optimize(
     is_task = isinstance(task_or_callback, Task)
     if executor is not None and not is_task:
         raise ConfigError("an executor runs Hydro's training loop: pass a Task, not a callback")
-    # with an executor, ask enough trials to give every slot a group
-    batch = fuse * (len(getattr(executor, "slots", None) or [None]) if executor else 1)
     if is_task:
         if space is None:
             raise ConfigError("optimize(study, task, space, ...) needs a search space")
@@ -168,15 +164,16 @@ def optimize(
                     if bar is not None:
                         bar.update()
                     continue
+                args = (study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
+                        heart, bar, start, timeout, occupancy, depth)  # fmt: skip
                 if is_task and executor is None:
-                    _Stream(study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
-                            heart, bar, start, timeout, occupancy, depth).run()  # fmt: skip
+                    _Stream(*args).run()
+                elif is_task:
+                    _Fleet(*args, executor=executor, every=checkpoint_every).run()
                 else:
-                    trials = _ask(study, min(batch, budget), n_trials, seed, heart)
+                    trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
-                        _run_batch(study, task_or_callback, space, trials, ratio, seed, fuse,
-                                   device, executor, is_task, heart, bar,
-                                   checkpoint_every, depth)  # fmt: skip
+                        _run_batch(study, task_or_callback, space, trials, heart)
                 if bar is not None:
                     bar.update()
         finally:
@@ -186,17 +183,12 @@ def optimize(
                 bar.close()
 
 
-def _run_batch(study, task, space, trials, ratio, seed, fuse, device, executor, is_task,
-               heart, bar, every, depth=(1, 1.0)) -> None:  # noqa: ANN001  # fmt: skip
-    """Train one batch of asked trials; whatever happens, none of them stays RUNNING."""
+def _run_batch(study, callback, space, trials, heart) -> None:  # noqa: ANN001
+    """Run one batch of asked trials through a group callback; whatever happens, none of them
+    stays RUNNING."""
     told: set[int] = set()
-    hook = bar.update if bar is not None else None
     try:
-        if executor is not None:
-            _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook,
-                             every, depth)  # fmt: skip
-        else:
-            _run_callback_batch(study, task, space, trials, told)
+        _run_callback_batch(study, callback, space, trials, told)
     except BaseException as exc:
         stopped = isinstance(exc, KeyboardInterrupt)
         for t in trials:
@@ -206,32 +198,6 @@ def _run_batch(study, task, space, trials, ratio, seed, fuse, device, executor, 
         raise
     finally:
         heart.release(t._trial_id for t in trials)
-
-
-def _plan_groups(trials, task, space, ratio, fuse, seed, depth=(1, 1.0)):  # noqa: ANN001, ANN202
-    """Sample each trial, then split them into fused groups of at most ``fuse`` members that
-    agree on :func:`group_key`, recording group id, ratio, depth and size on every trial.
-
-    A group's id is its lowest trial number: unique even when several processes share a study.
-    """
-    params: dict[int, dict] = {}
-    by_key: dict[tuple, list[optuna.Trial]] = {}
-    for t in trials:
-        _seed_sampler(t.study.sampler, seed, t.number)
-        params[t.number] = sample(t, space)
-        check_names(params[t.number], task.model_args())
-        by_key.setdefault(group_key(params[t.number], task), []).append(t)
-    groups = []
-    for same in by_key.values():
-        for i in range(0, len(same), fuse):
-            members = same[i : i + fuse]
-            for t in members:
-                t.set_user_attr("group", min(m.number for m in members))
-                t.set_user_attr("ratio", ratio)
-                _set_depth(t, depth)
-                t.set_user_attr("fused", len(members))
-            groups.append(members)
-    return groups, params
 
 
 @dataclass
@@ -252,6 +218,20 @@ class Occupancy:
         """Mean live members per step over ``fuse`` (while asking, by default)."""
         steps, live = (self.steps_asking, self.live_asking) if asking else (self.steps, self.live)
         return live / (steps * self.fuse) if steps else None
+
+    def add(self, steps: int, live: int, asking: bool) -> None:
+        """Count ``steps`` fused steps that trained ``live`` members each."""
+        self.steps += steps
+        self.live += steps * live
+        if asking:
+            self.steps_asking += steps
+            self.live_asking += steps * live
+
+    def counts(self) -> list[int]:
+        return [self.steps, self.live, self.steps_asking, self.live_asking]
+
+    def set_counts(self, counts: Sequence[int]) -> None:
+        self.steps, self.live, self.steps_asking, self.live_asking = (int(c) for c in counts)
 
     def as_dict(self) -> dict[str, Any]:
         return {"fuse": self.fuse, "steps": self.steps, "live": self.live,
@@ -280,19 +260,26 @@ class _Stream:
         self.depth = depth  # (depth_ratio, depth_alpha)
 
     def run(self) -> None:
-        try:
-            while True:
-                first = self._pop_pending() or self._ask()
-                if first is None:
+        self._guard(self._groups)
+
+    def _groups(self) -> None:
+        while True:
+            first = self._pop_pending() or self._ask()
+            if first is None:
+                break
+            key = group_key(first[1], self.task)
+            members = [first]
+            while len(members) < self.fuse:
+                more = self.next_trial(key)
+                if more is None:
                     break
-                key = group_key(first[1], self.task)
-                members = [first]
-                while len(members) < self.fuse:
-                    more = self.next_trial(key)
-                    if more is None:
-                        break
-                    members.append(more)
-                run_group(self, members)
+                members.append(more)
+            run_group(self, members)
+
+    def _guard(self, work: Callable[[], Any]) -> None:
+        """Run ``work``; whatever happens, no trial asked here stays RUNNING."""
+        try:
+            work()
         except BaseException as exc:
             stopped = isinstance(exc, KeyboardInterrupt)
             for t in self.running.values():
@@ -350,38 +337,43 @@ class _Stream:
             self.pending.setdefault(other, []).append(got)
         return None
 
-    def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo) -> None:
+    def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None) -> None:
         _tell(self.study, trial, outcome, info)
         self.running.pop(trial.number, None)
         self.heart.release([trial._trial_id])
 
 
 def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None:
-    """Train one fused group to the end: every slot freed by pruning, divergence or completion
-    takes the next trial at once, until the study has no more to ask."""
-    task, steps = stream.task, stream.task.steps
+    """Train one fused group to the end in this process: every slot freed by pruning,
+    divergence or completion takes the next trial at once, until the study has no more to
+    ask."""
     gid = min(t.number for t, _ in members)
-    trials = {t.number: t for t, _ in members}
-    joined = {t.number: time.perf_counter() for t, _ in members}
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
-    group = FusedGroup(task, [(t.number, p, stream.seed + t.number) for t, p in members],
+    group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
                        depth_alpha=stream.depth[1])  # fmt: skip
+    source = _InProcess(stream, gid, {t.number: t for t, _ in members})
+    train_slots(group, source, fuse=stream.fuse, joined={t.number: time.perf_counter()
+                                                         for t, _ in members})  # fmt: skip
 
-    def report(number: int, step: int, value: float) -> bool:
-        return _report_and_ask(trials[number], step, value, stream.hook)
 
+def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
+                after_step: Callable[[], None] | None = None) -> None:  # fmt: skip
+    """The loop of continuous batching, wherever the group trains (this process or a worker).
+
+    ``source`` is where trials come from and results go: ``report(items)`` takes every
+    ``(trial, step, value)`` evaluated at one step and returns the trials to prune;
+    ``refill(told, slots, key)`` takes the ended trials ``(trial, outcome, info)`` and returns,
+    for each freed slot, the next ``(trial, params, seed)`` or ``None`` (nothing left to ask);
+    ``stepped(live)`` counts a fused step; ``asking`` says whether trials remain to ask.
+    ``joined`` maps each member to when it joined (for its ``group_seconds``).
+    """
+    steps = group.task.steps
     while group.n:
         losses = group.step()
-        stream.occupancy.steps += 1
-        stream.occupancy.live += group.n
-        if stream.asking:
-            stream.occupancy.steps_asking += 1
-            stream.occupancy.live_asking += group.n
-        if stream.bar is not None:
-            stream.bar.occupancy = stream.occupancy.fraction(asking=False)
+        source.stepped(group.n)
         ended: dict[int, Outcome] = {}
         for slot in group.diverged(losses):
             m = group.members[slot]
@@ -389,51 +381,93 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
                                   "loss or gradient", m.history)  # fmt: skip
         due = [slot for slot in group.due() if slot not in ended]
         if due:
-            values = group.evaluate()
+            values = [float(v) for v in group.evaluate()]
+            finite = []
             for slot in due:
-                m, out = group.members[slot], {}
-                _evaluated(slot, m.step, float(values[slot]), m.history, out, _report_for(
-                    report, m.id), steps)  # fmt: skip
-                if slot in out:
-                    ended[slot] = out[slot]
+                m = group.members[slot]
+                m.history.append((m.step, values[slot]))
+                if math.isfinite(values[slot]):
+                    finite.append(slot)
+                else:
+                    ended[slot] = Outcome("fail", None, m.step, "non-finite validation value",
+                                          m.history)  # fmt: skip
+            items = [(group.members[k].id, group.members[k].step, values[k]) for k in finite]
+            pruned = source.report(items) if items else set()
+            for slot in finite:
+                m = group.members[slot]
+                if m.id in pruned and m.step < steps:
+                    ended[slot] = Outcome("pruned", values[slot], m.step, "", m.history)
         for slot, m in enumerate(group.members):
             if slot not in ended and m.step >= steps:
                 last = m.history[-1][1] if m.history else None
                 ended[slot] = Outcome("complete", last, steps, "", m.history)
-        if not ended:
-            continue
-        for slot in sorted(ended):  # tell every ended trial before asking new ones
-            number = group.members[slot].id
-            info = GroupInfo(ratio=stream.ratio, size=stream.fuse, widths=group.widths,
-                             depth_ratio=stream.depth[0], depth_alpha=stream.depth[1],
-                             blocks=group.blocks,
-                             seconds=time.perf_counter() - joined.pop(number))  # fmt: skip
-            stream.tell(trials.pop(number), ended[slot], info)
-        freed = []
-        for slot in sorted(ended):
-            nxt = stream.next_trial(group.key)
+        if ended:
+            slots = sorted(ended)
+            now = time.perf_counter()
+            told = []
+            for slot in slots:  # every ended trial is told before new ones are asked
+                number = group.members[slot].id
+                info = GroupInfo(ratio=group.ratio, size=fuse, widths=group.widths,
+                                 depth_ratio=group.depth_ratio, depth_alpha=group.depth_alpha,
+                                 blocks=group.blocks,
+                                 seconds=now - joined.pop(number, now))  # fmt: skip
+                told.append((number, ended[slot], info))
+            freed = []
+            for slot, nxt in zip(slots, source.refill(told, slots, group.key)):
+                if nxt is None:
+                    freed.append(slot)
+                    continue
+                number, params, seed = nxt
+                joined[number] = time.perf_counter()
+                group.put(slot, number, params, seed)
+            if freed:
+                group.drop(freed)
+        if after_step is not None and group.n:
+            after_step()
+
+
+class _InProcess:
+    """The trial source of a group in the driver's own process (see :func:`train_slots`)."""
+
+    def __init__(self, stream: _Stream, gid: int, trials: dict[int, optuna.Trial]) -> None:
+        self.stream, self.gid, self.trials = stream, gid, trials
+
+    @property
+    def asking(self) -> bool:
+        return self.stream.asking
+
+    def stepped(self, live: int) -> None:
+        occ = self.stream.occupancy
+        occ.add(1, live, self.stream.asking)
+        if self.stream.bar is not None:
+            self.stream.bar.occupancy = occ.fraction(asking=False)
+
+    def report(self, items: list[tuple[int, int, float]]) -> set[int]:
+        hook = self.stream.hook
+        return {n for n, step, v in items if _report_and_ask(self.trials[n], step, v, hook)}
+
+    def refill(self, told: list, slots: list[int], key: tuple) -> list:
+        for number, outcome, info in told:
+            self.stream.tell(self.trials.pop(number), outcome, info)
+        out = []
+        for slot in slots:
+            nxt = self.stream.next_trial(key)
             if nxt is None:
-                freed.append(slot)
+                out.append(None)
                 continue
             t, params = nxt
-            t.set_user_attr("group", gid)
+            t.set_user_attr("group", self.gid)
             t.set_user_attr("slot", slot)
-            trials[t.number] = t
-            joined[t.number] = time.perf_counter()
-            group.put(slot, t.number, params, stream.seed + t.number)
-        if freed:
-            group.drop(freed)
-
-
-def _report_for(report: Callable[[int, int, float], bool], number: int) -> Callable:
-    """``report`` for one member, as :func:`_evaluated` calls it (by slot)."""
-    return lambda _slot, step, value: report(number, step, value)
+            self.trials[t.number] = t
+            out.append((t.number, params, self.stream.seed + t.number))
+        return out
 
 
 def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
     """Give the study a member's intermediate value; True when its pruner prunes it."""
     try:
-        trial.report(value, step)
+        if step not in trial._cached_frozen_trial.intermediate_values:
+            trial.report(value, step)  # a retried group reports its steps again: once is enough
         pruned = trial.should_prune()
     except UpdateFinishedTrialError:
         return True  # another process failed it as stale: it is no longer ours to train
@@ -442,49 +476,211 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
     return pruned
 
 
-def _run_on_executor(study, task, space, trials, ratio, seed, fuse, told, executor, hook, every,
-                     depth=(1, 1.0)):  # noqa: ANN001, ANN202  # fmt: skip
-    from hydro_fluid import TrialGroup
+class _Fleet(_Stream):
+    """Continuous batching on an executor: one fused group per free slot, refilled in place.
 
-    by_number = {t.number: t for t in trials}
-    groups, params = _plan_groups(trials, task, space, ratio, fuse, seed, depth)
-    fluid_groups = [
-        TrialGroup(f"group-{min(t.number for t in members)}", tuple(t.number for t in members),
-                   (task.steps,) * len(members))
-        for members in groups
-    ]  # fmt: skip
-    fn = functools.partial(_train_in_worker, task, params, ratio, seed, every, depth)
-    on_report = lambda number, step, value: _report_and_ask(by_number[number], step, value, hook)  # noqa: E731
-    for result in executor.run(fluid_groups, fn, report=on_report):
-        outcomes, info = result.value if result.value is not None else ({}, None)
-        for number in result.group.trial_ids:
-            outcome = outcomes.get(number)
-            if outcome is None:  # the worker never returned: the executor says why
-                why = result.trials[number].reason or result.error or "the worker failed"
-                outcome = Outcome("fail", None, 0, why)
-            _tell(study, by_number[number], outcome, info)
-            told.add(number)
+    ``executor.run`` asks :meth:`more` for a new group whenever one of its slots is free, so no
+    slot waits for another. The group's worker asks this process (``ctx.request``) for its
+    first members, gives every evaluation to the study's pruner, tells ended trials and asks for
+    the next one for each freed slot: the study and its storage stay here. What a group was
+    given is logged in order, so a retried worker (after a crash) is given the same trials
+    again and every trial ends as it would have, whichever slot, group or worker trained it.
+    """
+
+    def __init__(self, *args: Any, executor: Any, every: int) -> None:
+        super().__init__(*args)
+        self.executor, self.every = executor, every
+        self.logs: dict[str, list] = {}  # group -> [first members, one entry per refill]
+        self.keys: dict[str, tuple] = {}
+        self.gids: dict[str, int] = {}
+        self.owner: dict[int, str] = {}  # trial -> the group training it
+        self.params: dict[int, dict] = {}
+        self.counts: dict[str, list[int]] = {}  # occupancy counters, per group
+        self.base = self.occupancy.counts()
+
+    def run(self) -> None:
+        fn = functools.partial(_stream_in_worker, self.task, self.ratio, self.fuse, self.depth,
+                               self.every)  # fmt: skip
+        # a worker captures its group's model with torch.export: an import of seconds, paid
+        # once in the forkserver instead of in every worker
+        self._guard(lambda: self.executor.run([], fn, more=self.more, on_result=self.ended,
+                                              request=self.answer,
+                                              preload=["torch.export._trace"]))  # fmt: skip
+
+    def more(self) -> list:
+        from hydro_fluid import TrialGroup
+
+        first = self._pop_pending() or self._ask()
+        if first is None:
+            return []
+        key = group_key(first[1], self.task)
+        members = [first]
+        while len(members) < self.fuse:
+            nxt = self.next_trial(key)
+            if nxt is None:
+                break
+            members.append(nxt)
+        gid = min(t.number for t, _ in members)
+        name = f"group-{gid}"
+        self.keys[name], self.gids[name] = key, gid
+        self.logs[name] = [[self._assign(t, p, name, slot) for slot, (t, p) in enumerate(members)]]
+        return [TrialGroup(name, tuple(t.number for t, _ in members),
+                           (self.task.steps,) * len(members))]  # fmt: skip
+
+    def _assign(self, t: optuna.Trial, params: dict, name: str, slot: int) -> tuple:
+        t.set_user_attr("group", self.gids[name])
+        t.set_user_attr("slot", slot)
+        self.owner[t.number], self.params[t.number] = name, params
+        return (t.number, params, self.seed + t.number)
+
+    def answer(self, name: str, payload: tuple) -> dict[str, Any]:
+        """A worker's request: ``start``, ``report`` or ``refill`` (see :class:`_Remote`)."""
+        kind = payload[0]
+        if kind == "start":
+            if name not in self.logs:
+                self._split(name)
+            return {"members": self.logs[name][0], "asking": self.asking}
+        self._count(name, payload[-1])
+        if kind == "report":
+            pruned = []
+            for number, step, value in payload[1]:
+                t = self.running.get(number)  # told already: a retried group replaying it
+                if t is None or _report_and_ask(t, step, value, self.hook):
+                    pruned.append(number)
+            return {"pruned": pruned, "asking": self.asking}
+        _, told, wants, _ = payload
+        for number, outcome, info in told:
+            if number in self.running:
+                self.tell(self.running[number], outcome, info)
+        log, out = self.logs[name], []
+        for index, slot in wants:
+            if index >= len(log):  # new: ask; else a retried worker is given what it had
+                nxt = self.next_trial(self.keys[name])
+                log.append(None if nxt is None else self._assign(*nxt, name, slot))
+            out.append(log[index])
+        return {"trials": out, "asking": self.asking}
+
+    def _split(self, name: str) -> None:
+        """Members of a half of a group split after running out of memory (``name/0``,
+        ``name/1``): the trials its group still had, halved."""
+        base = name.rsplit("/", 1)[0]
+        live = sorted(n for n, g in self.owner.items() if g == base and n in self.running)
+        half = (len(live) + 1) // 2
+        for part, numbers in ((f"{base}/0", live[:half]), (f"{base}/1", live[half:])):
+            self.keys[part], self.gids[part] = self.keys.get(base), self.gids.get(base, 0)
+            self.logs[part] = [[self._assign(self.running[n], self.params[n], part, slot)
+                                for slot, n in enumerate(numbers)]]  # fmt: skip
+
+    def _count(self, name: str, counts: Sequence[int] | None) -> None:
+        if counts is None:
+            return
+        self.counts[name] = list(counts)
+        total = [sum(c[i] for c in self.counts.values()) for i in range(4)]
+        self.occupancy.set_counts([b + t for b, t in zip(self.base, total)])
+        if self.bar is not None:
+            self.bar.occupancy = self.occupancy.fraction(asking=False)
+
+    def ended(self, result: Any) -> None:
+        """A group's worker ended: the trials it still had fail, with the executor's reason."""
+        name = result.group.name
+        if isinstance(result.value, dict):
+            self._count(name, result.value.get("occupancy"))
+        reason = result.error or "its group's worker ended without a result for it"
+        for number, owner in list(self.owner.items()):
+            if owner == name and number in self.running:
+                self.tell(self.running[number], Outcome("fail", None, 0, reason[:500]), None)
 
 
-def _train_in_worker(task, params, ratio, seed, every, depth, group, ctx):  # noqa: ANN001, ANN202
-    """A group's training in a hydro_fluid worker; reports and prunes through ``ctx``, and
-    checkpoints in ``ctx.checkpoint_dir`` (which survives a retry of the group)."""
-    ids = list(group.trial_ids)
+class _Remote:
+    """The trial source of a group in an executor's worker: the driver, through
+    ``ctx.request`` (see :func:`train_slots`)."""
 
-    def report(k: int, step: int, value: float) -> bool:
-        ctx.report(ids[k], step, value)
-        return ctx.is_pruned(ids[k])
+    def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool) -> None:
+        self.ctx, self.occupancy, self.cursor, self.asking = ctx, occupancy, cursor, asking
 
-    def pruned() -> set[int]:
-        return {ids.index(t) for t in ctx.pruned if t in ids}
+    def stepped(self, live: int) -> None:
+        self.occupancy.add(1, live, self.asking)
 
-    outcomes, info = train_group(task, [params[i] for i in ids], ratio=ratio,
-                                 seeds=[seed + i for i in ids], report=report,
-                                 device=ctx.device, pruned=pruned,
-                                 checkpoint=ctx.checkpoint_dir if ctx.rank == 0 else None,
-                                 checkpoint_every=every, depth_ratio=depth[0],
-                                 depth_alpha=depth[1])  # fmt: skip
-    return dict(zip(ids, outcomes)), info
+    def report(self, items: list[tuple[int, int, float]]) -> set[int]:
+        got = self.ctx.request(("report", items, self.occupancy.counts()))
+        self.asking = got["asking"]
+        return set(got["pruned"])
+
+    def refill(self, told: list, slots: list[int], key: tuple) -> list:
+        wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]
+        got = self.ctx.request(("refill", told, wants, self.occupancy.counts()))
+        self.cursor += len(slots)
+        self.asking = got["asking"]
+        return got["trials"]
+
+
+def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN001, ANN202
+    """A fused group with continuous batching in an executor's worker. Its trials come from
+    the driver; with ``every`` it checkpoints in ``ctx.checkpoint_dir`` (which survives a
+    retry) every ``every`` steps, and a retried worker resumes there."""
+    from hydro.tuning import checkpoint as _checkpoint
+
+    occupancy = Occupancy(fuse)
+    saved = _checkpoint.load(ctx.checkpoint_dir) if every and ctx.rank == 0 else None
+    if saved is not None:
+        members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
+        cursor, asking = int(saved["cursor"]), bool(saved["asking"])
+        occupancy.set_counts(saved["occupancy"])
+    else:
+        got = ctx.request(("start",))
+        members, cursor, asking = [tuple(m) for m in got["members"]], 1, got["asking"]
+    if not members:
+        return {"occupancy": occupancy.counts()}
+    fgroup = FusedGroup(task, members, ratio=ratio, device=ctx.device, depth_ratio=depth[0],
+                        depth_alpha=depth[1])  # fmt: skip
+    if saved is not None:
+        _restore_slots(fgroup, saved)
+    source = _Remote(ctx, occupancy, cursor, asking)
+    joined = {m.id: time.perf_counter() for m in fgroup.members}
+
+    def save() -> None:
+        if every and fgroup.steps % every == 0:
+            _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
+
+    train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save)
+    return {"occupancy": occupancy.counts()}
+
+
+def _slots_state(group: FusedGroup, source: _Remote) -> dict[str, Any]:
+    """A refilled group's checkpoint: each slot's trial, step and history, the fused model,
+    optimizer and schedules, the random states, and how far the group read its trial log."""
+    from hydro.tuning import checkpoint as _checkpoint
+
+    return {
+        "members": [
+            [m.id, dict(m.params), m.seed, m.step, [list(h) for h in m.history]]
+            for m in group.members
+        ],  # fmt: skip
+        "model": group.fused.state_dict(),
+        "optimizer": group.opt.state_dict(),
+        "scheduler": group.sched.state_dict(),
+        "steps": [group.steps, group.live_steps],
+        "cursor": source.cursor,
+        "asking": source.asking,
+        "occupancy": source.occupancy.counts(),
+        "rng": _checkpoint.rng_state(),
+    }
+
+
+def _restore_slots(group: FusedGroup, saved: dict[str, Any]) -> None:
+    """Put a group built from a checkpoint's members in that checkpoint's state."""
+    from hydro.tuning import checkpoint as _checkpoint
+
+    for m, (_, _, _, step, history) in zip(group.members, saved["members"]):
+        for _ in range(int(step)):  # each data stream continues where it stopped
+            next(m.batches)
+        m.step = int(step)
+        m.history[:] = [(int(s), float(v)) for s, v in history]
+    group.fused.load_state_dict(saved["model"])
+    group.opt.load_state_dict(saved["optimizer"])
+    group.sched.load_state_dict(saved["scheduler"])
+    group.steps, group.live_steps = (int(v) for v in saved["steps"])
+    _checkpoint.set_rng_state(saved["rng"])
 
 
 def _set_depth(trial: optuna.Trial, depth: tuple[int, float]) -> None:

@@ -73,8 +73,8 @@ class TuneResult:
     def occupancy(self) -> dict[str, Any] | None:
         """How full the fused groups stayed in the last run (continuous batching): ``fuse``,
         ``overall`` (mean live trials per fused step over ``fuse``) and ``while_asking`` (the
-        same over the steps taken while the study still had trials to ask); ``None`` when the
-        run trained on an executor (fixed groups)."""
+        same over the steps taken while the study still had trials to ask), summed over every
+        group (in process or on an executor's workers); ``None`` before any fused step."""
         occ = self.study.user_attrs.get("hydro_occupancy")
         return dict(occ) if occ else None
 

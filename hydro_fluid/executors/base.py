@@ -13,6 +13,17 @@ parent as it arrives; if ``on_report`` returns ``True`` the trial is pruned and 
 sees it in ``ctx.is_pruned(trial_id)``. ``run`` returns one :class:`GroupResult` per group
 that ran (a group halved after running out of memory returns its two halves), in which
 every trial is ``COMPLETE``, ``PRUNED`` or ``FAIL`` with a reason.
+
+Streaming (what the tuner uses to keep every slot busy)::
+
+    executor.run([], fn, more=next_groups, on_result=finished, request=answer)
+
+``more()`` is called whenever a slot is free and no group waits: it returns new groups to run
+(an empty list: none now; ``run`` ends once nothing runs, nothing waits and ``more`` has none).
+``on_result(result)`` is called for each group as it ends, before ``run`` returns. A worker's
+``ctx.request(payload)`` blocks until ``answer(group_name, payload)`` has run in the parent and
+returns its answer: the worker asks the parent for work (new trials for freed slots) while the
+parent keeps what it owns (the study, its storage).
 """
 
 from __future__ import annotations
@@ -29,11 +40,23 @@ import torch
 
 from ..groups import TrialGroup
 
-__all__ = ["WorkerContext", "GroupResult", "TrialOutcome", "ReportFn", "WorkerFn"]
+__all__ = [
+    "WorkerContext",
+    "GroupResult",
+    "TrialOutcome",
+    "ReportFn",
+    "WorkerFn",
+    "MoreFn",
+    "ResultFn",
+    "RequestFn",
+]
 
 COMPLETE, PRUNED, FAIL = "COMPLETE", "PRUNED", "FAIL"
 
 ReportFn = Callable[[Hashable, int, float], "bool | None"]
+MoreFn = Callable[[], Sequence[TrialGroup]]
+ResultFn = Callable[["GroupResult"], None]
+RequestFn = Callable[[str, Any], Any]
 WorkerFn = Callable[[TrialGroup, "WorkerContext"], Any]
 
 
@@ -125,6 +148,16 @@ class WorkerContext:
         if self.rank == 0:
             self._channel.send(("report", trial_id, int(step), float(value)))
 
+    def request(self, payload: Any) -> Any:
+        """Send ``payload`` to the parent's ``request`` callback and return its answer.
+
+        Blocks until the answer arrives (rank 0 only; the parent must have been given
+        ``request=``). Pruning decisions that arrive meanwhile are kept for :meth:`is_pruned`.
+        """
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 of a group may call ctx.request")
+        return self._channel.request(payload)
+
     def is_pruned(self, trial_id: Hashable) -> bool:
         """Whether the parent has pruned ``trial_id`` (so the worker can drop it)."""
         self._pruned |= self._channel.pruned()
@@ -197,21 +230,31 @@ class Ledger:
     pruned: dict[str, set] = field(default_factory=dict)
     results: list[GroupResult] = field(default_factory=list)
     order: dict[str, int] = field(default_factory=dict)
+    on_result: Callable[[GroupResult], None] | None = None
+    seen: set = field(default_factory=set)  # trial ids of every group submitted so far
 
     def submit(self, groups: Sequence[TrialGroup]) -> None:
+        """Queue ``groups`` (at the start of a run, or later ones from ``more``)."""
+        groups = list(groups)
         for g in groups:
             if not isinstance(g, TrialGroup):
                 raise ValueError(f"Expected TrialGroup objects, got {type(g).__name__}: {g!r}.")
         names = [g.name for g in groups]
-        if len(set(names)) != len(names):
+        if len(set(names)) != len(names) or set(names) & set(self.order):
             raise ValueError("Group names must be unique within one run.")
         trials = [t for g in groups for t in g.trial_ids]
-        if len(set(trials)) != len(trials):
+        if len(set(trials)) != len(trials) or set(trials) & self.seen:
             raise ValueError("A trial appears in two groups; each trial must be in one group.")
-        for i, g in enumerate(groups):
-            self.order[g.name] = i
+        self.seen.update(trials)
+        for g in groups:
+            self.order[g.name] = len(self.order)
             self.pending.append((g, 0))
             self.pruned[g.name] = set()
+
+    def _result(self, result: GroupResult) -> None:
+        self.results.append(result)
+        if self.on_result is not None:
+            self.on_result(result)
 
     def prune(self, group: TrialGroup, trial_id: Hashable) -> None:
         self.pruned[group.name].add(trial_id)
@@ -222,7 +265,7 @@ class Ledger:
             t: TrialOutcome(PRUNED) if t in pruned else TrialOutcome(COMPLETE)
             for t in group.trial_ids
         }
-        self.results.append(GroupResult(group, value, trials, attempt + 1))
+        self._result(GroupResult(group, value, trials, attempt + 1))
 
     def failed(self, group: TrialGroup, attempt: int, reason: str) -> None:
         """The group's worker died or raised: retry it, or fail its trials for good."""
@@ -242,7 +285,7 @@ class Ledger:
             return
         gone = group.without(live.trial_ids)
         if gone is not None:  # pruned members are not re-run; they end here, PRUNED
-            self.results.append(
+            self._result(
                 GroupResult(
                     gone, None, {t: TrialOutcome(PRUNED) for t in gone.trial_ids}, attempt + 1
                 )
@@ -259,7 +302,7 @@ class Ledger:
             t: TrialOutcome(PRUNED) if t in pruned else TrialOutcome(FAIL, reason)
             for t in group.trial_ids
         }
-        self.results.append(GroupResult(group, None, trials, attempt + 1, reason))
+        self._result(GroupResult(group, None, trials, attempt + 1, reason))
 
     def ordered_results(self) -> list[GroupResult]:
         return sorted(self.results, key=lambda r: (self.order[r.group.name], r.group.name))

@@ -21,7 +21,17 @@ from typing import Any
 import torch
 
 from ..groups import TrialGroup
-from .base import GroupResult, Ledger, ReportFn, WorkerContext, WorkerFn, call_worker_fn
+from .base import (
+    GroupResult,
+    Ledger,
+    MoreFn,
+    ReportFn,
+    RequestFn,
+    ResultFn,
+    WorkerContext,
+    WorkerFn,
+    call_worker_fn,
+)
 
 __all__ = ["LocalExecutor"]
 
@@ -123,6 +133,10 @@ class LocalExecutor:
         *,
         report: ReportFn | None = None,
         world_size: int | Mapping[str, int] = 1,
+        more: MoreFn | None = None,
+        on_result: ResultFn | None = None,
+        request: RequestFn | None = None,
+        preload: Sequence[str] = (),
     ) -> list[GroupResult]:
         """Run ``fn(group, ctx)`` for every group and return one result per group that ran.
 
@@ -133,6 +147,15 @@ class LocalExecutor:
                 value a worker reports; return ``True`` to prune that trial.
             world_size: Data-parallel processes per group: one number for all, or per group
                 name (e.g. the number of devices :func:`~hydro_fluid.static_fluid` gave it).
+            more: Called whenever a slot is free and no group waits; returns further groups
+                to run (``[]``: none now). ``run`` ends when nothing runs or waits and ``more``
+                returns none.
+            on_result: Called with each group's result as soon as the group ends.
+            request: Answers ``ctx.request(payload)`` of a worker: called here as
+                ``request(group_name, payload)``; its return value goes back to the worker.
+            preload: Modules to import once in the forkserver (with ``torch``, ``hydro_fluid``
+                and ``fn``'s module), so that every worker starts with them imported; only
+                the first run of this process (which starts the forkserver) can preload.
         """
         try:
             pickle.dumps(fn)
@@ -141,18 +164,12 @@ class LocalExecutor:
                 f"fn must be picklable to reach worker processes (a module-level function or "
                 f"a functools.partial of one), got {fn!r}: {exc}"
             ) from exc
-        ledger = Ledger(self.max_retries)
+        ledger = Ledger(self.max_retries, on_result=on_result)
         ledger.submit(groups)  # checks the groups first
-        sizes = {g.name: _world_size(world_size, g.name) for g in groups}
-        for name, size in sizes.items():
-            if size > self._max_world_size():
-                raise ValueError(
-                    f"Group {name!r} asks for world_size={size} but this executor has only "
-                    f"{self._max_world_size()} slot(s) for one group; lower it or add devices."
-                )
+        sizes = {g.name: self._size(world_size, g.name) for g in groups}
         root = self.checkpoint_dir or _scratch_dir()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        run = _Run(self, ledger, fn, report, sizes, root)
+        run = _Run(self, ledger, fn, report, sizes, root, more, request, world_size, preload)
         try:
             run.loop()
         finally:
@@ -160,6 +177,15 @@ class LocalExecutor:
             if self.checkpoint_dir is None:
                 shutil.rmtree(root, ignore_errors=True)
         return ledger.ordered_results()
+
+    def _size(self, world_size: int | Mapping[str, int], name: str) -> int:
+        size = _world_size(world_size, name)
+        if size > self._max_world_size():
+            raise ValueError(
+                f"Group {name!r} asks for world_size={size} but this executor has only "
+                f"{self._max_world_size()} slot(s) for one group; lower it or add devices."
+            )
+        return size
 
     def _max_world_size(self) -> int:
         return len(set(self.slots)) if self.slots[0] != "cpu" else len(self.slots)
@@ -286,6 +312,8 @@ class _PipeChannel:
     def __init__(self, outbox: Any, inbox: Any) -> None:
         self.outbox, self.inbox = outbox, inbox
         self.lock = threading.Lock()  # fn may report from several threads
+        self.found: set = set()  # pruned trial ids read while waiting for an answer
+        self.asked = 0
 
     def send(self, message: tuple) -> None:
         # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
@@ -295,10 +323,23 @@ class _PipeChannel:
             self.outbox.send_bytes(data)
 
     def pruned(self) -> set:
-        found = set()
+        found, self.found = self.found, set()
         while self.inbox.poll():
-            found.add(pickle.loads(self.inbox.recv_bytes()))
+            kind, *rest = pickle.loads(self.inbox.recv_bytes())
+            if kind == "pruned":
+                found.add(rest[0])
         return found
+
+    def request(self, payload: Any) -> Any:
+        self.asked += 1
+        ident = self.asked
+        self.send(("request", ident, payload))
+        while True:  # the parent answers in order; prunes may come in between
+            kind, *rest = pickle.loads(self.inbox.recv_bytes())
+            if kind == "pruned":
+                self.found.add(rest[0])
+            elif rest[0] == ident:
+                return rest[1]
 
 
 def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
@@ -347,18 +388,25 @@ def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
 class _Run:
     """The parent's event loop for one ``LocalExecutor.run`` call."""
 
-    def __init__(self, executor: LocalExecutor, ledger: Ledger, fn, report, sizes, root: Path):
+    def __init__(self, executor: LocalExecutor, ledger: Ledger, fn, report, sizes, root: Path,
+                 more=None, request=None, world_size=1, preload=()):  # fmt: skip
         self.ex, self.ledger, self.fn, self.report = executor, ledger, fn, report
+        self.more, self.request, self.world_size = more, request, world_size
         self.sizes: dict[str, int] = dict(sizes)
         self.root = root
         self.ctx = mp.get_context(executor.start_method)
         if executor.start_method == "forkserver":
-            self.ctx.set_forkserver_preload(["torch", "hydro_fluid"])
+            # fn's module too (the tuner's driver imports in seconds): every worker forks with
+            # it imported. Only the run that starts this process's forkserver decides.
+            module = getattr(getattr(fn, "func", fn), "__module__", None)
+            extra = [module] if module and module != "__main__" else []
+            modules = ["torch", "hydro_fluid", *extra, *preload]
+            self.ctx.set_forkserver_preload([*modules, "hydro_fluid.executors._forkserver"])
         self.free = set(range(len(executor.slots)))
         self.running: dict[str, _Attempt] = {}
 
     def loop(self) -> None:
-        while self.ledger.pending or self.running:
+        while self._ask_more() or self.ledger.pending or self.running:
             self._launch_what_fits()
             waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
             waitables += [p.sentinel for run in self.running.values() for p in run.procs]
@@ -368,6 +416,21 @@ class _Run:
             self._reap_dead_workers()
 
     # -- starting ------------------------------------------------------------------------
+
+    def _ask_more(self) -> bool:
+        """Take new groups from ``more`` while a slot is free and none waits."""
+        asked = False
+        while self.more is not None and self.free and not self.ledger.pending:
+            groups = list(self.more())
+            if not groups:
+                break
+            for g in groups:
+                if isinstance(g, TrialGroup):
+                    self.sizes[g.name] = self.ex._size(self.world_size, g.name)
+            self.ledger.submit(groups)
+            self._launch_what_fits()
+            asked = True
+        return asked
 
     def _launch_what_fits(self) -> None:
         for group, attempt in list(self.ledger.pending):
@@ -453,6 +516,15 @@ class _Run:
         kind, *rest = message
         if kind == "report":
             self._on_report(run, *rest)
+        elif kind == "request":
+            ident, payload = rest
+            if self.request is None:
+                raise RuntimeError("a worker called ctx.request but run() was given no request=")
+            answer = self.request(run.group.name, payload)
+            try:
+                run.outboxes[rank].send_bytes(pickle.dumps(("answer", ident, answer)))
+            except OSError:
+                pass  # the worker died meanwhile; _reap_dead_workers sees to it
         elif kind == "done":
             run.values[rank] = rest[0]
             if len(run.values) == len(run.procs):
@@ -475,7 +547,7 @@ class _Run:
             self.ledger.prune(run.group, trial_id)
             for outbox in run.outboxes:
                 try:
-                    outbox.send_bytes(pickle.dumps(trial_id))
+                    outbox.send_bytes(pickle.dumps(("pruned", trial_id)))
                 except OSError:
                     pass  # that worker already exited; nothing left to tell it
 

@@ -20,7 +20,17 @@ from typing import Any
 import torch
 
 from ..groups import TrialGroup
-from .base import GroupResult, Ledger, ReportFn, WorkerContext, WorkerFn, call_worker_fn
+from .base import (
+    GroupResult,
+    Ledger,
+    MoreFn,
+    ReportFn,
+    RequestFn,
+    ResultFn,
+    WorkerContext,
+    WorkerFn,
+    call_worker_fn,
+)
 
 __all__ = ["RayExecutor"]
 
@@ -138,6 +148,16 @@ class RayExecutor:
         self.max_retries = max_retries
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
 
+    @property
+    def slots(self) -> list[str]:
+        """One entry per group the cluster can train at once (its device kind): what
+        ``more`` fills when :meth:`run` streams groups."""
+        resources = _import_ray().cluster_resources()
+        if self.use_gpus:
+            n = int(float(resources.get("GPU", 0.0)) * self.groups_per_device)
+            return ["cuda"] * max(1, n)
+        return ["cpu"] * max(1, int(float(resources.get("CPU", 1.0)) // self.cpus_per_worker))
+
     def _get_hub(self, ray):
         """The reporting actor, started once and waited for: reports sent before it is up
         would otherwise queue in the workers and reach the callback late."""
@@ -162,24 +182,22 @@ class RayExecutor:
         *,
         report: ReportFn | None = None,
         world_size: int | Mapping[str, int] = 1,
+        more: MoreFn | None = None,
+        on_result: ResultFn | None = None,
+        request: RequestFn | None = None,
+        preload: Sequence[str] = (),
     ) -> list[GroupResult]:
-        """Run ``fn(group, ctx)`` for every group; same contract as :meth:`LocalExecutor.run`."""
+        """Run ``fn(group, ctx)`` for every group; same contract as :meth:`LocalExecutor.run`
+        (``more`` is asked for groups while fewer than ``len(self.slots)`` run; ``preload``
+        is not needed: Ray reuses its worker processes, which keep what they imported)."""
         ray = _import_ray()
-        ledger = Ledger(self.max_retries)
+        ledger = Ledger(self.max_retries, on_result=on_result)
         ledger.submit(groups)  # checks the groups first
-        sizes = {}
-        for g in groups:
-            size = world_size.get(g.name, 1) if isinstance(world_size, Mapping) else world_size
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"world_size of group {g.name!r} must be an int >= 1.")
-            if self.use_gpus and size > self.gpus:
-                raise ValueError(
-                    f"Group {g.name!r} asks for world_size={size} but the cluster has "
-                    f"{self.gpus:g} GPU(s); lower it or add GPUs."
-                )
-            sizes[g.name] = size
+        sizes = {g.name: self._size(world_size, g.name) for g in groups}
         root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-ray-"))
         run = _RayRun(self, ray, ledger, fn, report, sizes, root, self._get_hub(ray))
+        run.more, run.request, run.world_size = more, request, world_size
+        run.capacity = len(self.slots) if more is not None else 0
         try:
             run.loop()
         finally:
@@ -188,6 +206,17 @@ class RayExecutor:
             if self.checkpoint_dir is None:
                 shutil.rmtree(root, ignore_errors=True)
         return ledger.ordered_results()
+
+    def _size(self, world_size: int | Mapping[str, int], name: str) -> int:
+        size = world_size.get(name, 1) if isinstance(world_size, Mapping) else world_size
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"world_size of group {name!r} must be an int >= 1.")
+        if self.use_gpus and size > self.gpus:
+            raise ValueError(
+                f"Group {name!r} asks for world_size={size} but the cluster has "
+                f"{self.gpus:g} GPU(s); lower it or add GPUs."
+            )
+        return size
 
 
 # --- the pieces that live in Ray --------------------------------------------------------
@@ -207,9 +236,21 @@ def _hub_class(ray):
                 self.reports: list[tuple] = []
                 self.pruned_ids: dict[str, set] = {}
                 self.addresses: dict[str, str] = {}
+                self.answers: dict[str, Any] = {}
 
             def report(self, key: str, trial: Hashable, step: int, value: float) -> None:
-                self.reports.append((key, trial, step, value))
+                self.reports.append(("report", key, trial, step, value))
+
+            def request(self, key: str, ident: str, payload: Any) -> None:
+                self.reports.append(("request", key, ident, payload))
+
+            def answer(self, ident: str, value: Any) -> None:
+                self.answers[ident] = value
+
+            def take(self, ident: str) -> tuple[bool, Any]:
+                if ident in self.answers:
+                    return True, self.answers.pop(ident)
+                return False, None
 
             def drain(self) -> list[tuple]:
                 reports, self.reports = self.reports, []
@@ -232,7 +273,7 @@ def _hub_class(ray):
 
             def forget(self, run_id: str) -> None:
                 """Drop what one ``run`` left behind (keys start with its id)."""
-                for table in (self.pruned_ids, self.addresses):
+                for table in (self.pruned_ids, self.addresses, self.answers):
                     for key in [k for k in table if k.startswith(run_id)]:
                         del table[key]
 
@@ -247,6 +288,19 @@ class _HubChannel:
         self.ray, self.hub, self.key, self.group = ray, hub, key, group
         self.cache: set = set()
         self.checked = 0.0
+        self.asked = 0
+
+    def request(self, payload: Any) -> Any:
+        self.asked += 1
+        ident = f"{self.key}?{self.asked}"
+        self.hub.request.remote(self.key, ident, payload)  # after this worker's reports
+        wait = 0.001
+        while True:
+            found, value = self.ray.get(self.hub.take.remote(ident))
+            if found:
+                return value
+            time.sleep(wait)
+            wait = min(0.02, wait * 2)
 
     def send(self, message: tuple) -> None:
         # Calls from one worker to an actor run in order, so reports keep their order.
@@ -359,13 +413,33 @@ class _RayRun:
         self.run_id = uuid.uuid4().hex  # keeps this run's keys apart in the shared hub
         self.running: dict[str, _RayAttempt] = {}
         self.rank_of: dict[Any, tuple[str, int]] = {}
+        self.more, self.request, self.world_size, self.capacity = None, None, 1, 0
+
+    def _ask_more(self) -> bool:
+        """Take new groups from ``more`` while fewer groups than slots run and none waits."""
+        asked = False
+        while self.more is not None and len(self.running) < self.capacity \
+                and not self.ledger.pending:  # fmt: skip
+            groups = list(self.more())
+            if not groups:
+                break
+            for g in groups:
+                if isinstance(g, TrialGroup):
+                    self.sizes[g.name] = self.ex._size(self.world_size, g.name)
+            self.ledger.submit(groups)
+            while self.ledger.pending:
+                self._start(*self.ledger.pending.pop(0))
+            asked = True
+        return asked
 
     def loop(self) -> None:
-        while self.ledger.pending or self.running:
+        # a worker waiting for an answer waits for this loop: poll often when answers are due
+        tick = 0.01 if self.request is not None else 0.1
+        while self._ask_more() or self.ledger.pending or self.running:
             # Ray queues tasks until resources free up, so everything pending is submitted.
             while self.ledger.pending:
                 self._start(*self.ledger.pending.pop(0))
-            ready, _ = self.ray.wait(list(self.rank_of), num_returns=1, timeout=0.1)
+            ready, _ = self.ray.wait(list(self.rank_of), num_returns=1, timeout=tick)
             self._deliver_reports()
             ready, _ = self.ray.wait(list(self.rank_of), num_returns=len(self.rank_of), timeout=0)
             for ref in ready:
@@ -408,8 +482,17 @@ class _RayRun:
         self.running[key] = run
 
     def _deliver_reports(self) -> None:
-        for key, trial, step, value in self.ray.get(self.hub.drain.remote()):
+        for kind, key, *rest in self.ray.get(self.hub.drain.remote()):
             run = self.running.get(key)
+            if kind == "request":
+                ident, payload = rest
+                if run is None:
+                    continue  # that attempt ended; nobody waits for the answer
+                if self.request is None:
+                    raise RuntimeError("a worker called ctx.request but run() got no request=")
+                self.hub.answer.remote(ident, self.request(run.group.name, payload))
+                continue
+            trial, step, value = rest
             if run is None or self.report is None:
                 continue
             if trial in self.ledger.pruned[run.group.name]:
