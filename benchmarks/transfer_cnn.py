@@ -24,10 +24,14 @@ Spearman's rank correlation with the full model over the grid, and the full mode
 model's choice; a model *transfers* when it is within one grid step and Spearman >= 0.9. Then the
 median wall time of one training step of each model, alone (not fused), taken interleaved.
 
-Not a test. Results go to a JSON-lines file as each grid finishes; a rerun resumes::
+Not a test. Results go to a JSON-lines file as each grid finishes; a rerun resumes. The full
+model costs most of the time, and its grids do not depend on the others', so on a busy machine
+run it apart (phase ``hp`` needs every seed of its phase ``lr`` in its ``--out`` file)::
 
-    python benchmarks/transfer_cnn.py                 # 3 seeds, both phases, step times
-    python benchmarks/transfer_cnn.py --report        # the tables from transfer_cnn.jsonl
+    python benchmarks/transfer_cnn.py                 # 3 seeds, both phases
+    python benchmarks/transfer_cnn.py --models full --phases lr --seed-list 1 --out f1.jsonl
+    python benchmarks/transfer_cnn.py --combine a.jsonl f1.jsonl    # the tables
+    python benchmarks/transfer_cnn.py --step-times    # interleaved step times
 """
 
 from __future__ import annotations
@@ -150,10 +154,11 @@ def run(args: argparse.Namespace) -> None:
     done = {(r["phase"], r["model"], r["seed"]) for r in rows}
     start = time.time()
     names = args.models or list(MODELS)
-    for phase in ("lr", "hp"):
+    seeds = args.seed_list if args.seed_list is not None else range(args.seeds)
+    for phase in args.phases:
         lrs = best_lrs(rows)
         # the cheap models first: numbers early
-        for seed in range(args.seeds):
+        for seed in seeds:
             for name in reversed(names):
                 if (phase, name, seed) in done:
                     continue
@@ -272,7 +277,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--size", type=int, default=8, help="image height and width, pixels")
     p.add_argument("--models", nargs="+", choices=list(MODELS), help="a subset (default all)")
+    p.add_argument("--seed-list", type=int, nargs="+", help="run these seeds (not 0..seeds-1)")
+    p.add_argument("--phases", nargs="+", default=["lr", "hp"], choices=["lr", "hp"])
     p.add_argument("--out", type=Path, default=Path("transfer_cnn.jsonl"))
+    p.add_argument("--combine", type=Path, nargs="+", help="report the rows of these files")
     p.add_argument("--report", action="store_true", help="only print the tables from --out")
     p.add_argument("--step-times", action="store_true", help="only the interleaved step times")
     args = p.parse_args()
@@ -286,8 +294,9 @@ def main() -> None:
                 f"{k:>10}: {v * 1e3:7.1f} ms  {v / base:5.2f} x (8,1)  {v / t['full']:.3f} x full"
             )
         return
-    if args.report:
-        report([json.loads(line) for line in args.out.read_text().splitlines()])
+    if args.report or args.combine:
+        paths = args.combine or [args.out]
+        report([json.loads(line) for p in paths for line in p.read_text().splitlines()])
         return
     run(args)
 
