@@ -94,9 +94,9 @@ def grid(phase: str, lr: float | None = None) -> list[dict]:
     """The trials of one fused grid: ``{"lr", "wd", "warmup"}`` each."""
     if phase == "lr":
         return [{"lr": 2.0**e, "wd": 0.0, "warmup": None} for e in LR_EXP]
-    return [{"lr": lr, "wd": 2.0**e, "warmup": None} for e in WD_EXP] + [
-        {"lr": lr, "wd": 0.0, "warmup": w} for w in WARMUPS
-    ]
+    wd = [{"lr": lr, "wd": 2.0**e, "warmup": None} for e in WD_EXP]
+    warm = [{"lr": lr, "wd": 0.0, "warmup": w} for w in WARMUPS]
+    return {"hp": wd + warm, "wd": wd, "warmup": warm}[phase]
 
 
 def train_grid(model: nn.Module, trials: list[dict], data: dict, batches: torch.Tensor,
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
             for name in reversed(names):
                 if (phase, name, seed) in done:
                     continue
-                if phase == "hp" and name not in lrs:
+                if phase != "lr" and name not in lrs:
                     continue
                 g = torch.Generator().manual_seed(1000 + seed)  # one batch order per seed
                 batches = torch.randint(len(data["train"][0]), (args.steps, args.batch),
@@ -253,16 +253,18 @@ def report(rows: list[dict]) -> None:
     names = [k for k in MODELS if any(r["model"] == k for r in rows)]
     lr = {k: [r["losses"] for r in rows if r["phase"] == "lr" and r["model"] == k] for k in names}
     print(table("learning rate, SGD, no weight decay", [f"2^{e}" for e in LR_EXP], lr))
-    hp = {k: [r["losses"] for r in rows if r["phase"] == "hp" and r["model"] == k] for k in names}
     nw = len(WD_EXP)
+    # phase hp holds both grids; phases wd and warmup one each (the full model, run apart)
+    wd = {k: [r["losses"][:nw] if r["phase"] == "hp" else r["losses"] for r in rows
+              if r["phase"] in ("hp", "wd") and r["model"] == k] for k in names}  # fmt: skip
+    warm = {k: [r["losses"][nw:] if r["phase"] == "hp" else r["losses"] for r in rows
+                if r["phase"] in ("hp", "warmup") and r["model"] == k] for k in names}  # fmt: skip
     bests = best_lrs(rows)
     at = ", ".join(f"{k} 2^{round(math.log2(v))}" for k, v in bests.items())
     print(f"\nphase hp: each model at its own best learning rate ({at})\n")
-    print(table("weight decay", [f"2^{e}" for e in WD_EXP],
-                {k: [v[:nw] for v in vs] for k, vs in hp.items()}))  # fmt: skip
+    print(table("weight decay", [f"2^{e}" for e in WD_EXP], wd))
     print()
-    print(table("warm-up steps", [str(w) for w in WARMUPS],
-                {k: [v[nw:] for v in vs] for k, vs in hp.items()}))  # fmt: skip
+    print(table("warm-up steps", [str(w) for w in WARMUPS], warm))
     fused = {k: [r["fused_step_s"] / r["n"] for r in rows if r["model"] == k] for k in names}
     print(
         "\nfused sweep, seconds per trial-step (median): "
@@ -278,7 +280,9 @@ def main() -> None:
     p.add_argument("--size", type=int, default=8, help="image height and width, pixels")
     p.add_argument("--models", nargs="+", choices=list(MODELS), help="a subset (default all)")
     p.add_argument("--seed-list", type=int, nargs="+", help="run these seeds (not 0..seeds-1)")
-    p.add_argument("--phases", nargs="+", default=["lr", "hp"], choices=["lr", "hp"])
+    p.add_argument("--phases", nargs="+", default=["lr", "hp"],
+                   choices=["lr", "hp", "wd", "warmup"], help="hp = wd and warmup in one fused "
+                   "model; wd and warmup apart (2 processes)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("transfer_cnn.jsonl"))
     p.add_argument("--combine", type=Path, nargs="+", help="report the rows of these files")
     p.add_argument("--report", action="store_true", help="only print the tables from --out")
