@@ -61,6 +61,44 @@ def cnn(width: int = 64, dropout: float = 0.0) -> nn.Module:
     return CNN(width, dropout)
 
 
+class DeepCNN(nn.Module):
+    """stem (width) -> ``blocks`` blocks -> strided block (2 x width) -> ``blocks`` blocks -> pool
+    -> linear.
+
+    Each stage is an ``nn.Sequential`` of identically shaped residual blocks (the downsampling
+    block sits between them, not inside a stage), so ``hydro.scale(..., depth_ratio=k)`` can keep
+    every ``k``-th block of each stage.
+    """
+
+    def __init__(self, width: int, blocks: int, dropout: float, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        self.stage1 = nn.Sequential(*(ResidualBlock(width, width) for _ in range(blocks)))
+        self.down = ResidualBlock(width, 2 * width, stride=2)
+        self.stage2 = nn.Sequential(*(ResidualBlock(2 * width, 2 * width) for _ in range(blocks)))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits ``[B, num_classes]`` for images ``[B, 3, H, W]``."""
+        x = self.stage2(self.down(self.stage1(self.stem(x))))
+        return self.head(self.dropout(torch.flatten(self.pool(x), 1)))
+
+
+def deep_cnn(width: int = 64, blocks: int = 4, dropout: float = 0.0) -> nn.Module:
+    """A deeper CNN for depth scaling: two stages of ``blocks`` residual blocks each.
+
+    Args:
+        width: channels of the first stage (the second has ``2 * width``); Hydro divides it.
+        blocks: residual blocks per stage (``2 * blocks + 1`` in all, with the strided one).
+        dropout: dropout probability before the classifier.
+    """
+    return DeepCNN(width, blocks, dropout)
+
+
 def error_rate(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Fraction of misclassified images: the tuning metric of ``tune.yaml`` (lower is better)."""
     return (output.argmax(dim=-1) != target).float().mean()
