@@ -319,6 +319,16 @@ def trial_conv(
     return fn(x, w, b, stride, padding, dilation, groups if shared else n * groups)
 
 
+def trial_conv_transpose(
+    dims: int, x, weight, bias, stride, padding, output_padding, groups: int, dilation, n: int
+) -> torch.Tensor:  # noqa: ANN001
+    """``n`` transposed convolutions as one grouped one on channel-stacked ``[B, n * C_in, ...]``
+    (weights ``[n, C_in, C_out / groups, ...]``), channel-stacked out."""
+    fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[dims]
+    b = None if bias is None else bias.flatten()
+    return fn(x, weight.flatten(0, 1), b, stride, padding, output_padding, n * groups, dilation)
+
+
 def trial_dropout(x: torch.Tensor, p: torch.Tensor, train: bool, n: int, spec: Spec):
     """Dropout with a per-trial rate ``p[n]``; each trial draws its own mask."""
     if not train:

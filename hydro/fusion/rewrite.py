@@ -366,10 +366,12 @@ class _Rewriter:
         if _pointwise(target) or _packet(target) in _ACTIVATIONS:
             return self._stacked_pointwise(node, held, val)
         x = node.args[0]
-        if x not in held or x.meta["val"].dim() != val.dim():
+        if x not in held:
             return False
         cdim = self.stacked[x][1]
-        rank = val.dim()
+        rank = x.meta["val"].dim()
+        if rank != val.dim() and target not in _REDUCTIONS:
+            return False
         if target is aten.layer_norm.default:
             return self._stacked_layer_norm(node, x, cdim, rank)
         if any(a is not x and self.spec.get(a) is not None for a in found):
@@ -389,7 +391,7 @@ class _Rewriter:
         elif name in ("constant_pad_nd", "pad"):
             if rank - len(node.args[1]) // 2 <= cdim:
                 return False
-        elif target in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default):
+        elif target in _REDUCTIONS:
             dims = _arg(node, 1, "dim", None)
             dims = {d % rank for d in dims} if dims else set()
             if not dims or dims & {0, cdim}:
@@ -521,19 +523,19 @@ class _Rewriter:
         self._after_write(node)
 
     def _after_write(self, node: Node) -> None:
-        """An op that writes its first operand in place leaves one valid form of it: the one it
-        wrote (the other, a converted copy, would be stale)."""
+        """An op that writes its first operand in place, held in both layouts: the other form
+        (a converted copy, perhaps viewed already) is refreshed, as an alias would be."""
         x = node.args[0] if node.args else None
-        if not (isinstance(x, Node) and node.target._schema.is_mutable):
+        if not (isinstance(x, Node) and node.target._schema.is_mutable and x in self.stacked):
             return
-        if node in self.stacked:  # written stacked (``x`` was held stacked, see stacked_op)
+        held, cdim = self.stacked[x]
+        if node in self.stacked:  # written stacked: the folded copy, if one was made, follows
             if x in self.derived_f:
-                del self.env[x]
-                self.derived_f.discard(x)
-        elif x in self.stacked:
-            del self.stacked[x]
-            self.derived_c.discard(x)
-            self.derived_f.discard(x)
+                folded = self.fn(ops.from_channels, self.stacked[node][0], self.n, cdim)
+                self.graph.call_method("copy_", (self.env[x], folded))
+            return
+        to = ops.shared_to_channels if self.spec[x][0] == "SB" else ops.to_channels
+        self.graph.call_method("copy_", (held, self.fn(to, self.env[x], self.n, cdim)))
 
     def _batch_size_value(self, a: Node) -> bool:
         val = a.meta.get("val")
@@ -880,6 +882,7 @@ _SPATIAL = {
     "_upsample_nearest_exact3d": 3, "upsample_linear1d": 1, "upsample_bilinear2d": 2,
     "upsample_bicubic2d": 2, "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2,
 }  # fmt: skip
+_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
 # element-wise activations without the pointwise tag
 _ACTIVATIONS = {
     "hardswish", "hardswish_", "hardtanh", "hardtanh_", "relu6", "mish", "mish_", "elu", "elu_",
@@ -1089,6 +1092,22 @@ def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     return True
 
 
+def _conv_transpose(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    if "T" not in kinds:
+        return False
+    x, w = node.args[0], node.args[1]
+    _batched_input(rw, node, x, "a transposed convolution")
+    k = w.meta["val"].dim() - 2
+    args = [_arg(node, i, name, default) for i, name, default in (
+        (2, "bias", None), (3, "stride", [1] * k), (4, "padding", [0] * k),
+        (5, "output_padding", [0] * k), (6, "groups", 1), (7, "dilation", [1] * k),
+    )]  # fmt: skip
+    args[0] = rw.as_trial(args[0])
+    new = rw.fn(ops.trial_conv_transpose, k, rw.stacked_value(x, 1), rw.as_trial(w), *args, rw.n)
+    rw.set_stacked(node, new, 1)
+    return True
+
+
 def _dropout(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     p = rw.literal(node, 1)
     x = node.args[0]
@@ -1134,6 +1153,9 @@ _HANDLERS = {
     aten.conv1d.padding: _conv,
     aten.conv2d.padding: _conv,
     aten.conv3d.padding: _conv,
+    aten.conv_transpose1d.default: _conv_transpose,
+    aten.conv_transpose2d.input: _conv_transpose,
+    aten.conv_transpose3d.input: _conv_transpose,
     aten.dropout.default: _dropout,
     aten.scaled_dot_product_attention.default: _attention,
 }
