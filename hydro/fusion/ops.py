@@ -307,12 +307,58 @@ def trial_batch_norm(
     )  # fmt: skip
 
 
+def _pair(v: object) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[-1]))
+
+
+def _conv_out(size: int, k: int, stride: int, pad: int, dil: int) -> int:
+    return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def conv_as_bmm(x: torch.Tensor, weight: object, stride, padding, dilation) -> bool:  # noqa: ANN001
+    """Whether a 2-D convolution of channel-stacked ``x`` runs as one batched GEMM over
+    unfolded patches rather than as a grouped convolution: on a CPU, a 1x1 convolution or one
+    with at most 16 output positions per image. Measured (``benchmarks/fusion.py --convs``,
+    n = 8, batch 4, one thread): oneDNN's grouped convolution is 1.5-16x slower than the GEMM
+    there (3x3 convolutions at 1x1 to 4x4 maps, 1x1 convolutions), and 2x faster on 3x3
+    convolutions over 8x8 maps and larger."""
+    if x.device.type != "cpu" or x.dim() != 4 or isinstance(padding, str):
+        return False
+    kh, kw = weight.shape[-2:]
+    if kh * kw == 1:
+        return True
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    positions = _conv_out(x.shape[2], kh, sh, ph, dh) * _conv_out(x.shape[3], kw, sw, pw, dw)
+    return positions <= 16
+
+
+def _bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor:  # noqa: ANN001
+    """``n`` 2-D convolutions (``groups`` 1) of channel-stacked ``x`` as one ``baddbmm``:
+    trial ``k``'s filters ``[C_out, C_in * kh * kw]`` times its unfolded patches."""
+    b, _, h, w = x.shape
+    _, c_out, c_in, kh, kw = weight.shape
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    cols = F.unfold(x, (kh, kw), (dh, dw), (ph, pw), (sh, sw))  # [B, n * C_in * kh * kw, L]
+    rows = cols.unflatten(1, (n, -1)).permute(1, 2, 0, 3).flatten(2)  # [n, C_in*kh*kw, B*L]
+    filters = weight.reshape(n, c_out, -1)
+    if bias is None:
+        y = torch.bmm(filters, rows)
+    else:
+        y = torch.baddbmm(bias.reshape(n, c_out, 1), filters, rows)
+    ho, wo = _conv_out(h, kh, sh, ph, dh), _conv_out(w, kw, sw, pw, dw)
+    return y.view(n, c_out, b, ho, wo).permute(2, 0, 1, 3, 4).reshape(b, n * c_out, ho, wo)
+
+
 def trial_conv(
     dims: int, x, weight, bias, stride, padding, dilation, groups: int, n: int, shared: bool
 ) -> torch.Tensor:  # noqa: ANN001
     """``n`` convolutions as one, channel-stacked ``[B, n * C_out, ...]`` out (trial ``k`` is
-    group block ``k``): a grouped convolution on channel-stacked ``x``, or (``shared``) one
-    convolution with all trials' filters over a shared input ``[B, C_in, ...]``."""
+    group block ``k``): a grouped convolution on channel-stacked ``x`` (or a batched GEMM over
+    unfolded patches where :func:`conv_as_bmm` says so), or (``shared``) one convolution with all
+    trials' filters over a shared input ``[B, C_in, ...]``."""
+    gemm = not shared and dims == 2 and groups == 1
+    if gemm and conv_as_bmm(x, weight, stride, padding, dilation):
+        return _bmm_conv(x, weight, bias, stride, padding, dilation, n)
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     w = weight.flatten(0, 1)
     b = None if bias is None else bias.flatten()

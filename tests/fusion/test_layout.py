@@ -188,3 +188,41 @@ def test_timm_cnns_convert_once(name: str) -> None:
     fused(*args, **kwargs)
     (gm,) = fused._graphs.values()
     _assert_stacked_between_channel_ops(gm.graph)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # (C_in, C_out, kernel, stride, padding, dilation, H, W, runs as a GEMM)
+        (3, 5, 1, 1, 0, 1, 6, 5, True),
+        (4, 6, 1, 2, 0, 1, 7, 7, True),
+        (4, 6, 3, 1, 1, 1, 4, 3, True),
+        (3, 4, 3, 2, 1, 1, 5, 5, True),
+        (2, 3, 3, 1, 2, 2, 2, 2, True),
+        (3, 4, 3, 1, 1, 1, 9, 9, False),
+    ],
+)
+def test_trial_conv_forms_equal_per_trial_convolutions(shape: tuple) -> None:
+    c_in, c_out, k, stride, pad, dil, h, w, gemm = shape
+    n, b = 3, 2
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(n, b, c_in, h, w, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(n, c_out, c_in, k, k, dtype=torch.float64, generator=g,
+                         requires_grad=True)  # fmt: skip
+    bias = torch.randn(n, c_out, dtype=torch.float64, generator=g, requires_grad=True)
+    stacked = ops.to_channels(xs.flatten(0, 1), n)
+    y = ops.trial_conv(2, stacked, weight, bias, [stride] * 2, [pad] * 2, [dil] * 2, 1, n, False)
+    expected = torch.stack([
+        F.conv2d(xs[t], weight[t], bias[t], stride, pad, dil) for t in range(n)
+    ])  # fmt: skip
+    got = ops.from_channels(y, n).unflatten(0, (n, b))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    (got * expected.detach().cos()).sum().backward()
+    grads = [t.grad.clone() for t in (xs, weight, bias)]
+    for t in (xs, weight, bias):
+        t.grad = None
+    (expected * expected.detach().cos()).sum().backward()
+    for got_grad, t in zip(grads, (xs, weight, bias)):
+        torch.testing.assert_close(got_grad, t.grad, rtol=1e-12, atol=1e-12)
+    uses_gemm = ops.conv_as_bmm(stacked, weight, [stride] * 2, [pad] * 2, [dil] * 2)
+    assert uses_gemm == gemm
