@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydro.fusion.model  # noqa: E402
+import hydro.fusion.ops as hydro_ops  # noqa: E402
 import hydro.optim  # noqa: E402
 from examples.charlm.model import GPT  # noqa: E402
 from examples.models import ResNet  # noqa: E402
@@ -448,14 +449,15 @@ def optimizer_table(args: argparse.Namespace) -> None:
 # (name, C_in, C_out, kernel, stride, groups, H): convolutions of timm's resnet18 and convnext_atto
 # at 32 x 32 pixels, as the real-model benchmark runs them
 CONV_SHAPES = [
-    ("resnet18 stem 7x7", 3, 64, 7, 2, 1, 32),
-    ("resnet18 3x3 64", 64, 64, 3, 1, 1, 8),
-    ("resnet18 3x3 128", 128, 128, 3, 1, 1, 4),
-    ("resnet18 3x3 256", 256, 256, 3, 1, 1, 2),
-    ("resnet18 3x3 512", 512, 512, 3, 1, 1, 1),
-    ("convnext dw 7x7 40", 40, 40, 7, 1, 40, 8),
-    ("convnext 1x1 40->160", 40, 160, 1, 1, 1, 8),
-    ("convnext dw 7x7 320", 320, 320, 7, 1, 320, 1),
+    ("resnet18 3x3 64 @ 8x8", 64, 64, 3, 1, 1, 8),
+    ("resnet18 3x3 128 @ 4x4", 128, 128, 3, 1, 1, 4),
+    ("resnet18 3x3 256 @ 2x2", 256, 256, 3, 1, 1, 2),
+    ("resnet18 3x3 512 @ 1x1", 512, 512, 3, 1, 1, 1),
+    ("resnet18 1x1 s2 128->256 @ 4x4", 128, 256, 1, 2, 1, 4),
+    ("CNN anchor 3x3 16 @ 16x16", 16, 16, 3, 1, 1, 16),
+    ("convnext dw 7x7 40 @ 8x8", 40, 40, 7, 1, 40, 8),
+    ("convnext 1x1 40->160 @ 8x8", 40, 160, 1, 1, 1, 8),
+    ("convnext 1x1 1280->320 @ 1x1", 1280, 320, 1, 1, 1, 1),
 ]
 
 
@@ -472,7 +474,12 @@ def _conv_steps(n: int, b: int, cin: int, cout: int, k: int, stride: int, groups
     def grouped() -> None:
         F.conv2d(xg, wg, None, stride, k // 2, 1, n * groups).sum().backward()
 
-    return separate, grouped
+    wn = wg.detach().unflatten(0, (n, -1)).requires_grad_()
+
+    def gemm() -> None:  # what hydro.fuse runs where ops.conv_as_bmm says so (groups 1)
+        hydro_ops.bmm_conv(xg, wn, None, stride, k // 2, 1, n).sum().backward()
+
+    return separate, grouped, (gemm if groups == 1 else None)
 
 
 def conv_table(args: argparse.Namespace) -> None:
@@ -480,16 +487,30 @@ def conv_table(args: argparse.Namespace) -> None:
     convolution over channel-stacked ``[B, n * C, H, W]`` (what a fused step runs)."""
     n, b = args.conv_n, args.conv_batch
     print(f"\nConvolution forward + backward, n = {n}, batch {b}, ms (median of {args.repeats}):")
-    print("| conv | threads | n separate | one grouped | separate/grouped |")
-    print("|---|---|---|---|---|")
+    print("| conv | threads | n separate | one grouped | one GEMM | separate/grouped | "
+          "separate/GEMM | hydro.fuse runs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name, *shape in CONV_SHAPES:
-            separate, grouped = _conv_steps(n, b, *shape)
-            t = timed({"sep": separate, "grp": grouped}, args.repeats, args.min_time)
+            separate, grouped, gemm = _conv_steps(n, b, *shape)
+            steps = {"sep": separate, "grp": grouped}
+            if gemm is not None:
+                steps["gemm"] = gemm
+            t = timed(steps, args.repeats, args.min_time)
+            t_gemm = t.get("gemm", float("nan"))
+            cin, cout, k, stride, groups, h = shape
+            x = torch.empty(b, n * cin, h, h)
+            w = torch.empty(n, cout, cin // groups, k, k)
+            runs = (
+                "GEMM"
+                if groups == 1 and hydro_ops.conv_as_bmm(x, w, stride, k // 2, 1)
+                else "grouped"
+            )
             print(
                 f"| {name} | {threads} | {1e3 * t['sep']:.2f} | {1e3 * t['grp']:.2f} | "
-                f"{t['sep'] / t['grp']:.2f}x |",
+                f"{1e3 * t_gemm:.2f} | {t['sep'] / t['grp']:.2f}x | {t['sep'] / t_gemm:.2f}x | "
+                f"{runs} |",
                 flush=True,
             )
 

@@ -332,7 +332,7 @@ def conv_as_bmm(x: torch.Tensor, weight: object, stride, padding, dilation) -> b
     return positions <= 16
 
 
-def _bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor:  # noqa: ANN001
+def bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor:  # noqa: ANN001
     """``n`` 2-D convolutions (``groups`` 1) of channel-stacked ``x`` as one ``baddbmm``:
     trial ``k``'s filters ``[C_out, C_in * kh * kw]`` times its unfolded patches."""
     b, _, h, w = x.shape
@@ -358,7 +358,7 @@ def trial_conv(
     trials' filters over a shared input ``[B, C_in, ...]``."""
     gemm = not shared and dims == 2 and groups == 1
     if gemm and conv_as_bmm(x, weight, stride, padding, dilation):
-        return _bmm_conv(x, weight, bias, stride, padding, dilation, n)
+        return bmm_conv(x, weight, bias, stride, padding, dilation, n)
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     w = weight.flatten(0, 1)
     b = None if bias is None else bias.flatten()

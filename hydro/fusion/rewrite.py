@@ -10,7 +10,9 @@ Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
    values folded (trials stacked inside the batch), parameters and buffers stacked ``[n, ...]``,
    shared values kept once. Ops on folded values alone run unchanged; ops that meet a per-trial
    value become the fused functions of ``ops.py``; any full reduction of a folded value (a loss
-   computed inside the model) becomes one result per trial.
+   computed inside the model) becomes one result per trial. Values from convolutions and
+   normalizations stay channel-stacked (``[B, n * C, H, W]``) through the channel-wise ops that
+   follow (:meth:`_Rewriter.stacked_op`) and are folded only where an op needs it (``_Env``).
 """
 
 from __future__ import annotations
