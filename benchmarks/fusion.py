@@ -12,11 +12,14 @@ between layers, per-trial hyperparameters as broadcast tensors) trained with ``h
     python benchmarks/fusion.py --compile    # also time torch.compile(fused model)
     python benchmarks/fusion.py --anchors    # MLP/CNN/GPT at n 16, 32 and 1, 2 threads
     python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
+    python benchmarks/fusion.py --convs      # one convolution: n separate vs one grouped
+    python benchmarks/fusion.py --anchors --before-rev REV  # also REV's fusion rewrite, beside
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import subprocess
@@ -34,6 +37,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hydro.fusion.model  # noqa: E402
+import hydro.fusion.ops as hydro_ops  # noqa: E402
 import hydro.optim  # noqa: E402
 from examples.charlm.model import GPT  # noqa: E402
 from examples.models import ResNet  # noqa: E402
@@ -160,7 +165,11 @@ def vmap_step(make, n: int) -> Callable[[], None]:
     return step
 
 
-def fused_step(make, n: int, compiled: bool = False) -> Callable[[], None]:
+def fused_step(
+    make, n: int, compiled: bool = False, rewrite: types.ModuleType | None = None
+) -> Callable[[], None]:  # noqa: ANN001
+    """``hydro.fuse`` + ``hydro.optim.Adam``; ``rewrite``: the graph built by another revision's
+    rewrite (:func:`rewrite_at`), for a before/after comparison in one process."""
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
     fused = fuse([m for m, *_ in built])
@@ -172,7 +181,42 @@ def fused_step(make, n: int, compiled: bool = False) -> Callable[[], None]:
         trial_loss(loss_fn, forward(*x), y).sum().backward()
         opt.step()
 
+    if rewrite is not None:
+        with building_with(rewrite):
+            step()  # captures and builds (and caches) the graph with that revision's rewrite
     return step
+
+
+def _module_at(rev: str, path: str, name: str, extra: dict) -> types.ModuleType:
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{path}"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    module = types.ModuleType(name)
+    module.__dict__.update(extra)
+    sys.modules[name] = module  # dataclasses look their module up
+    source = source.replace("from hydro.fusion import ops\n", "")
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+def rewrite_at(rev: str) -> types.ModuleType:
+    """``hydro/fusion/rewrite.py`` with its ``ops.py`` as of git revision ``rev``: the fused
+    graphs as that revision built them (the rest of ``hydro`` is this tree's)."""
+    tag = rev.replace("/", "_").replace("-", "_").replace("~", "_").replace("^", "_")
+    ops = _module_at(rev, "hydro/fusion/ops.py", f"hydro_fusion_ops_{tag}", {})
+    return _module_at(rev, "hydro/fusion/rewrite.py", f"hydro_fusion_rewrite_{tag}", {"ops": ops})
+
+
+@contextlib.contextmanager
+def building_with(rewrite: types.ModuleType):  # noqa: ANN201
+    """Fused graphs built inside this block come from ``rewrite`` (cached by the model after)."""
+    saved = hydro.fusion.model.fuse_graph
+    hydro.fusion.model.fuse_graph = rewrite.fuse_graph
+    try:
+        yield
+    finally:
+        hydro.fusion.model.fuse_graph = saved
 
 
 # --- HFTA-style anchors: hand-written fused models -----------------------------------------------
@@ -402,6 +446,75 @@ def optimizer_table(args: argparse.Namespace) -> None:
             )
 
 
+# (name, C_in, C_out, kernel, stride, groups, H): convolutions of timm's resnet18 and convnext_atto
+# at 32 x 32 pixels, as the real-model benchmark runs them
+CONV_SHAPES = [
+    ("resnet18 3x3 64 @ 8x8", 64, 64, 3, 1, 1, 8),
+    ("resnet18 3x3 128 @ 4x4", 128, 128, 3, 1, 1, 4),
+    ("resnet18 3x3 256 @ 2x2", 256, 256, 3, 1, 1, 2),
+    ("resnet18 3x3 512 @ 1x1", 512, 512, 3, 1, 1, 1),
+    ("resnet18 1x1 s2 128->256 @ 4x4", 128, 256, 1, 2, 1, 4),
+    ("CNN anchor 3x3 16 @ 16x16", 16, 16, 3, 1, 1, 16),
+    ("convnext dw 7x7 40 @ 8x8", 40, 40, 7, 1, 40, 8),
+    ("convnext 1x1 40->160 @ 8x8", 40, 160, 1, 1, 1, 8),
+    ("convnext 1x1 1280->320 @ 1x1", 1280, 320, 1, 1, 1, 1),
+]
+
+
+def _conv_steps(n: int, b: int, cin: int, cout: int, k: int, stride: int, groups: int, h: int):  # noqa: ANN202
+    xs = [torch.randn(b, cin, h, h, requires_grad=True) for _ in range(n)]
+    ws = [torch.randn(cout, cin // groups, k, k, requires_grad=True) for _ in range(n)]
+    xg = torch.cat([x.detach() for x in xs], 1).requires_grad_()
+    wg = torch.cat([w.detach() for w in ws], 0).requires_grad_()
+
+    def separate() -> None:
+        for x, w in zip(xs, ws):
+            F.conv2d(x, w, None, stride, k // 2, 1, groups).sum().backward()
+
+    def grouped() -> None:
+        F.conv2d(xg, wg, None, stride, k // 2, 1, n * groups).sum().backward()
+
+    wn = wg.detach().unflatten(0, (n, -1)).requires_grad_()
+
+    def gemm() -> None:  # what hydro.fuse runs where ops.conv_as_bmm says so (groups 1)
+        hydro_ops.bmm_conv(xg, wn, None, stride, k // 2, 1, n).sum().backward()
+
+    return separate, grouped, (gemm if groups == 1 else None)
+
+
+def conv_table(args: argparse.Namespace) -> None:
+    """One convolution's forward + backward: n separate convolutions against one grouped
+    convolution over channel-stacked ``[B, n * C, H, W]`` (what a fused step runs)."""
+    n, b = args.conv_n, args.conv_batch
+    print(f"\nConvolution forward + backward, n = {n}, batch {b}, ms (median of {args.repeats}):")
+    print("| conv | threads | n separate | one grouped | one GEMM | separate/grouped | "
+          "separate/GEMM | hydro.fuse runs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, *shape in CONV_SHAPES:
+            separate, grouped, gemm = _conv_steps(n, b, *shape)
+            steps = {"sep": separate, "grp": grouped}
+            if gemm is not None:
+                steps["gemm"] = gemm
+            t = timed(steps, args.repeats, args.min_time)
+            t_gemm = t.get("gemm", float("nan"))
+            cin, cout, k, stride, groups, h = shape
+            x = torch.empty(b, n * cin, h, h)
+            w = torch.empty(n, cout, cin // groups, k, k)
+            runs = (
+                "GEMM"
+                if groups == 1 and hydro_ops.conv_as_bmm(x, w, stride, k // 2, 1)
+                else "grouped"
+            )
+            print(
+                f"| {name} | {threads} | {1e3 * t['sep']:.2f} | {1e3 * t['grp']:.2f} | "
+                f"{1e3 * t_gemm:.2f} | {t['sep'] / t['grp']:.2f}x | {t['sep'] / t_gemm:.2f}x | "
+                f"{runs} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
@@ -414,6 +527,12 @@ def main() -> None:
         "--optimizer", action="store_true", help="only the optimizer step: old vs now vs compiled"
     )
     parser.add_argument("--old-rev", default="13b3095", help="git revision of the old optimizer")
+    parser.add_argument(
+        "--convs", action="store_true",
+        help="only single convolutions (resnet18/convnext shapes): n separate vs one grouped",
+    )  # fmt: skip
+    parser.add_argument("--conv-n", type=int, default=8)
+    parser.add_argument("--conv-batch", type=int, default=4)
     parser.add_argument("--optimizer-n", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="a subset of models")
@@ -424,6 +543,11 @@ def main() -> None:
         "--threads", type=int, nargs="*", default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
+    parser.add_argument(
+        "--before-rev", default=None,
+        help="also time hydro.fuse with the fusion rewrite (rewrite.py, ops.py) of this git "
+        "revision, side by side: columns 'fuse@rev' and 'fuse/before'",
+    )  # fmt: skip
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -439,6 +563,10 @@ def main() -> None:
         print(f"torch {torch.__version__}")
         optimizer_table(args)
         return
+    if args.convs:
+        print(f"torch {torch.__version__}")
+        conv_table(args)
+        return
 
     torch.set_num_threads(args.threads[0])
     peak = matmul_peak()
@@ -448,8 +576,11 @@ def main() -> None:
         "| model | n | threads | sequential | vmap | HFTA-style | hydro.fuse | fuse/HFTA | "
         "fuse/seq | fuse/vmap | HFTA/seq | GFLOP/s | % peak |"
     )
+    before = rewrite_at(args.before_rev) if args.before_rev else None
     if args.compile:
         header += " fuse+compile |"
+    if before is not None:
+        header += f" fuse@{args.before_rev} | fuse/before |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     notes = []
@@ -473,6 +604,8 @@ def main() -> None:
                         notes.append(f"{key} cannot run {name} (n={n}): {why}")
                 if args.compile:
                     steps["compiled"] = fused_step(make, n, compiled=True)
+                if before is not None:
+                    steps["before"] = fused_step(make, n, rewrite=before)
                 t = timed(steps, args.repeats, args.min_time)
                 nan = float("nan")
                 t_vmap, t_hfta, t_fuse = (t.get(k, nan) for k in ("vmap", "hfta", "fuse"))
@@ -485,6 +618,8 @@ def main() -> None:
                 )
                 if args.compile:
                     row += f" {n / t['compiled']:.0f} |"
+                if before is not None:
+                    row += f" {n / t['before']:.0f} | {t['before'] / t_fuse:.2f}x |"
                 print(row, flush=True)
     print(
         "\nColumns sequential/vmap/HFTA-style/hydro.fuse: trial-steps per second (higher is "

@@ -2,7 +2,8 @@
 
 For each model: n copies trained one after the other (torch.optim.AdamW each) against one
 ``hydro.fuse`` of the n (``hydro.optim.AdamW``), same batch, rounds interleaved; prints the
-median step time of each and the ratio.
+median step time of each and the ratio. ``--before-rev REV`` adds a third column, side by side:
+the same fused step with the fusion rewrite (``rewrite.py``, ``ops.py``) of git revision REV.
 
     PYTHONPATH=. python3 benchmarks/fusion_real_models.py --n 8 --threads 1 --repeats 5
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +23,9 @@ import hydro.optim
 from hydro.fusion import fuse, trial_loss
 from tests.fusion.real import no_dropout
 from tests.real_models import MODELS, build
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tree's benchmarks/fusion.py
+from fusion import building_with, rewrite_at  # noqa: E402
 
 
 def _loss(out: object, labels: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -30,7 +36,9 @@ def _loss(out: object, labels: torch.Tensor, fused: bool) -> torch.Tensor:
     return trial_loss(F.cross_entropy, out, labels) if fused else F.cross_entropy(out, labels)
 
 
-def measure(name: str, n: int, batch: int, steps: int, repeats: int) -> tuple[float, float]:
+def measure(
+    name: str, n: int, batch: int, steps: int, repeats: int, before: object = None
+) -> tuple[float, float, float]:
     models = []
     for seed in range(n):
         model, make = build(name, seed=seed)
@@ -40,6 +48,8 @@ def measure(name: str, n: int, batch: int, steps: int, repeats: int) -> tuple[fl
     fused = fuse(models)
     fopt = hydro.optim.AdamW(fused.parameters(), lr=[1e-3] * n)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    old = fuse(models) if before is not None else None
+    oopt = hydro.optim.AdamW(old.parameters(), lr=[1e-3] * n) if old is not None else None
 
     def sequential() -> None:
         for m, o in zip(models, opts):
@@ -52,16 +62,26 @@ def measure(name: str, n: int, batch: int, steps: int, repeats: int) -> tuple[fl
         _loss(fused(*args, **kwargs), labels, True).sum().backward()
         fopt.step()
 
+    def before_step() -> None:
+        oopt.zero_grad()
+        _loss(old(*args, **kwargs), labels, True).sum().backward()
+        oopt.step()
+
     sequential()
     fused_step()  # capture and warm up
-    seq, fus = [], []
+    rounds = [(sequential, []), (fused_step, [])]
+    if old is not None:
+        with building_with(before):
+            before_step()  # its graph built by the other revision's rewrite, then cached
+        rounds.append((before_step, []))
     for _ in range(repeats):
-        for fn, out in ((sequential, seq), (fused_step, fus)):
+        for fn, out in rounds:
             start = time.perf_counter()
             for _ in range(steps):
                 fn()
             out.append((time.perf_counter() - start) / steps)
-    return statistics.median(seq), statistics.median(fus)
+    medians = [statistics.median(out) for _, out in rounds]
+    return medians[0], medians[1], medians[2] if old is not None else float("nan")
 
 
 def main() -> None:
@@ -72,13 +92,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--before-rev", default=None, help="also time this revision's rewrite")
     a = parser.parse_args()
     torch.set_num_threads(a.threads)
+    before = rewrite_at(a.before_rev) if a.before_rev else None
     print(f"n={a.n} batch={a.batch} threads={a.threads} median of {a.repeats}")
-    print(f"{'model':22} {'sequential ms':>14} {'fused ms':>10} {'speed-up':>9}")
+    head = f"{'model':22} {'sequential ms':>14} {'fused ms':>10} {'speed-up':>9}"
+    if before is not None:
+        head += f" {'fused@' + a.before_rev + ' ms':>18} {'speed-up':>9} {'now/before':>10}"
+    print(head)
     for name in a.models:
-        seq, fus = measure(name, a.n, a.batch, a.steps, a.repeats)
-        print(f"{name:22} {seq * 1e3:14.1f} {fus * 1e3:10.1f} {seq / fus:8.2f}x")
+        seq, fus, old = measure(name, a.n, a.batch, a.steps, a.repeats, before)
+        row = f"{name:22} {seq * 1e3:14.1f} {fus * 1e3:10.1f} {seq / fus:8.2f}x"
+        if before is not None:
+            row += f" {old * 1e3:18.1f} {seq / old:8.2f}x {old / fus:9.2f}x"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ Layouts. Inside a fused graph every tensor is in one of four layouts (see ``rewr
 * ``"SB"``: a shared value that carries the batch (a model input fed to every trial), expanded to
   ``"F"`` only where an op needs each trial's own copy.
 
+A folded value whose batch leads (``[n * B, C, H, W]``) may instead be held *channel-stacked*,
+``[B, n * C, H, W]`` (HFTA's layout): convolutions, BatchNorm and GroupNorm run on it as one
+grouped kernel, and the channel-wise ops between them (pointwise ops, pooling, padding, spatial
+means, permutes that keep the batch first) keep it, so a stack of layers converts only where an
+op needs the folded value (``rewrite.py`` decides, per value). ``cdim`` names the dimension that
+holds the trials' channels (3 after ConvNeXt's ``permute(0, 2, 3, 1)``).
+
 Every function here runs a fixed number of ATen ops whatever ``n`` is: per-trial values are
 broadcast over a leading trial dimension, never looped over in Python.
 """
@@ -205,60 +212,167 @@ def _channels(v: torch.Tensor | None) -> torch.Tensor | None:
     return None if v is None else v.reshape(-1)
 
 
-def to_channels(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Folded ``[n * B, C, ...]`` -> channel-stacked ``[B, n * C, ...]`` for grouped kernels."""
-    return x.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
+def to_channels(x: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
+    """Folded ``[n * B, C, ...]`` -> channel-stacked ``[B, n * C, ...]`` (trial-major channels in
+    dimension ``cdim``: ``[B, H, W, n * C]`` for ``cdim`` 3)."""
+    return x.unflatten(0, (n, -1)).movedim(0, cdim).flatten(cdim, cdim + 1)
 
 
-def from_channels(y: torch.Tensor, n: int) -> torch.Tensor:
-    """Channel-stacked ``[B, n * C, ...]`` -> folded ``[n * B, C, ...]``."""
-    return y.unflatten(1, (n, -1)).transpose(0, 1).flatten(0, 1)
+def from_channels(y: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
+    """Channel-stacked (trials in dimension ``cdim``) -> folded ``[n * B, C, ...]``."""
+    return y.unflatten(cdim, (n, -1)).movedim(cdim, 0).flatten(0, 1)
+
+
+def shared_to_channels(x: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
+    """A shared batched value ``[B, C, ...]`` channel-stacked: every trial its own copy."""
+    grown = x.unsqueeze(cdim).expand(*x.shape[:cdim], n, *x.shape[cdim:])
+    return grown.flatten(cdim, cdim + 1)
+
+
+def stack_operand(
+    x: object, n: int, spec: Spec, cdim: int, channels: int, rank: int
+) -> object:  # fmt: skip
+    """A batch-free operand of a broadcasting op whose result is channel-stacked.
+
+    A per-trial value (``"T"``, ``[n, ...]``: a layer scale ``gamma.view(1, -1, 1, 1)``, a
+    per-trial literal) puts its trials on dimension ``cdim``, expanded to ``channels`` first when
+    it is one value per trial; a shared per-channel value is repeated once per trial.
+    """
+    if not isinstance(x, torch.Tensor) or spec is None:
+        return x
+    if spec[0] == "T":
+        t = lift(x, n, spec, rank)
+        if t.shape[cdim + 1] != channels:
+            sizes = list(t.shape)
+            sizes[cdim + 1] = channels
+            t = t.expand(sizes)
+        return t.movedim(0, cdim).flatten(cdim, cdim + 1)
+    pos = cdim - (rank - x.dim())
+    if pos >= 0 and x.shape[pos] != 1:
+        reps = [1] * x.dim()
+        reps[pos] = n
+        return x.repeat(reps)
+    return x
+
+
+def stacked_pointwise(
+    op: Callable, n: int, cdim: int, channels: int, rank: int, specs: Sequence[Spec], /,
+    *args: object, **kwargs: object,
+) -> torch.Tensor:  # fmt: skip
+    """A broadcasting op on channel-stacked values with per-trial or shared operands."""
+    lifted = [stack_operand(a, n, s, cdim, channels, rank) for a, s in zip(args, specs)]
+    return op(*lifted, **kwargs)
+
+
+def stacked_layer_norm(
+    x: torch.Tensor, channels: int, weight, bias, eps: float, n: int, per_trial: bool
+) -> torch.Tensor:  # noqa: ANN001
+    """``layer_norm`` over the last dimension of a value channel-stacked there
+    (``[B, H, W, n * C]``, ConvNeXt's channels-last norm): each trial's ``C`` channels
+    normalized, then its own affine (``per_trial``: ``[n, C]``) or the shared one."""
+    y = x.unflatten(-1, (n, channels))
+    if per_trial:
+        y = F.layer_norm(y, [channels], None, None, eps)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.layer_norm(y, [channels], weight, bias, eps)
+    return y.flatten(-2)
 
 
 def trial_group_norm(
-    x: torch.Tensor, groups: int, weight, bias, eps: float, n: int, spec: Spec
-) -> torch.Tensor:
-    """``group_norm`` with per-trial affine parameters (statistics are per sample)."""
-    if spec[0] == "SB":
-        x = expand_shared(x, n, spec)
-    y = F.group_norm(x, groups, None, None, eps).unflatten(0, (n, -1))
-    shape = (n, 1, -1) + (1,) * (x.dim() - 2)
+    x: torch.Tensor, groups: int, weight, bias, eps: float, n: int
+) -> torch.Tensor:  # noqa: ANN001
+    """``group_norm`` on channel-stacked ``[B, n * C, ...]``: each trial's groups are groups of
+    the stacked value (statistics per sample and group), then per-trial affine parameters."""
+    y = F.group_norm(x, n * groups, None, None, eps)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
     if weight is not None:
-        y = y * weight.view(shape)
+        y = y * weight.reshape(shape)
     if bias is not None:
-        y = y + bias.view(shape)
-    return y.flatten(0, 1)
+        y = y + bias.reshape(shape)
+    return y
 
 
 def trial_batch_norm(
-    x, weight, bias, running_mean, running_var, training, momentum, eps, n, spec
+    x, weight, bias, running_mean, running_var, training, momentum, eps
 ) -> torch.Tensor:  # noqa: ANN001
-    """``n`` BatchNorms as one over channel-stacked trials; running statistics update in place
-    (the flattened buffers are views of the ``[n, C]`` ones)."""
-    if spec[0] == "SB":
-        x = expand_shared(x, n, spec)
-    y = F.batch_norm(
-        to_channels(x, n), _channels(running_mean), _channels(running_var), _channels(weight),
-        _channels(bias), training, momentum, eps,
+    """``n`` BatchNorms as one on channel-stacked ``[B, n * C, ...]``; running statistics update
+    in place (the flattened buffers are views of the ``[n, C]`` ones)."""
+    return F.batch_norm(
+        x, _channels(running_mean), _channels(running_var), _channels(weight), _channels(bias),
+        training, momentum, eps,
     )  # fmt: skip
-    return from_channels(y, n)
+
+
+def _pair(v: object) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[-1]))
+
+
+def _conv_out(size: int, k: int, stride: int, pad: int, dil: int) -> int:
+    return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def conv_as_bmm(x: torch.Tensor, weight: object, stride, padding, dilation) -> bool:  # noqa: ANN001
+    """Whether a 2-D convolution of channel-stacked ``x`` runs as one batched GEMM over
+    unfolded patches rather than as a grouped convolution: on a CPU, a 1x1 convolution or one
+    with at most 16 output positions per image. Measured (``benchmarks/fusion.py --convs``,
+    n = 8, batch 4, one thread): oneDNN's grouped convolution is 1.5-16x slower than the GEMM
+    there (3x3 convolutions at 1x1 to 4x4 maps, 1x1 convolutions), and 2x faster on 3x3
+    convolutions over 8x8 maps and larger."""
+    if x.device.type != "cpu" or x.dim() != 4 or isinstance(padding, str):
+        return False
+    kh, kw = weight.shape[-2:]
+    if kh * kw == 1:
+        return True
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    positions = _conv_out(x.shape[2], kh, sh, ph, dh) * _conv_out(x.shape[3], kw, sw, pw, dw)
+    return positions <= 16
+
+
+def bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor:  # noqa: ANN001
+    """``n`` 2-D convolutions (``groups`` 1) of channel-stacked ``x`` as one ``baddbmm``:
+    trial ``k``'s filters ``[C_out, C_in * kh * kw]`` times its unfolded patches."""
+    b, _, h, w = x.shape
+    _, c_out, c_in, kh, kw = weight.shape
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    cols = F.unfold(x, (kh, kw), (dh, dw), (ph, pw), (sh, sw))  # [B, n * C_in * kh * kw, L]
+    rows = cols.unflatten(1, (n, -1)).permute(1, 2, 0, 3).flatten(2)  # [n, C_in*kh*kw, B*L]
+    filters = weight.reshape(n, c_out, -1)
+    if bias is None:
+        y = torch.bmm(filters, rows)
+    else:
+        y = torch.baddbmm(bias.reshape(n, c_out, 1), filters, rows)
+    ho, wo = _conv_out(h, kh, sh, ph, dh), _conv_out(w, kw, sw, pw, dw)
+    return y.view(n, c_out, b, ho, wo).permute(2, 0, 1, 3, 4).reshape(b, n * c_out, ho, wo)
 
 
 def trial_conv(
-    dims: int, x, weight, bias, stride, padding, dilation, groups: int, n: int, spec: Spec
+    dims: int, x, weight, bias, stride, padding, dilation, groups: int, n: int, shared: bool
 ) -> torch.Tensor:  # noqa: ANN001
-    """``n`` convolutions as one grouped convolution (trial ``k`` is group block ``k``)."""
+    """``n`` convolutions as one, channel-stacked ``[B, n * C_out, ...]`` out (trial ``k`` is
+    group block ``k``): a grouped convolution on channel-stacked ``x`` (or a batched GEMM over
+    unfolded patches where :func:`conv_as_bmm` says so), or (``shared``) one convolution with all
+    trials' filters over a shared input ``[B, C_in, ...]``."""
+    gemm = not shared and dims == 2 and groups == 1
+    if gemm and conv_as_bmm(x, weight, stride, padding, dilation):
+        return bmm_conv(x, weight, bias, stride, padding, dilation, n)
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     w = weight.flatten(0, 1)
     b = None if bias is None else bias.flatten()
-    if spec[0] == "SB" and groups == 1 and not isinstance(padding, str):
-        # all trials' filters as one convolution over the shared input
-        y = fn(x, w, b, stride, padding, dilation, 1)
-        return from_trials(y.unflatten(1, (n, -1)).movedim(1, 0), ("F", 0, 1))
-    if spec[0] == "SB":
-        x = expand_shared(x, n, spec)
-    y = fn(to_channels(x, n), w, b, stride, padding, dilation, n * groups)
-    return from_channels(y, n)
+    return fn(x, w, b, stride, padding, dilation, groups if shared else n * groups)
+
+
+def trial_conv_transpose(
+    dims: int, x, weight, bias, stride, padding, output_padding, groups: int, dilation, n: int
+) -> torch.Tensor:  # noqa: ANN001
+    """``n`` transposed convolutions as one grouped one on channel-stacked ``[B, n * C_in, ...]``
+    (weights ``[n, C_in, C_out / groups, ...]``), channel-stacked out."""
+    fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[dims]
+    b = None if bias is None else bias.flatten()
+    return fn(x, weight.flatten(0, 1), b, stride, padding, output_padding, n * groups, dilation)
 
 
 def trial_dropout(x: torch.Tensor, p: torch.Tensor, train: bool, n: int, spec: Spec):

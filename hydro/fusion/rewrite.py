@@ -10,7 +10,9 @@ Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
    values folded (trials stacked inside the batch), parameters and buffers stacked ``[n, ...]``,
    shared values kept once. Ops on folded values alone run unchanged; ops that meet a per-trial
    value become the fused functions of ``ops.py``; any full reduction of a folded value (a loss
-   computed inside the model) becomes one result per trial.
+   computed inside the model) becomes one result per trial. Values from convolutions and
+   normalizations stay channel-stacked (``[B, n * C, H, W]``) through the channel-wise ops that
+   follow (:meth:`_Rewriter.stacked_op`) and are folded only where an op needs it (``_Env``).
 """
 
 from __future__ import annotations
@@ -259,8 +261,13 @@ class _Rewriter:
         self.syms = batch_symbols(template)
         self.graph = torch.fx.Graph()
         self.graph._codegen = template.graph._codegen
-        self.env: dict[Node, Node] = {}
+        self.env: dict[Node, Node] = _Env(self)
         self.spec: dict[Node, object] = {}
+        # values held channel-stacked: old node -> (new node, dimension of the trials' channels);
+        # ``env`` then gets the folded form only when an op asks for it (``_Env``)
+        self.stacked: dict[Node, tuple[Node, int]] = {}
+        self.derived_f: set[Node] = set()  # env entry converted from the stacked value
+        self.derived_c: set[Node] = set()  # stacked entry converted from the folded value
         self.owners: dict[str, object] = {}
         self._expanded: dict[Node, Node] = {}
         self.fallbacks: list[str] = []  # nodes run under torch.func.vmap
@@ -323,6 +330,156 @@ class _Rewriter:
                 out.add(s[0])
         return out
 
+    # --- the channel-stacked layout ---------------------------------------------------------
+
+    def held(self, a: Node) -> bool:
+        """``a`` was computed channel-stacked (its folded form, if any, is a converted copy)."""
+        return a in self.stacked and a not in self.derived_c
+
+    def stacked_value(self, a: Node, cdim: int) -> Node:
+        """``a``'s value channel-stacked on ``cdim``: as computed, or converted once from its
+        folded (or shared) form."""
+        st = self.stacked.get(a)
+        if st is not None and st[1] == cdim:
+            return st[0]
+        to = ops.shared_to_channels if self.spec[a][0] == "SB" else ops.to_channels
+        new = self.fn(to, self.env[a], self.n, cdim)
+        if st is None:
+            self.stacked[a] = (new, cdim)
+            self.derived_c.add(a)
+        return new
+
+    def set_stacked(self, node: Node, new: Node, cdim: int) -> None:
+        self.stacked[node] = (new, cdim)
+        self.spec[node] = ("F", 0, 1)
+
+    def stacked_op(self, node: Node, found: list[Node]) -> bool:
+        """Run ``node`` on channel-stacked operands, its result staying stacked, when an operand
+        is held stacked and the op works within each sample's channels: pointwise ops (per-trial
+        and shared operands broadcast on the stacked channels), pooling, padding, upsampling,
+        spatial reductions, dropout, permutes that keep the batch first, and a ``layer_norm`` over
+        stacked channels in the last dimension. Anything else reads the folded form."""
+        held = [a for a in found if self.held(a)]
+        val = node.meta.get("val")
+        fact = self.facts.get(node)
+        if not held or not isinstance(val, torch.Tensor) or not _leading_batch(fact):
+            return False
+        target = node.target
+        if _pointwise(target) or _packet(target) in _ACTIVATIONS:
+            return self._stacked_pointwise(node, held, val)
+        x = node.args[0]
+        if x not in held:
+            return False
+        cdim = self.stacked[x][1]
+        rank = x.meta["val"].dim()
+        if rank != val.dim() and target not in _REDUCTIONS:
+            return False
+        if target is aten.layer_norm.default:
+            return self._stacked_layer_norm(node, x, cdim, rank)
+        if any(a is not x and self.spec.get(a) is not None for a in found):
+            return False
+        name = _packet(target)
+        if target is aten.dropout.default:
+            if node.name in self.literals:
+                return False  # per-trial rates: ``trial_dropout`` on the folded value
+        elif target is aten.permute.default:
+            dims = [d % rank for d in node.args[1]]
+            if dims[0] != 0:
+                return False
+            cdim = dims.index(cdim)
+        elif name in _SPATIAL:
+            if cdim != 1 or rank != _SPATIAL[name] + 2:
+                return False
+        elif name in ("constant_pad_nd", "pad"):
+            if rank - len(node.args[1]) // 2 <= cdim:
+                return False
+        elif target in _REDUCTIONS:
+            dims = _arg(node, 1, "dim", None)
+            dims = {d % rank for d in dims} if dims else set()
+            if not dims or dims & {0, cdim}:
+                return False
+            if not _arg(node, 2, "keepdim", False):
+                cdim -= sum(d < cdim for d in dims)
+        else:
+            return False
+        args = (self.stacked[x][0], *torch.fx.node.map_arg(node.args[1:], self.env.__getitem__))
+        kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
+        self.set_stacked(node, self.graph.call_function(target, args, kwargs), cdim)
+        return True
+
+    def _stacked_pointwise(self, node: Node, held: list[Node], val: torch.Tensor) -> bool:
+        rank = val.dim()
+        cdim = self.stacked[held[0]][1]
+        channels = val.shape[cdim]
+        if not isinstance(channels, int):
+            return False
+        if any(isinstance(v, Node) for v in tree_flatten(dict(node.kwargs))[0]):
+            return False
+        x = node.args[0]
+        if node.target._schema.is_mutable and not (x in held and self.stacked[x][1] == cdim):
+            return False  # written in place: only where it is held stacked
+        plan = []  # (kind, operand): validate every operand before adding conversions
+        for i, a in enumerate(node.args):
+            if self.literals.get(node.name, {}).get(i) is not None:
+                plan.append(("literal", i))
+            elif isinstance(a, (list, tuple)) and any(isinstance(v, Node) for v in a):
+                return False
+            elif not isinstance(a, Node):
+                plan.append(("as is", a))
+            else:
+                s = self.spec.get(a)
+                if isinstance(s, tuple) and s[0] in ("F", "SB"):
+                    if s[1] != 0 or s[2] != 1 or a.meta["val"].dim() != rank:
+                        return False
+                    plan.append(("stacked", a))
+                elif isinstance(s, tuple) and s[0] in ("T", "S"):
+                    plan.append(("lift", a))
+                else:
+                    plan.append(("env", a))
+        args: list = []
+        specs: list = []
+        for kind, a in plan:
+            if kind == "literal":
+                lit = self.literal(node, a)
+                args.append(self.graph.call_method("to", (lit, val.dtype)))
+                specs.append(("T",))
+            elif kind == "stacked":
+                args.append(self.stacked_value(a, cdim))
+                specs.append(None)
+            elif kind == "lift":
+                args.append(self.env[a])
+                specs.append(self.spec[a])
+            else:
+                args.append(self.env[a] if kind == "env" else a)
+                specs.append(None)
+        if all(s is None for s in specs):
+            new = self.graph.call_function(node.target, tuple(args), dict(node.kwargs))
+        else:
+            new = self.graph.call_function(
+                ops.stacked_pointwise,
+                (node.target, self.n, cdim, channels, rank, specs, *args),
+                dict(node.kwargs),
+            )
+        self.set_stacked(node, new, cdim)
+        return True
+
+    def _stacked_layer_norm(self, node: Node, x: Node, cdim: int, rank: int) -> bool:
+        shape = node.args[1]
+        w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
+        eps = _arg(node, 4, "eps", 1e-5)
+        if cdim != rank - 1 or len(shape) != 1 or not isinstance(shape[0], int):
+            return False
+        specs = {self.spec.get(a) for a in (w, b) if a is not None}
+        if not specs <= {("T",), ("S",)}:
+            return False
+        per_trial = ("T",) in specs
+        w_new = None if w is None else (self.as_trial(w) if per_trial else self.env[w])
+        b_new = None if b is None else (self.as_trial(b) if per_trial else self.env[b])
+        new = self.fn(ops.stacked_layer_norm, self.stacked[x][0], shape[0], w_new, b_new, eps,
+                      self.n, per_trial)  # fmt: skip
+        self.set_stacked(node, new, cdim)
+        return True
+
     # --- nodes ------------------------------------------------------------------------------
 
     def visit(self, node: Node) -> None:
@@ -363,8 +520,24 @@ class _Rewriter:
                 self._dispatch(node, found, kinds)
             finally:
                 self.env.update(saved)
+        else:
+            self._dispatch(node, found, kinds)
+        self._after_write(node)
+
+    def _after_write(self, node: Node) -> None:
+        """An op that writes its first operand in place, held in both layouts: the other form
+        (a converted copy, perhaps viewed already) is refreshed, as an alias would be."""
+        x = node.args[0] if node.args else None
+        if not (isinstance(x, Node) and node.target._schema.is_mutable and x in self.stacked):
             return
-        self._dispatch(node, found, kinds)
+        held, cdim = self.stacked[x]
+        if node in self.stacked:  # written stacked: the folded copy, if one was made, follows
+            if x in self.derived_f:
+                folded = self.fn(ops.from_channels, self.stacked[node][0], self.n, cdim)
+                self.graph.call_method("copy_", (self.env[x], folded))
+            return
+        to = ops.shared_to_channels if self.spec[x][0] == "SB" else ops.to_channels
+        self.graph.call_method("copy_", (held, self.fn(to, self.env[x], self.n, cdim)))
 
     def _batch_size_value(self, a: Node) -> bool:
         val = a.meta.get("val")
@@ -374,6 +547,8 @@ class _Rewriter:
 
     def _dispatch(self, node: Node, found: list[Node], kinds: set) -> None:
         target = node.target
+        if self.stacked_op(node, found):
+            return
         handler = _HANDLERS.get(target)
         if handler is not None and handler(self, node, found, kinds):
             return
@@ -451,6 +626,17 @@ class _Rewriter:
     def sym_size(self, node: Node) -> None:
         x, d = node.args
         s = self.spec[x]
+        if x in self.stacked and x not in self.derived_c and x not in self.env:
+            # read from the stacked value: no conversion just to read a size
+            new, cdim = self.stacked[x]
+            d = d % x.meta["val"].dim()
+            size = self.fn(aten.sym_size.int, new, d)
+            if d == 0:
+                size = self.fn(operator.mul, size, self.n)
+            elif d == cdim:
+                size = self.fn(operator.floordiv, size, self.n)
+            self.env[node], self.spec[node] = size, None
+            return
         if s and s[0] == "T":
             self.env[node] = self.fn(aten.sym_size.int, self.env[x], d + 1 if d >= 0 else d)
         else:
@@ -661,6 +847,52 @@ class _Rewriter:
         self.spec[node] = outs if isinstance(out, list) else outs[0]
 
 
+class _Env(dict):
+    """A rewrite's ``env``: a value held only channel-stacked gets its folded form the first
+    time an op reads it that way (one conversion, placed before that op)."""
+
+    def __init__(self, rw: _Rewriter) -> None:
+        super().__init__()
+        self.rw = rw
+
+    def __missing__(self, node: Node) -> Node:
+        rw = self.rw
+        if node not in rw.stacked:
+            raise KeyError(node)
+        new, cdim = rw.stacked[node]
+        folded = rw.fn(ops.from_channels, new, rw.n, cdim)
+        self[node] = folded
+        rw.derived_f.add(node)
+        return folded
+
+
+def _leading_batch(fact: object) -> bool:
+    return isinstance(fact, Batch) and fact.dim == 0 and fact.outer == 1
+
+
+def _packet(target: object) -> str:
+    return target._overloadpacket.__name__ if _is_aten(target) else ""
+
+
+# per-sample, per-channel ops over the spatial dimensions: name -> number of spatial dimensions
+_SPATIAL = {
+    **{f"{p}pool{k}d": k for p in ("max_", "avg_", "adaptive_avg_") for k in (1, 2, 3)},
+    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
+    **{f"{p}_pad{k}d": k for p in ("reflection", "replication") for k in (1, 2, 3)},
+    "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
+    "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2,
+    "_upsample_nearest_exact3d": 3, "upsample_linear1d": 1, "upsample_bilinear2d": 2,
+    "upsample_bicubic2d": 2, "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2,
+}  # fmt: skip
+_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
+# element-wise activations without the pointwise tag
+_ACTIVATIONS = {
+    "hardswish", "hardswish_", "hardtanh", "hardtanh_", "relu6", "mish", "mish_", "elu", "elu_",
+    "leaky_relu", "leaky_relu_", "silu", "silu_", "gelu", "gelu_", "celu", "selu", "softplus",
+    "hardsigmoid", "hardsigmoid_",
+}  # fmt: skip
+
+
 class _VmapOp(torch.nn.Module):
     """Calls :func:`ops.vmap_call` for one node (holds what a graph argument cannot)."""
 
@@ -809,10 +1041,10 @@ def _group_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> boo
     x, groups = node.args[0], node.args[1]
     w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
     eps = _arg(node, 4, "eps", 1e-5)
-    s = _batched_input(rw, node, x, "group_norm")
-    rw.env[node] = rw.fn(ops.trial_group_norm, rw.env[x], groups, rw.as_trial(w),
-                         rw.as_trial(b), eps, rw.n, s)  # fmt: skip
-    rw.spec[node] = ("F", 0, 1)
+    _batched_input(rw, node, x, "group_norm")
+    new = rw.fn(ops.trial_group_norm, rw.stacked_value(x, 1), groups, rw.as_trial(w),
+                rw.as_trial(b), eps, rw.n)  # fmt: skip
+    rw.set_stacked(node, new, 1)
     return True
 
 
@@ -827,9 +1059,8 @@ def _batch_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> boo
     if shared and not training:
         return False
     args = [rw.as_trial(a) for a in (w, b, rm, rv)]
-    rw.env[node] = rw.fn(ops.trial_batch_norm, rw.env[x], *args, training, momentum, eps,
-                         rw.n, s)  # fmt: skip
-    rw.spec[node] = ("F", 0, 1)
+    new = rw.fn(ops.trial_batch_norm, rw.stacked_value(x, 1), *args, training, momentum, eps)
+    rw.set_stacked(node, new, 1)
     return True
 
 
@@ -853,9 +1084,29 @@ def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     padding = _arg(node, 4, "padding", [0] * k)
     dilation = _arg(node, 5, "dilation", [1] * k)
     groups = _arg(node, 6, "groups", 1)
-    rw.env[node] = rw.fn(ops.trial_conv, dims, rw.env[x], rw.as_trial(w), rw.as_trial(b),
-                         stride, padding, dilation, groups, rw.n, s)  # fmt: skip
-    rw.spec[node] = ("F", 0, 1)
+    shared = s[0] == "SB" and groups == 1 and not isinstance(padding, str)
+    # all trials' filters over the shared input in one convolution, else a grouped one over the
+    # channel-stacked input; the result stays channel-stacked for the layers that follow
+    xin = rw.env[x] if shared else rw.stacked_value(x, 1)
+    new = rw.fn(ops.trial_conv, dims, xin, rw.as_trial(w), rw.as_trial(b), stride, padding,
+                dilation, groups, rw.n, shared)  # fmt: skip
+    rw.set_stacked(node, new, 1)
+    return True
+
+
+def _conv_transpose(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    if "T" not in kinds:
+        return False
+    x, w = node.args[0], node.args[1]
+    _batched_input(rw, node, x, "a transposed convolution")
+    k = w.meta["val"].dim() - 2
+    args = [_arg(node, i, name, default) for i, name, default in (
+        (2, "bias", None), (3, "stride", [1] * k), (4, "padding", [0] * k),
+        (5, "output_padding", [0] * k), (6, "groups", 1), (7, "dilation", [1] * k),
+    )]  # fmt: skip
+    args[0] = rw.as_trial(args[0])
+    new = rw.fn(ops.trial_conv_transpose, k, rw.stacked_value(x, 1), rw.as_trial(w), *args, rw.n)
+    rw.set_stacked(node, new, 1)
     return True
 
 
@@ -904,6 +1155,9 @@ _HANDLERS = {
     aten.conv1d.padding: _conv,
     aten.conv2d.padding: _conv,
     aten.conv3d.padding: _conv,
+    aten.conv_transpose1d.default: _conv_transpose,
+    aten.conv_transpose2d.input: _conv_transpose,
+    aten.conv_transpose3d.input: _conv_transpose,
     aten.dropout.default: _dropout,
     aten.scaled_dot_product_attention.default: _attention,
 }
