@@ -186,9 +186,12 @@ def search_hydro(args: argparse.Namespace) -> dict:
 
 
 def states(study) -> dict:  # noqa: ANN001
-    counts: dict[str, int] = {}
+    """Trials per state, and ``trial_steps``: the steps trained summed over trials (a pruned
+    trial's last reported step)."""
+    counts: dict[str, int] = {"trial_steps": 0}
     for t in study.get_trials(deepcopy=False):
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
+        counts["trial_steps"] += max(t.intermediate_values, default=0)
     return counts
 
 
@@ -239,6 +242,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--first-repeat", type=int, default=0, help="repeat r uses seed r")
     p.add_argument("--ratio", type=int, default=8)
     p.add_argument("--fuse", type=int, default=16)
     p.add_argument("--width", type=int, default=256)
@@ -280,7 +284,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="hydro-before-") as tmp:
         roots = {"plain": str(ROOT), "before": checkout(args.before_rev, tmp), "after": str(ROOT)}
-        for r in range(args.repeats):
+        for r in range(args.first_repeat, args.first_repeat + args.repeats):
             row: dict = {"repeat": r}
             for m in methods:
                 row[m] = run_worker(args, "plain" if m == "plain" else m, roots[m], seed=r)
