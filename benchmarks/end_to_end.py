@@ -18,8 +18,10 @@ search call. Then each method's chosen configuration trains the full model (the 
 plain's objective, the schedule ``docs/tuning.md`` gives for the full model) from ``--check-seeds``
 seeds, and the mean final validation losses are compared. One table per repeat, then medians.
 
-    python benchmarks/end_to_end.py --repeats 3                  # the documented run
-    python benchmarks/end_to_end.py --trials 8 --steps 20 --chars 40000   # a quick look
+    python benchmarks/end_to_end.py --repeats 3                  # the yaml's own scale (hours)
+    # the run in docs/tuning.md (shortened to fit a 2-core machine):
+    python benchmarks/end_to_end.py --repeats 3 --steps 32 --eval-every 8 --batch 8 --chars 50000
+    # one repeat (seed 2) on its own, e.g. in parallel with others: --first-repeat 2 --repeats 1
 """
 
 from __future__ import annotations
