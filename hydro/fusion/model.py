@@ -248,8 +248,8 @@ class FusedModel(nn.Module):
         saved = [b.clone() for b in mutated]
         out = gm(*args, **kwargs)
         with torch.no_grad():
-            if self.training:  # the next training forward draws each trial's next numbers
-                self.trial_step.add_(1)
+            if self.training:  # the next forward draws the next numbers (a diverged trial: frozen)
+                self.trial_step.add_(self.diverged.logical_not().to(torch.int64))
             # A diverged trial is frozen: undo what this forward wrote to its buffers, without
             # reading the flags on the host (no synchronization). Through .data: autograd saved
             # some of these buffers and must not see a version bump.
