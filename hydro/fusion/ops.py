@@ -274,6 +274,23 @@ def trial_dropout(
     return settle(_random.dropout(to_trials(x, n, spec), p, keys), spec)
 
 
+def trial_random(
+    kind: str, x: torch.Tensor, n: int, spec: Spec, keys: torch.Tensor, p: object = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``rand_like``/``randn_like``/``bernoulli`` of ``x`` from each trial's own stream (``x``'s
+    values matter only as ``bernoulli``'s probabilities when ``p`` is ``None``)."""
+    t = to_trials(x, n, spec)
+    dtype = dtype or x.dtype
+    if kind == "rand":
+        y = _random.uniform(keys, t.shape[1:], dtype)
+    elif kind == "randn":
+        y = _random.normal(keys, t.shape[1:], dtype)
+    else:
+        y = _random.bernoulli(keys, t.shape[1:], t if p is None else p, dtype)
+    return settle(y, spec)
+
+
 def trial_attention(
     q, k, v, mask, p, causal: bool, scale, gqa: bool, n: int, spec: Spec, keys: torch.Tensor
 ) -> torch.Tensor:  # noqa: ANN001

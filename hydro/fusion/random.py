@@ -132,3 +132,29 @@ def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> tor
     q = (1.0 - p).to(t.dtype)
     scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(t.dtype).tiny), 0.0)
     return t * (keep * scale)
+
+
+def uniform(keys: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):
+    """``rand_like`` per trial: ``[n, *shape]`` uniform on ``[0, 1)`` in steps of ``2**-24``."""
+    return uniform_bits(keys, shape).to(dtype) * 2.0**-_BITS
+
+
+def normal(keys: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):
+    """``randn_like`` per trial: ``[n, *shape]`` standard normal by Box-Muller from two uniforms
+    (the second from keys mixed once more); with 24-bit uniforms the tails end at 5.77."""
+    other = _mix_((keys ^ _SEED_SALT) & _M32)
+    u1 = (uniform_bits(keys, shape).to(torch.float64) + 1.0) * 2.0**-_BITS  # (0, 1]: log is finite
+    u2 = uniform_bits(other, shape).to(torch.float64) * (2.0 * math.pi * 2.0**-_BITS)
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)).to(dtype)
+
+
+def bernoulli(
+    keys: torch.Tensor, shape: torch.Size | tuple[int, ...], p: object, dtype: torch.dtype
+) -> torch.Tensor:
+    """``bernoulli`` per trial: ``[n, *shape]`` of 1 with probability ``p`` (to 24 bits), else 0;
+    ``p`` a float, ``[n]`` per trial, or ``[n, *shape]`` per element."""
+    n = keys.shape[1]
+    p = torch.as_tensor(p, dtype=torch.float64, device=keys.device)
+    if p.dim() == 1 and len(shape):
+        p = p.view(n, *[1] * len(shape))
+    return (uniform_bits(keys, shape) < torch.ceil(p * (1 << _BITS))).to(dtype)

@@ -348,7 +348,7 @@ class _Rewriter:
             self.plain(node, found, kinds)
             return
         if node.name in self.literals and target not in (
-            aten.dropout.default, aten.scaled_dot_product_attention.default,
+            aten.dropout.default, aten.scaled_dot_product_attention.default, *_SAMPLERS,
         ) and not _pointwise(target):  # fmt: skip
             raise self.error(
                 node,
@@ -378,6 +378,10 @@ class _Rewriter:
         handler = _HANDLERS.get(target)
         if handler is not None and handler(self, node, found, kinds):
             return
+        if _random(target) and not _draws(node):
+            logger.warning("hydro.fuse: node '%s' (%s) draws from torch's generator, not from each "
+                           "trial's own stream: with it a trial's result depends on its group",
+                           node.name, node.format_node())  # fmt: skip
         if kinds & {"T"} or node.name in self.literals:
             if _pointwise(target):
                 self.pointwise(node, found)
@@ -863,9 +867,40 @@ def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
 def _draws(node: Node) -> bool:
     """A node that may draw random numbers: its rank among these is its stream's salt, the same
     in every graph of the architecture (whatever the rates, train or eval)."""
-    return node.op == "call_function" and node.target in (
-        aten.dropout.default, aten.scaled_dot_product_attention.default,
-    )  # fmt: skip
+    return node.op == "call_function" and (
+        node.target in (aten.dropout.default, aten.scaled_dot_product_attention.default)
+        or node.target in _SAMPLERS
+    )
+
+
+_SAMPLERS = {  # op: (kind, position of a scalar probability or None)
+    aten.rand_like.default: ("rand", None), aten.randn_like.default: ("randn", None),
+    aten.bernoulli.default: ("bernoulli", None), aten.bernoulli.p: ("bernoulli", 1),
+    aten.bernoulli_.float: ("bernoulli", 1),
+}  # fmt: skip
+
+
+def _sample(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    """Random numbers shaped like a value (``bernoulli_`` on a fresh ``new_empty``: timm's
+    drop-path): each trial's from its own stream, as a new value (in place on a fresh tensor
+    is the same to its readers)."""
+    kind, pos = _SAMPLERS[node.target]
+    x = node.args[0]
+    s = rw.spec.get(x)
+    if not isinstance(s, tuple) or any(k in node.kwargs for k in ("generator", "memory_format")):
+        return False
+    if s[0] == "S":  # each trial its own numbers
+        new, s = rw.as_trial(x), ("T",)
+    else:
+        new, s = rw.folded(x), ("F", s[1], s[2]) if s[0] == "SB" else s
+    p = None
+    if pos is not None:
+        p = rw.literal(node, pos)
+        p = _arg(node, pos, "p", 0.5) if p is None else p
+    dtype = node.kwargs.get("dtype")
+    rw.env[node] = rw.fn(ops.trial_random, kind, new, rw.n, s, _stream(rw, node), p, dtype)
+    rw.spec[node] = s
+    return True
 
 
 def _stream(rw: _Rewriter, node: Node) -> Node:
@@ -942,5 +977,6 @@ _HANDLERS = {
     aten.conv2d.padding: _conv,
     aten.conv3d.padding: _conv,
     aten.dropout.default: _dropout,
+    **dict.fromkeys(_SAMPLERS, _sample),
     aten.scaled_dot_product_attention.default: _attention,
 }

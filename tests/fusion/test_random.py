@@ -203,6 +203,60 @@ def test_a_random_op_too_large_for_the_stream_index_is_an_error() -> None:
         rng.uniform_bits(_keys([0])[0], (2**16, 2**16))
 
 
+def test_rand_randn_and_bernoulli_have_their_distributions() -> None:
+    keys, size = _keys([3, 4]), 200_000
+    u = rng.uniform(keys[0], (size,), torch.float64)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / size)
+    z = rng.normal(keys[0], (size,), torch.float64)
+    for row in z:
+        assert abs(float(row.mean())) < 5 / math.sqrt(size)
+        assert abs(float(row.var()) - 1) < 5 * math.sqrt(2 / size)
+        assert _within(float((row.abs() < 1).double().mean()), 0.682689, size, 0.682689)
+    assert abs(float((z[0] * u[0]).mean()) - 0) < 5 * math.sqrt(1 / 3 / size)  # two streams
+    b = rng.bernoulli(keys[0], (size,), torch.tensor([0.2, 0.7], dtype=torch.float64), torch.float32)
+    assert set(b.unique().tolist()) == {0.0, 1.0}
+    for row, p in zip(b, (0.2, 0.7)):
+        assert _within(float(row.double().mean()), p, size, p)
+
+
+class _Noisy(nn.Module):
+    """Random ops beside dropout, as models write them: timm's drop-path (``bernoulli_`` on a
+    fresh ``new_empty``), noise injection (``randn_like``, ``rand_like``), sampled gates."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        keep = h.new_empty((h.shape[0], 1)).bernoulli_(1 - self.rate)
+        h = h * keep / (1 - self.rate)
+        h = h + 0.1 * torch.randn_like(h) + 0.1 * torch.rand_like(h)
+        h = h * torch.bernoulli(torch.sigmoid(h))
+        return self.fc2(h)
+
+
+def test_other_random_ops_draw_from_each_trials_stream() -> None:
+    def make(rate: float, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return _Noisy(rate).double()
+
+    me = make(0.25, 7)
+    group = fuse([make(0.1, 1), make(0.5, 2), copy.deepcopy(me)])  # per-trial drop-path rates
+    alone = fuse([copy.deepcopy(me)])
+    group.reseed_trial(2, 5)
+    alone.reseed_trial(0, 5)
+    x = torch.randn(32, 6, dtype=torch.float64)
+    state = torch.get_rng_state()
+    for _ in range(3):
+        a, b = group(x)[2], alone(x)[0]
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert group.fallbacks == [] and not torch.equal(group(x)[2], group(x)[2])
+
+
 # --- (a) a trial's training does not depend on its group or slot ------------------------------
 
 
