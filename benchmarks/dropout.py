@@ -83,7 +83,7 @@ def fused_step(rates: list[float], old: bool) -> Callable[[], None]:
     from hydro.tuning.group import _apply_model_params
 
     members = []
-    for k, p in enumerate(rates):
+    for p in rates:
         sur = surrogate(0.0)
         _apply_model_params(sur, {"dropout": p}, set())  # the rate as the tuner sets it
         members.append(sur)
@@ -112,7 +112,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}; GPT surrogate (charlm GPT, n_embd 256 / 4), dropout "
-          f"{args.rate}; ms per fused step, medians of {args.repeats} interleaved rounds\n")  # fmt: skip
+          f"{args.rate}; ms per fused step, medians of {args.repeats} interleaved "
+          "rounds\n")  # fmt: skip
     header = ("| rates | n | threads | no dropout | torch RNG | streams | streams / torch RNG "
               "| streams / no dropout |")  # fmt: skip
     print(header)

@@ -59,6 +59,10 @@ class FusedModel(nn.Module):
     tensor given a leading ``[n]``: batched outputs ``[n, B, ...]``, and a loss the model
     computes itself (any full reduction of a batched value) ``[n]``, each trial's own.
 
+    Random ops (dropout) draw from each trial's own stream (:mod:`hydro.fusion.random`): the
+    ``int64 [n]`` buffers ``trial_seed`` and ``trial_step`` (training forwards run), so a trial's
+    masks depend on its seed and step only (:meth:`reseed_trial`).
+
     The model's graph is captured (:func:`hydro.fx.capture.capture`) at the first call, from that
     call's inputs, unless it was captured before (a :class:`~hydro.fx.capture.Captured` model, or
     ``example_inputs=`` given to :func:`fuse`); parameters exist from the start, so an optimizer

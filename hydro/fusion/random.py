@@ -127,8 +127,13 @@ def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> tor
         keys: this op's keys, ``int64 [2, n]``.
     """
     n, rank = t.shape[0], t.dim() - 1
-    p = torch.as_tensor(p, dtype=torch.float64, device=t.device).expand(n).view(n, *[1] * rank)
-    keep = uniform_bits(keys, t.shape[1:]) >= torch.ceil(p * (1 << _BITS))
+    bits = uniform_bits(keys, t.shape[1:])
+    if not isinstance(p, torch.Tensor):  # plain numbers: no tensor made on the device
+        q = torch.tensor(1.0 - float(p), dtype=torch.float64).to(t.dtype)
+        scale = float(1.0 / q) if q > 0 else 0.0  # exact in t's dtype
+        return t * (bits >= math.ceil(float(p) * (1 << _BITS))).to(t.dtype) * scale
+    p = p.to(torch.float64).view(n, *[1] * rank)
+    keep = bits >= torch.ceil(p * (1 << _BITS))
     q = (1.0 - p).to(t.dtype)
     scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(t.dtype).tiny), 0.0)
     return t * (keep * scale)
@@ -154,7 +159,10 @@ def bernoulli(
     """``bernoulli`` per trial: ``[n, *shape]`` of 1 with probability ``p`` (to 24 bits), else 0;
     ``p`` a float, ``[n]`` per trial, or ``[n, *shape]`` per element."""
     n = keys.shape[1]
-    p = torch.as_tensor(p, dtype=torch.float64, device=keys.device)
+    bits = uniform_bits(keys, shape)
+    if not isinstance(p, torch.Tensor):
+        return (bits < math.ceil(float(p) * (1 << _BITS))).to(dtype)
+    p = p.to(torch.float64)
     if p.dim() == 1 and len(shape):
         p = p.view(n, *[1] * len(shape))
-    return (uniform_bits(keys, shape) < torch.ceil(p * (1 << _BITS))).to(dtype)
+    return (bits < torch.ceil(p * (1 << _BITS))).to(dtype)

@@ -111,6 +111,12 @@ def test_kept_values_are_scaled_exactly_and_dropped_ones_are_zero(dtype) -> None
         assert torch.equal(out[k][~kept], torch.zeros_like(out[k][~kept]))
     assert torch.equal(out[0], x[0])  # p = 0: every element, unchanged
     assert not out[3].any()  # p = 1: none
+    # one rate for all (a plain float): the very same values as that rate given per trial
+    keys = _keys([5, 6, 7, 8])[0]
+    for k, p in enumerate(rates):
+        same = rng.dropout(x, p, keys)
+        per = rng.dropout(x, torch.full((4,), p, dtype=torch.float64), keys)
+        assert torch.equal(same, per) and torch.equal(same[k], out[k]), p
 
 
 def _mlp(p: float, seed: int) -> nn.Module:
@@ -214,7 +220,8 @@ def test_rand_randn_and_bernoulli_have_their_distributions() -> None:
         assert abs(float(row.var()) - 1) < 5 * math.sqrt(2 / size)
         assert _within(float((row.abs() < 1).double().mean()), 0.682689, size, 0.682689)
     assert abs(float((z[0] * u[0]).mean()) - 0) < 5 * math.sqrt(1 / 3 / size)  # two streams
-    b = rng.bernoulli(keys[0], (size,), torch.tensor([0.2, 0.7], dtype=torch.float64), torch.float32)
+    rates = torch.tensor([0.2, 0.7], dtype=torch.float64)
+    b = rng.bernoulli(keys[0], (size,), rates, torch.float32)
     assert set(b.unique().tolist()) == {0.0, 1.0}
     for row, p in zip(b, (0.2, 0.7)):
         assert _within(float(row.double().mean()), p, size, p)
@@ -341,7 +348,8 @@ def _tune(fuse_: int) -> dict[int, tuple]:
     x = torch.randn(256, 8, generator=g, dtype=torch.float64)
     y = (x @ torch.randn(8, 3, generator=g, dtype=torch.float64)).argmax(-1)
     task = hydro.Task(model=_dropout_net, train_data=(x[:192], y[:192]),
-                      val_data=(x[192:], y[192:]), steps=8, eval_every=4, batch_size=16)  # fmt: skip
+                      val_data=(x[192:], y[192:]), steps=8, eval_every=4,
+                      batch_size=16)  # fmt: skip
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True),
              "dropout": FloatDistribution(0.1, 0.5)}  # fmt: skip
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
@@ -379,7 +387,7 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
     assert late == pytest.approx([alone.step()[0] for _ in range(4)], rel=1e-12)
 
 
-# --- ATen ops per step do not grow with n ----------------------------------------------------------
+# --- ATen ops per step do not grow with n ---------------------------------------------------
 
 
 class _Count(TorchDispatchMode):
