@@ -100,18 +100,22 @@ def uniform_bits(keys: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> tor
         ``int64 [n, *shape]``; element ``i`` of trial ``k`` depends on trial ``k``'s keys and on
         ``i`` (its flat index in ``shape``) only.
     """
+    return _hash(keys, shape) >> (32 - _BITS)
+
+
+def _hash(keys: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The 32 random bits of every element (the uniform is the top 24)."""
     numel = math.prod(shape)
-    if numel >= 1 << 32:
+    if numel >= 1 << 32:  # the hash takes 32-bit inputs
         raise FuseError(
             f"a random op draws {numel} numbers per trial; Hydro's per-trial streams index "
             "at most 2**32 elements per op and trial. Use smaller batches or tensors"
         )
-    n = keys.shape[1]
-    ones = [1] * len(shape)
-    index = torch.arange(numel, dtype=torch.int64, device=keys.device).view(1, *shape)
-    h = _mix_(index ^ keys[0].view(n, *ones))
+    n, ones = keys.shape[1], [1] * len(shape)
+    index = torch.arange(numel, dtype=torch.int64, device=keys.device)
+    h = _mix_(index.view(1, *shape) ^ keys[0].view(n, *ones))
     h ^= keys[1].view(n, *ones)
-    return _mix_(h) >> (32 - _BITS)
+    return _mix_(h)
 
 
 def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -127,13 +131,14 @@ def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> tor
         keys: this op's keys, ``int64 [2, n]``.
     """
     n, rank = t.shape[0], t.dim() - 1
-    bits = uniform_bits(keys, t.shape[1:])
+    # bits >> 8 >= ceil(p * 2**24)  <=>  bits >= ceil(p * 2**24) * 2**8: one pass fewer
+    bits, unit = _hash(keys, t.shape[1:]), 1 << (32 - _BITS)
     if not isinstance(p, torch.Tensor):  # plain numbers: no tensor made on the device
         q = torch.tensor(1.0 - float(p), dtype=torch.float64).to(t.dtype)
         scale = float(1.0 / q) if q > 0 else 0.0  # exact in t's dtype
-        return t * (bits >= math.ceil(float(p) * (1 << _BITS))).to(t.dtype) * scale
+        return t * (bits >= math.ceil(float(p) * (1 << _BITS)) * unit).to(t.dtype) * scale
     p = p.to(torch.float64).view(n, *[1] * rank)
-    keep = bits >= torch.ceil(p * (1 << _BITS))
+    keep = bits >= torch.ceil(p * (1 << _BITS)) * unit
     q = (1.0 - p).to(t.dtype)
     scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(t.dtype).tiny), 0.0)
     return t * (keep * scale)
