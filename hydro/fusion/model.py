@@ -13,10 +13,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
+from hydro.fusion import random as _random
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
 from hydro.fx.capture import Captured, capture_graph, register_at
 
 MODES = ("train", "eval")
+# buffers of the fused model itself, not of any trial's module
+OWN = frozenset({"diverged", _random.SEED, _random.STEP})
 
 
 def _signature(model: nn.Module) -> str:
@@ -56,6 +59,10 @@ class FusedModel(nn.Module):
     tensor given a leading ``[n]``: batched outputs ``[n, B, ...]``, and a loss the model
     computes itself (any full reduction of a batched value) ``[n]``, each trial's own.
 
+    Random ops (dropout) draw from each trial's own stream (:mod:`hydro.fusion.random`): the
+    ``int64 [n]`` buffers ``trial_seed`` and ``trial_step`` (training forwards run), so a trial's
+    masks depend on its seed and step only (:meth:`reseed_trial`).
+
     The model's graph is captured (:func:`hydro.fx.capture.capture`) at the first call, from that
     call's inputs, unless it was captured before (a :class:`~hydro.fx.capture.Captured` model, or
     ``example_inputs=`` given to :func:`fuse`); parameters exist from the start, so an optimizer
@@ -71,7 +78,9 @@ class FusedModel(nn.Module):
         torch.Size([2, 3])
     """
 
-    def __init__(self, models: Sequence[nn.Module], share_frozen: bool = True) -> None:
+    def __init__(
+        self, models: Sequence[nn.Module], share_frozen: bool = True, seed: int = 0
+    ) -> None:
         super().__init__()
         if not models:
             raise FuseError("fuse() needs at least one model")
@@ -115,6 +124,10 @@ class FusedModel(nn.Module):
             stacked = torch.stack([m.get_buffer(name).detach() for m in models]).clone()
             register_at(self, name, stacked, "buffer", persistent=name in persistent)
         self.register_buffer("diverged", torch.zeros(n, dtype=torch.bool))
+        # each trial's random stream (hydro.fusion.random): its seed and its training forwards
+        seeds = [_random.as_int64(seed + k) for k in range(n)]
+        self.register_buffer(_random.SEED, torch.tensor(seeds, dtype=torch.int64))
+        self.register_buffer(_random.STEP, torch.zeros(n, dtype=torch.int64))
         for p in self.parameters():
             p.hydro_diverged = self.diverged  # lets hydro.optim freeze diverged trials
 
@@ -136,7 +149,7 @@ class FusedModel(nn.Module):
         buffers = {
             name
             for name, b in self.named_buffers(remove_duplicate=False)
-            if name not in written and name != "diverged" and bool((b == b[:1]).all())
+            if name not in written and name not in OWN and bool((b == b[:1]).all())
         }
         return buffers | self._frozen_shared
 
@@ -239,6 +252,8 @@ class FusedModel(nn.Module):
         saved = [b.clone() for b in mutated]
         out = gm(*args, **kwargs)
         with torch.no_grad():
+            if self.training:  # the next forward draws the next numbers (a diverged trial: frozen)
+                self.trial_step.add_(self.diverged.logical_not().to(torch.int64))
             # A diverged trial is frozen: undo what this forward wrote to its buffers, without
             # reading the flags on the host (no synchronization). Through .data: autograd saved
             # some of these buffers and must not see a version bump.
@@ -258,7 +273,7 @@ class FusedModel(nn.Module):
         """
         k = self._check_index(k)
         module = _clone(self._sources[self._member[k]])
-        state = {name: t[k] for name, t in self.state_dict().items() if name != "diverged"}
+        state = {name: t[k] for name, t in self.state_dict().items() if name not in OWN}
         module.load_state_dict(state)
         with torch.no_grad():  # non-persistent buffers too (rotary frequencies)
             for name, b in module.named_buffers():
@@ -270,14 +285,16 @@ class FusedModel(nn.Module):
         module.train(self.training)
         return module
 
-    def load_trial(self, k: int, module: nn.Module) -> None:
+    def load_trial(self, k: int, module: nn.Module, *, seed: int | None = None) -> None:
         """Overwrite trial ``k`` with ``module`` (same parameter names and shapes): its weights,
-        buffers and plain attributes (dropout rates)."""
+        buffers and plain attributes (dropout rates). Slot ``k`` now holds a new trial: its random
+        stream restarts, from ``seed`` when given (:meth:`reseed_trial`), else from the slot's
+        seed."""
         k = self._check_index(k)
         mine = self.state_dict(keep_vars=True)
         theirs = module.state_dict()
-        missing = set(mine) - {"diverged"} - set(theirs)
-        if missing or set(theirs) - set(mine):
+        missing = set(mine) - OWN - set(theirs)
+        if missing or set(theirs) - set(mine) - OWN:
             raise FuseError(
                 f"load_trial: the module's state_dict keys differ from the fused model's "
                 f"(missing {sorted(missing)[:5]}, unexpected {sorted(set(theirs) - set(mine))[:5]})"
@@ -299,6 +316,27 @@ class FusedModel(nn.Module):
             self._captures.clear()
         self._graphs.clear()
         self.diverged[k] = False
+        self.reseed_trial(k, int(self.trial_seed[k]) if seed is None else seed)
+
+    def reseed_trial(self, k: int, seed: int) -> None:
+        """Restart trial ``k``'s random stream from ``seed`` (any integer, taken modulo
+        ``2**64``): its dropout masks from then on depend on ``seed`` and on the number of
+        training forwards since, nothing else (not its slot, group or neighbours).
+
+        Example:
+            >>> import torch
+            >>> from hydro.fusion import fuse
+            >>> a = fuse([torch.nn.Dropout(0.5)] * 3)
+            >>> b = fuse([torch.nn.Dropout(0.5)])
+            >>> a.reseed_trial(2, 7); b.reseed_trial(0, 7)
+            >>> x = torch.ones(4, 8)
+            >>> torch.equal(a(x)[2], b(x)[0])
+            True
+        """
+        k = self._check_index(k)
+        with torch.no_grad():
+            self.trial_seed[k] = _random.as_int64(seed)
+            self.trial_step[k] = 0
 
     def _unshare(self, name: str) -> None:
         """One copy per trial again for a frozen shared parameter (a trial loads other values):
@@ -563,7 +601,9 @@ def fuse(
             rescaled to the std of each of its tensors, or for a captured model a redraw from
             each tensor's statistics), deterministic given ``seed``.
         init: ``init(model, k)`` returns trial ``k``'s model (a copy with new weights).
-        seed: seed of the redrawn initializations.
+        seed: seed of the redrawn initializations, and of the trials' random streams (dropout
+            masks): trial ``k``'s stream is seeded ``seed + k`` (change it with
+            :meth:`FusedModel.reseed_trial`).
         example_inputs: one model's positional inputs, to capture now rather than at the first
             call.
         example_kwargs: one model's keyword inputs, likewise.
@@ -603,7 +643,7 @@ def fuse(
             raise FuseError("fuse() takes an nn.Module or a list of nn.Modules")
         if n is not None and n != len(members):
             raise FuseError(f"fuse got {len(members)} models but n={n}")
-    fused = FusedModel(members, share_frozen=share_frozen)
+    fused = FusedModel(members, share_frozen=share_frozen, seed=seed)
     if example_inputs is not None or example_kwargs is not None:
         fused.capture(tuple(example_inputs or ()), example_kwargs)
     return fused

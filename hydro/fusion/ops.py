@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hydro.fusion import random as _random
+
 Spec = tuple | None  # ("F", dim, outer) | ("SB", dim, outer) | ("T",) | ("S",) | None
 
 
@@ -375,21 +377,39 @@ def trial_conv_transpose(
     return fn(x, weight.flatten(0, 1), b, stride, padding, output_padding, n * groups, dilation)
 
 
-def trial_dropout(x: torch.Tensor, p: torch.Tensor, train: bool, n: int, spec: Spec):
-    """Dropout with a per-trial rate ``p[n]``; each trial draws its own mask."""
+def trial_dropout(
+    x: torch.Tensor, p: float | torch.Tensor, train: bool, n: int, spec: Spec, keys: torch.Tensor
+) -> torch.Tensor:
+    """Dropout with one rate or a per-trial rate ``p[n]``; each trial draws its mask from its
+    own stream (``keys``: this op's ``[2, n]`` from :func:`hydro.fusion.random.stream_keys`),
+    indexed by position in that trial's own tensor, not in the fused batch."""
     if not train:
         return x
+    return settle(_random.dropout(to_trials(x, n, spec), p, keys), spec)
+
+
+def trial_random(
+    kind: str, x: torch.Tensor, n: int, spec: Spec, keys: torch.Tensor, p: object = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``rand_like``/``randn_like``/``bernoulli`` of ``x`` from each trial's own stream (``x``'s
+    values matter only as ``bernoulli``'s probabilities when ``p`` is ``None``)."""
     t = to_trials(x, n, spec)
-    keep = (1.0 - p).to(x.dtype).view(n, *([1] * (t.dim() - 1)))
-    mask = torch.rand_like(t) < keep
-    scale = torch.where(keep > 0, 1.0 / keep.clamp_min(1e-12), torch.zeros_like(keep))
-    return settle(t * mask * scale, spec)
+    dtype = dtype or x.dtype
+    if kind == "rand":
+        y = _random.uniform(keys, t.shape[1:], dtype)
+    elif kind == "randn":
+        y = _random.normal(keys, t.shape[1:], dtype)
+    else:
+        y = _random.bernoulli(keys, t.shape[1:], t if p is None else p, dtype)
+    return settle(y, spec)
 
 
 def trial_attention(
-    q, k, v, mask, p: torch.Tensor, causal: bool, scale, gqa: bool, n: int, spec: Spec
+    q, k, v, mask, p, causal: bool, scale, gqa: bool, n: int, spec: Spec, keys: torch.Tensor
 ) -> torch.Tensor:  # noqa: ANN001
-    """``scaled_dot_product_attention`` with a per-trial dropout rate (the math form)."""
+    """``scaled_dot_product_attention`` with dropout (the math form): one rate or a per-trial
+    rate ``p[n]``, each trial's attention weights dropped from its own stream (``keys``)."""
     d = q.shape[-1]
     if gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
@@ -405,7 +425,7 @@ def trial_attention(
             if mask.dtype == torch.bool
             else (scores + mask)
         )
-    att = trial_dropout(torch.softmax(scores, dim=-1), p, True, n, spec)
+    att = trial_dropout(torch.softmax(scores, dim=-1), p, True, n, spec, keys)
     return att @ v
 
 

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from hydro.errors import FuseError
 from hydro.fusion import ops
+from hydro.fusion import random as rng
 
 logger = logging.getLogger("hydro.fusion")
 
@@ -504,7 +505,7 @@ class _Rewriter:
             self.plain(node, found, kinds)
             return
         if node.name in self.literals and target not in (
-            aten.dropout.default, aten.scaled_dot_product_attention.default,
+            aten.dropout.default, aten.scaled_dot_product_attention.default, *_SAMPLERS,
         ) and not _pointwise(target):  # fmt: skip
             raise self.error(
                 node,
@@ -552,6 +553,10 @@ class _Rewriter:
         handler = _HANDLERS.get(target)
         if handler is not None and handler(self, node, found, kinds):
             return
+        if _random(target) and not _draws(node):
+            logger.warning("hydro.fuse: node '%s' (%s) draws from torch's generator, not from each "
+                           "trial's own stream: with it a trial's result depends on its group",
+                           node.name, node.format_node())  # fmt: skip
         if kinds & {"T"} or node.name in self.literals:
             if _pointwise(target):
                 self.pointwise(node, found)
@@ -1110,22 +1115,89 @@ def _conv_transpose(rw: _Rewriter, node: Node, found: list[Node], kinds: set) ->
     return True
 
 
+def _draws(node: Node) -> bool:
+    """A node that may draw random numbers: its rank among these is its stream's salt, the same
+    in every graph of the architecture (whatever the rates, train or eval)."""
+    return node.op == "call_function" and (
+        node.target in (aten.dropout.default, aten.scaled_dot_product_attention.default)
+        or node.target in _SAMPLERS
+    )
+
+
+_SAMPLERS = {  # op: (kind, position of a scalar probability or None)
+    aten.rand_like.default: ("rand", None), aten.randn_like.default: ("randn", None),
+    aten.bernoulli.default: ("bernoulli", None), aten.bernoulli.p: ("bernoulli", 1),
+    aten.bernoulli_.float: ("bernoulli", 1),
+}  # fmt: skip
+
+
+def _sample(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    """Random numbers shaped like a value (``bernoulli_`` on a fresh ``new_empty``: timm's
+    drop-path): each trial's from its own stream, as a new value (in place on a fresh tensor
+    is the same to its readers)."""
+    kind, pos = _SAMPLERS[node.target]
+    x = node.args[0]
+    s = rw.spec.get(x)
+    if not isinstance(s, tuple) or any(k in node.kwargs for k in ("generator", "memory_format")):
+        return False
+    if s[0] == "S":  # each trial its own numbers
+        new, s = rw.as_trial(x), ("T",)
+    else:
+        new, s = rw.folded(x), ("F", s[1], s[2]) if s[0] == "SB" else s
+    p = None
+    if pos is not None:
+        p = rw.literal(node, pos)
+        p = _arg(node, pos, "p", 0.5) if p is None else p
+    dtype = node.kwargs.get("dtype")
+    rw.env[node] = rw.fn(ops.trial_random, kind, new, rw.n, s, _stream(rw, node), p, dtype)
+    rw.spec[node] = s
+    return True
+
+
+def _stream(rw: _Rewriter, node: Node) -> Node:
+    """``node``'s per-trial keys ``[2, n]`` (:mod:`hydro.fusion.random`): every random node's
+    keys come from one computation per forward, over the trials' seed and step buffers."""
+    if not hasattr(rw, "hydro_keys"):
+        if rng.SEED not in rw.tensors or rng.STEP not in rw.tensors:
+            raise rw.error(node, "a random op needs the fused model's per-trial seed and step "
+                           "buffers; build the graph through hydro.fuse")  # fmt: skip
+        salts = {m: j for j, m in enumerate(m for m in rw.template.graph.nodes if _draws(m))}
+        bufs = []
+        for name in (rng.SEED, rng.STEP):
+            rw.owners[name] = rw.tensors[name]
+            bufs.append(rw.graph.get_attr(name))
+        rw.hydro_keys = (rw.fn(rng.stream_keys, *bufs, len(salts)), salts)
+    keys, salts = rw.hydro_keys
+    return rw.fn(operator.getitem, keys, salts[node])
+
+
 def _dropout(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     p = rw.literal(node, 1)
-    x = node.args[0]
-    if p is None or "T" in kinds:
-        return False
+    x, train = node.args[0], _arg(node, 2, "train", True)
+    if p is None:  # one rate for all: nothing drawn at 0 or in eval mode (aten's identity)
+        p = _arg(node, 1, "p", 0.5)
+        if not train or p == 0:
+            return False
     s = rw.spec.get(x)
-    if s[0] == "SB":
-        s = ("F", s[1], s[2])
-    rw.env[node] = rw.fn(ops.trial_dropout, rw.folded(x), p, node.args[2], rw.n, s)
+    if not isinstance(s, tuple):
+        return False
+    if s[0] == "S":  # a value without the batch: each trial drops its own copy
+        new, s = rw.as_trial(x), ("T",)
+    else:
+        new, s = rw.folded(x), ("F", s[1], s[2]) if s[0] == "SB" else s
+    keys = _stream(rw, node) if train else None
+    rw.env[node] = rw.fn(ops.trial_dropout, new, p, train, rw.n, s, keys)
     rw.spec[node] = s
     return True
 
 
 def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     p = rw.literal(node, 4)
-    if p is None or "T" in kinds:
+    if p is None:
+        p = _arg(node, 4, "dropout_p", 0.0)
+        if p == 0:  # nothing drawn: aten's own kernel
+            return False
+    if "T" in kinds:
         return False
     q, k, v = node.args[:3]
     mask = _arg(node, 3, "attn_mask")
@@ -1133,7 +1205,7 @@ def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
     rw.env[node] = rw.fn(
         ops.trial_attention, rw.folded(q), rw.folded(k), rw.folded(v),
         None if mask is None else rw.folded(mask), p, _arg(node, 5, "is_causal", False),
-        _arg(node, 6, "scale"), _arg(node, 7, "enable_gqa", False), rw.n, s,
+        _arg(node, 6, "scale"), _arg(node, 7, "enable_gqa", False), rw.n, s, _stream(rw, node),
     )  # fmt: skip
     rw.spec[node] = s
     return True
@@ -1159,5 +1231,6 @@ _HANDLERS = {
     aten.conv_transpose2d.input: _conv_transpose,
     aten.conv_transpose3d.input: _conv_transpose,
     aten.dropout.default: _dropout,
+    **dict.fromkeys(_SAMPLERS, _sample),
     aten.scaled_dot_product_attention.default: _attention,
 }

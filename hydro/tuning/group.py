@@ -267,6 +267,8 @@ class FusedGroup:
                 "ratio=1."
             ), stacklevel=3)  # fmt: skip
         self.fused = fuse(modules).to(device)
+        for k, m in enumerate(self.members):  # dropout masks follow the trial's seed, not its slot
+            self.fused.reseed_trial(k, m.seed)
         self.fused.train()
         self.slot_params = [m.params for m in self.members]  # what slot k's schedule reads
         self.opt = _optimizer(task, self.fused, self.slot_params)
@@ -294,7 +296,8 @@ class FusedGroup:
         member = self._member(id, params, seed)
         if "output_mult" in member.params and not self.builder.readout:
             raise ConfigError("output_mult is searched but this group was built without it")
-        self.fused.load_trial(slot, self.builder.make(member.params, member.seed).to(self.device))
+        self.fused.load_trial(slot, self.builder.make(member.params, member.seed).to(self.device),
+                              seed=member.seed)  # fmt: skip
         hyper = _hyper(self.task, member.params)
         self.opt.reset_trial(slot, **hyper)
         self.slot_params[slot] = member.params

@@ -37,7 +37,7 @@ def test_trial_and_load_trial_round_trip() -> None:
     # Write trial 2 into slot 0: slot 0 now behaves exactly like trial 2.
     run.fused.load_trial(0, run.fused.trial(2))
     for name, value in run.fused.state_dict().items():
-        if name != "diverged":
+        if name not in ("diverged", "trial_seed", "trial_step"):  # the slot's own stream
             assert torch.equal(value[0], value[2]), name
 
 

@@ -1,0 +1,173 @@
+"""Per-trial random streams of a fused model: counter-based, computed for all trials at once.
+
+A trial's dropout masks must be the ones it would draw trained alone, whatever its slot, its
+group or the trials beside it, and a fused step must launch the same ATen ops for any number of
+trials. A stateful generator gives neither: torch's one stream serves the whole folded batch, so
+a trial's mask depends on where its rows sit. Here every random number is a pure function
+
+    bits = hash(trial seed, trial step, salt, element index)
+
+computed with vectorized integer tensor ops: the *seed* of each trial (``trial_seed``, a
+per-trial ``int64`` buffer of the fused model), its *step* (``trial_step``, the training
+forwards that trial has run), the *salt* (the random op's rank among the graph's random ops, a
+property of the architecture) and the element's flat index in that trial's own tensor (its
+layout in the fused batch plays no part).
+
+The hash is Chris Wellons' ``lowbias32`` mixer (xor-shift, multiply, twice; published constants)
+on 32-bit values held in ``int64`` tensors. Each multiplier is used as its signed 32-bit
+equivalent, so ``x * m`` with ``0 <= x < 2**32`` and ``|m| <= 2**31`` stays inside ``int64``
+(no overflow is relied on) and ``& 0xFFFFFFFF`` of it is the product modulo ``2**32``. The
+seed and the step are folded in 32 bits at a time into two per-trial keys; an element's bits
+are ``mix(mix(index ^ key_a) ^ key_b)``, of which the top 24 are the uniform.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hydro.errors import FuseError
+
+SEED = "trial_seed"  # buffer: each trial's stream seed, int64 [n]
+STEP = "trial_step"  # buffer: training forwards each trial has run, int64 [n]
+
+_M32 = 0xFFFFFFFF
+_BITS = 24  # resolution of the uniforms (and of a dropout rate): 2**-24
+
+
+def _signed(c: int) -> int:
+    """A 32-bit constant as the signed value congruent to it modulo ``2**32``."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+_MUL1, _MUL2 = _signed(0x7FEB352D), _signed(0x846CA68B)  # lowbias32
+_SEED_SALT, _KEY_A, _KEY_B = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+
+
+def as_int64(seed: int) -> int:
+    """Any Python integer as the ``int64`` with the same low 64 bits (a seed of any size)."""
+    seed = int(seed) & ((1 << 64) - 1)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` in place on ``int64`` values in ``[0, 2**32)``."""
+    x ^= x >> 16
+    x.mul_(_MUL1).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(_MUL2).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash of ``int64`` values in ``[0, 2**32)`` (a new tensor).
+
+    Example:
+        >>> import torch
+        >>> mix32(torch.tensor([0, 1, 2**32 - 1])).tolist()
+        [0, 1753845952, 1734902346]
+    """
+    return _mix_(x.to(torch.int64).clone())
+
+
+def stream_keys(seed: torch.Tensor, step: torch.Tensor, count: int) -> torch.Tensor:
+    """Every random op's two keys for every trial at this step: ``int64 [count, 2, n]``.
+
+    Args:
+        seed: each trial's seed, ``int64 [n]`` (any value).
+        step: each trial's step counter, ``int64 [n]`` (non-negative).
+        count: the number of random ops (salts ``0 .. count - 1``).
+    """
+    h = _mix_((seed & _M32) ^ _SEED_SALT)
+    h = _mix_(h ^ ((seed >> 32) & _M32))
+    h = _mix_(h ^ (step & _M32))
+    h = _mix_(h ^ ((step >> 32) & _M32))
+    salt = torch.arange(count, dtype=torch.int64, device=seed.device).unsqueeze(1)
+    h = _mix_(h.unsqueeze(0) ^ salt)  # [count, n]
+    return torch.stack([_mix_(h ^ _KEY_A), _mix_(h ^ _KEY_B)], dim=1)
+
+
+def uniform_bits(keys: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Each trial's random integers in ``[0, 2**24)`` for a tensor of one trial's ``shape``.
+
+    Args:
+        keys: one op's keys, ``int64 [2, n]`` (a row of :func:`stream_keys`).
+        shape: one trial's tensor shape.
+
+    Returns:
+        ``int64 [n, *shape]``; element ``i`` of trial ``k`` depends on trial ``k``'s keys and on
+        ``i`` (its flat index in ``shape``) only.
+    """
+    return _hash(keys, shape) >> (32 - _BITS)
+
+
+def _hash(keys: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The 32 random bits of every element (the uniform is the top 24)."""
+    numel = math.prod(shape)
+    if numel >= 1 << 32:  # the hash takes 32-bit inputs
+        raise FuseError(
+            f"a random op draws {numel} numbers per trial; Hydro's per-trial streams index "
+            "at most 2**32 elements per op and trial. Use smaller batches or tensors"
+        )
+    n, ones = keys.shape[1], [1] * len(shape)
+    index = torch.arange(numel, dtype=torch.int64, device=keys.device)
+    h = _mix_(index.view(1, *shape) ^ keys[0].view(n, *ones))
+    h ^= keys[1].view(n, *ones)
+    return _mix_(h)
+
+
+def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Dropout of ``t`` (``[n, *one trial's shape]``) with each trial's rate and stream.
+
+    An element is kept with probability ``1 - ceil(p * 2**24) / 2**24`` (``p`` to 24 bits) and
+    scaled by ``1 / (1 - p)`` computed in ``t``'s dtype, as torch scales; ``p = 0`` keeps every
+    element (an exact identity), ``p = 1`` drops them all.
+
+    Args:
+        t: the values, trial dimension first.
+        p: one rate for all trials, or ``[n]`` (float64) each trial's own.
+        keys: this op's keys, ``int64 [2, n]``.
+    """
+    n, rank = t.shape[0], t.dim() - 1
+    # bits >> 8 >= ceil(p * 2**24)  <=>  bits >= ceil(p * 2**24) * 2**8: one pass fewer
+    bits, unit = _hash(keys, t.shape[1:]), 1 << (32 - _BITS)
+    if not isinstance(p, torch.Tensor):  # plain numbers: no tensor made on the device
+        q = torch.tensor(1.0 - float(p), dtype=torch.float64).to(t.dtype)
+        scale = float(1.0 / q) if q > 0 else 0.0  # exact in t's dtype
+        return t * (bits >= math.ceil(float(p) * (1 << _BITS)) * unit).to(t.dtype) * scale
+    p = p.to(torch.float64).view(n, *[1] * rank)
+    keep = bits >= torch.ceil(p * (1 << _BITS)) * unit
+    q = (1.0 - p).to(t.dtype)
+    scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(t.dtype).tiny), 0.0)
+    return t * (keep * scale)
+
+
+def uniform(keys: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):
+    """``rand_like`` per trial: ``[n, *shape]`` uniform on ``[0, 1)`` in steps of ``2**-24``."""
+    return uniform_bits(keys, shape).to(dtype) * 2.0**-_BITS
+
+
+def normal(keys: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):
+    """``randn_like`` per trial: ``[n, *shape]`` standard normal by Box-Muller from two uniforms
+    (the second from keys mixed once more); with 24-bit uniforms the tails end at 5.77."""
+    other = _mix_((keys ^ _SEED_SALT) & _M32)
+    u1 = (uniform_bits(keys, shape).to(torch.float64) + 1.0) * 2.0**-_BITS  # (0, 1]: log is finite
+    u2 = uniform_bits(other, shape).to(torch.float64) * (2.0 * math.pi * 2.0**-_BITS)
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)).to(dtype)
+
+
+def bernoulli(
+    keys: torch.Tensor, shape: torch.Size | tuple[int, ...], p: object, dtype: torch.dtype
+) -> torch.Tensor:
+    """``bernoulli`` per trial: ``[n, *shape]`` of 1 with probability ``p`` (to 24 bits), else 0;
+    ``p`` a float, ``[n]`` per trial, or ``[n, *shape]`` per element."""
+    n = keys.shape[1]
+    bits = uniform_bits(keys, shape)
+    if not isinstance(p, torch.Tensor):
+        return (bits < math.ceil(float(p) * (1 << _BITS))).to(dtype)
+    p = p.to(torch.float64)
+    if p.dim() == 1 and len(shape):
+        p = p.view(n, *[1] * len(shape))
+    return (bits < torch.ceil(p * (1 << _BITS))).to(dtype)
