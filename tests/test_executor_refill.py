@@ -76,7 +76,9 @@ def test_a_freed_executor_slot_takes_a_new_group_while_the_other_still_trains():
     """Trials 0-1 (batch 16) are pruned at step 2; their group asks for trials 4-5, which need
     a group of their own (batch 64), and ends. Its slot starts that group at once, while the
     group of trials 2-3 (batch 32) trains on: no barrier between the groups of the two slots."""
-    task = make_task(steps=150, eval_every=2)
+    # long enough that the other slot's group outlasts a new worker's start and capture (a few
+    # seconds on a loaded 2-core machine): the test asks about barriers, not startup latency
+    task = make_task(steps=600, eval_every=2)
     space = {**SPACE, "batch_size": CategoricalDistribution([16, 32, 64])}
     study = optuna.create_study(pruner=PruneSmallBatches())
     for bs in (16, 16, 32, 32, 64, 64):

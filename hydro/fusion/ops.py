@@ -258,11 +258,18 @@ def stack_operand(
 
 
 def stacked_pointwise(
-    op: Callable, n: int, cdim: int, channels: int, rank: int, specs: Sequence[Spec], /,
+    op: Callable, n: int, cdim: int, rank: int, specs: Sequence[Spec | str | None], /,
     *args: object, **kwargs: object,
 ) -> torch.Tensor:  # fmt: skip
-    """A broadcasting op on channel-stacked values with per-trial or shared operands."""
-    lifted = [stack_operand(a, n, s, cdim, channels, rank) for a, s in zip(args, specs)]
+    """A broadcasting op on channel-stacked values (spec ``"stacked"``) with per-trial or shared
+    operands. The channel count is read from the stacked operand at run time: a surrogate's
+    recorded shapes are those of the model it was scaled from."""
+    stacked = next(a for a, s in zip(args, specs) if s == "stacked")
+    channels = stacked.shape[cdim] // n
+    lifted = [
+        a if s == "stacked" else stack_operand(a, n, s, cdim, channels, rank)
+        for a, s in zip(args, specs)
+    ]
     return op(*lifted, **kwargs)
 
 

@@ -411,9 +411,6 @@ class _Rewriter:
     def _stacked_pointwise(self, node: Node, held: list[Node], val: torch.Tensor) -> bool:
         rank = val.dim()
         cdim = self.stacked[held[0]][1]
-        channels = val.shape[cdim]
-        if not isinstance(channels, int):
-            return False
         if any(isinstance(v, Node) for v in tree_flatten(dict(node.kwargs))[0]):
             return False
         x = node.args[0]
@@ -446,19 +443,19 @@ class _Rewriter:
                 specs.append(("T",))
             elif kind == "stacked":
                 args.append(self.stacked_value(a, cdim))
-                specs.append(None)
+                specs.append("stacked")
             elif kind == "lift":
                 args.append(self.env[a])
                 specs.append(self.spec[a])
             else:
                 args.append(self.env[a] if kind == "env" else a)
                 specs.append(None)
-        if all(s is None for s in specs):
+        if all(s is None or s == "stacked" for s in specs):
             new = self.graph.call_function(node.target, tuple(args), dict(node.kwargs))
         else:
             new = self.graph.call_function(
                 ops.stacked_pointwise,
-                (node.target, self.n, cdim, channels, rank, specs, *args),
+                (node.target, self.n, cdim, rank, specs, *args),
                 dict(node.kwargs),
             )
         self.set_stacked(node, new, cdim)
