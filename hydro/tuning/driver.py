@@ -263,18 +263,23 @@ class _Stream:
         self._guard(self._groups)
 
     def _groups(self) -> None:
-        while True:
-            first = self._pop_pending() or self._ask()
-            if first is None:
+        while (members := self.next_members()) is not None:
+            run_group(self, members[1])
+
+    def next_members(self) -> tuple[tuple, list[tuple[optuna.Trial, dict]]] | None:
+        """The next group's key and up to ``fuse`` members that fuse with its first trial;
+        ``None`` once there is nothing left to ask."""
+        first = self._pop_pending() or self._ask()
+        if first is None:
+            return None
+        key = group_key(first[1], self.task)
+        members = [first]
+        while len(members) < self.fuse:
+            nxt = self.next_trial(key)
+            if nxt is None:
                 break
-            key = group_key(first[1], self.task)
-            members = [first]
-            while len(members) < self.fuse:
-                more = self.next_trial(key)
-                if more is None:
-                    break
-                members.append(more)
-            run_group(self, members)
+            members.append(nxt)
+        return key, members
 
     def _guard(self, work: Callable[[], Any]) -> None:
         """Run ``work``; whatever happens, no trial asked here stays RUNNING."""
@@ -510,16 +515,10 @@ class _Fleet(_Stream):
     def more(self) -> list:
         from hydro_fluid import TrialGroup
 
-        first = self._pop_pending() or self._ask()
-        if first is None:
+        found = self.next_members()
+        if found is None:
             return []
-        key = group_key(first[1], self.task)
-        members = [first]
-        while len(members) < self.fuse:
-            nxt = self.next_trial(key)
-            if nxt is None:
-                break
-            members.append(nxt)
+        key, members = found
         gid = min(t.number for t, _ in members)
         name = f"group-{gid}"
         self.keys[name], self.gids[name] = key, gid

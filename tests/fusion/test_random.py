@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from optuna.distributions import FloatDistribution
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hydro
 from hydro.errors import FuseError
@@ -25,6 +24,7 @@ from hydro.fusion import fuse, trial_loss
 from hydro.fusion import random as rng
 from hydro.integrations.optuna import optimize
 from hydro.tuning.group import FusedGroup
+from tests.fusion.test_fused_ops import _Count
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -388,16 +388,6 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
 
 
 # --- ATen ops per step do not grow with n ---------------------------------------------------
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("per_trial", [False, True], ids=["one_rate", "per_trial_rates"])
