@@ -36,7 +36,7 @@ def trajectory(group: FusedGroup, slot: int, steps: int) -> list[tuple[float, di
     """``steps`` steps of ``group``: slot ``slot``'s loss and parameters after each."""
     out = []
     for _ in range(steps):
-        loss = group.step()[slot]
+        loss = float(group.step()[slot])
         out.append((loss, {k: v.clone() for k, v in group.fused.trial(slot).state_dict().items()}))
     return out
 

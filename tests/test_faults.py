@@ -304,3 +304,37 @@ def _children(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
+    """Checkpoints written before per-trial random streams have no ``trial_seed`` and
+    ``trial_step``: a resume still loads them, and (without dropout) ends as an uninterrupted
+    run does."""
+    from hydro.tuning import checkpoint
+    from hydro.tuning.group import train_group
+    from tests.test_tune import make_task
+
+    task = make_task(steps=12, eval_every=4)
+    params = [{"lr": 1e-2}, {"lr": 3e-2}]
+    full, _ = train_group(task, params, ratio=2, seeds=[0, 1])
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_8(k: int, step: int, value: float) -> bool:
+        if step == 8:
+            raise Stop
+        return False
+
+    with pytest.raises(Stop):
+        train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=tmp_path,
+                    checkpoint_every=5)  # fmt: skip
+    saved = checkpoint.load(tmp_path)
+    assert saved["step"] == 5
+    for name in ("trial_seed", "trial_step"):  # as an older Hydro wrote it
+        del saved["model"][name]
+    checkpoint.save(tmp_path, saved)
+    again, _ = train_group(task, params, ratio=2, seeds=[0, 1], checkpoint=tmp_path,
+                           checkpoint_every=5)  # fmt: skip
+    assert [(o.state, o.value, o.history) for o in again] == [
+        (o.state, o.value, o.history) for o in full]  # fmt: skip

@@ -23,6 +23,7 @@ are ``mix(mix(index ^ key_a) ^ key_b)``, of which the top 24 are the uniform.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -134,14 +135,21 @@ def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> tor
     # bits >> 8 >= ceil(p * 2**24)  <=>  bits >= ceil(p * 2**24) * 2**8: one pass fewer
     bits, unit = _hash(keys, t.shape[1:]), 1 << (32 - _BITS)
     if not isinstance(p, torch.Tensor):  # plain numbers: no tensor made on the device
-        q = torch.tensor(1.0 - float(p), dtype=torch.float64).to(t.dtype)
-        scale = float(1.0 / q) if q > 0 else 0.0  # exact in t's dtype
+        scale = _keep_scale(float(p), t.dtype)
         return t * (bits >= math.ceil(float(p) * (1 << _BITS)) * unit).to(t.dtype) * scale
     p = p.to(torch.float64).view(n, *[1] * rank)
     keep = bits >= torch.ceil(p * (1 << _BITS)) * unit
     q = (1.0 - p).to(t.dtype)
     scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(t.dtype).tiny), 0.0)
     return t * (keep * scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _keep_scale(p: float, dtype: torch.dtype) -> float:
+    """``1 / (1 - p)`` as torch's dropout scales, in ``dtype`` (0 for ``p = 1``); computed once
+    per rate, since it reads a (host) value."""
+    q = torch.tensor(1.0 - p, dtype=torch.float64).to(dtype)
+    return float(1.0 / q) if q > 0 else 0.0
 
 
 def uniform(keys: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):

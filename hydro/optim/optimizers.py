@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hydro import host
 from hydro.errors import ConfigError, FuseError
 from hydro.parametrize import optimizer_multipliers
 
@@ -268,7 +269,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if all(key in self.state[p] for p in params)
         }
         grads = [p.grad for p in params]
-        if params[0].device.type == "cpu" and bool(active.all()):
+        if host.reads_are_free(params[0].device) and bool(active.all()):
             # On a CPU reading the flags costs nothing (no device to wait for), and with every
             # trial live the masking pass is an identity: skip it. Accelerators keep the mask.
             del coeffs["active"]

@@ -36,6 +36,7 @@ from hydro.tuning.group import (
     Outcome,
     check_device,
     group_key,
+    load_model_state,
 )
 from hydro.tuning.progress import Progress
 from hydro.tuning.space import Space, check_names, check_space, sample
@@ -377,14 +378,19 @@ def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, 
     """
     steps = group.task.steps
     while group.n:
-        losses = group.step()
+        group.step()  # no host read: on an accelerator the next step queues behind this one
         source.stepped(group.n)
         ended: dict[int, Outcome] = {}
-        for slot in group.diverged(losses):
-            m = group.members[slot]
-            ended[slot] = Outcome("fail", None, m.step, f"diverged at step {m.step}: non-finite "
-                                  "loss or gradient", m.history)  # fmt: skip
-        due = [slot for slot in group.due() if slot not in ended]
+        due = group.due()
+        # Divergence flags are read with the evaluation values (on an accelerator, the one wait
+        # for the device), even where reading is free: a slot then takes its next trial at an
+        # evaluation step, so every slot's evaluations stay at the same fused steps and one
+        # evaluation of the group serves them all.
+        if due:
+            for slot, at in group.diverged().items():
+                ended[slot] = Outcome("fail", None, at, f"diverged at step {at}: non-finite "
+                                      "loss or gradient", group.members[slot].history)  # fmt: skip
+        due = [slot for slot in due if slot not in ended]
         if due:
             values = [float(v) for v in group.evaluate()]
             finite = []
@@ -675,7 +681,7 @@ def _restore_slots(group: FusedGroup, saved: dict[str, Any]) -> None:
             next(m.batches)
         m.step = int(step)
         m.history[:] = [(int(s), float(v)) for s, v in history]
-    group.fused.load_state_dict(saved["model"])
+    load_model_state(group, saved["model"])
     group.opt.load_state_dict(saved["optimizer"])
     group.sched.load_state_dict(saved["scheduler"])
     group.steps, group.live_steps = (int(v) for v in saved["steps"])

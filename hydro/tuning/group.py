@@ -21,6 +21,7 @@ from torch import nn
 import hydro.optim as fused_optim
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import fuse
+from hydro.fusion import random as _random
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import checkpoint as _checkpoint
@@ -320,9 +321,9 @@ class FusedGroup:
         self.clip = [self.clip[k] for k in keep]
         self.slot_params[:] = [self.slot_params[k] for k in keep]
 
-    def step(self) -> list[float]:
+    def step(self) -> torch.Tensor:
         """One training step of every slot, each on the next batch of its own stream; returns
-        the slots' losses."""
+        the slots' losses ``[n]``, on the device (reading them waits for the step to finish)."""
         batch = stack_batches([next(m.batches) for m in self.members])
         losses = _train_step(self.task, self.fused, self.opt, batch, self.clip, self.device,
                              shared=False)  # fmt: skip
@@ -334,10 +335,12 @@ class FusedGroup:
         self.live_steps += self.n
         return losses
 
-    def diverged(self, losses: Sequence[float]) -> list[int]:
-        """Slots whose loss or gradients stopped being finite (frozen by the optimizer)."""
-        flags = self.fused.diverged.tolist()
-        return [k for k in range(self.n) if flags[k] or not math.isfinite(losses[k])]
+    def diverged(self) -> dict[int, int]:
+        """Slots whose loss or gradients stopped being finite (frozen by the optimizer since),
+        each with its own step at which that happened; one read of the device."""
+        flags, steps = torch.stack([self.fused.diverged.long(), self.fused.trial_step]).tolist()
+        # a frozen trial's random stream stops counting: its step count is where it diverged
+        return {k: int(steps[k]) for k in range(self.n) if flags[k]}
 
     def due(self) -> list[int]:
         """Slots at an evaluation step (every ``eval_every`` of their own steps, and the last)."""
@@ -456,18 +459,20 @@ def train_group(
     if saved is not None:
         first = _resume(saved, group, outcomes, history)
     for step in range(first, task.steps + 1):
-        losses = group.step()
+        group.step()
         alive = [m.id for m in group.members]
-        for pos in group.diverged(losses):
-            k = alive[pos]
-            if k not in outcomes:
-                outcomes[k] = Outcome("fail", None, step, f"diverged at step {step}: non-finite "
-                                      "loss or gradient", history[k])  # fmt: skip
+        due = group.due()
+        if due:  # read with the evaluation values: one wait for an accelerator
+            for pos, at in group.diverged().items():
+                k = alive[pos]
+                if k not in outcomes:
+                    outcomes[k] = Outcome("fail", None, at, f"diverged at step {at}: "
+                                          "non-finite loss or gradient", history[k])  # fmt: skip
         for k in pruned() if pruned is not None else ():
             if k in alive and k not in outcomes:
                 last = history[k][-1][1] if history[k] else None
                 outcomes[k] = Outcome("pruned", last, step, "", history[k])
-        if group.due():
+        if due:
             values = group.evaluate()
             for pos, k in enumerate(alive):
                 if k not in outcomes:
@@ -532,14 +537,28 @@ def _resume(saved, group, outcomes, history) -> int:  # noqa: ANN001
         for _ in range(step):
             next(m.batches)
         m.step = step
-    group.fused.load_state_dict(saved["model"])
+    load_model_state(group, saved["model"])
     group.opt.load_state_dict(saved["optimizer"])
     _checkpoint.set_rng_state(saved["rng"])
     return step + 1
 
 
-def _train_step(task, fused, opt, batch, clip, device, shared=True) -> list[float]:  # noqa: ANN001
-    """One step of every member; returns their losses as floats.
+def load_model_state(group: FusedGroup, state: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's fused model into ``group`` (whose members already have their
+    checkpointed steps). A checkpoint written before per-trial random streams existed lacks
+    their seeds and step counts: each slot then keeps its member's seed and counts the steps
+    it trained, so the run goes on (its dropout masks from there are the streams' own)."""
+    state = dict(state)
+    streams = {_random.SEED: group.fused.trial_seed,
+               _random.STEP: torch.tensor([m.step for m in group.members], dtype=torch.int64)}
+    for name, value in streams.items():
+        state.setdefault(name, value)
+    group.fused.load_state_dict(state)
+
+
+def _train_step(task, fused, opt, batch, clip, device, shared=True) -> torch.Tensor:  # noqa: ANN001
+    """One step of every member; returns their losses ``[n]`` (detached, on the device: no host
+    synchronization).
 
     Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
     which autograd accepts only once no graph still refers to them.
@@ -547,12 +566,13 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True) -> list[floa
     args, kwargs, y = task.split(batch, device)
     losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
     opt.zero_grad(set_to_none=True)
-    # non-finite losses give non-finite gradients: the optimizer freezes those members
     losses.sum().backward()
+    # a non-finite loss freezes its member even where its gradients came out finite
+    fused.diverged.logical_or_(~torch.isfinite(losses.detach()))
     if any(c is not None for c in clip):
         fused_optim.clip_grad_norm_(fused, [c if c is not None else math.inf for c in clip])
     opt.step()
-    return losses.detach().tolist()
+    return losses.detach()
 
 
 @torch.no_grad()

@@ -382,9 +382,9 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
     for _ in range(3):
         group.step()
     group.put(0, 5, {"dropout": 0.3}, 9)  # joins late, in a slot that has run 3 steps
-    late = [group.step()[0] for _ in range(4)]
+    late = [float(group.step()[0]) for _ in range(4)]
     alone = FusedGroup(task, [(5, {"dropout": 0.3}, 9)], ratio=2)
-    assert late == pytest.approx([alone.step()[0] for _ in range(4)], rel=1e-12)
+    assert late == pytest.approx([float(alone.step()[0]) for _ in range(4)], rel=1e-12)
 
 
 # --- ATen ops per step do not grow with n ---------------------------------------------------
