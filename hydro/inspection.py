@@ -65,7 +65,8 @@ class InspectReport:
             "kept": [list(k) for k in self.kept],
             "depth_ratio": self.depth_ratio,
             "stacks": [{"path": st.path, "blocks": list(st.blocks), "kept": list(st.kept),
-                        "left_whole": st.reason, "multiplier": st.multiplier}
+                        "head": list(st.head), "left_whole": st.reason,
+                        "multiplier": st.multiplier}
                        for st in self.stacks],
             "depth_multipliers": self.depth_multipliers,
             "floors": [vars(lw) | {"below": lw.below} for lw in self.floors],
@@ -221,8 +222,10 @@ def _stack_line(st: Any) -> str:
         return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) left whole: {st.reason}"
     if not st.cut:
         return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) kept whole"
+    after = (f" after {', '.join(st.head)} (another shape, kept as is)"
+             if getattr(st, "head", None) else "")  # fmt: skip
     return (f"depth: stack '{st.path}' keeps {len(st.kept)} of {len(st.blocks)} blocks "
-            f"({', '.join(st.kept)}), residual branches x {st.multiplier:g}")  # fmt: skip
+            f"({', '.join(st.kept)}){after}, residual branches x {st.multiplier:g}")  # fmt: skip
 
 
 def _removed_flops(model: nn.Module, stacks: list, flops: dict[int, tuple[int, int]]) -> None:

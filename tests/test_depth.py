@@ -157,6 +157,72 @@ def test_resnet18_cuts_the_uniform_stage_only() -> None:
     assert cut(*args, **kwargs).shape == (2, 7)
 
 
+class _Stages(nn.Module):
+    """Two torchvision-style stages: each opens with a block that changes the shape (stride 2,
+    twice the channels), then ``tail`` identical blocks."""
+
+    def __init__(self, width: int = 8, tail: int = 4) -> None:
+        super().__init__()
+        from examples.cnn.model import ResidualBlock
+
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.layer1 = nn.Sequential(ResidualBlock(width, 2 * width, stride=2),
+                                    *(ResidualBlock(2 * width, 2 * width) for _ in range(tail)))
+        self.layer2 = nn.Sequential(ResidualBlock(2 * width, 4 * width, stride=2),
+                                    *(ResidualBlock(4 * width, 4 * width) for _ in range(3)))
+        self.head = nn.Linear(4 * width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer2(self.layer1(self.stem(x))).mean((2, 3)))
+
+
+def test_a_stage_whose_first_block_differs_cuts_its_identical_tail() -> None:
+    torch.manual_seed(0)
+    model = _Stages()
+    x = torch.randn(2, 3, 16, 16)
+    cut, plan = depth.cut(capture(model, (x,), modes=("train",)), model, 2)
+    by_path = {s.path: s for s in plan.stacks}
+    one, two = by_path["layer1"], by_path["layer2"]
+    assert one.head == ["layer1.0"] and one.blocks == [f"layer1.{i}" for i in (1, 2, 3, 4)]
+    assert one.reason is None and one.kept == ["layer1.1", "layer1.3"] and one.multiplier == 2.0
+    assert two.head == ["layer2.0"] and two.kept == ["layer2.1", "layer2.3"]
+    assert two.multiplier == 1.5  # 3 blocks, 2 kept
+    assert any(k.startswith("layer1.0.shortcut.") for k in cut.state_dict())
+    assert not any(k.startswith(("layer1.2.", "layer1.4.", "layer2.2.")) for k in cut.state_dict())
+    # the cut graph is the model without those blocks (multipliers come with hydro.scale)
+    model.layer1 = nn.Sequential(*(model.layer1[i] for i in (0, 1, 3)))
+    model.layer2 = nn.Sequential(*(model.layer2[i] for i in (0, 1, 3)))
+    assert torch.equal(cut(x), model.train()(x))
+
+
+def test_scale_and_inspect_name_the_head_of_a_cut_stage() -> None:
+    torch.manual_seed(0)
+    model, x = _Stages(tail=2), torch.randn(2, 3, 16, 16)
+    sur = hydro.scale(model, ratio=2, depth_ratio=2, example_inputs=(x,))
+    assert sur(x).shape == (2, 5)
+    report = str(hydro.inspect(model, ratio=2, depth_ratio=2, example_inputs=(x,)))
+    assert ("depth: stack 'layer1' keeps 1 of 2 blocks (layer1.1) after layer1.0 (another "
+            "shape, kept as is), residual branches x 2") in report  # fmt: skip
+    stacks = hydro.inspect(model, ratio=2, depth_ratio=2, example_inputs=(x,)).to_dict()["stacks"]
+    assert {s["path"]: s["head"] for s in stacks} == {"layer1": ["layer1.0"],
+                                                      "layer2": ["layer2.0"]}  # fmt: skip
+
+
+@pytest.mark.skipif(not timm_available(), reason="timm cannot import torchvision here")
+def test_timm_resnet34_cuts_the_tail_of_every_stage() -> None:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet34", num_classes=7)
+    x = torch.randn(2, 3, 32, 32)
+    cut, plan = depth.cut(capture(model, (x,), modes=("train",)), model, 2)
+    tails = {s.path: (s.head, len(s.blocks), len(s.kept), s.reason) for s in plan.stacks}
+    assert tails == {"layer1": ([], 3, 2, None), "layer2": (["layer2.0"], 3, 2, None),
+                     "layer3": (["layer3.0"], 5, 3, None),
+                     "layer4": (["layer4.0"], 2, 1, None)}  # fmt: skip
+    assert cut(x).shape == (2, 7)
+
+
 class _Res(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()

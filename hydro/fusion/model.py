@@ -47,6 +47,20 @@ def _example_key(args: tuple, kwargs: Mapping[str, Any]) -> str:
     return f"{spec}|{kinds}"
 
 
+def _flat_signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
+    """A cheap key for calls whose inputs are tensors and plain scalars (``None`` otherwise):
+    the same key means the same :func:`_example_key`."""
+    out = []
+    for name, v in (*((None, a) for a in args), *kwargs.items()):
+        if isinstance(v, torch.Tensor):
+            out.append((name, v.dim()))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out.append((name, type(v), v))
+        else:
+            return None
+    return tuple(out)
+
+
 class FusedModel(nn.Module):
     """``n`` trials of one model, trained together as one module.
 
@@ -100,6 +114,7 @@ class FusedModel(nn.Module):
         object.__setattr__(self, "_member", index)  # trial k -> its source
         object.__setattr__(self, "_captures", {})  # example key -> [per source {mode: gm}]
         object.__setattr__(self, "_graphs", {})  # (key, mode, shared) -> fused GraphModule
+        object.__setattr__(self, "_recent", {})  # flat call signature -> its key in _graphs
 
         first = models[0]
         canonical: dict[int, nn.Parameter] = {}
@@ -212,10 +227,17 @@ class FusedModel(nn.Module):
         return key, graphs
 
     def _graph_for(self, args: tuple, kwargs: dict, shared: bool) -> torch.fx.GraphModule:
-        one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
         mode = "train" if self.training else "eval"
+        # the common call (flat tensor inputs, seen before) skips the full structure key
+        flat = _flat_signature(args, kwargs)
+        cache = self._recent.get((flat, mode, shared)) if flat is not None else None
+        if cache is not None and cache in self._graphs:
+            return self._graphs[cache]
+        one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
         key, graphs = self._captured_for(*one, modes=(mode,))
         cache = (key, mode, shared)
+        if flat is not None:
+            self._recent[(flat, mode, shared)] = cache
         if cache not in self._graphs:
             for g in graphs:
                 _drop_dead_nodes(g[mode].graph)
@@ -253,7 +275,7 @@ class FusedModel(nn.Module):
         out = gm(*args, **kwargs)
         with torch.no_grad():
             if self.training:  # the next forward draws the next numbers (a diverged trial: frozen)
-                self.trial_step.add_(self.diverged.logical_not().to(torch.int64))
+                self.trial_step.add_(self.diverged.logical_not())
             # A diverged trial is frozen: undo what this forward wrote to its buffers, without
             # reading the flags on the host (no synchronization). Through .data: autograd saved
             # some of these buffers and must not see a version bump.

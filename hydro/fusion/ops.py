@@ -43,7 +43,8 @@ def to_trials(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
     if kind == "F":
         _, d, outer = spec
         if outer == 1:
-            return x.unflatten(d, (n, -1)).movedim(d, 0)
+            t = x.unflatten(d, (n, -1))
+            return t.movedim(d, 0) if d else t  # an identity permute is still an op (a launch)
         return x.unflatten(d, (outer, n, -1)).movedim(d + 1, 0).flatten(d + 1, d + 2)
     if kind == "SB":
         return x.unsqueeze(0)
@@ -54,7 +55,7 @@ def from_trials(y: torch.Tensor, spec: Spec) -> torch.Tensor:
     """``[n, *one trial's shape]`` -> folded, for a value of spec ``("F", dim, outer)``."""
     _, d, outer = spec
     if outer == 1:
-        return y.movedim(0, d).flatten(d, d + 1)
+        return (y.movedim(0, d) if d else y).flatten(d, d + 1)
     return y.unflatten(d + 1, (outer, -1)).movedim(0, d + 1).flatten(d, d + 2)
 
 

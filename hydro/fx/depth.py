@@ -48,6 +48,8 @@ class Stack:
     Attributes:
         path: the container's module path (``"h"``, ``"transformer.h"``, ``"layer1"``).
         blocks: the blocks' module paths, in order.
+        head: blocks of the container before the stack, of other parameter shapes, left as
+            they are (a ResNet stage's first block, which changes the stride or the width).
         kept: the blocks the surrogate keeps (all of them when the stack is left whole).
         reason: why the stack is left whole; ``None`` when it is cut.
         multiplier: the residual-branch multiplier of its kept blocks (1 when left whole).
@@ -60,6 +62,7 @@ class Stack:
     reason: str | None = None
     multiplier: float = 1.0
     buffer: str | None = None
+    head: list[str] = field(default_factory=list)
 
     @property
     def cut(self) -> bool:
@@ -94,8 +97,10 @@ def candidates(model: nn.Module) -> list[Stack]:
     """Containers of the module tree that look like stacks of repeated blocks.
 
     Every ``ModuleList``/``Sequential`` whose children all hold parameters and share one class
-    is a candidate (ResNet stages included, whose first block often differs); those whose blocks
-    differ in parameter shapes, or that hold one block, are returned already marked left whole.
+    is a candidate. Where the first blocks differ in parameter shapes from the rest (a ResNet
+    stage opens with a block that changes the stride or the width), the identical tail is the
+    candidate and the first blocks are its ``head``, left as they are. Containers without two
+    identical trailing blocks are returned already marked left whole.
     """
     found: list[Stack] = []
     for path, mod in model.named_modules():
@@ -109,14 +114,20 @@ def candidates(model: nn.Module) -> list[Stack]:
         blocks = [f"{path}.{n}" if path else n for n, _ in children]
         stack = Stack(path, blocks, kept=list(blocks))
         shapes = [[(n, tuple(p.shape)) for n, p in c.named_parameters()] for _, c in children]
+        # the identical tail: blocks[lead:] all have the last block's shapes
+        lead = len(shapes) - 1
+        while lead and shapes[lead - 1] == shapes[-1]:
+            lead -= 1
         if len(children) == 1:
             stack.reason = "one block"
-        elif any(s != shapes[0] for s in shapes[1:]):
+        elif len(shapes) - lead < 2:
             stack.reason = "blocks of different parameter shapes"
+        elif lead:
+            stack = Stack(path, blocks[lead:], kept=blocks[lead:], head=blocks[:lead])
         found.append(stack)
     # a stack inside a block of another stack is that block's business
     outer = [s for s in found if not any(
-        s.path.startswith(b + ".") for o in found if o is not s for b in o.blocks)]  # fmt: skip
+        s.path.startswith(b + ".") for o in found if o is not s for b in o.head + o.blocks)]  # fmt: skip
     return outer
 
 
