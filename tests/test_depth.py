@@ -166,10 +166,14 @@ class _Stages(nn.Module):
         from examples.cnn.model import ResidualBlock
 
         self.stem = nn.Conv2d(3, width, 3, padding=1)
-        self.layer1 = nn.Sequential(ResidualBlock(width, 2 * width, stride=2),
-                                    *(ResidualBlock(2 * width, 2 * width) for _ in range(tail)))
-        self.layer2 = nn.Sequential(ResidualBlock(2 * width, 4 * width, stride=2),
-                                    *(ResidualBlock(4 * width, 4 * width) for _ in range(3)))
+        self.layer1 = nn.Sequential(
+            ResidualBlock(width, 2 * width, stride=2),
+            *(ResidualBlock(2 * width, 2 * width) for _ in range(tail)),
+        )
+        self.layer2 = nn.Sequential(
+            ResidualBlock(2 * width, 4 * width, stride=2),
+            *(ResidualBlock(4 * width, 4 * width) for _ in range(3)),
+        )
         self.head = nn.Linear(4 * width, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

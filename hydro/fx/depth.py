@@ -126,9 +126,9 @@ def candidates(model: nn.Module) -> list[Stack]:
             stack = Stack(path, blocks[lead:], kept=blocks[lead:], head=blocks[:lead])
         found.append(stack)
     # a stack inside a block of another stack is that block's business
-    outer = [s for s in found if not any(
-        s.path.startswith(b + ".") for o in found if o is not s for b in o.head + o.blocks)]  # fmt: skip
-    return outer
+    inside = {s.path for s in found for o in found if o is not s
+              for b in o.head + o.blocks if s.path.startswith(b + ".")}  # fmt: skip
+    return [s for s in found if s.path not in inside]
 
 
 def cut(

@@ -549,8 +549,10 @@ def load_model_state(group: FusedGroup, state: dict[str, torch.Tensor]) -> None:
     their seeds and step counts: each slot then keeps its member's seed and counts the steps
     it trained, so the run goes on (its dropout masks from there are the streams' own)."""
     state = dict(state)
-    streams = {_random.SEED: group.fused.trial_seed,
-               _random.STEP: torch.tensor([m.step for m in group.members], dtype=torch.int64)}
+    streams = {
+        _random.SEED: group.fused.trial_seed,
+        _random.STEP: torch.tensor([m.step for m in group.members], dtype=torch.int64),
+    }
     for name, value in streams.items():
         state.setdefault(name, value)
     group.fused.load_state_dict(state)
