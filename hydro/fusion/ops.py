@@ -226,6 +226,13 @@ def from_channels(y: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
     return y.unflatten(cdim, (n, -1)).movedim(cdim, 0).flatten(0, 1)
 
 
+def stacked_cat(parts: Sequence[torch.Tensor], n: int, cdim: int = 1) -> torch.Tensor:
+    """``cat`` along the channels of channel-stacked values: trial ``k``'s channels of every
+    part, in order, make trial ``k``'s block of the result."""
+    blocks = [p.unflatten(cdim, (n, -1)) for p in parts]
+    return torch.cat(blocks, dim=cdim + 1).flatten(cdim, cdim + 1)
+
+
 def shared_to_channels(x: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
     """A shared batched value ``[B, C, ...]`` channel-stacked: every trial its own copy."""
     grown = x.unsqueeze(cdim).expand(*x.shape[:cdim], n, *x.shape[cdim:])

@@ -368,6 +368,8 @@ class _Rewriter:
         target = node.target
         if _pointwise(target) or _packet(target) in _ACTIVATIONS:
             return self._stacked_pointwise(node, held, val)
+        if target is aten.cat.default:
+            return self._stacked_cat(node, held, val)
         x = node.args[0]
         if x not in held:
             return False
@@ -406,6 +408,27 @@ class _Rewriter:
         args = (self.stacked[x][0], *torch.fx.node.map_arg(node.args[1:], self.env.__getitem__))
         kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
         self.set_stacked(node, self.graph.call_function(target, args, kwargs), cdim)
+        return True
+
+    def _stacked_cat(self, node: Node, held: list[Node], val: torch.Tensor) -> bool:
+        """``cat`` of batched values (a U-Net's skip connection, a DenseNet's features), one of
+        them held stacked: along the stacked channels each trial's parts are joined within its
+        own block of channels; along another dimension the stacked values join as they are."""
+        parts, rank = node.args[0], val.dim()
+        if not all(isinstance(a, Node) and self.spec.get(a) is not None
+                   and self.spec[a][0] in ("F", "SB") and tuple(self.spec[a][1:]) == (0, 1)
+                   and a.meta["val"].dim() == rank for a in parts):  # fmt: skip
+            return False
+        cdim = self.stacked[held[0]][1]
+        dim = _arg(node, 1, "dim", 0) % rank
+        if dim == 0:
+            return False
+        stacked = [self.stacked_value(a, cdim) for a in parts]
+        if dim == cdim:
+            new = self.fn(ops.stacked_cat, stacked, self.n, cdim)
+        else:
+            new = self.graph.call_function(aten.cat.default, (stacked, dim))
+        self.set_stacked(node, new, cdim)
         return True
 
     def _stacked_pointwise(self, node: Node, held: list[Node], val: torch.Tensor) -> bool:

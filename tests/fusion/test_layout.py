@@ -151,6 +151,49 @@ def test_stacked_residual_cnn_exact_per_trial_batches(stacked_zoo) -> None:  # n
     train_and_compare(run, cases, steps=2, shared=False)
 
 
+class SkipNet(nn.Module):
+    """U-Net and DenseNet joins: a skip connection concatenated along the channels after an
+    upsampling, and features concatenated with the input of their block."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.fuse = nn.Conv2d(2 * width, width, 3, padding=1)  # reads cat([skip, up])
+        self.dense = nn.Conv2d(width, width, 1)
+        self.head = nn.Linear(2 * width, 5)
+
+    def forward(self, x):
+        skip = F.relu(self.bn(self.stem(x)))
+        h = self.up(F.relu(self.down(skip)))
+        h = F.relu(self.fuse(torch.cat([skip, h], dim=1)))
+        h = torch.cat([h, self.dense(h)], 1)  # dense connection
+        h = torch.cat([h[:, :, :2], h[:, :, 2:]], dim=2)  # along a spatial dimension
+        return self.head(h.mean((2, 3)))
+
+
+def skip_net(seed: int = 0, batch: int = 3) -> zoo.Case:
+    g = torch.Generator().manual_seed(seed + 2000)
+    torch.manual_seed(seed)
+    x = torch.randn(batch, 3, 8, 8, generator=g)
+    return zoo.Case(SkipNet(), (x,), torch.randint(0, 5, (batch,), generator=g), F.cross_entropy)
+
+
+def test_channel_concatenation_stays_stacked(monkeypatch) -> None:  # noqa: ANN001
+    case = skip_net()
+    graph = _graph(fuse(case.model, n=3), *case.inputs)
+    assert len(_calls(graph, (ops.stacked_cat,))) == 2
+    assert [c.target for c in _calls(graph, CONVERSIONS)] == [ops.from_channels]
+    monkeypatch.setitem(zoo.ZOO, "skip", skip_net)
+    for opt in ("sgd", "adamw"):
+        run, cases = build("skip", 3, opt)
+        train_and_compare(run, cases, steps=3, shared=True)
+    run, cases = build("skip", 3, "sgd")
+    train_and_compare(run, cases, steps=2, shared=False)
+
+
 class WrittenAfterView(nn.Module):
     """A stacked value read folded (a view) and then written in place: the view sees it."""
 
