@@ -39,6 +39,7 @@ and (8, 1), then the full model trained with each choice), ``--tune-report`` its
     python benchmarks/transfer.py --depth --report depth.json full_*.json
     python benchmarks/transfer.py --depth --step-times                  # interleaved step times
     python benchmarks/transfer.py --depth --tune --save tune.json
+    python benchmarks/transfer.py --depth --tune --tune-depths 4 --tune-alpha 0.5 --save tune.json
     python benchmarks/transfer.py --depth --tune-report tune.json --report depth.json full_*.json
 """
 
@@ -522,21 +523,28 @@ def depth_tune(args: argparse.Namespace) -> None:
             0, round(DEPTH_TUNE_SPACE["warmup"][1] * args.steps)
         ),
     }
-    out = {}
+    out = json.loads(args.save.read_text()) if args.save and args.save.exists() else {}
+    alpha = args.tune_alpha
     for d in args.tune_depths:
+        name = f"(8,{d})" + (f"a{alpha:g}" if alpha != 1.0 and d > 1 else "")
+        if name in out:  # resumed: this search is done
+            continue
         task = hydro.Task(model=depth_target(0, args), train_data=data["train"],
                           val_data=data["val"], loss="cross_entropy", optimizer="adamw",
                           scheduler="cosine", steps=args.steps, eval_every=args.steps // 4,
                           batch_size=args.batch_size)  # fmt: skip
         t0 = time.perf_counter()
         result = hydro.tune(task, space, n_trials=args.tune_trials, ratio=8, depth_ratio=d,
-                            fuse=args.tune_fuse, storage="sqlite:///:memory:", seed=0)  # fmt: skip
+                            depth_alpha=alpha, fuse=args.tune_fuse, storage="sqlite:///:memory:",
+                            seed=0)  # fmt: skip
         wall = time.perf_counter() - t0
-        out[f"(8,{d})"] = {"wall_s": wall, "params": dict(result.best_params)}
-        print(f"(8,{d}): {wall:.0f} s, best {result.best_params}", flush=True)
+        out[name] = {"wall_s": wall, "params": dict(result.best_params)}
+        print(f"{name}: {wall:.0f} s, best {result.best_params}", flush=True)
         if args.save:
             args.save.write_text(json.dumps(out))
     for v in out.values():  # then the full model with each choice (the grids' seeds and batches)
+        if v.get("full_losses"):
+            continue
         p = v["params"]
         trial = [{"lr": p["lr"], "weight_decay": p["weight_decay"], "warmup": int(p["warmup"])}]
         v["full_losses"] = []
@@ -596,6 +604,7 @@ def main() -> None:
     p.add_argument("--warmup-grid", type=int, nargs="+")
     p.add_argument("--tune", action="store_true", help="--depth: the end-to-end hydro.tune run")
     p.add_argument("--tune-depths", type=int, nargs="+", default=[4, 1])
+    p.add_argument("--tune-alpha", type=float, default=1.0, help="--tune: depth_alpha of the cut")
     p.add_argument("--tune-trials", type=int, default=24)
     p.add_argument("--tune-fuse", type=int, default=8)
     p.add_argument("--tune-seeds", type=int, default=3, help="full-model runs of each choice")
