@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 import hydro
 import hydro.optim
 from examples.charlm.model import Block, gpt
-from hydro.errors import ScaleError
+from hydro.errors import HydroWarning, ScaleError
 from hydro.fusion import fuse, trial_loss
 from hydro.fx import depth
 from hydro.fx.capture import capture
@@ -322,3 +323,15 @@ def test_bad_depth_ratio_is_a_clear_error(bad: object) -> None:
 def test_bad_depth_alpha_is_a_clear_error(bad: object) -> None:
     with pytest.raises(ScaleError, match="depth_alpha must be a number in"):
         hydro.scale(_gpt(2), 4, depth_ratio=2, depth_alpha=bad, example_inputs=(X,))
+
+
+def test_a_deep_completep_cut_warns_and_names_the_remedy() -> None:
+    with pytest.warns(
+        HydroWarning, match=r"depth_ratio 4 keeps 2 of 8 blocks of 'h'.*depth_alpha=0.5"
+    ):
+        hydro.scale(_gpt(8), 8, depth_ratio=4, example_inputs=(X,), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HydroWarning)
+        warnings.filterwarnings("ignore", message="ratio .* below the width")  # the width floor
+        hydro.scale(_gpt(8), 8, depth_ratio=4, depth_alpha=0.5, example_inputs=(X,), seed=0)
+        hydro.scale(_gpt(8), 8, depth_ratio=2, example_inputs=(X,), seed=0)
