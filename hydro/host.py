@@ -4,8 +4,9 @@ On an accelerator, reading a device value on the host (``.item()``, ``.tolist()`
 waits until every queued kernel has run: the device idles while Python catches up, and with the
 small kernels of a surrogate that wait can cost more than the step. So the training loop keeps its
 per-trial flags and losses on the device and reads them together, once per evaluation. On a CPU
-the value is in host memory already, and reading it early buys something: a diverged slot is
-refilled at once, a no-op masking pass is skipped.
+the value is in host memory already, and reading it early can buy something: the fused
+optimizer reads its divergence flags to skip a masking pass that is a no-op while every trial
+is live.
 
 Example:
     >>> reads_are_free("cpu"), reads_are_free("cuda")
