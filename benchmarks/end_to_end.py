@@ -179,6 +179,8 @@ def search_hydro(args: argparse.Namespace) -> dict:
         storage="sqlite:///:memory:", seed=args.seed,
         sampler=optuna.samplers.TPESampler(seed=args.seed, constant_liar=True),
         pruner=optuna.pruners.MedianPruner(),
+        **({"first_group": args.first_group} if args.first_group and args.worker == "after"
+           else {}),
     )  # fmt: skip
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     occupancy = getattr(result, "occupancy", None)
@@ -223,7 +225,7 @@ def run_worker(args: argparse.Namespace, method: str, root: str, seed: int) -> d
 
 def shared_argv(args: argparse.Namespace) -> list[str]:
     keys = ("trials", "ratio", "fuse", "width", "layers", "heads", "block", "batch", "steps",
-            "eval_every", "chars", "threads")  # fmt: skip
+            "eval_every", "chars", "threads", "first_group")  # fmt: skip
     out = []
     for k in keys:
         v = getattr(args, k)
@@ -256,6 +258,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--chars", type=int, default=None, help="use the first N characters of text")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--first-group", type=int, default=0,
+                   help="hydro.tune's first_group (this tree's 'after' only; 5: MedianPruner's "
+                        "n_startup_trials)")  # fmt: skip
     p.add_argument("--check-seeds", type=int, default=2, help="full-model runs per choice")
     p.add_argument("--before-rev", default="4f3d3c1", help="the tree before continuous batching")
     p.add_argument("--methods", default=",".join(METHODS))

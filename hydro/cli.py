@@ -166,7 +166,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
              seed=cfg.seed, progress=True, executor=executor, device=cfg.device,
-             depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha)  # fmt: skip
+             depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
+             first_group=cfg.first_group)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,

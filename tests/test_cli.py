@@ -138,6 +138,7 @@ def test_tune_export_report(project, capsys):
         (lambda c: c.replace("  lr: {type: float", "  lrate: {type: float"), "unknown hyperparam"),
         (lambda c: c.replace("type: float", "type: floaty"), "space.lr.type is 'floaty'"),
         (lambda c: c.replace("fuse: 2", "fuse: two"), "fuse must be an integer"),
+        (lambda c: c.replace("fuse: 2", "fuse: 2\nfirst_group: 3"), "first_group (3) must not"),
         (lambda c: c + "\n  bad: [", "is not valid YAML"),
         (
             lambda c: c.replace("sqlite:///toy.db", "sqlite:////no/such/dir/x.db"),

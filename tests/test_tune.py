@@ -323,3 +323,37 @@ def test_groups_train_on_a_local_ray_cluster():
         assert os.getpid() not in {t.user_attrs["worker_pid"] for t in study.trials}
     finally:
         ray.shutdown()
+
+
+def test_first_group_trains_alone_so_the_median_pruner_can_act():
+    """``first_group=3``: trials 0-2 form a group of their own and complete before any other
+    trial is asked; later groups are full, and a MedianPruner that needs 3 completed trials
+    can prune in them. Without it, the first fused group has no trial to compare against."""
+    task = make_task(steps=20, eval_every=5)
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    pruned = {}
+    for first in (0, 3):
+        study = optuna.create_study(
+            sampler=optuna.samplers.RandomSampler(seed=0),
+            pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0),
+        )
+        optimize(study, task, space, 10, ratio=2, fuse=5, first_group=first)
+        trials = sorted(study.trials, key=lambda t: t.number)
+        groups = [t.user_attrs["group"] for t in trials]
+        if first:
+            assert groups[:3] == [0, 0, 0] and 0 not in groups[3:]
+            assert all(t.state == TrialState.COMPLETE for t in trials[:3])
+            done = max(t.datetime_complete for t in trials[:3])
+            assert all(t.datetime_start >= done for t in trials[3:])
+        pruned[first] = [t.number for t in trials if t.state == TrialState.PRUNED]
+    assert not any(n < 5 for n in pruned[0])  # the first fused group of 5: nothing to compare
+    assert pruned[3], "with a first group of 3 the pruner acts on later trials"
+
+
+def test_first_group_is_checked_and_refused_with_an_executor():
+    task, study = make_task(steps=4), optuna.create_study()
+    with pytest.raises(hydro.errors.ConfigError, match="first_group must be an integer from 0"):
+        optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group=3)
+    with pytest.raises(hydro.errors.ConfigError, match="with an executor every other slot"):
+        optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group=1,
+                 executor=object())  # fmt: skip

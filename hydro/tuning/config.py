@@ -23,7 +23,7 @@ from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
-            "depth_alpha"}  # fmt: skip
+            "depth_alpha", "first_group"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every"}  # fmt: skip
@@ -63,6 +63,7 @@ class TuneConfig:
     device: str = "cpu"
     depth_ratio: int = 1
     depth_alpha: float = 1.0
+    first_group: int = 0
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -139,7 +140,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     except ConfigError as exc:
         raise ConfigError(f"{path}: space: {exc}") from exc
     seed = _int(raw.get("seed", 0), "seed", path, minimum=0)
-    return TuneConfig(
+    cfg = TuneConfig(
         path=path,
         study=str(raw.get("study", "hydro")),
         storage=raw.get("storage"),
@@ -155,7 +156,12 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         device=_device(raw.get("device", "cpu"), path),
         depth_ratio=_int(raw.get("depth_ratio", 1), "depth_ratio", path),
         depth_alpha=_alpha(raw.get("depth_alpha", 1.0), path),
+        first_group=_int(raw.get("first_group", 0), "first_group", path, minimum=0),
     )
+    if cfg.first_group > cfg.fuse:
+        raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
+                          f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
+    return cfg
 
 
 def _task(spec: Any, path: str) -> Task:

@@ -69,6 +69,7 @@ def optimize(
     checkpoint_every: int | None = None,
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
+    first_group: int = 0,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -117,15 +118,29 @@ def optimize(
             blocks in the surrogates (:func:`hydro.scale`); 1 (default) keeps them all.
         depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP, 0.5:
             Depth-muP).
+        first_group: while the study has fewer than this many complete trials, train that many
+            as one group of their own, to the end, before groups of ``fuse`` start (in this
+            process only). A pruner that compares against completed trials (``MedianPruner``
+            after its ``n_startup_trials``) can then act on every later trial, where otherwise
+            the first ``fuse`` report together before any completed and none can be pruned; the
+            first group's unused slots are the price. 0 (default): groups of ``fuse`` at once.
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
+    if isinstance(first_group, bool) or not isinstance(first_group, int) \
+            or not 0 <= first_group <= fuse:  # fmt: skip
+        raise ConfigError(f"first_group must be an integer from 0 to fuse ({fuse}), got "
+                          f"{first_group!r}")  # fmt: skip
     check_depth(depth_ratio, depth_alpha)
     depth = (depth_ratio, float(depth_alpha))
     device = check_device(device)
     is_task = isinstance(task_or_callback, Task)
     if executor is not None and not is_task:
         raise ConfigError("an executor runs Hydro's training loop: pass a Task, not a callback")
+    if first_group and (executor is not None or not is_task):
+        raise ConfigError("first_group trains a first group alone in this process, before any "
+                          "other: with an executor every other slot would wait for it. Use "
+                          "executor=None, or first_group=0")  # fmt: skip
     if is_task:
         if space is None:
             raise ConfigError("optimize(study, task, space, ...) needs a search space")
@@ -168,7 +183,7 @@ def optimize(
                 args = (study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
                         heart, bar, start, timeout, occupancy, depth)  # fmt: skip
                 if is_task and executor is None:
-                    _Stream(*args).run()
+                    _Stream(*args, first_group=first_group).run()
                 elif is_task:
                     _Fleet(*args, executor=executor, every=checkpoint_every).run()
                 else:
@@ -249,7 +264,7 @@ class _Stream:
     """
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
-                 start, timeout, occupancy, depth=(1, 1.0)) -> None:  # noqa: ANN001  # fmt: skip
+                 start, timeout, occupancy, depth=(1, 1.0), first_group=0) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -259,23 +274,31 @@ class _Stream:
         self.asking = True
         self.occupancy = occupancy
         self.depth = depth  # (depth_ratio, depth_alpha)
+        self.first_group = first_group
 
     def run(self) -> None:
         self._guard(self._groups)
 
     def _groups(self) -> None:
+        complete = len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        if complete < self.first_group:  # a first group alone, to the end, for the pruner
+            members = self.next_members(limit=self.first_group - complete)
+            if members is not None:
+                run_group(self, members[1], refill=False)
         while (members := self.next_members()) is not None:
             run_group(self, members[1])
 
-    def next_members(self) -> tuple[tuple, list[tuple[optuna.Trial, dict]]] | None:
-        """The next group's key and up to ``fuse`` members that fuse with its first trial;
-        ``None`` once there is nothing left to ask."""
+    def next_members(
+        self, limit: int | None = None
+    ) -> tuple[tuple, list[tuple[optuna.Trial, dict]]] | None:
+        """The next group's key and up to ``fuse`` (or ``limit``) members that fuse with its
+        first trial; ``None`` once there is nothing left to ask."""
         first = self._pop_pending() or self._ask()
         if first is None:
             return None
         key = group_key(first[1], self.task)
         members = [first]
-        while len(members) < self.fuse:
+        while len(members) < min(self.fuse, limit or self.fuse):
             nxt = self.next_trial(key)
             if nxt is None:
                 break
@@ -349,10 +372,12 @@ class _Stream:
         self.heart.release([trial._trial_id])
 
 
-def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None:
+def run_group(
+    stream: _Stream, members: list[tuple[optuna.Trial, dict]], refill: bool = True
+) -> None:
     """Train one fused group to the end in this process: every slot freed by pruning,
     divergence or completion takes the next trial at once, until the study has no more to
-    ask."""
+    ask (``refill=False``: freed slots stay empty, the group drains)."""
     gid = min(t.number for t, _ in members)
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
@@ -360,7 +385,7 @@ def run_group(stream: _Stream, members: list[tuple[optuna.Trial, dict]]) -> None
     group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
                        depth_alpha=stream.depth[1])  # fmt: skip
-    source = _InProcess(stream, gid, {t.number: t for t, _ in members})
+    source = _InProcess(stream, gid, {t.number: t for t, _ in members}, refill=refill)
     train_slots(group, source, fuse=stream.fuse, joined={t.number: time.perf_counter()
                                                          for t, _ in members})  # fmt: skip
 
@@ -440,8 +465,9 @@ def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, 
 class _InProcess:
     """The trial source of a group in the driver's own process (see :func:`train_slots`)."""
 
-    def __init__(self, stream: _Stream, gid: int, trials: dict[int, optuna.Trial]) -> None:
-        self.stream, self.gid, self.trials = stream, gid, trials
+    def __init__(self, stream: _Stream, gid: int, trials: dict[int, optuna.Trial],
+                 refill: bool = True) -> None:  # fmt: skip
+        self.stream, self.gid, self.trials, self.refills = stream, gid, trials, refill
 
     @property
     def asking(self) -> bool:
@@ -460,6 +486,8 @@ class _InProcess:
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         for number, outcome, info in told:
             self.stream.tell(self.trials.pop(number), outcome, info)
+        if not self.refills:
+            return [None] * len(slots)
         out = []
         for slot in slots:
             nxt = self.stream.next_trial(key)

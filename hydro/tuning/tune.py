@@ -247,6 +247,7 @@ def tune(
     device: str = "cpu",
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
+    first_group: int = 0,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -285,6 +286,10 @@ def tune(
             full model.
         depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP, 0.5:
             Depth-muP).
+        first_group: train this many trials first, as a group of their own and to the end,
+            before groups of ``fuse`` (in this process only): the default ``MedianPruner``
+            compares against completed trials, so otherwise it cannot prune any of the first
+            ``fuse`` (:func:`hydro.integrations.optuna.optimize`). 0 (default): off.
 
     Returns:
         A :class:`TuneResult`.
@@ -320,7 +325,7 @@ def tune(
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
-             depth_alpha=depth_alpha)  # fmt: skip
+             depth_alpha=depth_alpha, first_group=first_group)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
