@@ -22,6 +22,9 @@ seeds, and the mean final validation losses are compared. One table per repeat, 
     # the run in docs/tuning.md (shortened to fit a 2-core machine):
     python benchmarks/end_to_end.py --repeats 3 --steps 32 --eval-every 8 --batch 8 --chars 50000
     # one repeat (seed 2) on its own, e.g. in parallel with others: --first-repeat 2 --repeats 1
+    # hydro.tune's first_group (the median pruner's start-up trials alone first), against plain:
+    python benchmarks/end_to_end.py --repeats 3 --steps 32 --eval-every 8 --batch 8 \
+        --chars 50000 --methods plain,after --first-group 5
 """
 
 from __future__ import annotations
