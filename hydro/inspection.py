@@ -222,8 +222,7 @@ def _stack_line(st: Any) -> str:
         return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) left whole: {st.reason}"
     if not st.cut:
         return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) kept whole"
-    after = (f" after {', '.join(st.head)} (another shape, kept as is)"
-             if getattr(st, "head", None) else "")  # fmt: skip
+    after = f" after {', '.join(st.head)} (another shape, kept as is)" if st.head else ""
     return (f"depth: stack '{st.path}' keeps {len(st.kept)} of {len(st.blocks)} blocks "
             f"({', '.join(st.kept)}){after}, residual branches x {st.multiplier:g}")  # fmt: skip
 

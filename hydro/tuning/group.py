@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import hydro.optim as fused_optim
+from hydro import host
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import fuse
 from hydro.fusion import random as _random
@@ -462,7 +463,9 @@ def train_group(
         group.step()
         alive = [m.id for m in group.members]
         due = group.due()
-        if due:  # read with the evaluation values: one wait for an accelerator
+        # on an accelerator the flags are read with the evaluation values (one wait); where a
+        # read is free, at once: nothing refills a slot here, so a frozen member only costs
+        if due or host.reads_are_free(group.device):
             for pos, at in group.diverged().items():
                 k = alive[pos]
                 if k not in outcomes:
