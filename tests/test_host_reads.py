@@ -17,8 +17,8 @@ import hydro
 import hydro.host
 from examples.charlm.model import GPT
 from examples.models import ResNet
-from hydro.tuning.driver import train_slots
 from hydro.tuning.group import FusedGroup, train_group
+from hydro.tuning.slots import train_slots
 
 _READS = {
     torch.ops.aten._local_scalar_dense.default,
@@ -131,7 +131,7 @@ def test_a_tuner_step_reads_nothing_on_the_host(make, reads) -> None:
 
 class _Source:
     """A trial source that prunes nothing, has nothing more to ask, and notes how many host
-    reads each fused step of the loop made (see :func:`hydro.tuning.driver.train_slots`)."""
+    reads each fused step of the loop made (see :func:`hydro.tuning.slots.train_slots`)."""
 
     asking = False
 

@@ -12,36 +12,36 @@ Its example is in :mod:`hydro.integrations.optuna`.
 from __future__ import annotations
 
 import functools
-import math
-import os
-import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy
 import optuna
-from optuna.exceptions import UpdateFinishedTrialError
-from optuna.samplers import BaseSampler
-from optuna.samplers._lazy_random_state import LazyRandomState
-from optuna.storages._heartbeat import is_heartbeat_enabled
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from hydro.errors import ConfigError
-from hydro.tuning.group import (
-    FusedGroup,
-    GroupInfo,
-    Outcome,
-    check_device,
-    group_key,
-    load_model_state,
-)
+from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, check_device, group_key
 from hydro.tuning.progress import Progress
+from hydro.tuning.slots import Occupancy, _stream_in_worker, train_slots
 from hydro.tuning.space import Space, check_names, check_space, sample
+from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECONDS, ...: as before
+    _INTERRUPTED,
+    _POLL_SECONDS,
+    HEARTBEAT_SECONDS,
+    STALE_SECONDS,
+    _ask,
+    _counts,
+    _fail,
+    _finished,
+    _Heartbeat,
+    _reclaim_stale,
+    _report_and_ask,
+    _seed_sampler,
+    _tell,
+    _tell_safely,
+    is_void,
+)
 from hydro.tuning.task import Task
-from hydro_fluid.executors.local import start_ticks
 
 __all__ = ["GroupCallback", "is_void", "optimize"]
 
@@ -49,8 +49,6 @@ __all__ = ["GroupCallback", "is_void", "optimize"]
 # them however you like (report with trial.report, prune with trial.should_prune), and return one
 # entry per trial: a float (complete), an optuna.TrialPruned (pruned), or another exception (fail).
 GroupCallback = Callable[[list[optuna.Trial]], Sequence[Any]]
-
-_INTERRUPTED = "interrupted: the process running it stopped; re-asked with the same parameters"
 
 
 def optimize(
@@ -216,45 +214,6 @@ def _run_batch(study, callback, space, trials, heart) -> None:  # noqa: ANN001
         heart.release(t._trial_id for t in trials)
 
 
-@dataclass
-class Occupancy:
-    """How full a run kept its fused groups: live members per fused step, out of ``fuse``.
-
-    ``steps``/``live`` count every fused step; ``*_asking`` only the steps taken while the
-    study still had trials to ask (a study's last groups drain as their members end).
-    """
-
-    fuse: int
-    steps: int = 0
-    live: int = 0
-    steps_asking: int = 0
-    live_asking: int = 0
-
-    def fraction(self, asking: bool = True) -> float | None:
-        """Mean live members per step over ``fuse`` (while asking, by default)."""
-        steps, live = (self.steps_asking, self.live_asking) if asking else (self.steps, self.live)
-        return live / (steps * self.fuse) if steps else None
-
-    def add(self, steps: int, live: int, asking: bool) -> None:
-        """Count ``steps`` fused steps that trained ``live`` members each."""
-        self.steps += steps
-        self.live += steps * live
-        if asking:
-            self.steps_asking += steps
-            self.live_asking += steps * live
-
-    def counts(self) -> list[int]:
-        return [self.steps, self.live, self.steps_asking, self.live_asking]
-
-    def set_counts(self, counts: Sequence[int]) -> None:
-        self.steps, self.live, self.steps_asking, self.live_asking = (int(c) for c in counts)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"fuse": self.fuse, "steps": self.steps, "live": self.live,
-                "steps_asking": self.steps_asking, "live_asking": self.live_asking,
-                "while_asking": self.fraction(True), "overall": self.fraction(False)}  # fmt: skip
-
-
 class _Stream:
     """Continuous batching in this process: fused groups whose freed slots take new trials.
 
@@ -390,78 +349,6 @@ def run_group(
                                                          for t, _ in members})  # fmt: skip
 
 
-def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
-                after_step: Callable[[], None] | None = None) -> None:  # fmt: skip
-    """The loop of continuous batching, wherever the group trains (this process or a worker).
-
-    ``source`` is where trials come from and results go: ``report(items)`` takes every
-    ``(trial, step, value)`` evaluated at one step and returns the trials to prune;
-    ``refill(told, slots, key)`` takes the ended trials ``(trial, outcome, info)`` and returns,
-    for each freed slot, the next ``(trial, params, seed)`` or ``None`` (nothing left to ask);
-    ``stepped(live)`` counts a fused step; ``asking`` says whether trials remain to ask.
-    ``joined`` maps each member to when it joined (for its ``group_seconds``).
-    """
-    steps = group.task.steps
-    while group.n:
-        group.step()  # no host read: on an accelerator the next step queues behind this one
-        source.stepped(group.n)
-        ended: dict[int, Outcome] = {}
-        due = group.due()
-        # Divergence flags are read with the evaluation values (on an accelerator, the one wait
-        # for the device), even where reading is free: a slot then takes its next trial at an
-        # evaluation step, so every slot's evaluations stay at the same fused steps and one
-        # evaluation of the group serves them all.
-        if due:
-            for slot, at in group.diverged().items():
-                ended[slot] = Outcome("fail", None, at, f"diverged at step {at}: non-finite "
-                                      "loss or gradient", group.members[slot].history)  # fmt: skip
-        due = [slot for slot in due if slot not in ended]
-        if due:
-            values = [float(v) for v in group.evaluate()]
-            finite = []
-            for slot in due:
-                m = group.members[slot]
-                m.history.append((m.step, values[slot]))
-                if math.isfinite(values[slot]):
-                    finite.append(slot)
-                else:
-                    ended[slot] = Outcome("fail", None, m.step, "non-finite validation value",
-                                          m.history)  # fmt: skip
-            items = [(group.members[k].id, group.members[k].step, values[k]) for k in finite]
-            pruned = source.report(items) if items else set()
-            for slot in finite:
-                m = group.members[slot]
-                if m.id in pruned and m.step < steps:
-                    ended[slot] = Outcome("pruned", values[slot], m.step, "", m.history)
-        for slot, m in enumerate(group.members):
-            if slot not in ended and m.step >= steps:
-                last = m.history[-1][1] if m.history else None
-                ended[slot] = Outcome("complete", last, steps, "", m.history)
-        if ended:
-            slots = sorted(ended)
-            now = time.perf_counter()
-            told = []
-            for slot in slots:  # every ended trial is told before new ones are asked
-                number = group.members[slot].id
-                info = GroupInfo(ratio=group.ratio, size=fuse, widths=group.widths,
-                                 depth_ratio=group.depth_ratio, depth_alpha=group.depth_alpha,
-                                 blocks=group.blocks,
-                                 seconds=now - joined.pop(number, now))  # fmt: skip
-                told.append((number, ended[slot], info))
-            freed = []
-            for slot, nxt in zip(slots, source.refill(told, slots, group.key)):
-                if nxt is None:
-                    freed.append(slot)
-                    continue
-                number, params, seed = nxt
-                joined[number] = time.perf_counter()
-                group.put(slot, number, params, seed)
-            if freed:
-                group.drop(freed)
-        if after_step is not None and group.n:
-            after_step()
-
-
 class _InProcess:
     """The trial source of a group in the driver's own process (see :func:`train_slots`)."""
 
@@ -500,19 +387,6 @@ class _InProcess:
             self.trials[t.number] = t
             out.append((t.number, params, self.stream.seed + t.number))
         return out
-
-
-def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
-    """Give the study a member's intermediate value; True when its pruner prunes it."""
-    try:
-        if step not in trial._cached_frozen_trial.intermediate_values:
-            trial.report(value, step)  # a retried group reports its steps again: once is enough
-        pruned = trial.should_prune()
-    except UpdateFinishedTrialError:
-        return True  # another process failed it as stale: it is no longer ours to train
-    if hook is not None:
-        hook()
-    return pruned
 
 
 class _Fleet(_Stream):
@@ -624,98 +498,6 @@ class _Fleet(_Stream):
                 self.tell(self.running[number], Outcome("fail", None, 0, reason[:500]), None)
 
 
-class _Remote:
-    """The trial source of a group in an executor's worker: the driver, through
-    ``ctx.request`` (see :func:`train_slots`)."""
-
-    def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool) -> None:
-        self.ctx, self.occupancy, self.cursor, self.asking = ctx, occupancy, cursor, asking
-
-    def stepped(self, live: int) -> None:
-        self.occupancy.add(1, live, self.asking)
-
-    def report(self, items: list[tuple[int, int, float]]) -> set[int]:
-        got = self.ctx.request(("report", items, self.occupancy.counts()))
-        self.asking = got["asking"]
-        return set(got["pruned"])
-
-    def refill(self, told: list, slots: list[int], key: tuple) -> list:
-        wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]
-        got = self.ctx.request(("refill", told, wants, self.occupancy.counts()))
-        self.cursor += len(slots)
-        self.asking = got["asking"]
-        return got["trials"]
-
-
-def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN001, ANN202
-    """A fused group with continuous batching in an executor's worker. Its trials come from
-    the driver; with ``every`` it checkpoints in ``ctx.checkpoint_dir`` (which survives a
-    retry) every ``every`` steps, and a retried worker resumes there."""
-    from hydro.tuning import checkpoint as _checkpoint
-
-    occupancy = Occupancy(fuse)
-    saved = _checkpoint.load(ctx.checkpoint_dir) if every and ctx.rank == 0 else None
-    if saved is not None:
-        members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
-        cursor, asking = int(saved["cursor"]), bool(saved["asking"])
-        occupancy.set_counts(saved["occupancy"])
-    else:
-        got = ctx.request(("start",))
-        members, cursor, asking = [tuple(m) for m in got["members"]], 1, got["asking"]
-    if not members:
-        return {"occupancy": occupancy.counts()}
-    fgroup = FusedGroup(task, members, ratio=ratio, device=ctx.device, depth_ratio=depth[0],
-                        depth_alpha=depth[1])  # fmt: skip
-    if saved is not None:
-        _restore_slots(fgroup, saved)
-    source = _Remote(ctx, occupancy, cursor, asking)
-    joined = {m.id: time.perf_counter() for m in fgroup.members}
-
-    def save() -> None:
-        if every and fgroup.steps % every == 0:
-            _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
-
-    train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save)
-    return {"occupancy": occupancy.counts()}
-
-
-def _slots_state(group: FusedGroup, source: _Remote) -> dict[str, Any]:
-    """A refilled group's checkpoint: each slot's trial, step and history, the fused model,
-    optimizer and schedules, the random states, and how far the group read its trial log."""
-    from hydro.tuning import checkpoint as _checkpoint
-
-    return {
-        "members": [
-            [m.id, dict(m.params), m.seed, m.step, [list(h) for h in m.history]]
-            for m in group.members
-        ],  # fmt: skip
-        "model": group.fused.state_dict(),
-        "optimizer": group.opt.state_dict(),
-        "scheduler": group.sched.state_dict(),
-        "steps": [group.steps, group.live_steps],
-        "cursor": source.cursor,
-        "asking": source.asking,
-        "occupancy": source.occupancy.counts(),
-        "rng": _checkpoint.rng_state(),
-    }
-
-
-def _restore_slots(group: FusedGroup, saved: dict[str, Any]) -> None:
-    """Put a group built from a checkpoint's members in that checkpoint's state."""
-    from hydro.tuning import checkpoint as _checkpoint
-
-    for m, (_, _, _, step, history) in zip(group.members, saved["members"]):
-        for _ in range(int(step)):  # each data stream continues where it stopped
-            next(m.batches)
-        m.step = int(step)
-        m.history[:] = [(int(s), float(v)) for s, v in history]
-    load_model_state(group, saved["model"])
-    group.opt.load_state_dict(saved["optimizer"])
-    group.sched.load_state_dict(saved["scheduler"])
-    group.steps, group.live_steps = (int(v) for v in saved["steps"])
-    _checkpoint.set_rng_state(saved["rng"])
-
-
 def _set_depth(trial: optuna.Trial, depth: tuple[int, float]) -> None:
     trial.set_user_attr("depth_ratio", depth[0])
     trial.set_user_attr("depth_alpha", depth[1])
@@ -731,28 +513,6 @@ def check_depth(depth_ratio: Any, depth_alpha: Any) -> None:
         check_args(depth_ratio, depth_alpha)
     except ScaleError as exc:
         raise ConfigError(str(exc)) from exc
-
-
-def _tell(
-    study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None
-) -> None:
-    try:
-        if info is not None:
-            trial.set_user_attr("surrogate_widths", info.widths)
-            if info.blocks:
-                trial.set_user_attr("surrogate_blocks", info.blocks)
-            trial.set_user_attr("group_seconds", round(info.seconds, 3))
-            trial.set_user_attr("worker_pid", info.pid)
-        if outcome.state == "complete" and outcome.value is not None \
-                and math.isfinite(outcome.value):  # fmt: skip
-            _tell_safely(study, trial, outcome.value)
-        elif outcome.state == "pruned":
-            _tell_safely(study, trial, state=TrialState.PRUNED)
-        else:
-            trial.set_user_attr("fail_reason", outcome.reason or "no finite value")
-            _tell_safely(study, trial, state=TrialState.FAIL)
-    except UpdateFinishedTrialError:
-        pass  # failed as stale by another process meanwhile (and asked again there)
 
 
 def _run_callback_batch(study, callback, space, trials, told) -> None:  # noqa: ANN001
@@ -775,207 +535,3 @@ def _run_callback_batch(study, callback, space, trials, told) -> None:  # noqa: 
         else:
             _tell_safely(study, t, float(r))
         told.add(t.number)
-
-
-def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:
-    """``study.tell``, for a sampler that asks to stop when told (GridSampler, exhausted).
-
-    Such a sampler calls ``study.stop()``, which Optuna allows only inside ``study.optimize``;
-    the trial is already told by then, and the driver stops by itself once the sampler's space is
-    exhausted, so the request is recorded instead of raised.
-    """
-    try:
-        study.tell(trial, *args, **kwargs)
-    except RuntimeError as exc:
-        if "Study.stop" not in str(exc):
-            raise
-        study.set_user_attr("hydro_sampler_exhausted", True)
-
-
-# -- sharing a study between processes -------------------------------------------------------
-#
-# Every trial this driver runs carries its owner (host, pid, process start time) and a heartbeat
-# time refreshed by a thread. A RUNNING trial is stale when its owner is a dead process on this
-# host, or, on another host, when its heartbeat is older than STALE_SECONDS. Stale trials are
-# failed (one process wins that update; the storage refuses the others) and their parameters
-# asked again, so live processes never lose trials to each other and dead ones lose none.
-
-HEARTBEAT_SECONDS = 10.0
-STALE_SECONDS = 60.0
-_POLL_SECONDS = 0.5
-_OWNER, _BEAT, _RETRY_OF = "hydro_owner", "hydro_heartbeat", "hydro_retry_of"
-_SURPLUS = "surplus: other processes sharing the study had already asked n_trials trials"
-_ACTIVE: set[int] = set()  # trial ids some optimize() call in this process is running
-_ACTIVE_LOCK = threading.Lock()
-
-
-def is_void(trial: FrozenTrial) -> bool:
-    """Whether a finished row does not count as a trial: interrupted (and asked again) or a
-    surplus ask of a shared study."""
-    return trial.state == TrialState.FAIL and trial.user_attrs.get("fail_reason") in (
-        _INTERRUPTED, _SURPLUS)  # fmt: skip
-
-
-def _finished(study: optuna.Study) -> int:
-    return _counts(study)[0]
-
-
-def _counts(study: optuna.Study) -> tuple[int, int]:
-    """(finished trials that count, RUNNING trials)."""
-    finished = running = 0
-    for t in study.get_trials(deepcopy=False):
-        if t.state == TrialState.RUNNING:
-            running += 1
-        elif t.state.is_finished() and not is_void(t):
-            finished += 1
-    return finished, running
-
-
-def _me() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_ticks(os.getpid())}
-
-
-def _owner_alive(t: FrozenTrial, now: float) -> bool:
-    owner = t.user_attrs.get(_OWNER)
-    if isinstance(owner, dict) and owner.get("host") == socket.gethostname():
-        pid = owner.get("pid")
-        if pid == os.getpid():
-            with _ACTIVE_LOCK:
-                return t._trial_id in _ACTIVE
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, TypeError, ValueError):
-            pass
-        started = owner.get("started")
-        return started is None or start_ticks(int(pid)) in (None, started)
-    beat = t.user_attrs.get(_BEAT)
-    if beat is None:
-        beat = t.datetime_start.timestamp() if t.datetime_start else now
-    return now - float(beat) < STALE_SECONDS
-
-
-def _reclaim_stale(study: optuna.Study) -> int:
-    """Fail the RUNNING trials whose owner is gone and ask their parameters again."""
-    now = time.time()
-    n = 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if not _owner_alive(t, now):
-            n += _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
-    return n
-
-
-def _fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
-    """Fail a RUNNING trial (True if this call did it: of racing processes one wins), and with
-    ``requeue`` enqueue its parameters to be asked again."""
-    storage = study._storage
-    try:
-        storage.set_trial_user_attr(trial_id, "fail_reason", reason)
-        if not storage.set_trial_state_values(trial_id, TrialState.FAIL):
-            return False
-    except UpdateFinishedTrialError:
-        return False
-    if requeue and params:  # a trial killed before it was sampled has nothing to repeat
-        study.enqueue_trial(dict(params), user_attrs={_RETRY_OF: number}, skip_if_exists=False)
-    return True
-
-
-def _ask(study, k, n_trials, seed, heart) -> list[optuna.Trial]:  # noqa: ANN001
-    """Ask up to ``k`` trials, keeping only those within ``n_trials`` over the whole study.
-
-    Trial numbers are handed out by the storage, so a trial is within budget when fewer than
-    ``n_trials`` counting trials have a lower number, whichever process asked them.
-    """
-    asked = []
-    for _ in range(k):
-        # multivariate samplers draw when asked: seed by the number the trial will most likely get
-        _seed_sampler(study.sampler, seed, len(study.get_trials(deepcopy=False)))
-        t = study.ask()
-        heart.own(t)
-        below = sum(1 for u in study.get_trials(deepcopy=False)
-                    if u.number < t.number and not is_void(u))  # fmt: skip
-        if below >= n_trials:
-            _fail(study, t._trial_id, t.number, {}, _SURPLUS, requeue=False)
-            heart.release([t._trial_id])
-            break
-        asked.append(t)
-    return asked
-
-
-class _Heartbeat:
-    """Marks the trials this process runs with their owner and refreshes their heartbeat."""
-
-    def __init__(self, study: optuna.Study) -> None:
-        self.study = study
-        self.owned: set[int] = set()
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.me = _me()
-
-    def __enter__(self) -> _Heartbeat:
-        self.thread = threading.Thread(target=self._beat, name="hydro-heartbeat", daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.release(list(self.owned))
-
-    def own(self, trial: optuna.Trial) -> None:
-        with _ACTIVE_LOCK:
-            _ACTIVE.add(trial._trial_id)
-        with self.lock:
-            self.owned.add(trial._trial_id)
-        storage = self.study._storage
-        storage.set_trial_user_attr(trial._trial_id, _OWNER, self.me)
-        storage.set_trial_user_attr(trial._trial_id, _BEAT, time.time())
-
-    def release(self, ids: Any) -> None:
-        ids = set(ids)
-        with self.lock:
-            self.owned -= ids
-        with _ACTIVE_LOCK:
-            _ACTIVE.difference_update(ids)
-
-    def _beat(self) -> None:
-        storage = self.study._storage
-        native = is_heartbeat_enabled(storage)
-        while not self.stop.wait(HEARTBEAT_SECONDS):
-            with self.lock:
-                ids = list(self.owned)
-            for trial_id in ids:
-                try:
-                    storage.set_trial_user_attr(trial_id, _BEAT, time.time())
-                    if native:  # a storage with Optuna's own heartbeat must not fail it either
-                        storage.record_heartbeat(trial_id)
-                except Exception:  # noqa: BLE001 - finished meanwhile, or a transient error
-                    pass
-
-
-def _seed_sampler(sampler: Any, seed: int, number: int) -> None:
-    """Re-seed the random state of ``sampler`` (and of samplers inside it) from ``seed`` and a
-    trial number.
-
-    A seeded sampler built afresh by every run would draw the same start-up configurations each
-    time a study resumes; seeding by trial number instead makes a resumed (or shared) study draw
-    new ones, while the same sequence of commands still draws the same configurations.
-    """
-    value = (int(seed) * 1_000_003 + int(number)) % (2**32)
-    seen: set[int] = set()
-
-    def visit(obj: Any) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        for attr in vars(obj).values():
-            if isinstance(attr, LazyRandomState):
-                attr.rng.seed(value)
-            elif isinstance(attr, numpy.random.RandomState):
-                attr.seed(value)
-            elif isinstance(attr, BaseSampler):
-                visit(attr)
-
-    if isinstance(sampler, BaseSampler):
-        visit(sampler)

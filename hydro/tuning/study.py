@@ -1,0 +1,269 @@
+"""The study side of tuning: asking and telling trials of a study that processes share.
+
+Every trial the driver runs carries its owner (host, pid, process start time) and a heartbeat;
+a trial left RUNNING by a dead owner is failed as interrupted and its parameters asked again.
+Telling goes through here too, so a trial's end is recorded the same way wherever it trained.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.samplers import BaseSampler
+from optuna.samplers._lazy_random_state import LazyRandomState
+from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.trial import FrozenTrial, TrialState
+
+from hydro.tuning.group import GroupInfo, Outcome
+from hydro_fluid.executors.local import start_ticks
+
+__all__ = ["HEARTBEAT_SECONDS", "STALE_SECONDS", "is_void"]
+
+_INTERRUPTED = "interrupted: the process running it stopped; re-asked with the same parameters"
+
+
+def _tell(
+    study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None
+) -> None:
+    try:
+        if info is not None:
+            trial.set_user_attr("surrogate_widths", info.widths)
+            if info.blocks:
+                trial.set_user_attr("surrogate_blocks", info.blocks)
+            trial.set_user_attr("group_seconds", round(info.seconds, 3))
+            trial.set_user_attr("worker_pid", info.pid)
+        if outcome.state == "complete" and outcome.value is not None \
+                and math.isfinite(outcome.value):  # fmt: skip
+            _tell_safely(study, trial, outcome.value)
+        elif outcome.state == "pruned":
+            _tell_safely(study, trial, state=TrialState.PRUNED)
+        else:
+            trial.set_user_attr("fail_reason", outcome.reason or "no finite value")
+            _tell_safely(study, trial, state=TrialState.FAIL)
+    except UpdateFinishedTrialError:
+        pass  # failed as stale by another process meanwhile (and asked again there)
+
+
+def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:
+    """``study.tell``, for a sampler that asks to stop when told (GridSampler, exhausted).
+
+    Such a sampler calls ``study.stop()``, which Optuna allows only inside ``study.optimize``;
+    the trial is already told by then, and the driver stops by itself once the sampler's space is
+    exhausted, so the request is recorded instead of raised.
+    """
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+        study.set_user_attr("hydro_sampler_exhausted", True)
+
+
+def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
+    """Give the study a member's intermediate value; True when its pruner prunes it."""
+    try:
+        if step not in trial._cached_frozen_trial.intermediate_values:
+            trial.report(value, step)  # a retried group reports its steps again: once is enough
+        pruned = trial.should_prune()
+    except UpdateFinishedTrialError:
+        return True  # another process failed it as stale: it is no longer ours to train
+    if hook is not None:
+        hook()
+    return pruned
+
+
+# -- sharing a study between processes -------------------------------------------------------
+#
+# Every trial this driver runs carries its owner (host, pid, process start time) and a heartbeat
+# time refreshed by a thread. A RUNNING trial is stale when its owner is a dead process on this
+# host, or, on another host, when its heartbeat is older than STALE_SECONDS. Stale trials are
+# failed (one process wins that update; the storage refuses the others) and their parameters
+# asked again, so live processes never lose trials to each other and dead ones lose none.
+
+HEARTBEAT_SECONDS = 10.0
+STALE_SECONDS = 60.0
+_POLL_SECONDS = 0.5
+_OWNER, _BEAT, _RETRY_OF = "hydro_owner", "hydro_heartbeat", "hydro_retry_of"
+_SURPLUS = "surplus: other processes sharing the study had already asked n_trials trials"
+_ACTIVE: set[int] = set()  # trial ids some optimize() call in this process is running
+_ACTIVE_LOCK = threading.Lock()
+
+
+def is_void(trial: FrozenTrial) -> bool:
+    """Whether a finished row does not count as a trial: interrupted (and asked again) or a
+    surplus ask of a shared study."""
+    return trial.state == TrialState.FAIL and trial.user_attrs.get("fail_reason") in (
+        _INTERRUPTED, _SURPLUS)  # fmt: skip
+
+
+def _finished(study: optuna.Study) -> int:
+    return _counts(study)[0]
+
+
+def _counts(study: optuna.Study) -> tuple[int, int]:
+    """(finished trials that count, RUNNING trials)."""
+    finished = running = 0
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TrialState.RUNNING:
+            running += 1
+        elif t.state.is_finished() and not is_void(t):
+            finished += 1
+    return finished, running
+
+
+def _me() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_ticks(os.getpid())}
+
+
+def _owner_alive(t: FrozenTrial, now: float) -> bool:
+    owner = t.user_attrs.get(_OWNER)
+    if isinstance(owner, dict) and owner.get("host") == socket.gethostname():
+        pid = owner.get("pid")
+        if pid == os.getpid():
+            with _ACTIVE_LOCK:
+                return t._trial_id in _ACTIVE
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, TypeError, ValueError):
+            pass
+        started = owner.get("started")
+        return started is None or start_ticks(int(pid)) in (None, started)
+    beat = t.user_attrs.get(_BEAT)
+    if beat is None:
+        beat = t.datetime_start.timestamp() if t.datetime_start else now
+    return now - float(beat) < STALE_SECONDS
+
+
+def _reclaim_stale(study: optuna.Study) -> int:
+    """Fail the RUNNING trials whose owner is gone and ask their parameters again."""
+    now = time.time()
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not _owner_alive(t, now):
+            n += _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
+    return n
+
+
+def _fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
+    """Fail a RUNNING trial (True if this call did it: of racing processes one wins), and with
+    ``requeue`` enqueue its parameters to be asked again."""
+    storage = study._storage
+    try:
+        storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+        if not storage.set_trial_state_values(trial_id, TrialState.FAIL):
+            return False
+    except UpdateFinishedTrialError:
+        return False
+    if requeue and params:  # a trial killed before it was sampled has nothing to repeat
+        study.enqueue_trial(dict(params), user_attrs={_RETRY_OF: number}, skip_if_exists=False)
+    return True
+
+
+def _ask(study, k, n_trials, seed, heart) -> list[optuna.Trial]:  # noqa: ANN001
+    """Ask up to ``k`` trials, keeping only those within ``n_trials`` over the whole study.
+
+    Trial numbers are handed out by the storage, so a trial is within budget when fewer than
+    ``n_trials`` counting trials have a lower number, whichever process asked them.
+    """
+    asked = []
+    for _ in range(k):
+        # multivariate samplers draw when asked: seed by the number the trial will most likely get
+        _seed_sampler(study.sampler, seed, len(study.get_trials(deepcopy=False)))
+        t = study.ask()
+        heart.own(t)
+        below = sum(1 for u in study.get_trials(deepcopy=False)
+                    if u.number < t.number and not is_void(u))  # fmt: skip
+        if below >= n_trials:
+            _fail(study, t._trial_id, t.number, {}, _SURPLUS, requeue=False)
+            heart.release([t._trial_id])
+            break
+        asked.append(t)
+    return asked
+
+
+class _Heartbeat:
+    """Marks the trials this process runs with their owner and refreshes their heartbeat."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+        self.owned: set[int] = set()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.me = _me()
+
+    def __enter__(self) -> _Heartbeat:
+        self.thread = threading.Thread(target=self._beat, name="hydro-heartbeat", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.release(list(self.owned))
+
+    def own(self, trial: optuna.Trial) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(trial._trial_id)
+        with self.lock:
+            self.owned.add(trial._trial_id)
+        storage = self.study._storage
+        storage.set_trial_user_attr(trial._trial_id, _OWNER, self.me)
+        storage.set_trial_user_attr(trial._trial_id, _BEAT, time.time())
+
+    def release(self, ids: Any) -> None:
+        ids = set(ids)
+        with self.lock:
+            self.owned -= ids
+        with _ACTIVE_LOCK:
+            _ACTIVE.difference_update(ids)
+
+    def _beat(self) -> None:
+        storage = self.study._storage
+        native = is_heartbeat_enabled(storage)
+        while not self.stop.wait(HEARTBEAT_SECONDS):
+            with self.lock:
+                ids = list(self.owned)
+            for trial_id in ids:
+                try:
+                    storage.set_trial_user_attr(trial_id, _BEAT, time.time())
+                    if native:  # a storage with Optuna's own heartbeat must not fail it either
+                        storage.record_heartbeat(trial_id)
+                except Exception:  # noqa: BLE001 - finished meanwhile, or a transient error
+                    pass
+
+
+def _seed_sampler(sampler: Any, seed: int, number: int) -> None:
+    """Re-seed the random state of ``sampler`` (and of samplers inside it) from ``seed`` and a
+    trial number.
+
+    A seeded sampler built afresh by every run would draw the same start-up configurations each
+    time a study resumes; seeding by trial number instead makes a resumed (or shared) study draw
+    new ones, while the same sequence of commands still draws the same configurations.
+    """
+    value = (int(seed) * 1_000_003 + int(number)) % (2**32)
+    seen: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for attr in vars(obj).values():
+            if isinstance(attr, LazyRandomState):
+                attr.rng.seed(value)
+            elif isinstance(attr, numpy.random.RandomState):
+                attr.seed(value)
+            elif isinstance(attr, BaseSampler):
+                visit(attr)
+
+    if isinstance(sampler, BaseSampler):
+        visit(sampler)
