@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 import hydro
 from hydro.errors import ConfigError, HydroWarning
 from hydro.integrations.optuna import optimize
-from hydro.tuning.group import FusedGroup
+from hydro.tuning.group import FusedGroup, train_group
 from hydro.tuning.slots import _stream_in_worker
 from hydro_fluid import LocalExecutor, TrialGroup
 from tests.test_continuous import make_task
@@ -191,6 +191,15 @@ def test_bad_world_sizes_are_refused_before_any_trial():
     assert not study.trials
 
 
+def dropout_task(steps: int = 8) -> hydro.Task:
+    base = make_task()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 3)).double()  # fmt: skip
+    return hydro.Task(model=model, train_data=base.train_data, val_data=base.val_data,
+                      steps=steps, eval_every=4, batch_size=16)  # fmt: skip
+
+
 def test_a_group_that_data_parallel_would_change_is_refused():
     g = FusedGroup(make_task(batch_size=15), MEMBERS, ratio=2)
     with pytest.raises(ConfigError, match="batch size 15 does not divide by world_size 2"):
@@ -202,11 +211,22 @@ def test_a_group_that_data_parallel_would_change_is_refused():
     task = hydro.Task(model=bn, train_data=task.train_data, val_data=task.val_data, steps=4)
     with pytest.raises(ConfigError, match=r"module '1' \(BatchNorm1d\) normalizes over the batch"):
         FusedGroup(task, MEMBERS, ratio=2).distribute(0, 2)
-    # dropout is found in the training graph, at the first step (before any collective)
-    drop = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                               torch.nn.Linear(32, 3)).double()  # fmt: skip
-    task = hydro.Task(model=drop, train_data=task.train_data, val_data=task.val_data, steps=4)
-    g = FusedGroup(task, MEMBERS, ratio=2)
-    g.distribute(0, 2)
+    # dropout is found in the training graph, which is built but not run: no stream moves
+    g = FusedGroup(dropout_task(), MEMBERS, ratio=2)
     with pytest.raises(ConfigError, match="draws random numbers in training"):
-        g.step()
+        g.distribute(0, 2)
+    assert g.fused.trial_step.tolist() == [0, 0]
+    assert g.unsplittable(1) is None and g.world_size == 1
+
+
+def test_a_group_with_dropout_given_two_ranks_trains_on_one_and_loses_nothing():
+    """The refusal in a worker: the group trains on rank 0 alone (a warning in the worker), its
+    trials end as they would on one process."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    ex = LocalExecutor(devices=[], num_workers=2, threads=2)
+    optimize(study, dropout_task(), SPACE, n_trials=3, ratio=2, fuse=2, seed=3, executor=ex,
+             world_size=2)  # fmt: skip
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    for t in study.trials:
+        (alone,), _ = train_group(dropout_task(), [t.params], ratio=2, seeds=[3 + t.number])
+        assert alone.value == pytest.approx(t.value, **TOL)

@@ -314,6 +314,11 @@ class FusedGroup:
             self.sched.reset_trial(slot, base_lr=hyper["lr"])  # rebuilt from slot_params
         self.clip[slot] = member.params.get("grad_clip")
         self.members[slot] = member
+        # a new member's dropout rate may make the graph draw where it did not
+        why = self.unsplittable(self.world_size)
+        if why:
+            raise ConfigError(f"trial {id!r} cannot join this data parallel group: {why}. "
+                              "Train its group with world_size 1")  # fmt: skip
 
     def drop(self, slots: Sequence[int]) -> None:
         """Remove ``slots`` from the group (they stop costing compute)."""
@@ -325,25 +330,36 @@ class FusedGroup:
         self.clip = [self.clip[k] for k in keep]
         self.slot_params[:] = [self.slot_params[k] for k in keep]
 
+    def unsplittable(self, world_size: int) -> str | None:
+        """Why this group cannot train as ``world_size`` data parallel replicas exactly as on
+        one device (:mod:`hydro.tuning.parallel`), or ``None`` when it can."""
+        if world_size == 1:
+            return None
+        if self.batch_size % world_size:
+            return (f"batch size {self.batch_size} does not divide by world_size {world_size}: "
+                    "data parallel splits every batch into equal shards")  # fmt: skip
+        if self.batch_norm:
+            return (f"{self.batch_norm} normalizes over the batch: on a shard its statistics "
+                    "differ from the whole batch's")  # fmt: skip
+        sample = next(self.task.train_batches(world_size, seed=self.members[0].seed))
+        if parallel.random_ops(self.fused, stack_batches([sample] * self.n), self.task):
+            return ("the model draws random numbers in training (dropout, drop-path, sampling) "
+                    "whose per-trial masks follow each row's place in the batch: a shard "
+                    "would draw other masks")  # fmt: skip
+        return None
+
     def distribute(self, rank: int, world_size: int) -> None:
         """Train as replica ``rank`` of ``world_size`` data parallel replicas (an initialized
         ``torch.distributed`` process group): each takes its share of every batch's rows, the
         gradients are averaged, evaluation runs on rank 0 (:mod:`hydro.tuning.parallel`).
 
         Raises:
-            ConfigError: the batch size does not divide by ``world_size``, or the model
-                normalizes over the batch (batch norm); random ops are refused at the first step.
+            ConfigError: the group cannot be split exactly (:meth:`unsplittable`).
         """
-        if world_size > 1:
-            if self.batch_size % world_size:
-                raise ConfigError(f"batch size {self.batch_size} does not divide by world_size "
-                                  f"{world_size}: a data parallel group splits every batch "
-                                  "into equal shards; use world_size 1 for it")  # fmt: skip
-            if self.batch_norm:
-                raise ConfigError(f"{self.batch_norm} normalizes over the batch: on a shard "
-                                  "its statistics differ from the whole batch's, so a data "
-                                  "parallel group would not equal its single-device group; "
-                                  "use world_size 1 for it")  # fmt: skip
+        why = self.unsplittable(world_size)
+        if why:
+            raise ConfigError(f"this group cannot train data parallel: {why}. Train it with "
+                              "world_size 1")  # fmt: skip
         self.rank, self.world_size = int(rank), int(world_size)
 
     def step(self) -> torch.Tensor:
@@ -371,7 +387,6 @@ class FusedGroup:
         shards = [parallel.shard(b, rank, world, self.task.batch_len(b)) for b in batches]
 
         def reduce(losses: torch.Tensor) -> torch.Tensor:
-            parallel.check_no_random(self.fused)  # its training graph exists once it ran
             return parallel.all_reduce_mean(self.fused, losses, world)
 
         return shards, reduce

@@ -24,9 +24,8 @@ import torch
 from torch import nn
 
 from hydro.errors import ConfigError
-from hydro.fusion import random as _random
 
-__all__ = ["all_reduce_mean", "batch_norm", "check_no_random", "share", "shard"]
+__all__ = ["all_reduce_mean", "batch_norm", "random_ops", "share", "shard"]
 
 
 def share(obj: Any, rank: int, world_size: int) -> Any:
@@ -98,16 +97,9 @@ def batch_norm(model: nn.Module) -> str | None:
     return None
 
 
-def check_no_random(fused: nn.Module) -> None:
-    """A :class:`ConfigError` if a training graph of ``fused`` draws random numbers (dropout,
-    drop-path, sampling): a trial's random numbers are indexed by the element's place in its
-    batch, so a shard would draw other masks than the single-device group."""
-    for gm in getattr(fused, "_graphs", {}).values():
-        if any(n.op == "call_function" and n.target is _random.stream_keys
-               for n in gm.graph.nodes):  # fmt: skip
-            raise ConfigError(
-                "this group's model draws random numbers in training (dropout, drop-path, "
-                "sampling), whose per-trial masks follow each row's place in the batch: a "
-                "data parallel shard would draw other masks than the single-device group. "
-                "Train it with world_size 1, or without dropout (in the model and the space)"
-            )
+def random_ops(fused: nn.Module, batch: Any, task: Any) -> bool:
+    """Whether a training step of ``fused`` on per-trial batches like ``batch`` (stacked, with
+    the trial dimension first) draws random numbers: its per-trial masks are indexed by each
+    element's place in the batch, so a shard would draw other masks than the whole batch."""
+    args, kwargs, _ = task.split(batch, next(fused.parameters()).device)
+    return fused.draws_random(*args, shared=False, **kwargs)

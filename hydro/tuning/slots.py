@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hydro.errors import HydroWarning
 from hydro.tuning import parallel
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, load_model_state
 
@@ -132,11 +134,12 @@ def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, 
             after_step()
 
 
-def _ask_driver(ctx: Any, payload: tuple) -> Any:
+def _ask_driver(ctx: Any, payload: tuple, world_size: int | None = None) -> Any:
     """The driver's answer to ``payload``: rank 0 alone asks it, and every data parallel rank
-    gets that same answer at the same step, so the replicas change their group alike."""
+    (of ``world_size``, default ``ctx.world_size``) gets that same answer at the same step, so
+    the replicas change their group alike."""
     got = ctx.request(payload) if ctx.rank == 0 else None
-    return parallel.share(got, ctx.rank, ctx.world_size)
+    return parallel.share(got, ctx.rank, ctx.world_size if world_size is None else world_size)
 
 
 class _Remote:
@@ -145,18 +148,20 @@ class _Remote:
 
     def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool) -> None:
         self.ctx, self.occupancy, self.cursor, self.asking = ctx, occupancy, cursor, asking
+        self.world_size = ctx.world_size  # the replicas that train the group (_replicas)
 
     def stepped(self, live: int) -> None:
         self.occupancy.add(1, live, self.asking)
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
-        got = _ask_driver(self.ctx, ("report", items, self.occupancy.counts()))
+        got = _ask_driver(self.ctx, ("report", items, self.occupancy.counts()), self.world_size)
         self.asking = got["asking"]
         return set(got["pruned"])
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]
-        got = _ask_driver(self.ctx, ("refill", told, wants, self.occupancy.counts()))
+        got = _ask_driver(self.ctx, ("refill", told, wants, self.occupancy.counts()),
+                          self.world_size)  # fmt: skip
         self.cursor += len(slots)
         self.asking = got["asking"]
         return got["trials"]
@@ -185,10 +190,13 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
         return {"occupancy": occupancy.counts()}
     fgroup = FusedGroup(task, members, ratio=ratio, device=ctx.device, depth_ratio=depth[0],
                         depth_alpha=depth[1])  # fmt: skip
-    fgroup.distribute(ctx.rank, ctx.world_size)
+    world_size = _replicas(fgroup, ctx)
+    if world_size == 0:  # an idle rank of a group that trains on rank 0 alone
+        return {"occupancy": occupancy.counts()}
     if saved is not None:
         _restore_slots(fgroup, saved)
     source = _Remote(ctx, occupancy, cursor, asking)
+    source.world_size = world_size
     joined = {m.id: time.perf_counter() for m in fgroup.members}
 
     def save() -> None:
@@ -197,6 +205,19 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
 
     train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save)
     return {"occupancy": occupancy.counts()}
+
+
+def _replicas(group: FusedGroup, ctx: Any) -> int:
+    """Make ``group`` this rank's data parallel replica; returns how many ranks train it. A
+    group that would not train exactly when split (:meth:`FusedGroup.unsplittable`) trains on
+    rank 0 alone, with a warning, rather than lose its trials; the other ranks get 0: idle."""
+    why = group.unsplittable(ctx.world_size)
+    if why is None:
+        group.distribute(ctx.rank, ctx.world_size)
+        return ctx.world_size
+    warnings.warn(HydroWarning(f"group {ctx.group_name!r} trains on one process, not "
+                               f"{ctx.world_size}: {why}"), stacklevel=2)  # fmt: skip
+    return 1 if ctx.rank == 0 else 0
 
 
 def _slots_state(group: FusedGroup, source: _Remote) -> dict[str, Any]:
