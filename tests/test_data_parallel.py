@@ -165,7 +165,7 @@ def test_a_group_restarted_at_another_world_size_resumes_its_checkpoint_exactly(
     stopped = Driver(trials=4, stop_at=3)
     with pytest.raises(Stop):
         stream(first, stopped, tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "g" / "group.pt").exists()
+    assert list((tmp_path / "ckpt").rglob("*.pt")), "a checkpoint was written before the stop"
     resumed = Driver(trials=4)
     stream(then, resumed, tmp_path / "ckpt")
     # it resumed mid-run (trial 0's first evaluation was before the checkpoint) ...
