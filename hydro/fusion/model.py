@@ -259,6 +259,14 @@ class FusedModel(nn.Module):
             self._graphs[cache] = gm
         return self._graphs[cache]
 
+    def draws_random(self, *args: Any, shared: bool = True, **kwargs: Any) -> bool:
+        """Whether a forward on these inputs, in the current mode, draws random numbers
+        (dropout, drop-path, sampling). Builds the graph that call would run (kept for it)
+        but runs nothing, so no trial's random stream moves."""
+        gm = self._graph_for(args, kwargs, shared)
+        return any(n.op == "call_function" and n.target is _random.stream_keys
+                   for n in gm.graph.nodes)  # fmt: skip
+
     def forward(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
         """Run every trial: one model's inputs for all (``shared=True``), or inputs with a
         leading ``n``, each trial its own batch (``shared=False``)."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from hydro.errors import ConfigError
+from hydro.errors import ConfigError, HydroWarning
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, check_device, group_key
 from hydro.tuning.progress import Progress
 from hydro.tuning.slots import Occupancy, _stream_in_worker, train_slots
@@ -68,6 +69,7 @@ def optimize(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     first_group: int = 0,
+    world_size: int = 1,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -122,6 +124,9 @@ def optimize(
             after its ``n_startup_trials``) can then act on every later trial, where otherwise
             the first ``fuse`` report together before any completed and none can be pruned; the
             first group's unused slots are the price. 0 (default): groups of ``fuse`` at once.
+        world_size: with an executor, each group trains data parallel on this many of its
+            slots (devices), exactly as on one (docs/placement.md); a group whose batch size
+            does not divide by it trains on one slot, with a warning.
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
@@ -130,6 +135,12 @@ def optimize(
         raise ConfigError(f"first_group must be an integer from 0 to fuse ({fuse}), got "
                           f"{first_group!r}")  # fmt: skip
     check_depth(depth_ratio, depth_alpha)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if world_size > 1 and executor is None:
+        raise ConfigError(f"world_size {world_size} trains each group on several worker "
+                          "processes: pass an executor (LocalExecutor, RayExecutor), or use "
+                          "world_size 1")  # fmt: skip
     depth = (depth_ratio, float(depth_alpha))
     device = check_device(device)
     is_task = isinstance(task_or_callback, Task)
@@ -183,7 +194,8 @@ def optimize(
                 if is_task and executor is None:
                     _Stream(*args, first_group=first_group).run()
                 elif is_task:
-                    _Fleet(*args, executor=executor, every=checkpoint_every).run()
+                    _Fleet(*args, executor=executor, every=checkpoint_every,
+                           world_size=world_size).run()  # fmt: skip
                 else:
                     trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
@@ -400,9 +412,12 @@ class _Fleet(_Stream):
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """
 
-    def __init__(self, *args: Any, executor: Any, every: int) -> None:
+    def __init__(self, *args: Any, executor: Any, every: int, world_size: int = 1) -> None:
         super().__init__(*args)
         self.executor, self.every = executor, every
+        self.world_size = world_size
+        self.sizes: dict[str, int] = {}  # group -> its data parallel world size
+        self.undivided: set[tuple] = set()  # keys warned about: batch not divisible
         self.logs: dict[str, list] = {}  # group -> [first members, one entry per refill]
         self.keys: dict[str, tuple] = {}
         self.gids: dict[str, int] = {}
@@ -417,7 +432,7 @@ class _Fleet(_Stream):
         # a worker captures its group's model with torch.export: an import of seconds, paid
         # once in the forkserver instead of in every worker
         self._guard(lambda: self.executor.run([], fn, more=self.more, on_result=self.ended,
-                                              request=self.answer,
+                                              request=self.answer, world_size=self.sizes,
                                               preload=["torch.export._trace"]))  # fmt: skip
 
     def more(self) -> list:
@@ -430,13 +445,29 @@ class _Fleet(_Stream):
         gid = min(t.number for t, _ in members)
         name = f"group-{gid}"
         self.keys[name], self.gids[name] = key, gid
+        self.sizes[name] = self._world_size(key)
         self.logs[name] = [[self._assign(t, p, name, slot) for slot, (t, p) in enumerate(members)]]
         return [TrialGroup(name, tuple(t.number for t, _ in members),
                            (self.task.steps,) * len(members))]  # fmt: skip
 
+    def _world_size(self, key: tuple) -> int:
+        """How many slots a new group of ``key`` trains on: ``world_size``, or 1 where its
+        batch size (``key[0]``) cannot be split evenly (a warning says so, once per key)."""
+        batch = int(key[0])
+        if batch % self.world_size == 0:
+            return self.world_size
+        if key not in self.undivided:
+            self.undivided.add(key)
+            warnings.warn(HydroWarning(
+                f"batch size {batch} does not divide by world_size {self.world_size}: its "
+                "groups train on one slot each (data parallel splits a batch into equal shards)"
+            ), stacklevel=2)  # fmt: skip
+        return 1
+
     def _assign(self, t: optuna.Trial, params: dict, name: str, slot: int) -> tuple:
         t.set_user_attr("group", self.gids[name])
         t.set_user_attr("slot", slot)
+        t.set_user_attr("world_size", self.sizes.get(name, 1))  # data parallel replicas
         self.owner[t.number], self.params[t.number] = name, params
         return (t.number, params, self.seed + t.number)
 
@@ -475,6 +506,7 @@ class _Fleet(_Stream):
         half = (len(live) + 1) // 2
         for part, numbers in ((f"{base}/0", live[:half]), (f"{base}/1", live[half:])):
             self.keys[part], self.gids[part] = self.keys.get(base), self.gids.get(base, 0)
+            self.sizes.setdefault(part, self.sizes.get(base, 1))  # as the executor runs it
             self.logs[part] = [[self._assign(self.running[n], self.params[n], part, slot)
                                 for slot, n in enumerate(numbers)]]  # fmt: skip
 

@@ -26,6 +26,7 @@ from hydro.fusion import random as _random
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import checkpoint as _checkpoint
+from hydro.tuning import parallel
 from hydro.tuning.task import Task, stack_batches
 
 # report(member, step, value) -> True when the caller prunes that member
@@ -278,6 +279,8 @@ class FusedGroup:
         self.clip = [p.get("grad_clip") for p in self.slot_params]
         self.steps = 0  # fused steps taken
         self.live_steps = 0  # sum over those steps of the slots that trained
+        self.batch_norm = parallel.batch_norm(target)  # what data parallel refuses
+        self.rank, self.world_size = 0, 1  # data parallel replicas (distribute)
 
     def _member(self, id: Any, params: dict[str, Any], seed: int) -> Member:  # noqa: A002
         params = dict(params)
@@ -311,6 +314,11 @@ class FusedGroup:
             self.sched.reset_trial(slot, base_lr=hyper["lr"])  # rebuilt from slot_params
         self.clip[slot] = member.params.get("grad_clip")
         self.members[slot] = member
+        # a new member's dropout rate may make the graph draw where it did not
+        why = self.unsplittable(self.world_size)
+        if why:
+            raise ConfigError(f"trial {id!r} cannot join this data parallel group: {why}. "
+                              "Train its group with world_size 1")  # fmt: skip
 
     def drop(self, slots: Sequence[int]) -> None:
         """Remove ``slots`` from the group (they stop costing compute)."""
@@ -322,12 +330,48 @@ class FusedGroup:
         self.clip = [self.clip[k] for k in keep]
         self.slot_params[:] = [self.slot_params[k] for k in keep]
 
+    def unsplittable(self, world_size: int) -> str | None:
+        """Why this group cannot train as ``world_size`` data parallel replicas exactly as on
+        one device (:mod:`hydro.tuning.parallel`), or ``None`` when it can."""
+        if world_size == 1:
+            return None
+        if self.batch_size % world_size:
+            return (f"batch size {self.batch_size} does not divide by world_size {world_size}: "
+                    "data parallel splits every batch into equal shards")  # fmt: skip
+        if self.batch_norm:
+            return (f"{self.batch_norm} normalizes over the batch: on a shard its statistics "
+                    "differ from the whole batch's")  # fmt: skip
+        sample = next(self.task.train_batches(world_size, seed=self.members[0].seed))
+        if parallel.random_ops(self.fused, stack_batches([sample] * self.n), self.task):
+            return ("the model draws random numbers in training (dropout, drop-path, sampling) "
+                    "whose per-trial masks follow each row's place in the batch: a shard "
+                    "would draw other masks")  # fmt: skip
+        return None
+
+    def distribute(self, rank: int, world_size: int) -> None:
+        """Train as replica ``rank`` of ``world_size`` data parallel replicas (an initialized
+        ``torch.distributed`` process group): each takes its share of every batch's rows, the
+        gradients are averaged, evaluation runs on rank 0 (:mod:`hydro.tuning.parallel`).
+
+        Raises:
+            ConfigError: the group cannot be split exactly (:meth:`unsplittable`).
+        """
+        why = self.unsplittable(world_size)
+        if why:
+            raise ConfigError(f"this group cannot train data parallel: {why}. Train it with "
+                              "world_size 1")  # fmt: skip
+        self.rank, self.world_size = int(rank), int(world_size)
+
     def step(self) -> torch.Tensor:
         """One training step of every slot, each on the next batch of its own stream; returns
-        the slots' losses ``[n]``, on the device (reading them waits for the step to finish)."""
-        batch = stack_batches([next(m.batches) for m in self.members])
-        losses = _train_step(self.task, self.fused, self.opt, batch, self.clip, self.device,
-                             shared=False)  # fmt: skip
+        the slots' losses ``[n]``, on the device (reading them waits for the step to finish).
+        A data parallel replica trains on its shard and returns the whole batch's losses."""
+        batches = [next(m.batches) for m in self.members]
+        reduce = None
+        if self.world_size > 1:
+            batches, reduce = self._replica(batches)
+        losses = _train_step(self.task, self.fused, self.opt, stack_batches(batches), self.clip,
+                             self.device, shared=False, reduce=reduce)  # fmt: skip
         if self.sched is not None:
             self.sched.step()
         for m in self.members:
@@ -336,10 +380,24 @@ class FusedGroup:
         self.live_steps += self.n
         return losses
 
+    def _replica(self, batches: list[Any]) -> tuple[list[Any], Callable]:
+        """This replica's shards of ``batches``, and the reduction of its losses and gradients
+        to the whole batch's (run after the backward pass)."""
+        rank, world = self.rank, self.world_size
+        shards = [parallel.shard(b, rank, world, self.task.batch_len(b)) for b in batches]
+
+        def reduce(losses: torch.Tensor) -> torch.Tensor:
+            return parallel.all_reduce_mean(self.fused, losses, world)
+
+        return shards, reduce
+
     def diverged(self) -> dict[int, int]:
         """Slots whose loss or gradients stopped being finite (frozen by the optimizer since),
-        each with its own step at which that happened; one read of the device."""
-        flags, steps = torch.stack([self.fused.diverged.long(), self.fused.trial_step]).tolist()
+        each with its own step at which that happened; one read of the device (rank 0's, for
+        data parallel replicas)."""
+        flags, steps = parallel.share(
+            torch.stack([self.fused.diverged.long(), self.fused.trial_step]).tolist(),
+            self.rank, self.world_size)  # fmt: skip
         # a frozen trial's random stream stops counting: its step count is where it diverged
         return {k: int(steps[k]) for k in range(self.n) if flags[k]}
 
@@ -349,8 +407,10 @@ class FusedGroup:
         return [k for k, m in enumerate(self.members) if m.step % every == 0 or m.step == last]
 
     def evaluate(self) -> list[float]:
-        """Every slot's validation value."""
-        return evaluate(self.task, self.fused, self.batch_size, self.device)
+        """Every slot's validation value (data parallel replicas: rank 0's, on every rank)."""
+        values = evaluate(self.task, self.fused, self.batch_size, self.device) \
+            if self.rank == 0 else None  # fmt: skip
+        return parallel.share(values, self.rank, self.world_size)
 
 
 def _target(task: Task, params: dict[str, Any]) -> nn.Module:
@@ -561,9 +621,10 @@ def load_model_state(group: FusedGroup, state: dict[str, torch.Tensor]) -> None:
     group.fused.load_state_dict(state)
 
 
-def _train_step(task, fused, opt, batch, clip, device, shared=True) -> torch.Tensor:  # noqa: ANN001
+def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None) -> torch.Tensor:  # noqa: ANN001
     """One step of every member; returns their losses ``[n]`` (detached, on the device: no host
-    synchronization).
+    synchronization). ``reduce(losses)``, run after the backward pass, averages the losses and
+    gradients of data parallel replicas and returns the averaged losses.
 
     Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
     which autograd accepts only once no graph still refers to them.
@@ -572,6 +633,8 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True) -> torch.Ten
     losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
     opt.zero_grad(set_to_none=True)
     losses.sum().backward()
+    if reduce is not None:
+        losses = reduce(losses.detach())
     # a non-finite loss freezes its member even where its gradients came out finite
     fused.diverged.logical_or_(~torch.isfinite(losses.detach()))
     if any(c is not None for c in clip):

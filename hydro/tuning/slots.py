@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hydro.errors import HydroWarning
+from hydro.tuning import parallel
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, load_model_state
 
 __all__ = ["Occupancy", "train_slots"]
@@ -131,24 +134,34 @@ def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, 
             after_step()
 
 
+def _ask_driver(ctx: Any, payload: tuple, world_size: int | None = None) -> Any:
+    """The driver's answer to ``payload``: rank 0 alone asks it, and every data parallel rank
+    (of ``world_size``, default ``ctx.world_size``) gets that same answer at the same step, so
+    the replicas change their group alike."""
+    got = ctx.request(payload) if ctx.rank == 0 else None
+    return parallel.share(got, ctx.rank, ctx.world_size if world_size is None else world_size)
+
+
 class _Remote:
     """The trial source of a group in an executor's worker: the driver, through
-    ``ctx.request`` (see :func:`train_slots`)."""
+    ``ctx.request`` on rank 0 (see :func:`train_slots`, :func:`_ask_driver`)."""
 
     def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool) -> None:
         self.ctx, self.occupancy, self.cursor, self.asking = ctx, occupancy, cursor, asking
+        self.world_size = ctx.world_size  # the replicas that train the group (_replicas)
 
     def stepped(self, live: int) -> None:
         self.occupancy.add(1, live, self.asking)
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
-        got = self.ctx.request(("report", items, self.occupancy.counts()))
+        got = _ask_driver(self.ctx, ("report", items, self.occupancy.counts()), self.world_size)
         self.asking = got["asking"]
         return set(got["pruned"])
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]
-        got = self.ctx.request(("refill", told, wants, self.occupancy.counts()))
+        got = _ask_driver(self.ctx, ("refill", told, wants, self.occupancy.counts()),
+                          self.world_size)  # fmt: skip
         self.cursor += len(slots)
         self.asking = got["asking"]
         return got["trials"]
@@ -157,33 +170,54 @@ class _Remote:
 def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN001, ANN202
     """A fused group with continuous batching in an executor's worker. Its trials come from
     the driver; with ``every`` it checkpoints in ``ctx.checkpoint_dir`` (which survives a
-    retry) every ``every`` steps, and a retried worker resumes there."""
+    retry) every ``every`` steps, and a retried worker resumes there. With ``ctx.world_size``
+    above 1 every rank runs this as one data parallel replica (:mod:`hydro.tuning.parallel`):
+    rank 0 talks to the driver and saves, every rank applies the same answers."""
     from hydro.tuning import checkpoint as _checkpoint
 
     occupancy = Occupancy(fuse)
     saved = _checkpoint.load(ctx.checkpoint_dir) if every and ctx.rank == 0 else None
+    # data parallel: every rank resumes rank 0's checkpoint, whatever world size wrote it
+    saved = parallel.share(saved, ctx.rank, ctx.world_size)
     if saved is not None:
         members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
         cursor, asking = int(saved["cursor"]), bool(saved["asking"])
         occupancy.set_counts(saved["occupancy"])
     else:
-        got = ctx.request(("start",))
+        got = _ask_driver(ctx, ("start",))
         members, cursor, asking = [tuple(m) for m in got["members"]], 1, got["asking"]
     if not members:
         return {"occupancy": occupancy.counts()}
     fgroup = FusedGroup(task, members, ratio=ratio, device=ctx.device, depth_ratio=depth[0],
                         depth_alpha=depth[1])  # fmt: skip
+    world_size = _replicas(fgroup, ctx)
+    if world_size == 0:  # an idle rank of a group that trains on rank 0 alone
+        return {"occupancy": occupancy.counts()}
     if saved is not None:
         _restore_slots(fgroup, saved)
     source = _Remote(ctx, occupancy, cursor, asking)
+    source.world_size = world_size
     joined = {m.id: time.perf_counter() for m in fgroup.members}
 
     def save() -> None:
-        if every and fgroup.steps % every == 0:
+        if every and ctx.rank == 0 and fgroup.steps % every == 0:
             _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
 
     train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save)
     return {"occupancy": occupancy.counts()}
+
+
+def _replicas(group: FusedGroup, ctx: Any) -> int:
+    """Make ``group`` this rank's data parallel replica; returns how many ranks train it. A
+    group that would not train exactly when split (:meth:`FusedGroup.unsplittable`) trains on
+    rank 0 alone, with a warning, rather than lose its trials; the other ranks get 0: idle."""
+    why = group.unsplittable(ctx.world_size)
+    if why is None:
+        group.distribute(ctx.rank, ctx.world_size)
+        return ctx.world_size
+    warnings.warn(HydroWarning(f"group {ctx.group_name!r} trains on one process, not "
+                               f"{ctx.world_size}: {why}"), stacklevel=2)  # fmt: skip
+    return 1 if ctx.rank == 0 else 0
 
 
 def _slots_state(group: FusedGroup, source: _Remote) -> dict[str, Any]:
