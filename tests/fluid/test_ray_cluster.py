@@ -44,15 +44,25 @@ STEPS, EVERY, BATCH = 12, 4, 32  # steps per trial; evaluation and checkpoint pe
 STALL_AT = 10  # the step at which the group on the worker node stops: after its checkpoint at 8
 
 
-def off_loopback() -> tuple[list[str], Counter]:
-    """TCP sockets (listening or connected) of this process and every process it started (the
-    Ray processes of both nodes and their workers) whose local or remote address is not
-    loopback; and how many processes of each name were looked at."""
+def started_here() -> list:
+    """The processes this process started (and theirs) since this module's cluster fixture
+    began: the Ray processes of both nodes and their workers."""
     import psutil  # Ray ships it
 
-    me = psutil.Process()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in EARLIER]
+
+
+EARLIER: set[int] = set()  # processes started here before the cluster (by other tests)
+
+
+def off_loopback() -> tuple[list[str], Counter]:
+    """TCP sockets (listening or connected) of this process and the Ray processes it started
+    whose local or remote address is not loopback; and how many processes of each name were
+    looked at."""
+    import psutil
+
     bad, seen = [], Counter()
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in [psutil.Process(), *started_here()]:
         try:
             name, sockets = proc.name(), proc.net_connections(kind="tcp")
         except psutil.Error:  # it ended meanwhile
@@ -66,11 +76,11 @@ def off_loopback() -> tuple[list[str], Counter]:
 
 
 def ray_processes() -> list[str]:
-    """The Ray processes still running under this process."""
+    """The Ray processes of this module's cluster still running."""
     import psutil
 
     found = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in started_here():
         try:
             found.append(f"{proc.name()} (pid {proc.pid})")
         except psutil.Error:
@@ -81,7 +91,10 @@ def ray_processes() -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     """A head and a worker node on 127.0.0.1; stopped, with every process it started, at the end."""
+    import psutil
+
     assert not ray.is_initialized()
+    EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
     with _loopback_only():
         c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     try:
