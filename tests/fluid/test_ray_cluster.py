@@ -221,10 +221,11 @@ def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tm
     assert result.ok and result.value == 3
 
 
-def test_losing_a_node_mid_group_loses_and_duplicates_nothing(two_nodes, make_executor, tmp_path):
-    """The group on the worker node stops at its step 10 (checkpointed at 8); the node is
-    removed with SIGKILL; the group resumes from step 8 on the head node: 2 steps retrained."""
-    cluster, head, worker = two_nodes
+def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN001, ANN201
+    """Run a study whose group on the worker node stops at its step ``STALL_AT`` (after its
+    checkpoint); a thread then removes that node with SIGKILL. Returns the study, how often
+    each trial was told, what the thread saw, and the attempts' logs."""
+    cluster, _, worker = two_nodes
     log = tmp_path / "log"
     log.mkdir()
     study = sqlite_study(tmp_path)
@@ -253,16 +254,27 @@ def test_losing_a_node_mid_group_loses_and_duplicates_nothing(two_nodes, make_ex
 
     watcher = threading.Thread(target=remove_the_worker_node_once_it_stalls, daemon=True)
     watcher.start()
-    executor = make_executor(max_retries=1, checkpoint_dir=tmp_path / "checkpoints")
     task = make_task(NodeLog(str(log), stall_on=worker.node_id, stall_at=STALL_AT))
-    optimize(study, task, SPACE, n_trials=6, ratio=2, fuse=2, executor=executor,
+    optimize(study, task, SPACE, n_trials=n_trials, ratio=2, fuse=2, executor=executor,
              checkpoint_every=EVERY)  # fmt: skip
     watcher.join(timeout=60)
     assert watched.get("removed"), watched
-    stalled = json.loads((log / "stalled").read_text())
-    assert stalled["node"] == worker.node_id
+    assert json.loads((log / "stalled").read_text())["node"] == worker.node_id
+    bad, seen = watched["sockets"]
+    assert seen["raylet"] == 2 and seen["gcs_server"] == 1
+    assert bad == []
+    assert ray.get(executor._hub.node.remote()) == two_nodes[1]  # the hub stayed on the head
+    assert study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING)) == []
+    return study, told, attempts(log)
+
+
+def test_losing_a_node_mid_group_loses_and_duplicates_nothing(two_nodes, make_executor, tmp_path):
+    """The group on the worker node stops at its step 10 (checkpointed at 8); the node is
+    removed with SIGKILL; the group resumes from step 8 on the head node: 2 steps retrained."""
+    executor = make_executor(max_retries=1, checkpoint_dir=tmp_path / "checkpoints")
+    study, told, logged = lose_the_worker_node(two_nodes, executor, tmp_path, n_trials=6)
     trials = study.trials
-    # nothing lost, nothing left RUNNING: every trial ended COMPLETE, none FAIL
+    # nothing lost: every trial ended COMPLETE, none FAIL, every evaluation reported
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 6, [
         t.user_attrs.get("fail_reason") for t in trials
     ]
@@ -271,17 +283,42 @@ def test_losing_a_node_mid_group_loses_and_duplicates_nothing(two_nodes, make_ex
     assert [t.number for t in trials] == list(range(6))
     assert told == Counter(range(6))
     assert len({tuple(sorted(t.params.items())) for t in trials}) == 6
-    # the lost node's trials finished on the head node, and the hub stayed there
-    node_of = {a["pid"]: a["node"] for a in attempts(log)}
-    assert {node_of[t.user_attrs["worker_pid"]] for t in trials} == {head}
-    assert ray.get(executor._hub.node.remote()) == head
+    # the lost node's trials finished on the head node
+    node_of = {a["pid"]: a["node"] for a in logged}
+    assert {node_of[t.user_attrs["worker_pid"]] for t in trials} == {two_nodes[1]}
     # the retried group resumed from its checkpoint: steps trained over all attempts exceed
     # those of an uninterrupted run (the occupancy counts, restored from the checkpoint) by
     # the steps since the checkpoint (9 and 10), not by the 10 steps from step 0
-    trained = sum(a["steps"] for a in attempts(log))
+    trained = sum(a["steps"] for a in logged)
     retrained = trained - study.user_attrs["hydro_occupancy"]["steps"]
     assert retrained == STALL_AT - STALL_AT // EVERY * EVERY, (trained, retrained)
-    assert len(attempts(log)) == 3  # one group per node, then the retry
-    bad, seen = watched["sockets"]
-    assert seen["raylet"] == 2 and seen["gcs_server"] == 1
-    assert bad == []
+    assert len(logged) == 3  # one group per node, then the retry
+
+
+def test_a_node_lost_without_retries_left_fails_its_trials_with_the_reason(
+    two_nodes, make_executor, tmp_path
+):
+    """``max_retries=0``: the lost node's group is not retried; its two trials FAIL, saying
+    that their node died, and the other node's trials complete. None is left RUNNING."""
+    executor = make_executor(max_retries=0, checkpoint_dir=tmp_path / "checkpoints")
+    study, told, _ = lose_the_worker_node(two_nodes, executor, tmp_path, n_trials=4)
+    states = Counter(t.state for t in study.trials)
+    assert states == {TrialState.COMPLETE: 2, TrialState.FAIL: 2}
+    for t in study.trials:
+        if t.state == TrialState.FAIL:
+            assert "NodeDiedError" in t.user_attrs["fail_reason"], t.user_attrs["fail_reason"]
+    assert told == Counter(range(4))
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [("127.0.0.1:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
+     ("10.0.0.1:6379", False), ("head:6379", False), ("ray://127.0.0.1:10001", False),
+     ("auto", False)],
+)  # fmt: skip
+def test_which_addresses_a_driver_joins_on_loopback(address, loopback):
+    """A driver joins a cluster at a loopback address on 127.0.0.1 (Ray would use the network
+    address); a Ray Client address or ``auto`` is left to Ray."""
+    from hydro_fluid.executors.ray import _is_loopback
+
+    assert _is_loopback(address) is loopback
