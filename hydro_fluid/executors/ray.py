@@ -121,16 +121,21 @@ class RayExecutor:
     The contract of ``fn``, the retries, the out-of-memory halving and the trial states are
     those of :class:`~hydro_fluid.LocalExecutor` (see :mod:`hydro_fluid.executors.base`).
     Ray's own task retries are switched off so that a retried group restarts from its
-    checkpoint and failures end with the same reasons everywhere. On a multi-node cluster
-    ``checkpoint_dir`` must be on a file system every node sees, and ``hydro_fluid`` and the
-    module defining ``fn`` must be importable on every node.
+    checkpoint and failures end with the same reasons everywhere. A group whose node is lost
+    (its task ends in ``NodeDiedError``, ``WorkerCrashedError``, ...) is such a dead worker:
+    retried from its checkpoint on a node that has room, within ``max_retries``. The
+    reporting actor lives on the driver's node, so losing another node never loses it. On a
+    multi-node cluster ``checkpoint_dir`` must be on a file system every node sees (a warning
+    says so when it is missing), and ``hydro_fluid`` and the module defining ``fn`` must be
+    importable on every node.
 
     Args:
-        address: Ray cluster to connect to (e.g. ``"auto"`` or ``"ray://head:10001"``).
-            ``None`` connects to the running Ray of this process, or to ``RAY_ADDRESS``, or
-            starts a local one bound to 127.0.0.1 with no dashboard (a Ray cluster runs code
-            for anyone who reaches its ports, so one started here is not reachable from the
-            network; see docs/placement.md).
+        address: Ray cluster to connect to (e.g. ``"auto"``, ``"10.0.0.1:6379"`` or
+            ``"ray://head:10001"``). ``None`` connects to the running Ray of this process, or
+            to ``RAY_ADDRESS``, or starts a local one bound to 127.0.0.1 with no dashboard (a
+            Ray cluster runs code for anyone who reaches its ports, so one started here is not
+            reachable from the network; see docs/placement.md). A cluster at a loopback
+            address (``127.0.0.1:port``) is joined on 127.0.0.1 as well.
         groups_per_device: Groups that share one GPU (each asks for ``1/groups_per_device``).
         cpus_per_worker: CPUs per worker; also its ``torch.set_num_threads``.
         use_gpus: Ask for GPUs; default: when the cluster has any.
