@@ -97,6 +97,8 @@ def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa
     kwargs.setdefault("_node_ip_address", "127.0.0.1")
     if address is None:
         kwargs.setdefault("include_dashboard", False)
+        # "local": a new Ray, not whichever cluster this machine last started (Ray's default)
+        address = "local"
     with _loopback_only():
         ray.init(address=address, **kwargs)
 
@@ -132,9 +134,10 @@ class RayExecutor:
     Args:
         address: Ray cluster to connect to (e.g. ``"auto"``, ``"10.0.0.1:6379"`` or
             ``"ray://head:10001"``). ``None`` connects to the running Ray of this process, or
-            to ``RAY_ADDRESS``, or starts a local one bound to 127.0.0.1 with no dashboard (a
-            Ray cluster runs code for anyone who reaches its ports, so one started here is not
-            reachable from the network; see docs/placement.md). A cluster at a loopback
+            to ``RAY_ADDRESS``, or starts a new local one bound to 127.0.0.1 with no dashboard
+            (a Ray cluster runs code for anyone who reaches its ports, so one started here is
+            not reachable from the network; see docs/placement.md); never the cluster
+            ``ray start`` last left on this machine, which ``"auto"`` joins. A cluster at a loopback
             address (``127.0.0.1:port``) is joined on 127.0.0.1 as well.
         groups_per_device: Groups that share one GPU (each asks for ``1/groups_per_device``).
         cpus_per_worker: CPUs per worker; also its ``torch.set_num_threads``.

@@ -95,14 +95,20 @@ def cluster():
 
     assert not ray.is_initialized()
     EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
-    with _loopback_only():
+    # Cluster would write its address to /tmp/ray/ray_current_cluster, where any ray.init()
+    # on this machine (other tests running meanwhile) would find and join it, and its
+    # shutdown would remove that file whoever wrote it: neither happens here.
+    with pytest.MonkeyPatch.context() as mp, _loopback_only():
+        mp.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
         c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     try:
         yield c
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        c.shutdown()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ray._common.utils, "reset_ray_address", lambda *args, **kwargs: None)
+            c.shutdown()
         deadline = time.monotonic() + 30
         while ray_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
