@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from hydro_fluid import RayExecutor, TrialGroup  # noqa: E402
 from hydro_fluid.executors.examples import count_steps  # noqa: E402
-from hydro_fluid.executors.ray import _loopback_only  # noqa: E402
+from hydro_fluid.executors.ray import _init_ray, _loopback_only  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,20 +127,28 @@ def two_nodes(cluster):
     return cluster, cluster.head_node.node_id, worker
 
 
-@pytest.fixture
-def make_executor(two_nodes):
-    """RayExecutors that join the cluster (on loopback) and leave it after the test."""
-    made = []
+@pytest.fixture(scope="module")
+def driver(cluster):
+    """This process joins the cluster once, on loopback, as RayExecutor(address=...) does; its
+    workers (which keep what they imported) serve every test."""
     path = os.pathsep.join([str(ROOT), *sys.path])
     env = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    _init_ray(ray, cluster.address, {"runtime_env": {"env_vars": env}, "log_to_driver": False})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def make_executor(two_nodes, driver):
+    """RayExecutors on the cluster; their reporting actors are stopped after the test."""
+    made = []
 
     def make(**kwargs) -> RayExecutor:
-        made.append(RayExecutor(address=two_nodes[0].address, init_kwargs={
-            "runtime_env": {"env_vars": env}, "log_to_driver": False}, **kwargs))  # fmt: skip
+        made.append(RayExecutor(**kwargs))
         return made[-1]
 
     yield make
-    for executor in reversed(made):  # the first one joined the cluster: it leaves last
+    for executor in made:
         executor.shutdown()
 
 
