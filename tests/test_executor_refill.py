@@ -154,10 +154,11 @@ def test_killed_worker_loses_no_trial_and_refilled_slots_resume(tmp_path):
 def test_ray_workers_refill_their_groups():
     ray = pytest.importorskip("ray")
     from hydro_fluid import RayExecutor
+    from hydro_fluid.executors.ray import _init_ray
 
     path = os.pathsep.join([str(ROOT), *sys.path])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+    _init_ray(ray, None, {"num_cpus": 2, "log_to_driver": False,  # a new Ray, on 127.0.0.1
+                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})  # fmt: skip
     ex = None
     try:
         ex = RayExecutor()

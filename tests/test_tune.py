@@ -313,8 +313,9 @@ def test_output_multiplier_is_a_per_trial_hyperparameter():
 def test_groups_train_on_a_local_ray_cluster():
     ray = pytest.importorskip("ray")
     from hydro_fluid import RayExecutor
+    from hydro_fluid.executors.ray import _init_ray
 
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)
+    _init_ray(ray, None, {"num_cpus": 2, "num_gpus": 2})  # a new local Ray, on 127.0.0.1
     try:
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         optimize(study, make_task(steps=20), SPACE, n_trials=4, ratio=2, fuse=2,

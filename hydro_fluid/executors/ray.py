@@ -5,13 +5,16 @@ Ray is an optional dependency, imported only when a RayExecutor is created.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Hashable, Mapping, Sequence
+import warnings
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,33 +40,67 @@ __all__ = ["RayExecutor"]
 _INSTALL_HINT = "RayExecutor needs Ray: pip install 'hydro-surrogate[ray]'"
 
 
-def _init_local_ray(ray, kwargs: dict[str, Any]) -> None:  # noqa: ANN001
-    """Start a Ray on this machine reachable from this machine only.
+@contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While the block runs, Ray processes started or connected here stay on 127.0.0.1.
 
-    A Ray cluster has no authentication: anyone who reaches its ports runs code as this user.
-    Ray advertises and binds its node on the address it finds for this host (reachable from the
-    network), so a cluster started here binds to 127.0.0.1 instead, and starts no dashboard,
-    unless ``init_kwargs`` say otherwise. To serve other machines, start Ray yourself
-    (``ray start --head``, behind a firewall) and pass its address.
+    Ray turns "127.0.0.1" into the host's network address unless its multi-node mode is off
+    (what it does on macOS and Windows). Off, a node given ``node_ip_address="127.0.0.1"``
+    binds and connects to loopback only; the variable reaches the processes Ray starts
+    meanwhile (GCS, raylets, agents, and through the raylets their workers).
     """
     from ray._private import ray_constants
 
-    kwargs.setdefault("include_dashboard", False)
-    kwargs.setdefault("_node_ip_address", "127.0.0.1")
-    # Ray turns "127.0.0.1" into the host's public address unless its multi-node mode is off
-    # (what it does on macOS and Windows); the variable reaches the processes Ray starts.
-    env = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    env = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
     old_env, old_flag = os.environ.get(env), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[env] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(**kwargs)
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = old_flag
         if old_env is None:
             os.environ.pop(env, None)
         else:
             os.environ[env] = old_env
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address (``host:port``, not ``ray://`` or ``auto``) is on this machine's
+    loopback interface."""
+    if "://" in address or ":" not in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa: ANN001
+    """Connect this process to Ray: to ``address`` (or ``RAY_ADDRESS``), else a new local Ray.
+
+    A Ray cluster has no authentication: anyone who reaches its ports runs code as this user.
+    Ray advertises and binds its node on the address it finds for this host (reachable from the
+    network), so a Ray started here binds to 127.0.0.1 instead and starts no dashboard, unless
+    ``kwargs`` say otherwise; and a driver joining a cluster on a loopback address joins on
+    127.0.0.1 too (left to itself it would talk to the cluster from the network address). To
+    serve other machines, start Ray yourself (``ray start --head``, behind a firewall) and
+    pass its address.
+    """
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None and not _is_loopback(address):
+        ray.init(address=address, **kwargs)
+        return
+    kwargs.setdefault("_node_ip_address", "127.0.0.1")
+    if address is None:
+        kwargs.setdefault("include_dashboard", False)
+        # "local": a new Ray, not whichever cluster this machine last started (Ray's default)
+        address = "local"
+    with _loopback_only():
+        ray.init(address=address, **kwargs)
 
 
 def _import_ray():
@@ -86,16 +123,22 @@ class RayExecutor:
     The contract of ``fn``, the retries, the out-of-memory halving and the trial states are
     those of :class:`~hydro_fluid.LocalExecutor` (see :mod:`hydro_fluid.executors.base`).
     Ray's own task retries are switched off so that a retried group restarts from its
-    checkpoint and failures end with the same reasons everywhere. On a multi-node cluster
-    ``checkpoint_dir`` must be on a file system every node sees, and ``hydro_fluid`` and the
-    module defining ``fn`` must be importable on every node.
+    checkpoint and failures end with the same reasons everywhere. A group whose node is lost
+    (its task ends in ``NodeDiedError``, ``WorkerCrashedError``, ...) is such a dead worker:
+    retried from its checkpoint on a node that has room, within ``max_retries``. The
+    reporting actor lives on the driver's node, so losing another node never loses it. On a
+    multi-node cluster ``checkpoint_dir`` must be on a file system every node sees (a warning
+    says so when it is missing), and ``hydro_fluid`` and the module defining ``fn`` must be
+    importable on every node.
 
     Args:
-        address: Ray cluster to connect to (e.g. ``"auto"`` or ``"ray://head:10001"``).
-            ``None`` connects to the running Ray of this process, or to ``RAY_ADDRESS``, or
-            starts a local one bound to 127.0.0.1 with no dashboard (a Ray cluster runs code
-            for anyone who reaches its ports, so one started here is not reachable from the
-            network; see docs/placement.md).
+        address: Ray cluster to connect to (e.g. ``"auto"``, ``"10.0.0.1:6379"`` or
+            ``"ray://head:10001"``). ``None`` connects to the running Ray of this process, or
+            to ``RAY_ADDRESS``, or starts a new local one bound to 127.0.0.1 with no dashboard
+            (a Ray cluster runs code for anyone who reaches its ports, so one started here is
+            not reachable from the network; see docs/placement.md); never the cluster
+            ``ray start`` last left on this machine, which ``"auto"`` joins. A cluster at a loopback
+            address (``127.0.0.1:port``) is joined on 127.0.0.1 as well.
         groups_per_device: Groups that share one GPU (each asks for ``1/groups_per_device``).
         cpus_per_worker: CPUs per worker; also its ``torch.set_num_threads``.
         use_gpus: Ask for GPUs; default: when the cluster has any.
@@ -133,10 +176,7 @@ class RayExecutor:
         self._started_ray = False
         self._hub = None
         if not ray.is_initialized():
-            if address is None and not os.environ.get("RAY_ADDRESS"):
-                _init_local_ray(ray, dict(init_kwargs or {}))
-            else:
-                ray.init(address=address, **dict(init_kwargs or {}))
+            _init_ray(ray, address, dict(init_kwargs or {}))
             self._started_ray = True
         resources = ray.cluster_resources()
         self.gpus = float(resources.get("GPU", 0.0))
@@ -160,9 +200,16 @@ class RayExecutor:
 
     def _get_hub(self, ray):
         """The reporting actor, started once and waited for: reports sent before it is up
-        would otherwise queue in the workers and reach the callback late."""
+        would otherwise queue in the workers and reach the callback late.
+
+        It lives on this driver's node, never elsewhere: the loss of any other node must not
+        take the hub (and with it every group's line to the driver) along. Losing the
+        driver's node ends the run anyway."""
         if self._hub is None:
-            self._hub = _hub_class(ray).remote()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), False)
+            self._hub = _hub_class(ray).options(scheduling_strategy=here).remote()
         ray.get(self._hub.flush.remote())
         return self._hub
 
@@ -194,6 +241,13 @@ class RayExecutor:
         ledger = Ledger(self.max_retries, on_result=on_result)
         ledger.submit(groups)  # checks the groups first
         sizes = {g.name: self._size(world_size, g.name) for g in groups}
+        if self.checkpoint_dir is None and sum(n["Alive"] for n in ray.nodes()) > 1:
+            warnings.warn(
+                "RayExecutor has no checkpoint_dir on a cluster of several nodes: checkpoints go "
+                "to a temporary directory of each node, so a group retried on another node "
+                "restarts from step 0. Pass checkpoint_dir on a file system every node sees.",
+                stacklevel=2,
+            )
         root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-ray-"))
         run = _RayRun(self, ray, ledger, fn, report, sizes, root, self._get_hub(ray))
         run.more, run.request, run.world_size = more, request, world_size
@@ -270,6 +324,10 @@ def _hub_class(ray):
 
             def flush(self) -> None:
                 """A worker's last call: it returns after all its earlier reports."""
+
+            def node(self) -> str:
+                """The id of the node this hub lives on (the driver's)."""
+                return ray.get_runtime_context().get_node_id()
 
             def forget(self, run_id: str) -> None:
                 """Drop what one ``run`` left behind (keys start with its id)."""
@@ -529,6 +587,8 @@ class _RayRun:
         """Forget an attempt; cancel ranks still running (they would wait for a dead peer)."""
         self._deliver_reports()  # reports sent just before the end still reach the callback
         run = self.running.pop(key)
+        if self.more is not None:  # nodes come and go: stream as many groups as fit now
+            self.capacity = len(self.ex.slots)
         for ref in run.refs:
             if self.rank_of.pop(ref, None) is not None:
                 self.ray.cancel(ref, force=True)

@@ -22,15 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A local Ray with 2 CPUs and 2 fake GPUs; workers import this checkout."""
+    """A local Ray on 127.0.0.1 with 2 CPUs and 2 fake GPUs; workers import this checkout."""
+    from hydro_fluid.executors.ray import _init_ray
+
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *sys.path])
-    ray.init(
-        num_cpus=2,
-        num_gpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
+    _init_ray(ray, None, {"num_cpus": 2, "num_gpus": 2, "log_to_driver": False,
+                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})  # fmt: skip
     yield
     ray.shutdown()
 
@@ -165,10 +162,25 @@ def listening(port):
                 found.append(address)
     return found
 
+def off_loopback():
+    import psutil  # Ray ships it
+
+    bad = []
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            sockets = proc.net_connections(kind="tcp")
+        except psutil.Error:  # ended meanwhile
+            continue
+        bad += [f"{proc.name()} {a.ip}" for s in sockets for a in (s.laddr, s.raddr)
+                if a and a.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    return bad
+
 ex = RayExecutor(init_kwargs={"num_cpus": 1})
+ray.get(ray.remote(lambda: None).remote())  # a worker process too
 gcs = ray.get_runtime_context().gcs_address
 print(json.dumps({"nodes": [n["NodeManagerAddress"] for n in ray.nodes()], "gcs": gcs,
-                  "listening": listening(int(gcs.rsplit(":", 1)[1]))}))
+                  "listening": listening(int(gcs.rsplit(":", 1)[1])),
+                  "off_loopback": off_loopback()}))
 ex.shutdown()
 """
 
@@ -189,3 +201,4 @@ def test_a_local_ray_started_by_the_executor_listens_on_loopback_only():
     # the GCS port's sockets: 127.0.0.1 (IPv4 0100007F, or IPv4-mapped in IPv6), never any-address
     loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
     assert seen["listening"] and set(seen["listening"]) <= loopback
+    assert seen["off_loopback"] == []  # no socket of any Ray process, listening or connected
