@@ -15,6 +15,7 @@ MODULES = [
     "hydro_fluid.simulate",
     "hydro_fluid.profile",
     "hydro_fluid.executors.local",
+    "hydro_fluid.executors.worker",
     "hydro_fluid.executors.examples",
 ]
 
