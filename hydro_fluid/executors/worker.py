@@ -127,6 +127,9 @@ class _PipeChannel:
         self.lock = threading.Lock()  # fn may report from several threads
         self.found: set = set()  # pruned trial ids read while waiting for an answer
         self.asked = 0
+        self.stop = False  # the parent asked the group to stop and move
+        self.sent = (0.0, -1)  # (when, live) of the last progress message
+        self.clock = (time.perf_counter(), time.process_time(), 0)  # at the last progress
 
     def send(self, message: tuple) -> None:
         # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
@@ -135,24 +138,58 @@ class _PipeChannel:
         with self.lock:
             self.outbox.send_bytes(data)
 
-    def pruned(self) -> set:
-        found, self.found = self.found, set()
+    def _take(self, message: tuple) -> tuple | None:
+        """Keep a prune or stop notice; return anything else (an answer)."""
+        kind, *rest = message
+        if kind == "pruned":
+            self.found.add(rest[0])
+        elif kind == "stop":
+            self.stop = True
+        else:
+            return message
+        return None
+
+    def _drain(self) -> None:
         while self.inbox.poll():
-            kind, *rest = pickle.loads(self.inbox.recv_bytes())
-            if kind == "pruned":
-                found.add(rest[0])
+            self._take(pickle.loads(self.inbox.recv_bytes()))
+
+    def pruned(self) -> set:
+        self._drain()
+        found, self.found = self.found, set()
         return found
+
+    def stopping(self) -> bool:
+        self._drain()
+        return self.stop
+
+    def progress(self, steps: int, live: int, score: float | None) -> None:
+        """Send wall and CPU seconds per step since the last message (at most every 0.2 s)."""
+        now = time.perf_counter()
+        if now - self.sent[0] < 0.2 and live == self.sent[1]:
+            return
+        wall0, cpu0, steps0 = self.clock
+        cpu = time.process_time()
+        if steps > steps0:
+            per_step = (now - wall0) / (steps - steps0)
+            busy = (cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
+            self.send(("progress", steps, live, per_step, busy, score, _peak_memory()))
+        self.sent, self.clock = (now, live), (now, cpu, steps)
 
     def request(self, payload: Any) -> Any:
         self.asked += 1
         ident = self.asked
         self.send(("request", ident, payload))
-        while True:  # the parent answers in order; prunes may come in between
-            kind, *rest = pickle.loads(self.inbox.recv_bytes())
-            if kind == "pruned":
-                self.found.add(rest[0])
-            elif rest[0] == ident:
-                return rest[1]
+        while True:  # the parent answers in order; prunes and stops may come in between
+            message = self._take(pickle.loads(self.inbox.recv_bytes()))
+            if message is not None and message[1] == ident:
+                return message[2]
+
+
+def _peak_memory() -> float | None:
+    """GiB this worker's GPU has held at most (``None`` on the CPU: memory does not bind)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 1024**3
+    return None
 
 
 def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
