@@ -159,9 +159,11 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
     the driver; with ``every`` it checkpoints in ``ctx.checkpoint_dir`` (which survives a
     retry) every ``every`` steps, and a retried worker resumes there."""
     from hydro.tuning import checkpoint as _checkpoint
+    from hydro_fluid.executors.base import Stopped
 
     occupancy = Occupancy(fuse)
-    saved = _checkpoint.load(ctx.checkpoint_dir) if every and ctx.rank == 0 else None
+    # a checkpoint is there after a retry (with ``every``) or a move by the placement policy
+    saved = _checkpoint.load(ctx.checkpoint_dir) if ctx.rank == 0 else None
     if saved is not None:
         members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
         cursor, asking = int(saved["cursor"]), bool(saved["asking"])
@@ -178,7 +180,16 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
     source = _Remote(ctx, occupancy, cursor, asking)
     joined = {m.id: time.perf_counter() for m in fgroup.members}
 
+    sign = 1.0 if task.direction == "minimize" else -1.0
+
     def save() -> None:
+        # for the executor's placement policy: step times, live members, best value so far
+        # (lower is better); and a move it asks for: checkpoint here, resume where it puts us
+        values = [sign * v for m in fgroup.members for _, v in m.history[-1:]]
+        ctx.progress(fgroup.steps, fgroup.n, min(values, default=None))
+        if ctx.should_stop():
+            _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
+            raise Stopped
         if every and fgroup.steps % every == 0:
             _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
 
