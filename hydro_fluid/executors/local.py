@@ -44,6 +44,11 @@ class LocalExecutor:
     runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``) has its group
     split in two halves that run separately, so no trial is lost.
 
+    With ``run(..., policy=...)`` a placement policy decides instead of the fixed pool (see
+    :meth:`run`); after such a run ``decisions`` lists every :class:`Decision` (when, which
+    event, the allocation) and ``measured`` what each group's workers reported (first start,
+    end, first seconds per step, live members then, utilization, steps).
+
     Args:
         devices: GPUs to use, e.g. ``["cuda:0", "cuda:1"]``. Default: every visible GPU, or
             the CPU when there is none. Pass ``[]`` to force the CPU.
@@ -530,6 +535,7 @@ class _PlacedRun(_Run):
         self.last_tick = self.t0
         self.threads = self.ex.threads_per_worker  # per placement device
         self.ex.decisions = []  # type: ignore[attr-defined]
+        self.ex.measured = {}  # type: ignore[attr-defined]
 
     def loop(self) -> None:
         while True:
@@ -602,9 +608,13 @@ class _PlacedRun(_Run):
                      for dev, share in slots]  # fmt: skip
             self.placer.started(name, slots)
             self._start(group, self.attempts.pop(name), [], ranks)
+            record = self.ex.measured.setdefault(name, {"start": time.monotonic() - self.t0})
+            record["slots"] = slots
 
     def _end(self, key: str, kill: bool = True) -> None:
+        name = self.running[key].group.name
         super()._end(key, kill)
+        self.ex.measured.setdefault(name, {})["end"] = time.monotonic() - self.t0
         self.event = self.event or "ended"
 
     def _torch_device(self, name: str) -> str:
@@ -612,5 +622,9 @@ class _PlacedRun(_Run):
 
     def _progress(self, run: _Attempt, *measured: Any) -> None:
         steps, live, per_step, busy, score, memory = measured
+        record = self.ex.measured.setdefault(run.group.name, {})
+        if "seconds_per_step" not in record:  # the first steps: what the simulator replays
+            record.update(seconds_per_step=per_step, live=live, utilization=busy)
+        record["steps"] = steps
         if self.placer.observe(run.group.name, steps, live, per_step, busy, score, memory):
             self.event = self.event or "thinned"

@@ -165,6 +165,9 @@ class _PipeChannel:
     def progress(self, steps: int, live: int, score: float | None) -> None:
         """Send wall and CPU seconds per step since the last message (at most every 0.2 s)."""
         now = time.perf_counter()
+        if self.sent[1] < 0:  # the first step: start the clock here, not at the worker's start
+            self.sent, self.clock = (now, live), (now, time.process_time(), steps)
+            return
         if now - self.sent[0] < 0.2 and live == self.sent[1]:
             return
         wall0, cpu0, steps0 = self.clock
