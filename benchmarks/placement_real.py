@@ -84,12 +84,16 @@ def slots_busy(ex: LocalExecutor, makespan: float, devices: int = 2) -> float:
 
 
 def measured_workload(ex: LocalExecutor, work: list[tuple[str, TrialGroup]]) -> list[TrialGroup]:
-    """The workload with each group's cost per member-step and utilization as measured."""
+    """The workload with each group's cost per member-step, utilization and worker start-up
+    as measured."""
     out = []
     for _, g in work:
         m = ex.measured[g.name]
         cost = m["seconds_per_step"] / max(1, m["live"])
-        out.append(TrialGroup(g.name, g.trial_ids, g.budgets, cost_per_step=cost,
+        # the worker's start holds the device too: as extra steps of every member
+        extra = m["startup"] / (cost * g.size)
+        out.append(TrialGroup(g.name, g.trial_ids, tuple(b + extra for b in g.budgets),
+                              cost_per_step=cost,
                               utilization=min(1.0, max(0.05, m["utilization"]))))  # fmt: skip
     return out
 

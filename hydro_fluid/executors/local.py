@@ -47,7 +47,8 @@ class LocalExecutor:
     With ``run(..., policy=...)`` a placement policy decides instead of the fixed pool (see
     :meth:`run`); after such a run ``decisions`` lists every :class:`Decision` (when, which
     event, the allocation) and ``measured`` what each group's workers reported (first start,
-    end, first seconds per step, live members then, utilization, steps).
+    end, first seconds per step, live members then, utilization, seconds from the start to the
+    first step, steps).
 
     Args:
         devices: GPUs to use, e.g. ``["cuda:0", "cuda:1"]``. Default: every visible GPU, or
@@ -594,7 +595,7 @@ class _PlacedRun(_Run):
                 continue
             now, new = self.placer.running.get(name, ()), plan.get(name, ())
             if sorted(dev for dev, _ in now) == sorted(dev for dev, _ in new):
-                self.placer.started(name, new)  # same devices: a new share, no restart
+                # same devices: no restart; it keeps the share (threads) it was started with
                 continue
             run.stopping = True  # moved, rescaled or preempted: stop after a checkpoint
             for outbox in run.outboxes:
@@ -625,6 +626,9 @@ class _PlacedRun(_Run):
         record = self.ex.measured.setdefault(run.group.name, {})
         if "seconds_per_step" not in record:  # the first steps: what the simulator replays
             record.update(seconds_per_step=per_step, live=live, utilization=busy)
+            # the worker's start (fork, imports, building the model) before its first step
+            since = time.monotonic() - self.t0 - record.get("start", 0.0)
+            record["startup"] = max(0.0, since - per_step * steps)
         record["steps"] = steps
         if self.placer.observe(run.group.name, steps, live, per_step, busy, score, memory):
             self.event = self.event or "thinned"

@@ -12,10 +12,10 @@ MODULES = [
     "hydro_fluid.groups",
     "hydro_fluid.resources",
     "hydro_fluid.policy",
+    "hydro_fluid.placement",
     "hydro_fluid.simulate",
     "hydro_fluid.profile",
     "hydro_fluid.executors.local",
-    "hydro_fluid.executors.worker",
     "hydro_fluid.executors.examples",
 ]
 
