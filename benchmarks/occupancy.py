@@ -156,9 +156,16 @@ def executor_rows(seed: int, trials: int, fuse: int, steps: int, workers: int) -
     """The 4-key study (width {128, 256} x batch size {16, 32}, TPE, median pruner) on
     LocalExecutor under fifo (one group per device, the fixed pool) and dynamic (a device
     whose group thinned out takes a group of another key, sized for the room left)."""
-    from hydro_fluid import LocalExecutor
+    from hydro_fluid import LocalExecutor, TrialGroup
 
     task = dataclasses.replace(make_task(steps), model=mlp)  # a factory: width is searched
+    # the first run of a process starts the fork server (imports torch): not fifo's time
+    from hydro_fluid.executors.examples import count_steps
+
+    LocalExecutor(devices=[], num_workers=1).run(
+        [TrialGroup("warm-up", (0,), (1,))], count_steps,
+        preload=["hydro.tuning.slots", "torch.export._trace"],  # what the tuner preloads
+    )  # fmt: skip
     rows = []
     for policy in ("fifo", "dynamic"):
         study = optuna.create_study(
