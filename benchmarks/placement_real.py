@@ -29,7 +29,7 @@ import time
 from hydro_fluid import Cluster, Device, LocalExecutor, TrialGroup, simulate
 from hydro_fluid.executors.examples import count_steps, fused_mlp
 
-KEYS = {"small": (32, 32), "medium": (128, 64), "large": (512, 128)}  # name: (width, batch)
+KEYS = {"small": (32, 32), "medium": (256, 128), "large": (1024, 256)}  # name: (width, batch)
 SIM_NAMES = {"fifo": "fifo", "static": "static_fluid", "dynamic": "dynamic_fluid",
              "deadline": "deadline"}  # fmt: skip
 
@@ -117,10 +117,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 groups per key, fuse 4")
     p.add_argument("--groups-per-key", type=int, default=4)
     p.add_argument("--fuse", type=int, default=8)
-    p.add_argument("--budget", type=int, default=400, help="steps of the trials that survive")
+    p.add_argument("--budget", type=int, default=800, help="steps of the trials that survive")
     a = p.parse_args()
     if a.quick:
-        a.groups_per_key, a.fuse, a.budget = 2, 4, 80
+        a.groups_per_key, a.fuse, a.budget = 2, 4, 200
     work = workload(a.groups_per_key, a.fuse, a.budget)
     trials = sum(g.size for _, g in work)
     load = os.getloadavg()[0]
