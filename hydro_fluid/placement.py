@@ -190,14 +190,16 @@ class Placer:
         return 1.0 if seen.live is None else min(1.0, seen.live / size)
 
     def _effective(self) -> dict[str, tuple[Slot, ...]]:
-        """Running groups with their shares scaled by how full they still are: a group whose
-        members were pruned or finished (and that gets no new ones) leaves room on its device."""
+        """Running groups with their shares scaled by what they use of them: how full they
+        still are (a group whose members were pruned or finished, and that gets no new ones,
+        leaves room) times the utilization measured (a small model leaves a device partly
+        idle, which packing fills). At least ``1/c``; unmeasured groups use all they got."""
         out = {}
         for name, slots in self.running.items():
-            fill = self._fill(name)
-            if len(slots) == 1 and fill < 1:
+            used = self._fill(name) * min(1.0, self.measured[name].utilization or 1.0)
+            if len(slots) == 1 and used < 1:
                 (dev, share), = slots  # fmt: skip
-                slots = ((dev, max(share * fill, 1 / self.c)),)
+                slots = ((dev, max(share * used, 1 / self.c)),)
             out[name] = slots
         return out
 
@@ -226,7 +228,8 @@ class Placer:
         """The largest free fraction of one device where another group could start (0: none).
 
         ``fifo`` and ``static`` start groups on idle devices only (1.0 or 0.0). The others
-        also pack a group on a device whose groups thinned out, sized for what they left.
+        also pack a group on a device whose groups thinned out or leave it partly idle (their
+        measured utilization), sized for what they left.
         """
         load = {dev.name: 0.0 for dev in self.devices}
         count = dict.fromkeys(load, 0)

@@ -107,12 +107,16 @@ def test_a_thinned_group_leaves_room_that_a_new_group_of_another_key_takes():
         rooms.append(room)
         if len(rooms) == 1:
             return [thin]
-        if len(rooms) == 2:
+        # on a loaded machine the busy loop's measured utilization may fall below 1 before
+        # the group thins: wait for the room its three ended members leave
+        if room >= 0.75 - 1e-9 and "other" not in placed:
+            placed.append("other")
             return [TrialGroup("other-key", (10, 11), (20, 20))]
         return []
 
+    placed: list[str] = []
     results = by_name(ex.run([], steps(0.02), more=more, policy="dynamic"))
-    assert rooms[0] == 1.0 and rooms[1] == pytest.approx(0.75)
+    assert rooms[0] == 1.0 and placed == ["other"]
     placed = next(d for d in ex.decisions if "other-key" in d.allocation)
     assert placed.event == "new group"
     assert placed.allocation["thin"][0][0] == placed.allocation["other-key"][0][0] == "cpu0"
@@ -166,12 +170,15 @@ def test_placer_feeds_the_policy_what_the_workers_measured():
     placer = Placer("dynamic", [Device("cpu0", "cpu", 8.0)], restart_cost=0.0)
     placer.wait(TrialGroup("g", (0, 1, 2, 3), (100, 100, 100, 100)))
     placer.started("g", (("cpu0", 1.0),))
-    assert not placer.observe("g", 10, 4, 0.4, 0.5)
+    assert placer.room() == 0.0  # not measured yet: it uses the whole device
+    assert not placer.observe("g", 10, 4, 0.4, 1.0)
     view = placer.view("g")
     assert view.cost_per_step == pytest.approx(0.1)  # 0.4 s per fused step of 4 members
-    assert view.utilization == 0.5 and view.budgets == (90, 90, 90, 90)
-    assert placer.room() == 0.0  # full
-    assert placer.observe("g", 12, 1, 0.1, 0.2)  # thinned: an event
+    assert view.utilization == 1.0 and view.budgets == (90, 90, 90, 90)
+    assert placer.room() == 0.0  # full and busy
+    assert not placer.observe("g", 11, 4, 0.4, 0.5)
+    assert placer.room() == pytest.approx(0.5)  # full, but half the device idles
+    assert placer.observe("g", 12, 1, 0.1, 1.0)  # thinned: an event
     assert placer.room() == pytest.approx(0.75)
     check_policy("fifo")
     with pytest.raises(ValueError, match="use one of fifo, static, dynamic, deadline"):
