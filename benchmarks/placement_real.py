@@ -8,13 +8,14 @@ advance so that every policy (and the simulator) runs exactly the same work.
 
 Each policy (fifo, static, dynamic) runs it for real on ``LocalExecutor`` with 2 workers, which
 records each group's cost per step and utilization from its first steps; ``simulate`` replays
-the workload on 2 devices with the costs the fifo run measured (each group alone on its
-device there). One table: makespan, slots busy, trials per hour, the simulator's makespan and
-its error. Then the deadline mode: the best trial's last loss at a deadline of 60 % of fifo's
+the workload on 2 devices with the costs the fifo run of the same round measured (each group
+alone on its device there, and the start-up of its worker). One table of medians over the
+rounds: makespan, slots busy, trials per hour, the simulator's makespan and its error. Then
+the deadline mode: the best trial's last loss at a deadline of 60 % of that round's fifo
 makespan, ``deadline`` against ``fifo``.
 
     PYTHONPATH=$PWD python3 benchmarks/placement_real.py           # full (a quiet machine)
-    PYTHONPATH=$PWD python3 benchmarks/placement_real.py --quick   # smoke run, a few minutes
+    PYTHONPATH=$PWD python3 benchmarks/placement_real.py --quick --repeats 1   # smoke run
 
 Prints the table and the load average; not a test.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import time
 
 from hydro_fluid import Cluster, Device, LocalExecutor, TrialGroup, simulate
@@ -118,6 +120,7 @@ def main() -> None:
     p.add_argument("--groups-per-key", type=int, default=4)
     p.add_argument("--fuse", type=int, default=8)
     p.add_argument("--budget", type=int, default=800, help="steps of the trials that survive")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of all policies; medians")
     a = p.parse_args()
     if a.quick:
         a.groups_per_key, a.fuse, a.budget = 2, 4, 200
@@ -127,28 +130,44 @@ def main() -> None:
     cluster = Cluster([Device(f"cpu{i}", "cpu", 8.0, node="local") for i in range(2)])
     # the first run of a process starts the fork server (imports torch): not any policy's time
     LocalExecutor(devices=[], num_workers=1).run([TrialGroup("warm-up", (-1,), (1,))], count_steps)
-    runs = {policy: run_real(policy, work) for policy in ("fifo", "static", "dynamic")}
-    fifo_ex, fifo_span, fifo_reports = runs["fifo"]
-    costs = measured_workload(fifo_ex, work)
+    rows: dict[str, list[dict]] = {p: [] for p in ("fifo", "static", "dynamic")}
+    deadlines: list[tuple[float, float, float]] = []
+    for _ in range(a.repeats):
+        # fifo first in each round: the simulator replays every policy of the round with the
+        # costs fifo measured (each group alone on its device), under the same load
+        fifo_ex, fifo_span, fifo_reports = run_real("fifo", work)
+        costs = measured_workload(fifo_ex, work)
+        for policy in rows:
+            ex, span, _ = (fifo_ex, fifo_span, None) if policy == "fifo" else \
+                run_real(policy, work)  # fmt: skip
+            sim = simulate(costs, cluster, SIM_NAMES[policy], restart_cost=ex.restart_cost, d=2)
+            rows[policy].append({"span": span, "busy": slots_busy(ex, span), "moves": ex.moves,
+                                 "sim": sim.makespan, "sim_busy": sim_busy(sim),
+                                 "vs": span / fifo_span})  # fmt: skip
+        when = 0.6 * fifo_span
+        _, dl_span, dl_reports = run_real("deadline", work, deadline=when)
+        deadlines.append((best_at(fifo_reports, when), best_at(dl_reports, when), when))
+    med = statistics.median
     print(f"{len(work)} groups of {a.fuse} ({trials} trials), keys {KEYS} (width, batch), "
-          f"budgets {sorted(set(work[0][1].budgets))}, LocalExecutor 2 workers x 2 threads; "
-          f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
+          f"budgets {sorted(set(work[0][1].budgets))}, LocalExecutor 2 workers x 2 threads, "
+          f"medians of {a.repeats} rounds; load average {load:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
     print("| policy | makespan s | vs fifo | slots busy | trials/hour | simulated s | sim error |"
           " sim busy | moves |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    for policy, (ex, span, _) in runs.items():
-        sim = simulate(costs, cluster, SIM_NAMES[policy], restart_cost=ex.restart_cost, d=2)
-        print(f"| {policy} | {span:.1f} | {span / fifo_span:.2f}x | {slots_busy(ex, span):.0%} | "
-              f"{trials / span * 3600:.0f} | {sim.makespan:.1f} | "
-              f"{(sim.makespan - span) / span:+.0%} | {sim_busy(sim):.0%} | "
-              f"{ex.moves} |")  # fmt: skip
-    when = 0.6 * fifo_span
-    dl_ex, dl_span, dl_reports = run_real("deadline", work, deadline=when)
-    print(f"\ndeadline {when:.1f} s (60% of fifo's makespan): best trial's last loss by then")
-    print("| policy | best loss at the deadline | makespan s |")
-    print("|---|---|---|")
-    print(f"| fifo | {best_at(fifo_reports, when):.4f} | {fifo_span:.1f} |")
-    print(f"| deadline | {best_at(dl_reports, when):.4f} | {dl_span:.1f} |")
+    for policy, runs in rows.items():
+        span = med(r["span"] for r in runs)
+        error = med((r["sim"] - r["span"]) / r["span"] for r in runs)
+        print(f"| {policy} | {span:.1f} | {med(r['vs'] for r in runs):.2f}x | "
+              f"{med(r['busy'] for r in runs):.0%} | {trials / span * 3600:.0f} | "
+              f"{med(r['sim'] for r in runs):.1f} | {error:+.0%} | "
+              f"{med(r['sim_busy'] for r in runs):.0%} | "
+              f"{sum(r['moves'] for r in runs)} |")  # fmt: skip
+    print("\nthe best trial's last loss at a deadline of 60% of that round's fifo makespan")
+    print("| round | deadline s | fifo | deadline policy |")
+    print("|---|---|---|---|")
+    for i, (fifo_best, dl_best, when) in enumerate(deadlines):
+        print(f"| {i} | {when:.1f} | {fifo_best:.4f} | {dl_best:.4f} |")
 
 
 if __name__ == "__main__":
