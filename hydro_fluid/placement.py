@@ -130,6 +130,14 @@ class Placer:
         if group.name not in self.waiting:
             self.waiting.append(group.name)
 
+    def set_devices(self, devices: Sequence[Device]) -> None:
+        """Devices joined or left (an event: call :meth:`decide` next). Running groups on a
+        device that left are moved by ``dynamic`` and ``deadline``; ``fifo`` and ``static``
+        leave them to the executor, which restarts them when their worker dies."""
+        if not devices:
+            raise ValueError("a Placer needs at least one device")
+        self.devices = list(devices)
+
     def started(self, name: str, slots: tuple[Slot, ...]) -> None:
         """``name`` runs on ``slots`` now."""
         if name in self.waiting:

@@ -183,3 +183,17 @@ def test_placer_feeds_the_policy_what_the_workers_measured():
     check_policy("fifo")
     with pytest.raises(ValueError, match="use one of fifo, static, dynamic, deadline"):
         check_policy("lifo")
+
+
+def test_placer_moves_groups_off_a_device_that_left():
+    from hydro_fluid import Device
+
+    cpu0, cpu1 = Device("cpu0", "cpu", 8.0), Device("cpu1", "cpu", 8.0)
+    placer = Placer("dynamic", [cpu0, cpu1], d=1, restart_cost=1e9)
+    placer.wait(TrialGroup("g", (0,), (100,)))
+    placer.started("g", (("cpu1", 1.0),))
+    assert placer.decide()["g"] == (("cpu1", 1.0),)  # a move never pays at this restart cost
+    placer.set_devices([cpu0])  # cpu1 left: g must move whatever it costs
+    assert placer.decide()["g"] == (("cpu0", 1.0),)
+    with pytest.raises(ValueError, match="at least one device"):
+        placer.set_devices([])
