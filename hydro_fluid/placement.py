@@ -198,16 +198,20 @@ class Placer:
         return 1.0 if seen.live is None else min(1.0, seen.live / size)
 
     def _effective(self) -> dict[str, tuple[Slot, ...]]:
-        """Running groups with their shares scaled by what they use of them: how full they
-        still are (a group whose members were pruned or finished, and that gets no new ones,
-        leaves room) times the utilization measured (a small model leaves a device partly
-        idle, which packing fills). At least ``1/c``; unmeasured groups use all they got."""
+        """Running groups with their shares scaled by how full they still are: a group whose
+        members were pruned or finished (and that gets no new ones) leaves room on its device
+        (at least ``1/c`` stays taken).
+
+        Measured utilization is not used here: on a shared CPU a worker's busy fraction falls
+        with contention, which would pack more where there is less room; a GPU's own
+        utilization is not measured yet.
+        """
         out = {}
         for name, slots in self.running.items():
-            used = self._fill(name) * min(1.0, self.measured[name].utilization or 1.0)
-            if len(slots) == 1 and used < 1:
+            fill = self._fill(name)
+            if len(slots) == 1 and fill < 1:
                 (dev, share), = slots  # fmt: skip
-                slots = ((dev, max(share * used, 1 / self.c)),)
+                slots = ((dev, max(share * fill, 1 / self.c)),)
             out[name] = slots
         return out
 
@@ -236,8 +240,7 @@ class Placer:
         """The largest free fraction of one device where another group could start (0: none).
 
         ``fifo`` and ``static`` start groups on idle devices only (1.0 or 0.0). The others
-        also pack a group on a device whose groups thinned out or leave it partly idle (their
-        measured utilization), sized for what they left.
+        also pack a group on a device whose groups thinned out, sized for what they left.
         """
         load = {dev.name: 0.0 for dev in self.devices}
         count = dict.fromkeys(load, 0)
