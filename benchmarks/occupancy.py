@@ -7,6 +7,8 @@ pruned and the next batch waited for its slowest member. Run it on two trees to 
     PYTHONPATH=/path/to/old/tree python3 benchmarks/occupancy.py
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py --executor local   # 2 worker processes
+    PYTHONPATH=$PWD python3 benchmarks/occupancy.py --executor local --four-keys --trials 24 \
+        --fuse 4   # 4 (batch size, width) keys: fifo against dynamic placement
 
 Where the driver records ``hydro_occupancy`` (continuous batching) that figure is printed;
 otherwise it is computed from the trials: steps each trial trained over (steps each group ran
@@ -18,13 +20,14 @@ Prints a table and the load average; not a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
 
 import optuna
 import torch
-from optuna.distributions import FloatDistribution, IntDistribution
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 import hydro
@@ -116,6 +119,89 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
     }
 
 
+# --- executor rows: 4 (batch size, width) keys on LocalExecutor, per placement policy ----------
+
+
+def mlp(width: int = 128) -> torch.nn.Module:
+    """The model of the 4-key study (module level, so worker processes can build it)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 10),
+    )  # fmt: skip
+
+
+FOUR_KEYS = {**SPACE, "width": CategoricalDistribution([128, 256]),
+             "batch_size": CategoricalDistribution([16, 32])}  # fmt: skip
+
+
+def device_occupancy(study: optuna.Study, devices: int, fuse: int) -> float:
+    """Trials training per device, out of ``fuse``, while trials remained to ask: each trial's
+    time in its group (``group_seconds`` before it was told), summed over the window from the
+    first trial's start to the last ask, over ``devices x fuse x`` that window. Several groups
+    packed on one device count together, so a device whose group thinned out and took a group
+    of another key beside it counts as full again."""
+    done = [t for t in study.trials if t.datetime_complete and "group_seconds" in t.user_attrs]
+    first = min(t.datetime_complete.timestamp() - t.user_attrs["group_seconds"] for t in done)
+    last_ask = max(t.datetime_start.timestamp() for t in study.trials)
+    busy = 0.0
+    for t in done:
+        end = t.datetime_complete.timestamp()
+        start = end - t.user_attrs["group_seconds"]
+        busy += max(0.0, min(end, last_ask) - max(start, first))
+    return busy / (devices * fuse * (last_ask - first))
+
+
+def executor_rows(seed: int, trials: int, fuse: int, steps: int, workers: int) -> list[dict]:
+    """The 4-key study (width {128, 256} x batch size {16, 32}, TPE, median pruner) on
+    LocalExecutor under fifo (one group per device, the fixed pool) and dynamic (a device
+    whose group thinned out takes a group of another key, sized for the room left)."""
+    from hydro_fluid import LocalExecutor, TrialGroup
+
+    task = dataclasses.replace(make_task(steps), model=mlp)  # a factory: width is searched
+    # the first run of a process starts the fork server (imports torch): not fifo's time
+    from hydro_fluid.executors.examples import count_steps
+
+    LocalExecutor(devices=[], num_workers=1).run(
+        [TrialGroup("warm-up", (0,), (1,))], count_steps,
+        preload=["hydro.tuning.slots", "torch.export._trace"],  # what the tuner preloads
+    )  # fmt: skip
+    rows = []
+    for policy in ("fifo", "dynamic"):
+        study = optuna.create_study(
+            sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True),
+            pruner=optuna.pruners.MedianPruner(n_startup_trials=fuse, n_warmup_steps=10),
+        )
+        ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)
+        start = time.perf_counter()
+        optimize(study, task, FOUR_KEYS, n_trials=trials, ratio=4, fuse=fuse, seed=seed,
+                 executor=ex, policy=policy)  # fmt: skip
+        occ = study.user_attrs.get("hydro_occupancy") or {}
+        rows.append({
+            "policy": policy, "seconds": time.perf_counter() - start,
+            "groups": len({t.user_attrs["group"] for t in study.trials}),
+            "live_per_group": occ.get("while_asking"),
+            "device": device_occupancy(study, workers, fuse), "best": study.best_value,
+        })  # fmt: skip
+    return rows
+
+
+def print_executor_rows(a: argparse.Namespace) -> None:
+    load = os.getloadavg()[0]
+    rows = [r for seed in range(a.first_seed, a.first_seed + a.repeats)
+            for r in executor_rows(seed, a.trials, a.fuse, a.steps, a.workers)]  # fmt: skip
+    print(f"4 keys (width {{128, 256}} x batch {{16, 32}}), {a.trials} trials, fuse {a.fuse}, "
+          f"{a.steps} steps, TPE, median pruner, LocalExecutor {a.workers} workers; load "
+          f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
+    print("| policy | groups | live/fuse per group (while asking) | trials per device / fuse "
+          "(while asking) | seconds | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        live = "-" if r["live_per_group"] is None else f"{r['live_per_group']:.1%}"
+        print(f"| {r['policy']} | {r['groups']} | {live} | {r['device']:.1%} | "
+              f"{r['seconds']:.1f} | {r['best']:.4f} |")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=48)
@@ -126,7 +212,16 @@ def main() -> None:
                    help="inline: groups in this process; local: LocalExecutor workers")  # fmt: skip
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, +1, ...")
     p.add_argument("--workers", type=int, default=2, help="worker slots with --executor local")
+    p.add_argument("--four-keys", action="store_true", help="with --executor local: the 4-key "
+                   "study under the fifo and dynamic placement policies")  # fmt: skip
     a = p.parse_args()
+    if a.four_keys:
+        if a.executor != "local":
+            p.error("--four-keys measures the executor rows: add --executor local")
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        torch.set_num_threads(1)
+        print_executor_rows(a)
+        return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(1)
     load = os.getloadavg()[0]

@@ -140,6 +140,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         args.config, storage=args.storage, study=args.study, trials=args.trials,
         ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
         device=args.device, depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha,
+        policy=args.policy, deadline=args.deadline,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -167,7 +168,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
              seed=cfg.seed, progress=True, executor=executor, device=cfg.device,
              depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
-             first_group=cfg.first_group)  # fmt: skip
+             first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
@@ -284,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=["inline", "local", "ray"], default=None,
                    help="where groups train: this process (default), local worker processes, "
                    "or a Ray cluster (RAY_ADDRESS, else a local one)")  # fmt: skip
+    p.add_argument("--policy", choices=["fifo", "static", "dynamic", "deadline"],
+                   help="how an executor places groups on its devices (default: the config's, "
+                   "else dynamic; fifo: one group per device, the baseline)")  # fmt: skip
+    p.add_argument("--deadline", type=float, help="seconds to the deadline, with --policy "
+                   "deadline: the best groups get whole devices as it nears")  # fmt: skip
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "
                    "cuda:N (overrides the config's device)")  # fmt: skip

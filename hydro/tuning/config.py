@@ -18,12 +18,13 @@ import optuna
 import yaml
 
 from hydro.errors import ConfigError, HydroError
+from hydro.tuning.driver import check_placement
 from hydro.tuning.space import check_names, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
-            "depth_alpha", "first_group"}  # fmt: skip
+            "depth_alpha", "first_group", "policy", "deadline"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every"}  # fmt: skip
@@ -64,6 +65,8 @@ class TuneConfig:
     depth_ratio: int = 1
     depth_alpha: float = 1.0
     first_group: int = 0
+    policy: str = "dynamic"
+    deadline: float | None = None
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -133,6 +136,10 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         if key not in raw:
             raise ConfigError(f"{path}: missing key '{key}'")
     raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    try:  # before the task is built: a typo here should not wait for the data
+        check_placement(raw.get("policy", "dynamic"), raw.get("deadline"))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     task = _task(raw["task"], path)
     space = from_config(raw["space"], where=f"{path}: space")
     try:
@@ -157,6 +164,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         depth_ratio=_int(raw.get("depth_ratio", 1), "depth_ratio", path),
         depth_alpha=_alpha(raw.get("depth_alpha", 1.0), path),
         first_group=_int(raw.get("first_group", 0), "first_group", path, minimum=0),
+        policy=raw.get("policy", "dynamic"),
+        deadline=raw.get("deadline"),
     )
     if cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "

@@ -12,6 +12,8 @@ Its example is in :mod:`hydro.integrations.optuna`.
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -70,6 +72,8 @@ def optimize(
     depth_alpha: float = 1.0,
     first_group: int = 0,
     world_size: int = 1,
+    policy: str = "dynamic",
+    deadline: float | None = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -126,7 +130,20 @@ def optimize(
             first group's unused slots are the price. 0 (default): groups of ``fuse`` at once.
         world_size: with an executor, each group trains data parallel on this many of its
             slots (devices), exactly as on one (docs/placement.md); a group whose batch size
-            does not divide by it trains on one slot, with a warning.
+            does not divide by it trains on one slot, with a warning. A fixed ``world_size``
+            above 1 runs the executor's own first-come pool, whatever ``policy`` says; with
+            ``world_size`` 1 the policy may widen a group itself, onto devices that would
+            sit idle.
+        policy: how an executor places the groups on its devices (:mod:`hydro_fluid.placement`):
+            ``"dynamic"`` (default: DynamicFluid, asked at every event; a device whose group
+            thinned out takes a new group, of another key if one waits, sized for the room
+            left), ``"static"`` (StaticFluid over idle devices), ``"fifo"`` (one group per
+            device, first come first served: the baseline) or ``"deadline"`` (as the
+            deadline nears, the best groups get whole devices). Without an executor groups
+            train one after another here and the policy has no effect; an executor whose
+            ``run`` takes no ``policy`` (``RayExecutor`` for now) runs its own fixed pool.
+        deadline: with ``policy="deadline"``: seconds until the deadline; no new trial is
+            asked after it.
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
@@ -141,6 +158,12 @@ def optimize(
         raise ConfigError(f"world_size {world_size} trains each group on several worker "
                           "processes: pass an executor (LocalExecutor, RayExecutor), or use "
                           "world_size 1")  # fmt: skip
+    check_placement(policy, deadline)
+    if policy == "deadline" and executor is None:
+        raise ConfigError("policy 'deadline' places groups on an executor's devices: use "
+                          "executor='local' (or 'ray'), or another policy")  # fmt: skip
+    if deadline is not None:  # the deadline also ends the asking
+        timeout = deadline if timeout is None else min(timeout, deadline)
     depth = (depth_ratio, float(depth_alpha))
     device = check_device(device)
     is_task = isinstance(task_or_callback, Task)
@@ -195,7 +218,8 @@ def optimize(
                     _Stream(*args, first_group=first_group).run()
                 elif is_task:
                     _Fleet(*args, executor=executor, every=checkpoint_every,
-                           world_size=world_size).run()  # fmt: skip
+                           world_size=world_size, policy=policy,
+                           deadline=deadline).run()  # fmt: skip
                 else:
                     trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
@@ -412,9 +436,11 @@ class _Fleet(_Stream):
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """
 
-    def __init__(self, *args: Any, executor: Any, every: int, world_size: int = 1) -> None:
+    def __init__(self, *args: Any, executor: Any, every: int, world_size: int = 1,
+                 policy: str = "fifo", deadline: float | None = None) -> None:  # fmt: skip
         super().__init__(*args)
         self.executor, self.every = executor, every
+        self.policy, self.deadline = policy, deadline
         self.world_size = world_size
         self.sizes: dict[str, int] = {}  # group -> its data parallel world size
         self.undivided: set[tuple] = set()  # keys warned about: batch not divisible
@@ -429,16 +455,25 @@ class _Fleet(_Stream):
     def run(self) -> None:
         fn = functools.partial(_stream_in_worker, self.task, self.ratio, self.fuse, self.depth,
                                self.every)  # fmt: skip
+        placement = {}
+        if self.world_size == 1 and "policy" in inspect.signature(self.executor.run).parameters:
+            # the policy decides each group's devices (data parallel when it widens one); a
+            # fixed world_size above 1 keeps the executor's own first-come pool
+            placement = {"policy": self.policy, "deadline": self.deadline}
         # a worker captures its group's model with torch.export: an import of seconds, paid
         # once in the forkserver instead of in every worker
         self._guard(lambda: self.executor.run([], fn, more=self.more, on_result=self.ended,
                                               request=self.answer, world_size=self.sizes,
-                                              preload=["torch.export._trace"]))  # fmt: skip
+                                              preload=["torch.export._trace"],
+                                              **placement))  # fmt: skip
 
-    def more(self) -> list:
+    def more(self, room: float = 1.0) -> list:
+        """A new group for a free device: ``room`` is the fraction of a device free for it
+        (a device whose group thinned out has less than 1), so it gets that share of ``fuse``
+        members; trials of a key waiting for a group of their own come first."""
         from hydro_fluid import TrialGroup
 
-        found = self.next_members()
+        found = self.next_members(limit=max(1, math.floor(room * self.fuse + 1e-9)))
         if found is None:
             return []
         key, members = found
@@ -528,6 +563,17 @@ class _Fleet(_Stream):
         for number, owner in list(self.owner.items()):
             if owner == name and number in self.running:
                 self.tell(self.running[number], Outcome("fail", None, 0, reason[:500]), None)
+
+
+def check_placement(policy: Any, deadline: Any) -> None:
+    """A one-line :class:`ConfigError` unless ``policy`` names a placement policy and
+    ``deadline`` fits it (seconds > 0, given exactly with ``"deadline"``)."""
+    from hydro_fluid.placement import check_policy
+
+    try:
+        check_policy(policy, deadline)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _set_depth(trial: optuna.Trial, depth: tuple[int, float]) -> None:

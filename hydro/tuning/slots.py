@@ -174,10 +174,12 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
     above 1 every rank runs this as one data parallel replica (:mod:`hydro.tuning.parallel`):
     rank 0 talks to the driver and saves, every rank applies the same answers."""
     from hydro.tuning import checkpoint as _checkpoint
+    from hydro_fluid.executors.base import Stopped
 
     occupancy = Occupancy(fuse)
-    saved = _checkpoint.load(ctx.checkpoint_dir) if every and ctx.rank == 0 else None
+    # a checkpoint is there after a retry (with ``every``) or a move by the placement policy;
     # data parallel: every rank resumes rank 0's checkpoint, whatever world size wrote it
+    saved = _checkpoint.load(ctx.checkpoint_dir) if ctx.rank == 0 else None
     saved = parallel.share(saved, ctx.rank, ctx.world_size)
     if saved is not None:
         members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
@@ -199,7 +201,17 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
     source.world_size = world_size
     joined = {m.id: time.perf_counter() for m in fgroup.members}
 
+    sign = 1.0 if task.direction == "minimize" else -1.0
+
     def save() -> None:
+        # for the executor's placement policy: step times, live members, best value so far
+        # (lower is better); and a move it asks for: checkpoint here, resume where it puts us
+        values = [sign * v for m in fgroup.members for _, v in m.history[-1:]]
+        ctx.progress(fgroup.steps, fgroup.n, min(values, default=None))
+        if ctx.should_stop(agree=world_size == ctx.world_size):
+            if ctx.rank == 0:
+                _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
+            raise Stopped
         if every and ctx.rank == 0 and fgroup.steps % every == 0:
             _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
 

@@ -19,7 +19,7 @@ from torch import nn
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.fx.floor import task_ratio
-from hydro.tuning.driver import check_depth, optimize
+from hydro.tuning.driver import check_depth, check_placement, optimize
 from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
@@ -248,6 +248,8 @@ def tune(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     first_group: int = 0,
+    policy: str = "dynamic",
+    deadline: float | None = None,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -290,6 +292,11 @@ def tune(
             before groups of ``fuse`` (in this process only): the default ``MedianPruner``
             compares against completed trials, so otherwise it cannot prune any of the first
             ``fuse`` (:func:`hydro.integrations.optuna.optimize`). 0 (default): off.
+        policy: how an executor places groups on its devices: ``"dynamic"`` (default),
+            ``"static"``, ``"fifo"`` (one group per device, the baseline) or ``"deadline"``
+            (docs/placement.md). No effect in this process (``executor=None``).
+        deadline: seconds to the deadline, with ``policy="deadline"`` (required there, refused
+            otherwise); no trial is asked after it.
 
     Returns:
         A :class:`TuneResult`.
@@ -312,6 +319,7 @@ def tune(
         raise ConfigError(f"n_trials must be a positive integer, got {n_trials!r}")
     device = check_device(device)
     check_depth(depth_ratio, depth_alpha)
+    check_placement(policy, deadline)
     executor = make_executor(executor)
     check_space(space, task.model_args())
     preflight(task, space)
@@ -325,7 +333,8 @@ def tune(
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
-             depth_alpha=depth_alpha, first_group=first_group)  # fmt: skip
+             depth_alpha=depth_alpha, first_group=first_group, policy=policy,
+             deadline=deadline)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,

@@ -24,6 +24,13 @@ Streaming (what the tuner uses to keep every slot busy)::
 ``ctx.request(payload)`` blocks until ``answer(group_name, payload)`` has run in the parent and
 returns its answer: the worker asks the parent for work (new trials for freed slots) while the
 parent keeps what it owns (the study, its storage).
+
+Placement (what a policy needs from ``fn``): ``ctx.progress(steps, live)`` after each step
+tells the parent how far the group is and how many members it still trains (the parent times
+the steps and reads the worker's CPU use from it). ``ctx.should_stop()`` at each step
+boundary says that the parent wants the group on other devices: ``fn`` then saves a
+checkpoint and raises :class:`Stopped`; the group restarts on its new slots and resumes from
+that checkpoint. A stop is neither a retry nor a failure.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 from ..groups import TrialGroup
 
 __all__ = [
+    "Stopped",
     "WorkerContext",
     "GroupResult",
     "TrialOutcome",
@@ -60,6 +68,10 @@ RequestFn = Callable[[str, Any], Any]
 WorkerFn = Callable[[TrialGroup, "WorkerContext"], Any]
 
 
+class Stopped(Exception):
+    """Raised by ``fn`` after ``ctx.should_stop()`` and a checkpoint: move me, I lose nothing."""
+
+
 @dataclass(frozen=True)
 class TrialOutcome:
     """How a trial ended: ``state`` is ``"COMPLETE"``, ``"PRUNED"`` or ``"FAIL"``."""
@@ -76,8 +88,9 @@ class GroupResult:
         group: The group as it ran (a half of the submitted group after an out-of-memory).
         value: What ``fn`` returned on rank 0, or ``None`` if the group failed.
         trials: Outcome of every member trial.
-        attempts: How many times the group was started.
+        attempts: How many times the group was started (moves not counted).
         error: Why the group failed, if it did.
+        moves: How many times the placement policy stopped the group to move or rescale it.
     """
 
     group: TrialGroup
@@ -85,6 +98,7 @@ class GroupResult:
     trials: dict[Hashable, TrialOutcome]
     attempts: int
     error: str | None = None
+    moves: int = 0
 
     @property
     def ok(self) -> bool:
@@ -158,6 +172,36 @@ class WorkerContext:
             raise RuntimeError("only rank 0 of a group may call ctx.request")
         return self._channel.request(payload)
 
+    def progress(self, steps: int, live: int, score: float | None = None) -> None:
+        """Tell the parent that the group has trained ``steps`` steps and trains ``live`` members.
+
+        Call it after every step (rank 0; others no-op): it costs nothing when nothing changed
+        for a moment, since it sends at most every 0.2 s and whenever ``live`` changes. The
+        parent times the steps for its placement policy; ``score`` (lower is better, e.g. the
+        best validation loss so far) ranks the group for the deadline policy.
+        """
+        send = getattr(self._channel, "progress", None)  # a channel without it has no policy
+        if self.rank == 0 and send is not None:
+            send(int(steps), int(live), score)
+
+    def should_stop(self, *, agree: bool = True) -> bool:
+        """Whether the parent asked this group to stop (to move it to other devices).
+
+        Ask at every step boundary, on every rank (with ``world_size > 1`` the ranks agree
+        through one small all-reduce, so all of them stop at the same step; ``agree=False``
+        skips it where rank 0 trains alone, the other ranks having left). When it is
+        ``True``, save a checkpoint and raise :class:`Stopped`.
+        """
+        stopping = getattr(self._channel, "stopping", None)  # none: nobody moves this group
+        stop = bool(stopping is not None and stopping())
+        if self.world_size > 1 and agree:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if stop else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
+
     def is_pruned(self, trial_id: Hashable) -> bool:
         """Whether the parent has pruned ``trial_id`` (so the worker can drop it)."""
         self._pruned |= self._channel.pruned()
@@ -201,7 +245,8 @@ class WorkerContext:
 
 
 def call_worker_fn(fn: WorkerFn, group: TrialGroup, ctx: WorkerContext) -> tuple[str, Any]:
-    """Run ``fn``; the outcome is ``("done", value)``, ``("oom", message)`` or ``("error", tb)``.
+    """Run ``fn``; the outcome is ``("done", value)``, ``("stopped", None)``, ``("oom", message)``
+    or ``("error", tb)``.
 
     Shared by the executors so that out-of-memory is recognised the same way everywhere.
     """
@@ -209,6 +254,8 @@ def call_worker_fn(fn: WorkerFn, group: TrialGroup, ctx: WorkerContext) -> tuple
         value = fn(group, ctx)
         pickle.dumps(value)  # fail here, with a clear message, rather than in a queue thread
         return "done", value
+    except Stopped:
+        return "stopped", None
     except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
         return "oom", f"{type(exc).__name__}: {exc}"
     except pickle.PicklingError as exc:
@@ -232,6 +279,7 @@ class Ledger:
     order: dict[str, int] = field(default_factory=dict)
     on_result: Callable[[GroupResult], None] | None = None
     seen: set = field(default_factory=set)  # trial ids of every group submitted so far
+    moves: dict[str, int] = field(default_factory=dict)  # group -> times a policy moved it
 
     def submit(self, groups: Sequence[TrialGroup]) -> None:
         """Queue ``groups`` (at the start of a run, or later ones from ``more``)."""
@@ -265,7 +313,13 @@ class Ledger:
             t: TrialOutcome(PRUNED) if t in pruned else TrialOutcome(COMPLETE)
             for t in group.trial_ids
         }
-        self._result(GroupResult(group, value, trials, attempt + 1))
+        moves = self.moves.get(group.name, 0)
+        self._result(GroupResult(group, value, trials, attempt + 1, moves=moves))
+
+    def moved(self, group: TrialGroup, attempt: int) -> None:
+        """The group stopped after a checkpoint to change devices: queue it again, same attempt."""
+        self.moves[group.name] = self.moves.get(group.name, 0) + 1
+        self.pending.append((group, attempt))
 
     def failed(self, group: TrialGroup, attempt: int, reason: str) -> None:
         """The group's worker died or raised: retry it, or fail its trials for good."""

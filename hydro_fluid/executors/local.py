@@ -2,36 +2,29 @@
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
 import re
 import shutil
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..groups import TrialGroup
-from .base import (
-    GroupResult,
-    Ledger,
-    MoreFn,
-    ReportFn,
-    RequestFn,
-    ResultFn,
-    WorkerContext,
-    WorkerFn,
-    call_worker_fn,
-)
+from ..placement import Placer
+from ..resources import Device
+from .base import GroupResult, Ledger, MoreFn, ReportFn, RequestFn, ResultFn, WorkerFn
+
+# start_ticks and _scratch_dir are imported from here by the tuner and the tests
+from .worker import _scratch_dir, _Spec, _worker_main, start_ticks  # noqa: F401
 
 __all__ = ["LocalExecutor"]
 
@@ -51,6 +44,12 @@ class LocalExecutor:
     runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``) has its group
     split in two halves that run separately, so no trial is lost.
 
+    With ``run(..., policy=...)`` a placement policy decides instead of the fixed pool (see
+    :meth:`run`); after such a run ``decisions`` lists every :class:`Decision` (when, which
+    event, the allocation) and ``measured`` what each group's workers reported (first start,
+    end, first seconds per step, live members then, utilization, seconds from the start to the
+    first step, steps).
+
     Args:
         devices: GPUs to use, e.g. ``["cuda:0", "cuda:1"]``. Default: every visible GPU, or
             the CPU when there is none. Pass ``[]`` to force the CPU.
@@ -65,6 +64,12 @@ class LocalExecutor:
             fork from a server that has imported torch once, so they start in a fraction
             of a second, and CUDA is never initialized before the fork), else ``"spawn"``.
         collective_timeout: Seconds a data-parallel collective may wait for a peer.
+        max_packed: With a placement policy (``run(policy=...)``): most groups packed on one
+            device.
+        restart_cost: With a placement policy: seconds a move is assumed to cost; a running
+            group moves only when the policy estimates it saves more.
+        memory_budget: With a placement policy on the CPU: GiB the groups may use in all
+            (default: half of the memory available when ``run`` starts).
 
     Example:
         >>> from hydro_fluid import LocalExecutor, TrialGroup
@@ -90,6 +95,9 @@ class LocalExecutor:
         checkpoint_dir: str | Path | None = None,
         start_method: str | None = None,
         collective_timeout: float = 300.0,
+        max_packed: int = 4,
+        restart_cost: float = 5.0,
+        memory_budget: float | None = None,
     ) -> None:
         cores = os.cpu_count() or 1
         if devices is None:
@@ -125,6 +133,14 @@ class LocalExecutor:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.start_method = start_method
         self.collective_timeout = collective_timeout
+        if isinstance(max_packed, bool) or not isinstance(max_packed, int) or max_packed < 1:
+            raise ValueError(f"max_packed must be an int >= 1, got {max_packed!r}.")
+        if not restart_cost >= 0:
+            raise ValueError(f"restart_cost must be >= 0 seconds, got {restart_cost!r}.")
+        if memory_budget is not None and not memory_budget > 0:
+            raise ValueError(f"memory_budget must be > 0 GiB, got {memory_budget!r}.")
+        self.max_packed, self.restart_cost = max_packed, restart_cost
+        self.memory_budget = memory_budget
 
     def run(
         self,
@@ -137,6 +153,9 @@ class LocalExecutor:
         on_result: ResultFn | None = None,
         request: RequestFn | None = None,
         preload: Sequence[str] = (),
+        policy: str | None = None,
+        deadline: float | None = None,
+        max_world_size: int | None = None,
     ) -> list[GroupResult]:
         """Run ``fn(group, ctx)`` for every group and return one result per group that ran.
 
@@ -156,6 +175,18 @@ class LocalExecutor:
             preload: Modules to import once in the forkserver (with ``torch``, ``hydro_fluid``
                 and ``fn``'s module), so that every worker starts with them imported; only
                 the first run of this process (which starts the forkserver) can preload.
+            policy: ``None`` (default): the fixed pool of slots, first come first served.
+                ``"fifo"``, ``"static"``, ``"dynamic"`` or ``"deadline"``: the executor's
+                devices (:meth:`placement_devices`) are placed by that policy
+                (:class:`~hydro_fluid.placement.Placer`), asked at every event (a group
+                starts, ends or thins out, a deadline tick) and applied for real: a share
+                below 1 packs groups on one device (threads split by share), several devices
+                make a group data parallel (``world_size`` from the policy, not the argument),
+                and a running group the policy moves is stopped at a step boundary after a
+                checkpoint (``ctx.should_stop()``) and resumed on its new devices. ``more``
+                may take a keyword ``room``: the fraction of a device free for the new group.
+            deadline: Seconds from the start to the deadline (policy ``"deadline"``).
+            max_world_size: Most devices one group may get from the policy (default: all).
         """
         try:
             pickle.dumps(fn)
@@ -169,7 +200,12 @@ class LocalExecutor:
         sizes = {g.name: self._size(world_size, g.name) for g in groups}
         root = self.checkpoint_dir or _scratch_dir()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        run = _Run(self, ledger, fn, report, sizes, root, more, request, world_size, preload)
+        if policy is None:
+            run = _Run(self, ledger, fn, report, sizes, root, more, request, world_size, preload)
+        else:
+            placer = self._placer(policy, deadline, max_world_size)
+            run = _PlacedRun(self, ledger, fn, report, sizes, root, more, request, world_size,
+                             preload, placer=placer)  # fmt: skip
         try:
             run.loop()
         finally:
@@ -190,78 +226,42 @@ class LocalExecutor:
     def _max_world_size(self) -> int:
         return len(set(self.slots)) if self.slots[0] != "cpu" else len(self.slots)
 
+    def placement_devices(self) -> list[Device]:
+        """This executor's devices as a placement policy sees them.
 
-def start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
+        On GPUs, each GPU with its total memory. On the CPU, one device per worker slot
+        (``num_workers``), each with its share of the threads and of the memory budget
+        (``memory_budget``, default half of the memory available now).
+        """
+        gpus = sorted(set(self.slots)) if self.slots[0] != "cpu" else []
+        if gpus:
+            return [Device(dev, "gpu", _gpu_gib(dev), node="local") for dev in gpus]
+        budget = self.memory_budget or 0.5 * _available_gib()
+        n = len(self.slots)
+        return [Device(f"cpu{i}", "cpu", budget / n, node="local") for i in range(n)]
+
+    def _placer(self, policy: str, deadline: float | None, d: int | None) -> Placer:
+        devices = self.placement_devices()
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"max_world_size must be an int >= 1, got {d!r}.")
+        return Placer(policy, devices, c=self.max_packed, d=min(d or len(devices), len(devices)),
+                      deadline=deadline, restart_cost=self.restart_cost)  # fmt: skip
+
+
+def _gpu_gib(device: str) -> float:
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory / 1024**3
+
+
+def _available_gib() -> float:
+    """GiB of memory available now (Linux ``MemAvailable``; else the machine's total)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int, ticks: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return ticks is None or start_ticks(pid) in (None, ticks)
-
-
-def _scratch_dir() -> Path:
-    """A fresh private directory for one run's checkpoints, under ``$TMPDIR/hydro-fluid-UID``.
-
-    Each run's directory is named after its process; a process killed before it could clean up
-    leaves it behind, so every new run first removes those of processes no longer alive.
-    """
-    base = (
-        Path(tempfile.gettempdir()) / f"hydro-fluid-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    )
-    try:
-        base.mkdir(mode=0o700, exist_ok=True)
-        st = base.lstat()
-        if base.is_symlink() or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
-            raise PermissionError(f"{base} is not a directory of this user")
-        os.chmod(base, 0o700)
-    except OSError:  # shared or foreign: fall back to a private directory of its own
-        return Path(tempfile.mkdtemp(prefix="hydro-fluid-"))
-    for old in base.glob("run-*"):
-        try:
-            _, pid, ticks, _ = old.name.split("-", 3)
-            if not _alive(int(pid), None if ticks == "x" else int(ticks)):
-                shutil.rmtree(old, ignore_errors=True)
-        except ValueError:
-            continue
-    ticks = start_ticks(os.getpid())
-    prefix = f"run-{os.getpid()}-{'x' if ticks is None else ticks}-"
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-
-
-def _die_with_parent(parent: int, ticks: int | None) -> None:
-    """Make this worker die when the process that started the run dies, even by SIGKILL.
-
-    On Linux the kernel sends SIGKILL when the parent exits (``PR_SET_PDEATHSIG``); a thread
-    that watches the run's process covers other systems and the forkserver in between.
-    """
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024**2
+    except OSError:
         pass
-
-    def watch() -> None:
-        while _alive(parent, ticks):
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hydro-fluid-watchdog", daemon=True).start()
-    if not _alive(parent, ticks):
-        os._exit(1)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
 
 
 def _world_size(world_size: int | Mapping[str, int], name: str) -> int:
@@ -282,107 +282,7 @@ class _Attempt:
     inboxes: list[Any] = field(default_factory=list)  # worker -> parent, one pipe per rank
     outboxes: list[Any] = field(default_factory=list)  # parent -> worker: pruned trial ids
     values: dict[int, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Spec:
-    """Everything a worker process needs to start (pickled to the child)."""
-
-    group: TrialGroup
-    rank: int
-    world_size: int
-    device: str
-    threads: int
-    attempt: int
-    checkpoint_dir: Path
-    store: Path | None
-    timeout: float
-    pruned: set
-    parent: int = 0
-    parent_ticks: int | None = None
-
-
-class _PipeChannel:
-    """The worker's end of its two private pipes to the parent.
-
-    Each worker has its own pipes rather than one shared queue: a worker killed in the middle
-    of a write then damages only its own pipe, never the other workers' line to the parent.
-    """
-
-    def __init__(self, outbox: Any, inbox: Any) -> None:
-        self.outbox, self.inbox = outbox, inbox
-        self.lock = threading.Lock()  # fn may report from several threads
-        self.found: set = set()  # pruned trial ids read while waiting for an answer
-        self.asked = 0
-
-    def send(self, message: tuple) -> None:
-        # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
-        # sender's memory, which is gone once a finished worker exits.
-        data = pickle.dumps(message)
-        with self.lock:
-            self.outbox.send_bytes(data)
-
-    def pruned(self) -> set:
-        found, self.found = self.found, set()
-        while self.inbox.poll():
-            kind, *rest = pickle.loads(self.inbox.recv_bytes())
-            if kind == "pruned":
-                found.add(rest[0])
-        return found
-
-    def request(self, payload: Any) -> Any:
-        self.asked += 1
-        ident = self.asked
-        self.send(("request", ident, payload))
-        while True:  # the parent answers in order; prunes may come in between
-            kind, *rest = pickle.loads(self.inbox.recv_bytes())
-            if kind == "pruned":
-                self.found.add(rest[0])
-            elif rest[0] == ident:
-                return rest[1]
-
-
-def _worker_main(spec: _Spec, fn: WorkerFn, outbox: Any, inbox: Any) -> None:
-    """Entry point of a worker process."""
-    if spec.parent:
-        _die_with_parent(spec.parent, spec.parent_ticks)
-    torch.set_num_threads(spec.threads)
-    distributed = spec.world_size > 1
-    channel = _PipeChannel(outbox, inbox)
-    try:
-        if spec.device.startswith("cuda"):
-            torch.cuda.set_device(spec.device)
-        if distributed:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                "nccl" if spec.device.startswith("cuda") else "gloo",
-                store=dist.FileStore(str(spec.store), spec.world_size),
-                rank=spec.rank,
-                world_size=spec.world_size,
-                timeout=timedelta(seconds=spec.timeout),
-            )
-        ctx = WorkerContext(
-            spec.group.name,
-            spec.device,
-            spec.threads,
-            spec.rank,
-            spec.world_size,
-            spec.attempt,
-            spec.checkpoint_dir,
-            channel,
-            spec.pruned,
-        )
-        kind, payload = call_worker_fn(fn, spec.group, ctx)
-    except Exception as exc:  # set-up failed before fn ran
-        kind, payload = "error", f"worker set-up failed: {type(exc).__name__}: {exc}"
-    if distributed:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    channel.send((kind, payload))
-    outbox.close()
+    stopping: bool = False  # asked to stop at its next step boundary, to move
 
 
 class _Run:
@@ -453,27 +353,32 @@ class _Run:
                 return chosen
         return None
 
-    def _start(self, group: TrialGroup, attempt: int, slots: list[int]) -> None:
+    def _start(self, group: TrialGroup, attempt: int, slots: list[int],
+               ranks: list[tuple[str, int]] | None = None) -> None:  # fmt: skip
+        """Start ``group`` on ``slots`` of the pool, or on ``ranks`` ((device, threads) per
+        rank) placed by a policy."""
+        if ranks is None:
+            ranks = [(self.ex.slots[slot], self.ex.threads_per_worker) for slot in slots]
         key = f"{group.name}#{attempt}"
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
         checkpoint_dir = self.root / safe
         checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         store = None
-        if len(slots) > 1:  # a fresh rendezvous file per attempt
+        if len(ranks) > 1:  # a fresh rendezvous file per attempt
             (self.root / ".rendezvous").mkdir(exist_ok=True)
             store = self.root / ".rendezvous" / f"{safe}-{attempt}-{uuid.uuid4().hex}"
         self.free -= set(slots)
         run = _Attempt(group, attempt, slots)
         self.running[key] = run
-        for rank, slot in enumerate(slots):
+        for rank, (device, threads) in enumerate(ranks):
             inbox, worker_outbox = self.ctx.Pipe(duplex=False)
             worker_inbox, outbox = self.ctx.Pipe(duplex=False)
             spec = _Spec(
                 group,
                 rank,
-                len(slots),
-                self.ex.slots[slot],
-                self.ex.threads_per_worker,
+                len(ranks),
+                device,
+                threads,
                 attempt,
                 checkpoint_dir,
                 store,
@@ -530,6 +435,13 @@ class _Run:
             if len(run.values) == len(run.procs):
                 self._end(key, kill=False)
                 self.ledger.done(run.group, run.attempt, run.values[0])
+        elif kind == "progress":
+            self._progress(run, *rest)
+        elif kind == "stopped":
+            run.values[rank] = None
+            if len(run.values) == len(run.procs):
+                self._end(key, kill=False)
+                self.ledger.moved(run.group, run.attempt)
         elif kind == "oom":
             self._end(key)
             self.ledger.out_of_memory(run.group, run.attempt, rest[0])
@@ -538,6 +450,9 @@ class _Run:
         else:
             self._end(key)
             self.ledger.failed(run.group, run.attempt, rest[0])
+
+    def _progress(self, run: _Attempt, *measured: Any) -> None:
+        """A worker's ``ctx.progress``: only a placement policy uses it."""
 
     def _on_report(self, run: _Attempt, trial_id: Hashable, step: int, value: float) -> None:
         pruned = self.ledger.pruned[run.group.name]
@@ -591,3 +506,129 @@ class _Run:
     def stop_all(self) -> None:
         for key in list(self.running):
             self._end(key)
+
+
+@dataclass
+class Decision:
+    """One placement decision of a policy-driven run: when, why, and the allocation."""
+
+    seconds: float  # since the run started
+    event: str  # "start", "new group", "ended", "thinned", "tick"
+    allocation: dict[str, tuple[tuple[str, float], ...]]
+
+
+class _PlacedRun(_Run):
+    """The event loop when a placement policy decides where groups run.
+
+    Every event asks the :class:`~hydro_fluid.placement.Placer` for an allocation and applies
+    it: waiting groups start on the devices it gives them (``world_size`` = their number,
+    threads by share), and a running group whose devices change is asked to stop after a
+    checkpoint; it comes back through the ledger as a move and starts where the policy puts it.
+    """
+
+    def __init__(self, *args: Any, placer: Placer) -> None:
+        super().__init__(*args)
+        self.placer = placer
+        self.attempts: dict[str, int] = {}  # waiting group -> its attempt number
+        self.waiting: dict[str, TrialGroup] = {}
+        self.event: str | None = "start"
+        self.t0 = time.monotonic()
+        self.last_tick = self.t0
+        self.threads = self.ex.threads_per_worker  # per placement device
+        self.ex.decisions = []  # type: ignore[attr-defined]
+        self.ex.measured = {}  # type: ignore[attr-defined]
+
+    def loop(self) -> None:
+        while True:
+            self._sync()
+            if self.event is not None:
+                self._decide(self.event)
+            asked = self._ask_more()
+            if not (asked or self.waiting or self.running):
+                return
+            waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
+            waitables += [p.sentinel for run in self.running.values() for p in run.procs]
+            mp_connection.wait(waitables, timeout=0.5)
+            for key in list(self.running):
+                self._read(key)
+            self._reap_dead_workers()
+            if self.placer.tick_due(self.last_tick):
+                self.last_tick = time.monotonic()
+                self.event = self.event or "tick"
+
+    def _sync(self) -> None:
+        """Move the ledger's queue (new, retried, split, moved groups) into the placer."""
+        for group, attempt in self.ledger.pending:
+            self.placer.wait(group)
+            self.waiting[group.name], self.attempts[group.name] = group, attempt
+            self.event = self.event or "ended"
+        self.ledger.pending.clear()
+        live = {run.group.name for run in self.running.values()} | set(self.waiting)
+        for name in [n for n in self.placer.groups if n not in live]:
+            self.placer.ended(name)
+
+    def _ask_more(self) -> bool:
+        """Take new groups from ``more`` while no group waits and a device has room."""
+        asked = False
+        while self.more is not None and not self.waiting:
+            room = self.placer.room()
+            if room <= 0:
+                break
+            wants_room = "room" in inspect.signature(self.more).parameters
+            groups = list(self.more(room=room) if wants_room else self.more())
+            if not groups:
+                break
+            self.ledger.submit(groups)
+            self.event = "new group"
+            self._sync()
+            self._decide(self.event)
+            asked = True
+        return asked
+
+    def _decide(self, event: str) -> None:
+        self.event = None
+        plan = self.placer.decide()
+        self.ex.decisions.append(Decision(time.monotonic() - self.t0, event, plan))
+        for run in list(self.running.values()):
+            name = run.group.name
+            if run.stopping:
+                continue
+            now, new = self.placer.running.get(name, ()), plan.get(name, ())
+            if sorted(dev for dev, _ in now) == sorted(dev for dev, _ in new):
+                # same devices: no restart; it keeps the share (threads) it was started with
+                continue
+            run.stopping = True  # moved, rescaled or preempted: stop after a checkpoint
+            for outbox in run.outboxes:
+                try:
+                    outbox.send_bytes(pickle.dumps(("stop",)))
+                except OSError:
+                    pass  # that worker already exited
+        for name in [n for n in self.waiting if n in plan]:
+            group, slots = self.waiting.pop(name), plan[name]
+            ranks = [(self._torch_device(dev), self.placer.threads(share, self.threads))
+                     for dev, share in slots]  # fmt: skip
+            self.placer.started(name, slots)
+            self._start(group, self.attempts.pop(name), [], ranks)
+            record = self.ex.measured.setdefault(name, {"start": time.monotonic() - self.t0})
+            record["slots"] = slots
+
+    def _end(self, key: str, kill: bool = True) -> None:
+        name = self.running[key].group.name
+        super()._end(key, kill)
+        self.ex.measured.setdefault(name, {})["end"] = time.monotonic() - self.t0
+        self.event = self.event or "ended"
+
+    def _torch_device(self, name: str) -> str:
+        return "cpu" if name.startswith("cpu") else name
+
+    def _progress(self, run: _Attempt, *measured: Any) -> None:
+        steps, live, per_step, busy, score, memory = measured
+        record = self.ex.measured.setdefault(run.group.name, {})
+        if "seconds_per_step" not in record:  # the first steps: what the simulator replays
+            record.update(seconds_per_step=per_step, live=live, utilization=busy)
+            # the worker's start (fork, imports, building the model) before its first step
+            since = time.monotonic() - self.t0 - record.get("start", 0.0)
+            record["startup"] = max(0.0, since - per_step * steps)
+        record["steps"] = steps
+        if self.placer.observe(run.group.name, steps, live, per_step, busy, score, memory):
+            self.event = self.event or "thinned"

@@ -12,6 +12,7 @@ MODULES = [
     "hydro_fluid.groups",
     "hydro_fluid.resources",
     "hydro_fluid.policy",
+    "hydro_fluid.placement",
     "hydro_fluid.simulate",
     "hydro_fluid.profile",
     "hydro_fluid.executors.local",
