@@ -23,6 +23,7 @@ from hydro.tuning.driver import check_depth, optimize
 from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
+from hydro.tuning.study import trial_seed
 from hydro.tuning.task import Task
 
 DEFAULT_STORAGE = "sqlite:///hydro.db"
@@ -248,6 +249,7 @@ def tune(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     first_group: int = 0,
+    checkpoint_dir: str | os.PathLike | None = None,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -290,6 +292,9 @@ def tune(
             before groups of ``fuse`` (in this process only): the default ``MedianPruner``
             compares against completed trials, so otherwise it cannot prune any of the first
             ``fuse`` (:func:`hydro.integrations.optuna.optimize`). 0 (default): off.
+        checkpoint_dir: where the study's trial checkpoints go, in a directory per study
+            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial re-asked after
+            its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
 
     Returns:
         A :class:`TuneResult`.
@@ -325,7 +330,8 @@ def tune(
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
-             depth_alpha=depth_alpha, first_group=first_group)  # fmt: skip
+             depth_alpha=depth_alpha, first_group=first_group,
+             checkpoint_dir=checkpoint_dir)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
@@ -399,7 +405,7 @@ def verify(
     full: dict[int, float | None] = {}
     for members in groups.values():
         outcomes, _ = train_group(task, [t.params for t in members], ratio=1,
-                                  seeds=[seed + t.number for t in members],
+                                  seeds=[trial_seed(t, seed) for t in members],
                                   device=device)  # fmt: skip
         for t, o in zip(members, outcomes):
             full[t.number] = o.value if o.state == "complete" else None
