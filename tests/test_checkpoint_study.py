@@ -181,10 +181,10 @@ def test_two_studies_sharing_a_checkpoint_dir_never_read_each_other(tmp_path):
                        executor=ex, **kw)  # fmt: skip
         assert {t.state for t in r.study.trials} == {TrialState.COMPLETE}
         values[name] = [t.value for t in r.study.trials]
-    assert list((shared / "groups" / "group-0").glob("group.pt.set-aside-*"))
     alone = hydro.tune(task, SPACE, storage=f"sqlite:///{tmp_path / 'alone'}.db", seed=1,
                        **kw)  # fmt: skip
     assert values["b"] == pytest.approx([t.value for t in alone.study.trials], rel=1e-6)
+    assert list((shared / "groups" / "group-0").glob("group.pt.set-aside-*"))
 
 
 # --- unusable checkpoint files -----------------------------------------------------------------
