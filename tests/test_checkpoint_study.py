@@ -271,3 +271,29 @@ def test_default_root_is_beside_the_sqlite_file(tmp_path):
     second = optuna.create_study(storage=f"sqlite:///{db}", study_name="second")
     other = checkpoint.for_study(second, tmp_path)
     assert other.study != first.study
+
+
+def test_cli_and_config_take_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
+    """``checkpoint_dir`` in a config (checked: a path) and ``--checkpoint-dir`` on
+    ``hydro tune``: the trials' checkpoints go there, not beside the SQLite file."""
+    from hydro.cli import main
+    from hydro.tuning import config
+    from tests.test_cli import CONFIG, TOY
+
+    (tmp_path / "toymod.py").write_text(TOY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "toymod", raising=False)
+    (tmp_path / "bad.yaml").write_text(CONFIG + "checkpoint_dir: [1]\n")
+    with pytest.raises(ConfigError, match="bad.yaml: checkpoint_dir must be a directory path"):
+        config.load("bad.yaml")
+    (tmp_path / "tune.yaml").write_text(CONFIG.replace("  steps: 10", "  steps: 10\n"
+                                                       "  checkpoint_every: 4")
+                                        + "checkpoint_dir: from-config\n")  # fmt: skip
+    assert config.load("tune.yaml").checkpoint_dir == "from-config"
+    assert main(["tune", "tune.yaml", "--trials", "2", "--checkpoint-dir", "ck"]) == 0
+    study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
+    assert {t.state for t in study.trials} == {TrialState.COMPLETE}
+    assert (tmp_path / "ck").is_dir()  # written at step 4 and 8, removed once told
+    assert list((tmp_path / "ck").iterdir()) == []
+    assert not (tmp_path / "from-config").exists()
+    assert not (tmp_path / "toy.db.checkpoints").exists()

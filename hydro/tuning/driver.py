@@ -166,7 +166,8 @@ def optimize(
     if study.user_attrs.get("hydro_sampler_exhausted"):
         study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
     if checkpoint_every is None:
-        checkpoint_every = getattr(task_or_callback, "checkpoint_every", None) or 50
+        checkpoint_every = getattr(task_or_callback, "checkpoint_every", None)
+        checkpoint_every = 50 if checkpoint_every is None else checkpoint_every  # 0: never
     if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
     checkpoints = _trial_checkpoints(study, checkpoint_dir) if checkpoint_every else None
