@@ -141,6 +141,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
         device=args.device, depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha,
         policy=args.policy, deadline=args.deadline,
+        checkpoint_dir=args.checkpoint_dir,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -168,7 +169,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
              seed=cfg.seed, progress=True, executor=executor, device=cfg.device,
              depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
-             first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline)  # fmt: skip
+             first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline,
+             checkpoint_dir=cfg.checkpoint_dir)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
@@ -298,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the config's, else 1)")  # fmt: skip
     p.add_argument("--depth-alpha", type=float, help="depth cut's residual exponent: 1 "
                    "CompleteP (default), 0.5 Depth-muP")  # fmt: skip
+    p.add_argument("--checkpoint-dir", help="where trials' checkpoints go, a directory per "
+                   "study (default: the config's, else beside the SQLite file)")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 

@@ -6,7 +6,9 @@ With ``--stop ask:K`` the process writes ``--marker`` and blocks forever just be
 ``study.ask()``; with ``train:K`` just before training its K-th group (the group's trials are
 asked, sampled and RUNNING). The test then SIGKILLs it at a state it knows, with no timing guess.
 With ``--kill-worker-at STEP`` (local executor) the first worker to reach that training step
-SIGKILLs itself (once: a marker file remembers it), so its group is retried.
+SIGKILLs itself (once: a marker file remembers it), so its group is retried. With
+``--block-at STEP`` whichever process trains (this one, or a worker) writes ``--marker`` and
+blocks at that training call, for the test to SIGKILL the tuner mid-group.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_task(steps: int, kill_at: int = 0, kill_marker: str = "") -> Any:
+def make_task(steps: int, kill_at: int = 0, kill_marker: str = "", *, block_at: int = 0,
+              eval_every: int = 0, checkpoint_every: int = 50) -> Any:  # fmt: skip
     import hydro
 
     g = torch.Generator().manual_seed(0)
@@ -36,8 +39,25 @@ def make_task(steps: int, kill_at: int = 0, kill_marker: str = "") -> Any:
     loss = "cross_entropy"
     if kill_at:
         loss = KillingLoss(kill_at, kill_marker)
+    if block_at:
+        loss = BlockingLoss(block_at, kill_marker)
     return hydro.Task(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
-                      steps=steps, eval_every=steps, batch_size=32, loss=loss)  # fmt: skip
+                      steps=steps, eval_every=eval_every or steps, batch_size=32, loss=loss,
+                      checkpoint_every=checkpoint_every)  # fmt: skip
+
+
+class BlockingLoss:
+    """Cross-entropy that writes ``marker`` and blocks at its ``step``-th training call."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker, self.calls = step, marker, 0
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == self.step:
+                _block(self.marker)
+        return torch.nn.functional.cross_entropy(out, y)
 
 
 class KillingLoss:
@@ -81,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop", default="")
     p.add_argument("--marker", default="")
     p.add_argument("--kill-worker-at", type=int, default=0)
+    p.add_argument("--block-at", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--checkpoint-dir", default=None)
     a = p.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if a.stop:
@@ -123,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         from hydro_fluid import LocalExecutor
 
         executor = LocalExecutor(devices=[], num_workers=1, max_retries=2)
-    task = make_task(a.steps, a.kill_worker_at, a.marker)
+    task = make_task(a.steps, a.kill_worker_at, a.marker, block_at=a.block_at,
+                     eval_every=a.eval_every, checkpoint_every=a.checkpoint_every)  # fmt: skip
     storage = a.storage
     if storage.startswith("journal:"):  # a journal file, as several processes share it
         from optuna.storages import JournalStorage
@@ -131,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
 
         storage = JournalStorage(JournalFileBackend(storage[len("journal:") :]))
     hydro.tune(task, SPACE, n_trials=a.n_trials, ratio=2, fuse=a.fuse, storage=storage,
-               seed=a.seed, pruner=optuna.pruners.NopPruner(), executor=executor)  # fmt: skip
+               seed=a.seed, pruner=optuna.pruners.NopPruner(), executor=executor,
+               checkpoint_dir=a.checkpoint_dir)  # fmt: skip
 
 
 if __name__ == "__main__":

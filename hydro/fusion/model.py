@@ -348,6 +348,43 @@ class FusedModel(nn.Module):
         self.diverged[k] = False
         self.reseed_trial(k, int(self.trial_seed[k]) if seed is None else seed)
 
+    def trial_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Trial ``k``'s slice of the ``state_dict`` (copies): its parameters, buffers, diverged
+        flag and random stream (seed and step), for :meth:`load_trial_state` into any slot of a
+        fused model of the same architecture."""
+        k = self._check_index(k)
+        return {name: t[k].detach().clone() for name, t in self.state_dict().items()}
+
+    def load_trial_state(self, k: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Put what :meth:`trial_state` returned in slot ``k``: the trial goes on from there
+        exactly (its random stream included), whichever slot or group it came from.
+
+        Raises:
+            FuseError: ``state`` names other tensors, or other shapes, than this model's trials.
+        """
+        k = self._check_index(k)
+        mine = self.state_dict(keep_vars=True)
+        if set(state) != set(mine):
+            raise FuseError(
+                f"load_trial_state: the state's keys differ from the fused model's (missing "
+                f"{sorted(set(mine) - set(state))[:5]}, unexpected "
+                f"{sorted(set(state) - set(mine))[:5]})"
+            )
+        for name, value in state.items():
+            if tuple(value.shape) != tuple(mine[name].shape[1:]):
+                raise FuseError(
+                    f"load_trial_state: {name} has shape {tuple(value.shape)}, a trial of this "
+                    f"model {tuple(mine[name].shape[1:])}"
+                )
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in self._frozen_shared:
+                    if torch.equal(mine[name][k], value.to(mine[name])):
+                        continue
+                    self._unshare(name)
+                    mine = self.state_dict(keep_vars=True)
+                mine[name][k].copy_(value)
+
     def reseed_trial(self, k: int, seed: int) -> None:
         """Restart trial ``k``'s random stream from ``seed`` (any integer, taken modulo
         ``2**64``): its dropout masks from then on depend on ``seed`` and on the number of

@@ -190,6 +190,25 @@ class TrialScheduler:
         self.schedulers = [self.schedulers[i] for i in index.tolist()]
         self.trial_args = [self.trial_args[i] for i in index.tolist()]
 
+    def trial_state(self, k: int) -> dict:
+        """Slot ``k``'s schedule: its torch scheduler's state and its stand-in optimizer's
+        values, for :meth:`load_trial_state` into any slot of a scheduler built the same way."""
+        stand_in = self.optimizer.trial_optimizers()[k]
+        keys = ("lr", "initial_lr", "max_lr", "min_lr", "betas", "momentum")
+        return {
+            "scheduler": self.schedulers[k].state_dict(),
+            "stand_in": [{key: g[key] for key in keys if key in g} for g in stand_in.param_groups],
+        }
+
+    def load_trial_state(self, k: int, state: dict) -> None:
+        """Put what :meth:`trial_state` returned in slot ``k`` (after :meth:`reset_trial` for
+        the trial's own arguments); the slot's schedule goes on from the saved step."""
+        self.schedulers[k].load_state_dict(state["scheduler"])
+        for group, values in zip(self.optimizer.trial_optimizers()[k].param_groups,
+                                 state["stand_in"]):  # fmt: skip
+            group.update(values)
+        self._sync()
+
     def state_dict(self) -> dict:
         """Every trial's torch scheduler state and its stand-in optimizer's values.
 

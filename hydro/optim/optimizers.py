@@ -532,6 +532,75 @@ class FusedOptimizer(torch.optim.Optimizer):
             flags[k] = False
         self._device_cache.clear()
 
+    def trial_state(self, k: int) -> dict[str, Any]:
+        """Slot ``k``'s slice of the optimizer (copies): its per-trial hyperparameters in every
+        parameter group and its state for every parameter, for :meth:`load_trial_state` into
+        any slot of an optimizer over a fused model of the same architecture."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (self.n or 0):
+            raise ConfigError(f"trial_state: slot {k!r} is not one of the {self.n} fused trials")
+        groups = []
+        for group in self.param_groups:
+            values = {}
+            for key in self.per_trial_keys:
+                if key == "betas":
+                    values[key] = [float(b[k]) for b in group[key]]
+                else:
+                    values[key] = float(group[key][k])
+            groups.append(values)
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = [
+            {key: v[k].clone() for key, v in self.state.get(p, {}).items()
+             if torch.is_tensor(v) and v.dim()}
+            for p in params
+        ]  # fmt: skip
+        return {"groups": groups, "state": state}
+
+    def load_trial_state(self, k: int, trial: dict[str, Any]) -> None:
+        """Put what :meth:`trial_state` returned in slot ``k``; the other slots are untouched.
+
+        Raises:
+            hydro.errors.ConfigError: ``k`` out of range, or ``trial`` was taken from an
+                optimizer over other parameters (count, shapes or kind of state).
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (self.n or 0):
+            raise ConfigError(f"load_trial_state: slot {k!r} is not one of the {self.n} fused "
+                              "trials")  # fmt: skip
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(trial["state"]) != len(params) or len(trial["groups"]) != len(self.param_groups):
+            raise ConfigError(
+                f"load_trial_state: the trial's state covers {len(trial['state'])} parameters "
+                f"in {len(trial['groups'])} groups, this optimizer {len(params)} in "
+                f"{len(self.param_groups)}: it comes from another model or optimizer"
+            )
+        # a slot's state exists only once the optimizer has stepped: create it for every slot
+        self._prepare_state([list(g["params"]) for g in self.param_groups])
+        for p, saved in zip(params, trial["state"]):
+            for key, value in saved.items():
+                have = self.state[p].get(key)
+                if have is None or tuple(have.shape[1:]) != tuple(value.shape):
+                    raise ConfigError(
+                        f"load_trial_state: state {key!r} of shape {tuple(value.shape)} does not "
+                        f"fit this optimizer's parameter of shape {tuple(p.shape)}"
+                    )
+        done: set[int] = set()  # cohort tensors are shared between parameters
+        for p, saved in zip(params, trial["state"]):
+            for key, value in saved.items():
+                have = self.state[p][key]
+                if id(have) not in done:
+                    done.add(id(have))
+                    have[k] = value.to(have.device, have.dtype)
+        for group, values in zip(self.param_groups, trial["groups"]):
+            for key, value in values.items():
+                if key == "betas":
+                    betas = tuple(b.clone() for b in group["betas"])
+                    betas[0][k], betas[1][k] = value
+                    group["betas"] = betas
+                else:
+                    column = group[key].clone()
+                    column[k] = value
+                    group[key] = column
+        self._device_cache.clear()
+
     def _validate(self) -> None:
         """Reject per-trial hyperparameters that no trial could use."""
 

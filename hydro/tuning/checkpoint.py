@@ -1,4 +1,12 @@
-"""Checkpoints of a fused group, so that a retried group resumes bit-identically.
+"""Checkpoints: of a fused group (a retried or moved group resumes bit-identically) and of each
+trial of a study (a trial re-asked after its tuner died resumes where it stopped).
+
+A study's trial checkpoints live in a directory of their own, named by the study's identity (a
+uuid kept in the study's user attrs, :data:`STUDY_UID`), one file per trial
+(``trial-<number>.pt``) that names the study, the trial's seed and parameters: a file that does
+not match the trial asking for it, or cannot be read, is moved aside with a warning and the
+trial starts afresh. The default root is beside the study's SQLite file
+(``hydro.db.checkpoints/``), so it outlives the tuner.
 
 A checkpoint holds only tensors and plain containers of numbers and strings, and is read back
 with ``torch.load(weights_only=True)``: a file planted in the checkpoint directory cannot run
@@ -11,16 +19,23 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hydro.errors import HydroError
+from hydro.errors import HydroError, HydroWarning
 
-__all__ = ["CheckpointError", "save", "load", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointError", "TrialCheckpoints", "default_root", "for_study", "load", "save",
+           "rng_state", "set_rng_state", "study_id"]  # fmt: skip
 
 FILE = "group.pt"
+STUDY_UID = "hydro_study_uid"  # the study's user attr naming its checkpoint directory
 
 
 class CheckpointError(HydroError, RuntimeError):
@@ -62,6 +77,123 @@ def load(directory: str | os.PathLike) -> dict[str, Any] | None:
             f"tensors and plain containers are accepted): {str(exc).splitlines()[0]}. Delete "
             "the file to start the group afresh, and check who can write to its directory."
         ) from exc
+
+
+def set_aside(path: str | os.PathLike, why: str) -> Path:
+    """Move an unusable checkpoint out of the way (renamed, never deleted, for inspection)
+    with a warning naming it; returns the new name."""
+    path = Path(path)
+    aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(path, aside)
+    warnings.warn(HydroWarning(f"checkpoint {path} {why}; moved aside to {aside.name}, "
+                               "starting afresh"), stacklevel=2)  # fmt: skip
+    return aside
+
+
+def default_root(study: Any) -> Path | None:
+    """Where a study's checkpoints go by default: beside its SQLite file
+    (``hydro.db`` -> ``hydro.db.checkpoints``); ``None`` for a storage without a file (in
+    memory, a database server: give ``checkpoint_dir`` for those to outlive the tuner)."""
+    from sqlalchemy.engine import make_url
+
+    backend = getattr(study._storage, "_backend", study._storage)
+    url = getattr(backend, "url", None)
+    if not isinstance(url, str) or not url.startswith("sqlite:"):
+        return None
+    db = make_url(url).database
+    if not db or db == ":memory:" or db.startswith("file::memory:"):
+        return None
+    db = Path(db).resolve()
+    return db.with_name(db.name + ".checkpoints")
+
+
+@dataclass(frozen=True)
+class TrialCheckpoints:
+    """The trial checkpoints of one study: ``directory/trial-<number>.pt`` each (picklable,
+    so a worker process writes its group's trials there itself).
+
+    Attributes:
+        directory: this study's own directory (see :func:`for_study`).
+        study: the study's identity (:data:`STUDY_UID`); every file names it.
+    """
+
+    directory: Path
+    study: str
+
+    def path(self, number: int) -> Path:
+        return self.directory / f"trial-{int(number)}.pt"
+
+    def save(self, state: dict[str, Any]) -> None:
+        """Write a trial's state (:meth:`FusedGroup.trial_state`) atomically."""
+        target = self.path(state["id"])
+        tmp = self.directory / f".{target.name}.{os.getpid()}.tmp"
+        try:
+            torch.save({**state, "study": self.study}, private_dir(self.directory) / tmp.name)
+        except FileNotFoundError:  # another tuner of the study removed the empty directory
+            torch.save({**state, "study": self.study}, private_dir(self.directory) / tmp.name)
+        os.replace(tmp, target)
+
+    def tidy(self) -> None:
+        """Remove this study's directory once it holds nothing (files set aside stay)."""
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass
+
+    def load(self, number: int, seed: int, params: dict[str, Any]) -> dict[str, Any] | None:
+        """Trial ``number``'s checkpoint, or ``None``. A file that cannot be read, or that was
+        not written for this study and a trial of this seed and these parameters, is moved
+        aside with a warning (:func:`set_aside`) and ``None`` returned."""
+        path = self.path(number)
+        if not path.exists():
+            return None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - truncated, planted pickle, not torch at all
+            set_aside(path, f"is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+            return None
+        mine = {"study": self.study, "seed": int(seed), "params": dict(params)}
+        if not isinstance(state, dict) or any(state.get(k) != v for k, v in mine.items()):
+            set_aside(path, f"belongs to another study or trial, not trial {number} of study "
+                      f"{self.study}")  # fmt: skip
+            return None
+        return state
+
+    def claim(self, old: int, new: int) -> bool:
+        """Hand trial ``old``'s checkpoint to trial ``new`` (its re-ask); True if there was one."""
+        try:
+            os.replace(self.path(old), self.path(new))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove(self, number: int) -> None:
+        self.path(number).unlink(missing_ok=True)
+
+    def numbers(self) -> list[int]:
+        """The trials that have a checkpoint here."""
+        found = (re.fullmatch(r"trial-(\d+)\.pt", p.name) for p in self.directory.glob("trial-*"))
+        return sorted(int(m.group(1)) for m in found if m)
+
+
+def for_study(study: Any, root: str | os.PathLike) -> TrialCheckpoints:
+    """``study``'s trial checkpoints under ``root``: a directory named by the study's name and
+    identity (a uuid created on its first run, kept in its user attrs), so that two studies
+    given one root, or a study deleted and created again under the same name, never read each
+    other's files."""
+    uid = study_id(study)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", study.study_name)[:64]
+    return TrialCheckpoints(Path(root).resolve() / f"{name}-{uid}", uid)
+
+
+def study_id(study: Any) -> str:
+    """The study's identity for its checkpoints: a uuid created on its first run and kept in
+    its user attrs (:data:`STUDY_UID`); a name can be reused, this cannot."""
+    uid = study.user_attrs.get(STUDY_UID)
+    if not isinstance(uid, str):
+        uid = uuid.uuid4().hex
+        study.set_user_attr(STUDY_UID, uid)
+    return uid
 
 
 def rng_state() -> dict[str, Any]:

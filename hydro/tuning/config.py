@@ -24,7 +24,7 @@ from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
-            "depth_alpha", "first_group", "policy", "deadline"}  # fmt: skip
+            "depth_alpha", "first_group", "policy", "deadline", "checkpoint_dir"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every"}  # fmt: skip
@@ -67,6 +67,7 @@ class TuneConfig:
     first_group: int = 0
     policy: str = "dynamic"
     deadline: float | None = None
+    checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -166,11 +167,20 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         first_group=_int(raw.get("first_group", 0), "first_group", path, minimum=0),
         policy=raw.get("policy", "dynamic"),
         deadline=raw.get("deadline"),
+        checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
     )
     if cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
                           f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
     return cfg
+
+
+def _directory(value: Any, key: str, path: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: {key} must be a directory path (a string), got {value!r}")
+    return value
 
 
 def _task(spec: Any, path: str) -> Task:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -23,9 +24,10 @@ import optuna
 from optuna.trial import TrialState
 
 from hydro.errors import ConfigError, HydroWarning
+from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, check_device, group_key
 from hydro.tuning.progress import Progress
-from hydro.tuning.slots import Occupancy, _stream_in_worker, train_slots
+from hydro.tuning.slots import Occupancy, _stream_in_worker, resume_slot, train_slots
 from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECONDS, ...: as before
     _INTERRUPTED,
@@ -39,7 +41,9 @@ from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECON
     _Heartbeat,
     _reclaim_stale,
     _report_and_ask,
+    _seed_and_resume,
     _seed_sampler,
+    _sweep_checkpoints,
     _tell,
     _tell_safely,
     is_void,
@@ -74,6 +78,7 @@ def optimize(
     world_size: int = 1,
     policy: str = "dynamic",
     deadline: float | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -105,7 +110,8 @@ def optimize(
         n_trials: finished trials (COMPLETE, PRUNED or FAIL) the study should have.
         ratio: surrogate width divisor.
         fuse: trials per fused group.
-        seed: base seed (a trial's initialization and data seed is ``seed + trial.number``).
+        seed: base seed (a trial's initialization and data seed is ``seed + trial.number``;
+            a trial re-asked after its tuner died keeps its predecessor's, ``hydro_seed``).
         device: where groups train.
         progress: show a live progress bar on stderr (trials done, best value, ETA) and a
             table of the five best trials at the end.
@@ -115,9 +121,11 @@ def optimize(
             ``RayExecutor`` for a Ray cluster) trains one group per slot at once, streaming
             every member's intermediate values back here for the pruner. With an executor the
             task must be picklable (module-level functions, not lambdas).
-        checkpoint_every: with an executor, each group saves a checkpoint every this many
-            steps (default: the task's ``checkpoint_every`` if it has one, else 50), so a group
-            whose worker dies resumes there and ends bit-identical to an uninterrupted run.
+        checkpoint_every: every group (in this process or on an executor) saves each of its
+            trials every this many fused steps (default: the task's ``checkpoint_every`` if it
+            has one, else 50; 0: never): a trial re-asked after its tuner died resumes from
+            its predecessor's checkpoint (``hydro_resumed_at`` records the step), and on an
+            executor a group whose worker dies, or that moves, resumes bit-identically.
         depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated residual
             blocks in the surrogates (:func:`hydro.scale`); 1 (default) keeps them all.
         depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP, 0.5:
@@ -144,6 +152,11 @@ def optimize(
             ``run`` takes no ``policy`` (``RayExecutor`` for now) runs its own fixed pool.
         deadline: with ``policy="deadline"``: seconds until the deadline; no new trial is
             asked after it.
+        checkpoint_dir: the root of the trial checkpoints, each study in a directory of its own
+            (named by the study's uuid, ``hydro_study_uid``). Default: beside the study's
+            SQLite file (``hydro.db.checkpoints``); a storage without a file (in memory, a
+            database server) keeps none unless this is given (for a server, a directory
+            every tuner sees). A trial's checkpoint is removed once it is told.
     """
     if not isinstance(fuse, int) or fuse < 1:
         raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
@@ -187,12 +200,16 @@ def optimize(
     if study.user_attrs.get("hydro_sampler_exhausted"):
         study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
     if checkpoint_every is None:
-        checkpoint_every = getattr(task_or_callback, "checkpoint_every", None) or 50
+        checkpoint_every = getattr(task_or_callback, "checkpoint_every", None)
+        checkpoint_every = 50 if checkpoint_every is None else checkpoint_every  # 0: never
     if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
+    checkpoints = _trial_checkpoints(study, checkpoint_dir) if checkpoint_every else None
     start = time.perf_counter()
     bar = Progress(study, n_trials, _finished) if progress else None
     occupancy = Occupancy(fuse)
+    if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
+        _sweep_checkpoints(study, checkpoints)
     with _Heartbeat(study) as heart:
         try:
             while True:
@@ -214,12 +231,12 @@ def optimize(
                     continue
                 args = (study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
                         heart, bar, start, timeout, occupancy, depth)  # fmt: skip
+                keep = {"checkpoints": checkpoints, "every": checkpoint_every}
                 if is_task and executor is None:
-                    _Stream(*args, first_group=first_group).run()
+                    _Stream(*args, first_group=first_group, **keep).run()
                 elif is_task:
-                    _Fleet(*args, executor=executor, every=checkpoint_every,
-                           world_size=world_size, policy=policy,
-                           deadline=deadline).run()  # fmt: skip
+                    _Fleet(*args, executor=executor, world_size=world_size, policy=policy,
+                           deadline=deadline, **keep).run()  # fmt: skip
                 else:
                     trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
@@ -227,10 +244,25 @@ def optimize(
                 if bar is not None:
                     bar.update()
         finally:
+            if checkpoints is not None:
+                _sweep_checkpoints(study, checkpoints)
+                checkpoints.tidy()
             if occupancy.steps:
                 study.set_user_attr("hydro_occupancy", occupancy.as_dict())
             if bar is not None:
                 bar.close()
+
+
+def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheckpoints | None:
+    """The study's trial checkpoints under ``root`` (default: beside its SQLite file), or
+    ``None`` where there is nowhere they would outlive this process."""
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise ConfigError(f"checkpoint_dir must be a directory path, got {root!r}")
+    if root is not None and os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"checkpoint_dir {os.fspath(root)!r} is a file: give a directory "
+                          "(it is created if missing)")  # fmt: skip
+    root = root if root is not None else _checkpoint.default_root(study)
+    return _checkpoint.for_study(study, root) if root is not None else None
 
 
 def _run_batch(study, callback, space, trials, heart) -> None:  # noqa: ANN001
@@ -259,7 +291,8 @@ class _Stream:
     """
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
-                 start, timeout, occupancy, depth=(1, 1.0), first_group=0) -> None:  # noqa: ANN001  # fmt: skip
+                 start, timeout, occupancy, depth=(1, 1.0), first_group=0, checkpoints=None,
+                 every=0) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -270,6 +303,8 @@ class _Stream:
         self.occupancy = occupancy
         self.depth = depth  # (depth_ratio, depth_alpha)
         self.first_group = first_group
+        self.checkpoints, self.every = checkpoints, every  # each trial's, every `every` steps
+        self.seeds: dict[int, int] = {}  # trial -> its seed (a re-asked trial: its predecessor's)
 
     def run(self) -> None:
         self._guard(self._groups)
@@ -335,6 +370,8 @@ class _Stream:
         _seed_sampler(self.study.sampler, self.seed, t.number)
         params = sample(t, self.space)
         check_names(params, self.task.model_args())
+        self.seeds[t.number] = _seed_and_resume(self.study, t, params, self.seed,
+                                                self.checkpoints)  # fmt: skip
         t.set_user_attr("ratio", self.ratio)
         _set_depth(t, self.depth)
         t.set_user_attr("fused", self.fuse)
@@ -363,6 +400,8 @@ class _Stream:
 
     def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None) -> None:
         _tell(self.study, trial, outcome, info)
+        if self.checkpoints is not None:
+            self.checkpoints.remove(trial.number)
         self.running.pop(trial.number, None)
         self.heart.release([trial._trial_id])
 
@@ -377,12 +416,15 @@ def run_group(
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
-    group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number) for t, p in members],
+    group = FusedGroup(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
                        depth_alpha=stream.depth[1])  # fmt: skip
+    for slot in range(group.n):  # a trial re-asked after its tuner died goes on from there
+        resume_slot(group, slot, stream.checkpoints)
     source = _InProcess(stream, gid, {t.number: t for t, _ in members}, refill=refill)
     train_slots(group, source, fuse=stream.fuse, joined={t.number: time.perf_counter()
-                                                         for t, _ in members})  # fmt: skip
+                                                         for t, _ in members},
+                checkpoints=stream.checkpoints, every=stream.every)  # fmt: skip
 
 
 class _InProcess:
@@ -421,7 +463,7 @@ class _InProcess:
             t.set_user_attr("group", self.gid)
             t.set_user_attr("slot", slot)
             self.trials[t.number] = t
-            out.append((t.number, params, self.stream.seed + t.number))
+            out.append((t.number, params, self.stream.seeds[t.number]))
         return out
 
 
@@ -436,10 +478,11 @@ class _Fleet(_Stream):
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """
 
-    def __init__(self, *args: Any, executor: Any, every: int, world_size: int = 1,
-                 policy: str = "fifo", deadline: float | None = None) -> None:  # fmt: skip
-        super().__init__(*args)
-        self.executor, self.every = executor, every
+    def __init__(self, *args: Any, executor: Any, every: int, checkpoints: Any = None,
+                 world_size: int = 1, policy: str = "fifo",
+                 deadline: float | None = None) -> None:  # fmt: skip
+        super().__init__(*args, checkpoints=checkpoints, every=every)
+        self.executor = executor
         self.policy, self.deadline = policy, deadline
         self.world_size = world_size
         self.sizes: dict[str, int] = {}  # group -> its data parallel world size
@@ -454,7 +497,8 @@ class _Fleet(_Stream):
 
     def run(self) -> None:
         fn = functools.partial(_stream_in_worker, self.task, self.ratio, self.fuse, self.depth,
-                               self.every)  # fmt: skip
+                               self.every, checkpoints=self.checkpoints,
+                               study=_checkpoint.study_id(self.study))  # fmt: skip
         placement = {}
         if self.world_size == 1 and "policy" in inspect.signature(self.executor.run).parameters:
             # the policy decides each group's devices (data parallel when it widens one); a
@@ -504,7 +548,7 @@ class _Fleet(_Stream):
         t.set_user_attr("slot", slot)
         t.set_user_attr("world_size", self.sizes.get(name, 1))  # data parallel replicas
         self.owner[t.number], self.params[t.number] = name, params
-        return (t.number, params, self.seed + t.number)
+        return (t.number, params, self.seeds[t.number])
 
     def answer(self, name: str, payload: tuple) -> dict[str, Any]:
         """A worker's request: ``start``, ``report`` or ``refill`` (see :class:`_Remote`)."""

@@ -320,6 +320,38 @@ class FusedGroup:
             raise ConfigError(f"trial {id!r} cannot join this data parallel group: {why}. "
                               "Train its group with world_size 1")  # fmt: skip
 
+    def trial_state(self, slot: int) -> dict[str, Any]:
+        """The trial in ``slot`` as it stands (copies, tensors and plain containers only): its
+        id, parameters, seed, step and history, its slice of the fused model (random stream
+        included), of the optimizer and of its schedule. :meth:`resume` puts it in any slot of
+        any group of its :func:`group_key`, where it goes on as if never moved."""
+        m = self.members[slot]
+        return {
+            "id": m.id, "params": dict(m.params), "seed": m.seed, "step": m.step,
+            "history": [list(h) for h in m.history],
+            "model": self.fused.trial_state(slot),
+            "optimizer": self.opt.trial_state(slot),
+            "scheduler": self.sched.trial_state(slot) if self.sched is not None else None,
+        }  # fmt: skip
+
+    def resume(self, slot: int, state: dict[str, Any]) -> None:
+        """Put the trial of :meth:`trial_state` in ``slot``, at its step: its data stream is
+        read up to there, so it draws the batches it would have drawn next.
+
+        Raises:
+            ConfigError or FuseError: ``state`` does not fit this group (another architecture).
+        """
+        self.put(slot, state["id"], state["params"], int(state["seed"]))
+        self.fused.load_trial_state(slot, state["model"])
+        self.opt.load_trial_state(slot, state["optimizer"])
+        if self.sched is not None and state["scheduler"] is not None:
+            self.sched.load_trial_state(slot, state["scheduler"])
+        m = self.members[slot]
+        for _ in range(int(state["step"])):
+            next(m.batches)
+        m.step = int(state["step"])
+        m.history[:] = [(int(s), float(v)) for s, v in state["history"]]
+
     def drop(self, slots: Sequence[int]) -> None:
         """Remove ``slots`` from the group (they stop costing compute)."""
         keep = [k for k in range(self.n) if k not in set(slots)]

@@ -14,10 +14,12 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from hydro.errors import HydroWarning
+from hydro.errors import HydroError, HydroWarning
 from hydro.tuning import parallel
+from hydro.tuning.checkpoint import TrialCheckpoints, set_aside
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, load_model_state
 
 __all__ = ["Occupancy", "train_slots"]
@@ -63,7 +65,8 @@ class Occupancy:
 
 
 def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
-                after_step: Callable[[], None] | None = None) -> None:  # fmt: skip
+                after_step: Callable[[], None] | None = None,
+                checkpoints: TrialCheckpoints | None = None, every: int = 0) -> None:  # fmt: skip
     """The loop of continuous batching, wherever the group trains (this process or a worker).
 
     ``source`` is where trials come from and results go: ``report(items)`` takes every
@@ -71,7 +74,9 @@ def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, 
     ``refill(told, slots, key)`` takes the ended trials ``(trial, outcome, info)`` and returns,
     for each freed slot, the next ``(trial, params, seed)`` or ``None`` (nothing left to ask);
     ``stepped(live)`` counts a fused step; ``asking`` says whether trials remain to ask.
-    ``joined`` maps each member to when it joined (for its ``group_seconds``).
+    ``joined`` maps each member to when it joined (for its ``group_seconds``). With
+    ``checkpoints`` and ``every``, every member is saved there every ``every`` fused steps,
+    and a trial put in a freed slot resumes from its checkpoint (:func:`resume_slot`).
     """
     steps = group.task.steps
     while group.n:
@@ -128,8 +133,13 @@ def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, 
                 number, params, seed = nxt
                 joined[number] = time.perf_counter()
                 group.put(slot, number, params, seed)
+                resume_slot(group, slot, checkpoints)
             if freed:
                 group.drop(freed)
+        if checkpoints is not None and every and group.steps % every == 0:
+            for slot, m in enumerate(group.members):
+                if 0 < m.step < steps:
+                    checkpoints.save(group.trial_state(slot))
         if after_step is not None and group.n:
             after_step()
 
@@ -140,6 +150,22 @@ def _ask_driver(ctx: Any, payload: tuple, world_size: int | None = None) -> Any:
     the replicas change their group alike."""
     got = ctx.request(payload) if ctx.rank == 0 else None
     return parallel.share(got, ctx.rank, ctx.world_size if world_size is None else world_size)
+
+
+def resume_slot(group: FusedGroup, slot: int, checkpoints: TrialCheckpoints | None) -> int:
+    """Resume the trial in ``slot`` from its checkpoint, if it has one; returns its step (0:
+    it starts afresh). A checkpoint that does not fit the trial's model is moved aside."""
+    m = group.members[slot]
+    state = checkpoints.load(m.id, m.seed, m.params) if checkpoints is not None else None
+    if state is None:
+        return 0
+    try:  # a re-asked trial has its predecessor's file under its own number: it is its own now
+        group.resume(slot, {**state, "id": m.id})
+    except (HydroError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        set_aside(checkpoints.path(m.id), f"does not fit trial {m.id}'s model ({exc})")
+        group.put(slot, m.id, m.params, m.seed)
+        return 0
+    return group.members[slot].step
 
 
 class _Remote:
@@ -167,26 +193,40 @@ class _Remote:
         return got["trials"]
 
 
-def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN001, ANN202
+def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
+                      study=""):  # noqa: ANN001, ANN202  # fmt: skip
     """A fused group with continuous batching in an executor's worker. Its trials come from
     the driver; with ``every`` it checkpoints in ``ctx.checkpoint_dir`` (which survives a
-    retry) every ``every`` steps, and a retried worker resumes there. With ``ctx.world_size``
-    above 1 every rank runs this as one data parallel replica (:mod:`hydro.tuning.parallel`):
-    rank 0 talks to the driver and saves, every rank applies the same answers."""
+    retry or a move) every ``every`` steps, and a restarted attempt resumes there. The group
+    checkpoint names ``study`` and the group's first trials: one of another study or group
+    (a ``checkpoint_dir`` shared by two studies) is moved aside, never resumed. Each member
+    is also saved in the study's ``checkpoints``, and a member that has one there (re-asked
+    after its tuner died) resumes from it. With ``ctx.world_size`` above 1 every rank runs
+    this as one data parallel replica (:mod:`hydro.tuning.parallel`): rank 0 talks to the
+    driver and saves, every rank applies the same answers."""
     from hydro.tuning import checkpoint as _checkpoint
     from hydro_fluid.executors.base import Stopped
 
     occupancy = Occupancy(fuse)
-    # a checkpoint is there after a retry (with ``every``) or a move by the placement policy;
+    got = _ask_driver(ctx, ("start",))
+    first = [list(m) for m in got["members"]]
+    saved = None
+    if ctx.rank == 0:  # a checkpoint is there after a retry (with ``every``) or a move
+        try:
+            saved = _checkpoint.load(ctx.checkpoint_dir)
+        except _checkpoint.CheckpointError as exc:
+            set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE, f"is unreadable ({exc})")
+        if saved is not None and (saved.get("study") != study or saved.get("first") != first):
+            set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
+                      f"belongs to another study or group than {group.name}")  # fmt: skip
+            saved = None
     # data parallel: every rank resumes rank 0's checkpoint, whatever world size wrote it
-    saved = _checkpoint.load(ctx.checkpoint_dir) if ctx.rank == 0 else None
     saved = parallel.share(saved, ctx.rank, ctx.world_size)
     if saved is not None:
         members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
         cursor, asking = int(saved["cursor"]), bool(saved["asking"])
         occupancy.set_counts(saved["occupancy"])
     else:
-        got = _ask_driver(ctx, ("start",))
         members, cursor, asking = [tuple(m) for m in got["members"]], 1, got["asking"]
     if not members:
         return {"occupancy": occupancy.counts()}
@@ -197,6 +237,9 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
         return {"occupancy": occupancy.counts()}
     if saved is not None:
         _restore_slots(fgroup, saved)
+    else:
+        for slot in range(fgroup.n):
+            resume_slot(fgroup, slot, checkpoints)
     source = _Remote(ctx, occupancy, cursor, asking)
     source.world_size = world_size
     joined = {m.id: time.perf_counter() for m in fgroup.members}
@@ -208,14 +251,15 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx):  # noqa: ANN
         # (lower is better); and a move it asks for: checkpoint here, resume where it puts us
         values = [sign * v for m in fgroup.members for _, v in m.history[-1:]]
         ctx.progress(fgroup.steps, fgroup.n, min(values, default=None))
-        if ctx.should_stop(agree=world_size == ctx.world_size):
-            if ctx.rank == 0:
-                _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
+        stop = ctx.should_stop(agree=world_size == ctx.world_size)
+        if ctx.rank == 0 and (stop or (every and fgroup.steps % every == 0)):
+            state = {**_slots_state(fgroup, source), "study": study, "first": first}
+            _checkpoint.save(ctx.checkpoint_dir, state)
+        if stop:
             raise Stopped
-        if every and ctx.rank == 0 and fgroup.steps % every == 0:
-            _checkpoint.save(ctx.checkpoint_dir, _slots_state(fgroup, source))
 
-    train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save)
+    train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save,
+                checkpoints=checkpoints, every=every)  # fmt: skip
     return {"occupancy": occupancy.counts()}
 
 

@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hydro.tuning.group import GroupInfo, Outcome
 from hydro_fluid.executors.local import start_ticks
 
-__all__ = ["HEARTBEAT_SECONDS", "STALE_SECONDS", "is_void"]
+__all__ = ["HEARTBEAT_SECONDS", "STALE_SECONDS", "is_void", "trial_seed"]
 
 _INTERRUPTED = "interrupted: the process running it stopped; re-asked with the same parameters"
 
@@ -167,6 +167,56 @@ def _fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa:
     if requeue and params:  # a trial killed before it was sampled has nothing to repeat
         study.enqueue_trial(dict(params), user_attrs={_RETRY_OF: number}, skip_if_exists=False)
     return True
+
+
+_SEED, _RESUMED_AT = "hydro_seed", "hydro_resumed_at"
+
+
+def trial_seed(trial: FrozenTrial | optuna.Trial, base: int) -> int:
+    """The initialization and data seed a trial trained with: ``base + number``, or, for a
+    trial re-asked after its tuner died, its predecessor's (recorded in ``hydro_seed``)."""
+    return int(trial.user_attrs.get(_SEED, base + trial.number))
+
+
+def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any],
+                     base: int, checkpoints: Any) -> int:  # fmt: skip
+    """Give a newly asked trial its seed (``hydro_seed``) and, if it re-asks a trial whose
+    tuner died (``hydro_retry_of``), that trial's seed and last checkpoint: the checkpoint is
+    handed to the new number, its reported values are reported again (for the pruner) and
+    ``hydro_resumed_at`` records its step. Returns the seed."""
+    old = trial.user_attrs.get(_RETRY_OF)
+    seed = base + trial.number
+    if old is not None:
+        storage = study._storage
+        before = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
+            study._study_id, int(old)))  # fmt: skip
+        seed = trial_seed(before, base)
+    trial.set_user_attr(_SEED, seed)
+    if old is None or checkpoints is None:
+        return seed
+    state = checkpoints.load(int(old), seed, params)
+    if state is not None and checkpoints.claim(int(old), trial.number):
+        for step, value in state["history"]:
+            trial.report(float(value), int(step))
+        trial.set_user_attr(_RESUMED_AT, int(state["step"]))
+    return seed
+
+
+def _sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
+    """Remove the trial checkpoints no trial will resume from: those of finished trials,
+    except an interrupted trial's while its re-ask waits (or was just asked by another
+    process, which is about to take the file over). Returns how many."""
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    waiting = {t.user_attrs.get(_RETRY_OF) for t in trials.values()
+               if t.state in (TrialState.WAITING, TrialState.RUNNING)}  # fmt: skip
+    removed = 0
+    for number in checkpoints.numbers():
+        t = trials.get(number)
+        if t is not None and (t.state == TrialState.RUNNING or number in waiting):
+            continue
+        checkpoints.remove(number)
+        removed += 1
+    return removed
 
 
 def _ask(study, k, n_trials, seed, heart) -> list[optuna.Trial]:  # noqa: ANN001

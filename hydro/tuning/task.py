@@ -72,8 +72,9 @@ class Task:
             training batch.
         target_key: with dict batches, the key of the targets (popped before the model call
             unless ``loss="model"``).
-        checkpoint_every: steps between checkpoints of a fused group run by an executor, so a
-            retried group resumes where it stopped (0: never).
+        checkpoint_every: fused steps between checkpoints of a group's trials (in process or
+            on an executor), so a retried group, or a trial re-asked after its tuner died,
+            resumes where it stopped (0: never).
 
     Raises:
         ConfigError: an unknown loss, optimizer or scheduler, or a count that is not positive.

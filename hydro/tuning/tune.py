@@ -23,6 +23,7 @@ from hydro.tuning.driver import check_depth, check_placement, optimize
 from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import Space, check_space
+from hydro.tuning.study import trial_seed
 from hydro.tuning.task import Task
 
 DEFAULT_STORAGE = "sqlite:///hydro.db"
@@ -250,6 +251,7 @@ def tune(
     first_group: int = 0,
     policy: str = "dynamic",
     deadline: float | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -297,6 +299,9 @@ def tune(
             (docs/placement.md). No effect in this process (``executor=None``).
         deadline: seconds to the deadline, with ``policy="deadline"`` (required there, refused
             otherwise); no trial is asked after it.
+        checkpoint_dir: where the study's trial checkpoints go, in a directory per study
+            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial re-asked after
+            its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
 
     Returns:
         A :class:`TuneResult`.
@@ -334,7 +339,7 @@ def tune(
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
              depth_alpha=depth_alpha, first_group=first_group, policy=policy,
-             deadline=deadline)  # fmt: skip
+             deadline=deadline, checkpoint_dir=checkpoint_dir)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
@@ -408,7 +413,7 @@ def verify(
     full: dict[int, float | None] = {}
     for members in groups.values():
         outcomes, _ = train_group(task, [t.params for t in members], ratio=1,
-                                  seeds=[seed + t.number for t in members],
+                                  seeds=[trial_seed(t, seed) for t in members],
                                   device=device)  # fmt: skip
         for t, o in zip(members, outcomes):
             full[t.number] = o.value if o.state == "complete" else None
