@@ -217,7 +217,7 @@ class FusedGroup:
     depends only on its parameters and seed, not on its slot or on the trials beside it. A slot
     freed by pruning, divergence or completion takes a new trial with :meth:`put` (a fresh
     surrogate in that slot, its optimizer state and schedule restarted) or leaves the group with
-    :meth:`drop`.
+    :meth:`drop`; :meth:`add` grows the group by a slot for one more trial.
 
     Args:
         task: what to train.
@@ -311,6 +311,22 @@ class FusedGroup:
             self.sched.reset_trial(slot, base_lr=hyper["lr"])  # rebuilt from slot_params
         self.clip[slot] = member.params.get("grad_clip")
         self.members[slot] = member
+
+    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:  # noqa: A002
+        """Start trial ``id`` in a new slot at the end (the group grows by one) and return that
+        slot. The trial starts from scratch exactly as with :meth:`put`; the other slots go on
+        bit for bit."""
+        if not self.n:
+            raise ConfigError("add: this group has no slot left to copy; build a new FusedGroup")
+        self._member(id, params, seed)  # a trial of another key is refused before any change
+        grown = [*range(self.n), 0]  # slot 0 copied to the end, then overwritten by put
+        self.fused.select(grown)
+        self.opt.select(grown)
+        self.members.append(self.members[0])
+        self.clip.append(None)
+        self.slot_params.append(self.slot_params[0])  # in place: the schedules read this list
+        self.put(self.n - 1, id, params, seed)
+        return self.n - 1
 
     def drop(self, slots: Sequence[int]) -> None:
         """Remove ``slots`` from the group (they stop costing compute)."""
