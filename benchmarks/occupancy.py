@@ -7,6 +7,11 @@ pruned and the next batch waited for its slowest member. Run it on two trees to 
     PYTHONPATH=/path/to/old/tree python3 benchmarks/occupancy.py
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py --executor local   # 2 worker processes
+    PYTHONPATH=$PWD python3 benchmarks/occupancy.py --keys 4   # width x batch size: 4 keys
+
+``--keys`` searches the hidden width ({128, 256}, 2 keys) and the batch size ({32, 64}, 4 keys)
+besides the optimizer's hyperparameters: trials of different keys cannot share a fused model.
+``trial steps/s`` is the training throughput: steps trained by all trials over the wall time.
 
 Where the driver records ``hydro_occupancy`` (continuous batching) that figure is printed;
 otherwise it is computed from the trials: steps each trial trained over (steps each group ran
@@ -24,11 +29,18 @@ import time
 
 import optuna
 import torch
-from optuna.distributions import FloatDistribution, IntDistribution
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 import hydro
 from hydro.integrations.optuna import optimize
+
+
+def mlp(width: int = 256) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 10),
+    )  # fmt: skip
 
 
 def make_task(steps: int) -> hydro.Task:
@@ -37,12 +49,7 @@ def make_task(steps: int) -> hydro.Task:
     y = (
         torch.tanh(x @ torch.randn(32, 32, generator=g)) @ torch.randn(32, 10, generator=g)
     ).argmax(-1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 10),
-    )  # fmt: skip
-    return hydro.Task(model=model, train_data=(x[:1536], y[:1536]), val_data=(x[1536:], y[1536:]),
+    return hydro.Task(model=mlp, train_data=(x[:1536], y[:1536]), val_data=(x[1536:], y[1536:]),
                       steps=steps, eval_every=10, batch_size=64)  # fmt: skip
 
 
@@ -51,6 +58,16 @@ SPACE = {
     "weight_decay": FloatDistribution(0.0, 0.2),
     "warmup": IntDistribution(0, 10),
 }
+
+
+def space(keys: int) -> dict:
+    """The search space with 1, 2 (width) or 4 (width x batch size) group keys."""
+    out = dict(SPACE)
+    if keys >= 2:
+        out["width"] = CategoricalDistribution([128, 256])
+    if keys == 4:
+        out["batch_size"] = CategoricalDistribution([32, 64])
+    return out
 
 
 def post_hoc(study: optuna.Study, fuse: int, steps: int, batch: int | None = None) -> float:
@@ -87,7 +104,8 @@ def slots_busy(study: optuna.Study, slots: int) -> float:
     return sum(e - s for s, e in spans.values()) / (slots * (last - first))
 
 
-def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int) -> dict:
+def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int,
+        keys: int = 1) -> dict:  # fmt: skip
     task = make_task(steps)
     study = optuna.create_study(
         sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True),
@@ -99,7 +117,7 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
 
         ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)
     start = time.perf_counter()
-    optimize(study, task, SPACE, n_trials=trials, ratio=4, fuse=fuse, seed=seed, executor=ex)
+    optimize(study, task, space(keys), n_trials=trials, ratio=4, fuse=fuse, seed=seed, executor=ex)
     seconds = time.perf_counter() - start
     occ = study.user_attrs.get("hydro_occupancy")
     pruned = sum(t.state == TrialState.PRUNED for t in study.trials)
@@ -111,9 +129,16 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
         "while_asking": occ["while_asking"] if occ else post_hoc(study, fuse, steps, fuse * slots),
         "recorded": bool(occ),
         "groups": len({t.user_attrs["group"] for t in study.trials}),
-        "slots_busy": slots_busy(study, slots),
+        # in process, groups of several keys take turns: their spans overlap, busy is moot
+        "slots_busy": slots_busy(study, slots) if ex is not None else None,
+        "keys": len({(t.params.get("width"), t.params.get("batch_size")) for t in study.trials}),
+        "steps_per_s": occ["live"] / seconds if occ else None,
         "best": study.best_value,
     }
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def main() -> None:
@@ -126,28 +151,38 @@ def main() -> None:
                    help="inline: groups in this process; local: LocalExecutor workers")  # fmt: skip
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, +1, ...")
     p.add_argument("--workers", type=int, default=2, help="worker slots with --executor local")
+    p.add_argument("--keys", type=int, nargs="+", choices=[1, 2, 4], default=[1],
+                   help="(batch size, architecture) keys in the space: 1, 2 or 4")  # fmt: skip
     a = p.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
-    rows = [run(seed, a.trials, a.fuse, a.steps, a.executor, a.workers)
-            for seed in range(a.first_seed, a.first_seed + a.repeats)]  # fmt: skip
+    seeds = range(a.first_seed, a.first_seed + a.repeats)
+    rows = {k: [run(seed, a.trials, a.fuse, a.steps, a.executor, a.workers, k) for seed in seeds]
+            for k in a.keys}  # fmt: skip
     where = "in process" if a.executor == "inline" else f"LocalExecutor, {a.workers} workers"
     print(f"{a.trials} trials, fuse {a.fuse}, {a.steps} steps, median pruner, TPE, {where}; "
           f"hydro from {hydro.__file__}; load average {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
-    print("| seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
-          "| slots busy | seconds | best |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for seed, r in enumerate(rows, start=a.first_seed):
-        how = "" if r["recorded"] else " (from trials)"
-        print(f"| {seed} | {r['pruned']} | {r['groups']} | {r['overall']:.1%}{how} | "
-              f"{r['while_asking']:.1%}{how} | {r['slots_busy']:.1%} | {r['seconds']:.1f} | "
-              f"{r['best']:.4f} |")  # fmt: skip
-    print(f"median live/fuse {statistics.median(r['overall'] for r in rows):.1%}, while asking "
-          f"{statistics.median(r['while_asking'] for r in rows):.1%}, slots busy "
-          f"{statistics.median(r['slots_busy'] for r in rows):.1%}, "
-          f"median seconds {statistics.median(r['seconds'] for r in rows):.1f}")  # fmt: skip
+    print("| keys | seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
+          "| slots busy | trial steps/s | seconds | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for runs in rows.values():
+        for seed, r in zip(seeds, runs):
+            how = "" if r["recorded"] else " (from trials)"
+            rate = "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:.0f}"
+            print(f"| {r['keys']} | {seed} | {r['pruned']} | {r['groups']} | "
+                  f"{r['overall']:.1%}{how} | {r['while_asking']:.1%}{how} | "
+                  f"{_pct(r['slots_busy'])} | {rate} | {r['seconds']:.1f} | "
+                  f"{r['best']:.4f} |")  # fmt: skip
+    for k, runs in rows.items():
+        names = ("overall", "while_asking", "slots_busy", "steps_per_s", "seconds")
+        med = {name: statistics.median(r[name] for r in runs)
+               if all(r[name] is not None for r in runs) else None for name in names}  # fmt: skip
+        rate = "-" if med["steps_per_s"] is None else f"{med['steps_per_s']:.0f}"
+        print(f"{k} key(s), medians of {len(runs)}: live/fuse {_pct(med['overall'])}, while "
+              f"asking {_pct(med['while_asking'])}, slots busy {_pct(med['slots_busy'])}, "
+              f"trial steps/s {rate}, seconds {med['seconds']:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
