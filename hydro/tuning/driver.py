@@ -72,8 +72,9 @@ def optimize(
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
-    Trials are asked ``fuse`` at a time (any Optuna sampler); trials that cannot share one fused
-    model (different batch size or architecture arguments) are split into separate groups. Each
+    Trials are asked as slots free up, ``fuse`` in flight (any Optuna sampler); trials that
+    cannot share one fused model (different batch size or architecture arguments) train in
+    separate groups. Each
     member's intermediate values go to ``trial.report`` at every evaluation and a member the
     study's pruner prunes is dropped from its group. Every asked trial is told: COMPLETE,
     PRUNED or FAIL (with the reason in ``user_attrs["fail_reason"]``) — none is left RUNNING, even
@@ -105,7 +106,8 @@ def optimize(
         progress: show a live progress bar on stderr (trials done, best value, ETA) and a
             table of the five best trials at the end.
         timeout: stop asking new groups after this many seconds.
-        executor: ``None`` trains groups in this process, one after another; a
+        executor: ``None`` trains in this process: one group per key, the groups of all
+            keys sharing ``fuse`` slots and taking turns step by step; a
             ``hydro_fluid`` executor (``LocalExecutor`` for worker processes on this machine,
             ``RayExecutor`` for a Ray cluster) trains one group per slot at once, streaming
             every member's intermediate values back here for the pruner. With an executor the
