@@ -11,7 +11,8 @@ pruned and the next batch waited for its slowest member. Run it on two trees to 
 
 ``--keys`` searches the hidden width ({128, 256}, 2 keys) and the batch size ({32, 64}, 4 keys)
 besides the optimizer's hyperparameters: trials of different keys cannot share a fused model.
-``trial steps/s`` is the training throughput: steps trained by all trials over the wall time.
+``trial steps/s`` is the training throughput: steps trained by all trials over the wall time;
+``trials/fused step`` the mean size of the fused models stepped (in process only).
 
 Where the driver records ``hydro_occupancy`` (continuous batching) that figure is printed;
 otherwise it is computed from the trials: steps each trial trained over (steps each group ran
@@ -34,6 +35,7 @@ from optuna.trial import TrialState
 
 import hydro
 from hydro.integrations.optuna import optimize
+from hydro.tuning.group import FusedGroup
 
 
 def mlp(width: int = 256) -> torch.nn.Module:
@@ -116,8 +118,21 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
         from hydro_fluid import LocalExecutor
 
         ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)
+    # fused steps taken in this process (in process only: workers step their own groups)
+    fused_steps = [0]
+    step = FusedGroup.step
+
+    def counted(self: FusedGroup) -> torch.Tensor:
+        fused_steps[0] += 1
+        return step(self)
+
+    FusedGroup.step = counted
     start = time.perf_counter()
-    optimize(study, task, space(keys), n_trials=trials, ratio=4, fuse=fuse, seed=seed, executor=ex)
+    try:
+        optimize(study, task, space(keys), n_trials=trials, ratio=4, fuse=fuse, seed=seed,
+                 executor=ex)  # fmt: skip
+    finally:
+        FusedGroup.step = step
     seconds = time.perf_counter() - start
     occ = study.user_attrs.get("hydro_occupancy")
     pruned = sum(t.state == TrialState.PRUNED for t in study.trials)
@@ -133,12 +148,19 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
         "slots_busy": slots_busy(study, slots) if ex is not None else None,
         "keys": len({(t.params.get("width"), t.params.get("batch_size")) for t in study.trials}),
         "steps_per_s": occ["live"] / seconds if occ else None,
+        # trials per fused step: below the live/fuse figure where several keys' groups share
+        # the slots (each group is a fused step of its own)
+        "per_step": occ["live"] / fused_steps[0] if occ and ex is None else None,
         "best": study.best_value,
     }
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def main() -> None:
@@ -165,24 +187,25 @@ def main() -> None:
           f"hydro from {hydro.__file__}; load average {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
     print("| keys | seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
-          "| slots busy | trial steps/s | seconds | best |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| slots busy | trials/fused step | trial steps/s | seconds | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for runs in rows.values():
         for seed, r in zip(seeds, runs):
             how = "" if r["recorded"] else " (from trials)"
-            rate = "-" if r["steps_per_s"] is None else f"{r['steps_per_s']:.0f}"
+            rate = _num(r["steps_per_s"], 0)
             print(f"| {r['keys']} | {seed} | {r['pruned']} | {r['groups']} | "
                   f"{r['overall']:.1%}{how} | {r['while_asking']:.1%}{how} | "
-                  f"{_pct(r['slots_busy'])} | {rate} | {r['seconds']:.1f} | "
+                  f"{_pct(r['slots_busy'])} | {_num(r['per_step'], 2)} | {rate} | "
+                  f"{r['seconds']:.1f} | "
                   f"{r['best']:.4f} |")  # fmt: skip
     for k, runs in rows.items():
-        names = ("overall", "while_asking", "slots_busy", "steps_per_s", "seconds")
+        names = ("overall", "while_asking", "slots_busy", "per_step", "steps_per_s", "seconds")
         med = {name: statistics.median(r[name] for r in runs)
                if all(r[name] is not None for r in runs) else None for name in names}  # fmt: skip
-        rate = "-" if med["steps_per_s"] is None else f"{med['steps_per_s']:.0f}"
         print(f"{k} key(s), medians of {len(runs)}: live/fuse {_pct(med['overall'])}, while "
               f"asking {_pct(med['while_asking'])}, slots busy {_pct(med['slots_busy'])}, "
-              f"trial steps/s {rate}, seconds {med['seconds']:.1f}")  # fmt: skip
+              f"trials/fused step {_num(med['per_step'], 2)}, trial steps/s "
+              f"{_num(med['steps_per_s'], 0)}, seconds {med['seconds']:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
