@@ -248,6 +248,7 @@ class _Stream:
         self.live: dict[tuple, _InProcess] = {}  # key -> its group training in this process
         self.key_of: dict[int, tuple] = {}  # trial -> its key, for the trials asked here
         self.refills = True  # freed slots take new trials (False: an evaluation phase)
+        self.built: dict[tuple, FusedGroup] = {}  # key -> its last group built here
 
     def run(self) -> None:
         self._guard(self._groups)
@@ -431,9 +432,11 @@ def start_group(
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
+    key = group_key(members[0][1], stream.task)
     group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
-                       depth_alpha=stream.depth[1])  # fmt: skip
+                       depth_alpha=stream.depth[1], like=stream.built.get(key))  # fmt: skip
+    stream.built[key] = group  # a key's next group reuses its capture (seconds per group)
     return _InProcess(stream, gid, group, {t.number: t for t, _ in members}, refill=refill)
 
 

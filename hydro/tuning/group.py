@@ -227,6 +227,9 @@ class FusedGroup:
         refill: slots will take new trials (:meth:`put`); ``False`` when they never do.
         depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated blocks.
         depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP).
+        like: an earlier group of the same task, key, ratio and depth (empty or not): its
+            capture and width analysis are reused, so the group is built without capturing
+            the model again (anything else: captured afresh).
     """
 
     def __init__(
@@ -239,29 +242,38 @@ class FusedGroup:
         refill: bool = True,
         depth_ratio: int = 1,
         depth_alpha: float = 1.0,
+        like: FusedGroup | None = None,
     ) -> None:
         self.task, self.ratio, self.device = task, ratio, device
         self.depth_ratio, self.depth_alpha = depth_ratio, depth_alpha
         first = dict(members[0][1])
         self.key = group_key(first, task)
         self.batch_size = int(first.get("batch_size", task.batch_size))
-        sample_batch = next(task.train_batches(min(self.batch_size, 2), seed=int(members[0][2])))
-        target = _target(task, first)
-        task.validate(target, sample_batch)  # clear errors before any training
-        if task.example_inputs is not None:
-            example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
+        readout = any("output_mult" in m[1] for m in members)
+        same = (self.key, ratio, depth_ratio, depth_alpha, readout)
+        if like is not None and like.task is task and like.recipe == same:
+            # an earlier group of this key: its capture and width analysis serve this one (a
+            # member's surrogate depends only on its own arguments and seed)
+            self.builder, target = like.builder, None
         else:
-            args, kwargs, _ = task.split(sample_batch)
-            example = (args, kwargs)
-        self.builder = _Builder(task, ratio, example, target, first,
-                                any("output_mult" in m[1] for m in members),
-                                (depth_ratio, depth_alpha))  # fmt: skip
+            sample_batch = next(task.train_batches(min(self.batch_size, 2),
+                                                   seed=int(members[0][2])))  # fmt: skip
+            target = _target(task, first)
+            task.validate(target, sample_batch)  # clear errors before any training
+            if task.example_inputs is not None:
+                example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
+            else:
+                args, kwargs, _ = task.split(sample_batch)
+                example = (args, kwargs)
+            self.builder = _Builder(task, ratio, example, target, first, readout,
+                                    (depth_ratio, depth_alpha))  # fmt: skip
+        self.recipe = same
         self.members = [self._member(i, p, sd) for i, p, sd in members]
         modules = [self.builder.make(m.params, m.seed) for m in self.members]
         self.widths = _widths(modules[0])
         self.blocks = _blocks(modules[0])
         cut = self.blocks.get("surrogate", 0) < self.blocks.get("target", 0)
-        if ratio > 1 and not self.widths["target"] and not cut:
+        if target is not None and ratio > 1 and not self.widths["target"] and not cut:
             warnings.warn(HydroWarning(
                 f"no width of {type(target).__name__} can shrink (every dimension is tied to the "
                 f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: "
