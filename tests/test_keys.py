@@ -144,3 +144,24 @@ def test_an_error_in_one_group_leaves_no_trial_of_any_group_running():
     failed = [t for t in study.trials if t.state == TrialState.FAIL]
     assert all(t.user_attrs["fail_reason"] == "RuntimeError: pruner broke" for t in failed)
     assert len({t.params["width"] for t in failed}) == 2  # groups of both keys were live
+
+
+def test_a_new_group_of_a_key_reuses_the_last_capture_and_trains_the_same():
+    """``FusedGroup(like=earlier)``: a key's next group takes the earlier group's capture (no
+    new ``torch.export``) and its trials train exactly as in a group captured afresh; another
+    key or ratio captures afresh."""
+    from tests.test_continuous import assert_same, trajectory
+
+    task = keyed_task()
+    a, b = {"lr": 3e-2, "warmup": 2, "width": 32}, {"lr": 1e-2, "width": 32}
+    first = FusedGroup(task, [(0, a, 10)], ratio=2)
+    first.drop([0])  # emptied: its capture still serves the key's next group
+    again = FusedGroup(task, [(1, b, 11)], ratio=2, like=first)
+    assert again.builder is first.builder
+    fresh = FusedGroup(task, [(1, b, 11)], ratio=2)
+    assert fresh.builder is not first.builder
+    assert_same(trajectory(again, 0, task.steps), trajectory(fresh, 0, task.steps))
+    other = FusedGroup(task, [(2, {**b, "width": 16}, 12)], ratio=2, like=first)
+    assert other.builder is not first.builder
+    coarser = FusedGroup(task, [(3, b, 13)], ratio=4, like=first)
+    assert coarser.builder is not first.builder
