@@ -9,6 +9,12 @@ pruned and the next batch waited for its slowest member. Run it on two trees to 
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py --executor local   # 2 worker processes
     PYTHONPATH=$PWD python3 benchmarks/occupancy.py --executor local --four-keys --trials 24 \
         --fuse 4   # 4 (batch size, width) keys: fifo against dynamic placement
+    PYTHONPATH=$PWD python3 benchmarks/occupancy.py --keys 4   # width x batch size: 4 keys
+
+``--keys`` searches the hidden width ({128, 256}, 2 keys) and the batch size ({32, 64}, 4 keys)
+besides the optimizer's hyperparameters: trials of different keys cannot share a fused model.
+``trial steps/s`` is the training throughput: steps trained by all trials over the wall time;
+``trials/fused step`` the mean size of the fused models stepped (in process only).
 
 Where the driver records ``hydro_occupancy`` (continuous batching) that figure is printed;
 otherwise it is computed from the trials: steps each trial trained over (steps each group ran
@@ -32,6 +38,14 @@ from optuna.trial import TrialState
 
 import hydro
 from hydro.integrations.optuna import optimize
+from hydro.tuning.group import FusedGroup
+
+
+def mlp(width: int = 256) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 10),
+    )  # fmt: skip
 
 
 def make_task(steps: int) -> hydro.Task:
@@ -40,12 +54,7 @@ def make_task(steps: int) -> hydro.Task:
     y = (
         torch.tanh(x @ torch.randn(32, 32, generator=g)) @ torch.randn(32, 10, generator=g)
     ).argmax(-1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 10),
-    )  # fmt: skip
-    return hydro.Task(model=model, train_data=(x[:1536], y[:1536]), val_data=(x[1536:], y[1536:]),
+    return hydro.Task(model=mlp, train_data=(x[:1536], y[:1536]), val_data=(x[1536:], y[1536:]),
                       steps=steps, eval_every=10, batch_size=64)  # fmt: skip
 
 
@@ -54,6 +63,16 @@ SPACE = {
     "weight_decay": FloatDistribution(0.0, 0.2),
     "warmup": IntDistribution(0, 10),
 }
+
+
+def space(keys: int) -> dict:
+    """The search space with 1, 2 (width) or 4 (width x batch size) group keys."""
+    out = dict(SPACE)
+    if keys >= 2:
+        out["width"] = CategoricalDistribution([128, 256])
+    if keys == 4:
+        out["batch_size"] = CategoricalDistribution([32, 64])
+    return out
 
 
 def post_hoc(study: optuna.Study, fuse: int, steps: int, batch: int | None = None) -> float:
@@ -90,7 +109,8 @@ def slots_busy(study: optuna.Study, slots: int) -> float:
     return sum(e - s for s, e in spans.values()) / (slots * (last - first))
 
 
-def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int) -> dict:
+def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int,
+        keys: int = 1) -> dict:  # fmt: skip
     task = make_task(steps)
     study = optuna.create_study(
         sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True),
@@ -101,8 +121,21 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
         from hydro_fluid import LocalExecutor
 
         ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)
+    # fused steps taken in this process (in process only: workers step their own groups)
+    fused_steps = [0]
+    step = FusedGroup.step
+
+    def counted(self: FusedGroup) -> torch.Tensor:
+        fused_steps[0] += 1
+        return step(self)
+
+    FusedGroup.step = counted
     start = time.perf_counter()
-    optimize(study, task, SPACE, n_trials=trials, ratio=4, fuse=fuse, seed=seed, executor=ex)
+    try:
+        optimize(study, task, space(keys), n_trials=trials, ratio=4, fuse=fuse, seed=seed,
+                 executor=ex)  # fmt: skip
+    finally:
+        FusedGroup.step = step
     seconds = time.perf_counter() - start
     occ = study.user_attrs.get("hydro_occupancy")
     pruned = sum(t.state == TrialState.PRUNED for t in study.trials)
@@ -114,21 +147,18 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
         "while_asking": occ["while_asking"] if occ else post_hoc(study, fuse, steps, fuse * slots),
         "recorded": bool(occ),
         "groups": len({t.user_attrs["group"] for t in study.trials}),
-        "slots_busy": slots_busy(study, slots),
+        # in process, groups of several keys take turns: their spans overlap, busy is moot
+        "slots_busy": slots_busy(study, slots) if ex is not None else None,
+        "keys": len({(t.params.get("width"), t.params.get("batch_size")) for t in study.trials}),
+        "steps_per_s": occ["live"] / seconds if occ else None,
+        # trials per fused step: below the live/fuse figure where several keys' groups share
+        # the slots (each group is a fused step of its own)
+        "per_step": occ["live"] / fused_steps[0] if occ and ex is None else None,
         "best": study.best_value,
     }
 
 
 # --- executor rows: 4 (batch size, width) keys on LocalExecutor, per placement policy ----------
-
-
-def mlp(width: int = 128) -> torch.nn.Module:
-    """The model of the 4-key study (module level, so worker processes can build it)."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-        torch.nn.ReLU(), torch.nn.Linear(width, 10),
-    )  # fmt: skip
 
 
 FOUR_KEYS = {**SPACE, "width": CategoricalDistribution([128, 256]),
@@ -202,6 +232,14 @@ def print_executor_rows(a: argparse.Namespace) -> None:
               f"{r['seconds']:.1f} | {r['best']:.4f} |")  # fmt: skip
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=48)
@@ -214,6 +252,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="worker slots with --executor local")
     p.add_argument("--four-keys", action="store_true", help="with --executor local: the 4-key "
                    "study under the fifo and dynamic placement policies")  # fmt: skip
+    p.add_argument("--keys", type=int, nargs="+", choices=[1, 2, 4], default=[1],
+                   help="(batch size, architecture) keys in the space: 1, 2 or 4")  # fmt: skip
     a = p.parse_args()
     if a.four_keys:
         if a.executor != "local":
@@ -225,24 +265,33 @@ def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
-    rows = [run(seed, a.trials, a.fuse, a.steps, a.executor, a.workers)
-            for seed in range(a.first_seed, a.first_seed + a.repeats)]  # fmt: skip
+    seeds = range(a.first_seed, a.first_seed + a.repeats)
+    rows = {k: [run(seed, a.trials, a.fuse, a.steps, a.executor, a.workers, k) for seed in seeds]
+            for k in a.keys}  # fmt: skip
     where = "in process" if a.executor == "inline" else f"LocalExecutor, {a.workers} workers"
     print(f"{a.trials} trials, fuse {a.fuse}, {a.steps} steps, median pruner, TPE, {where}; "
           f"hydro from {hydro.__file__}; load average {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
-    print("| seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
-          "| slots busy | seconds | best |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for seed, r in enumerate(rows, start=a.first_seed):
-        how = "" if r["recorded"] else " (from trials)"
-        print(f"| {seed} | {r['pruned']} | {r['groups']} | {r['overall']:.1%}{how} | "
-              f"{r['while_asking']:.1%}{how} | {r['slots_busy']:.1%} | {r['seconds']:.1f} | "
-              f"{r['best']:.4f} |")  # fmt: skip
-    print(f"median live/fuse {statistics.median(r['overall'] for r in rows):.1%}, while asking "
-          f"{statistics.median(r['while_asking'] for r in rows):.1%}, slots busy "
-          f"{statistics.median(r['slots_busy'] for r in rows):.1%}, "
-          f"median seconds {statistics.median(r['seconds'] for r in rows):.1f}")  # fmt: skip
+    print("| keys | seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
+          "| slots busy | trials/fused step | trial steps/s | seconds | best |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for runs in rows.values():
+        for seed, r in zip(seeds, runs):
+            how = "" if r["recorded"] else " (from trials)"
+            rate = _num(r["steps_per_s"], 0)
+            print(f"| {r['keys']} | {seed} | {r['pruned']} | {r['groups']} | "
+                  f"{r['overall']:.1%}{how} | {r['while_asking']:.1%}{how} | "
+                  f"{_pct(r['slots_busy'])} | {_num(r['per_step'], 2)} | {rate} | "
+                  f"{r['seconds']:.1f} | "
+                  f"{r['best']:.4f} |")  # fmt: skip
+    for k, runs in rows.items():
+        names = ("overall", "while_asking", "slots_busy", "per_step", "steps_per_s", "seconds")
+        med = {name: statistics.median(r[name] for r in runs)
+               if all(r[name] is not None for r in runs) else None for name in names}  # fmt: skip
+        print(f"{k} key(s), medians of {len(runs)}: live/fuse {_pct(med['overall'])}, while "
+              f"asking {_pct(med['while_asking'])}, slots busy {_pct(med['slots_busy'])}, "
+              f"trials/fused step {_num(med['per_step'], 2)}, trial steps/s "
+              f"{_num(med['steps_per_s'], 0)}, seconds {med['seconds']:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -195,3 +195,42 @@ def test_trials_that_do_not_fit_wait_for_a_group_of_their_own():
     for t in trials:
         by_group.setdefault(t.user_attrs["group"], set()).add(t.params["width"])
     assert len(by_group) >= 2 and all(len(widths) == 1 for widths in by_group.values())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_group_that_grows_and_shrinks_trains_each_trial_as_alone(optimizer):
+    """``add`` grows a group by a slot, ``drop`` shrinks it: a trial that joins a group of one,
+    sees a neighbour leave and another join, equals it trained alone, step by step (float64)."""
+    task = make_task(scheduler="cosine", optimizer=optimizer)
+    a = {"lr": 3e-2, "weight_decay": 0.1, "warmup": 2}
+    b = {"lr": 1e-2, "weight_decay": 0.0, "warmup": 3, "grad_clip": 0.5}
+    c = {"lr": 5e-2, "weight_decay": 0.05}
+    if optimizer == "sgd":
+        b["momentum"] = 0.9
+    group = FusedGroup(task, [(0, a, 10)], ratio=2)
+    first = trajectory(group, 0, 3)
+    assert group.add(1, b, 11) == 1 and group.n == 2  # trial 1 joins a group of one
+    seen = trajectory(group, 1, 4)
+    group.drop([0])  # trial 0 leaves: trial 1 is now in slot 0
+    seen += trajectory(group, 0, 2)
+    assert group.add(2, c, 12) == 1  # and another joins beside it
+    seen += trajectory(group, 0, task.steps - 6)
+    assert [m.id for m in group.members] == [1, 2]
+    assert_same(seen, trajectory(FusedGroup(task, [(1, b, 11)], ratio=2), 0, task.steps))
+    assert_same(first, trajectory(FusedGroup(task, [(0, a, 10)], ratio=2), 0, 3))
+    # the trial that joined last, and the one that had the group to itself, as alone
+    grown = FusedGroup(task, [(0, a, 10)], ratio=2)
+    grown.add(2, c, 12)
+    both = trajectory(grown, 1, 5)
+    assert_same(both, trajectory(FusedGroup(task, [(2, c, 12)], ratio=2), 0, 5))
+
+
+def test_add_refuses_another_key_and_an_empty_group():
+    task = make_task()
+    group = FusedGroup(task, [(0, {"lr": 1e-2}, 0)], ratio=2)
+    with pytest.raises(ConfigError, match="cannot join this fused group"):
+        group.add(1, {"lr": 1e-2, "batch_size": 8}, 1)
+    assert group.n == 1  # nothing changed
+    group.drop([0])
+    with pytest.raises(ConfigError, match="no slot left"):
+        group.add(1, {"lr": 1e-2}, 1)

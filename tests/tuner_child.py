@@ -3,8 +3,9 @@
 ``python -m tests.tuner_child STORAGE N_TRIALS [--stop ask:K|train:K] [--marker FILE] ...``
 
 With ``--stop ask:K`` the process writes ``--marker`` and blocks forever just before its K-th
-``study.ask()``; with ``train:K`` just before training its K-th group (the group's trials are
-asked, sampled and RUNNING). The test then SIGKILLs it at a state it knows, with no timing guess.
+``study.ask()``; with ``train:K`` just before building its K-th group in process (the group's
+trials are asked, sampled and RUNNING). The test then SIGKILLs it at a state it knows, with no
+timing guess.
 With ``--kill-worker-at STEP`` (local executor) the first worker to reach that training step
 SIGKILLs itself (once: a marker file remembers it), so its group is retried. With
 ``--block-at STEP`` whichever process trains (this one, or a worker) writes ``--marker`` and
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
             FusedGroup.put = stopping_put
         else:
-            train = driver.run_group
+            train = driver.start_group
 
             def stopping_train(*args, **kw):  # noqa: ANN002, ANN003, ANN202
                 calls["n"] += 1
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                     _block(a.marker)
                 return train(*args, **kw)
 
-            driver.run_group = stopping_train
+            driver.start_group = stopping_train
     executor = None
     if a.executor == "local":
         from hydro_fluid import LocalExecutor

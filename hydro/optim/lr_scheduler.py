@@ -188,7 +188,8 @@ class TrialScheduler:
     def select_trials(self, index: torch.Tensor) -> None:
         """Keep the schedules of the trials in ``index`` (called by ``optimizer.select``)."""
         self.schedulers = [self.schedulers[i] for i in index.tolist()]
-        self.trial_args = [self.trial_args[i] for i in index.tolist()]
+        # a copy per slot: an index given twice (a group growing by a slot) must not tie them
+        self.trial_args = [dict(self.trial_args[i]) for i in index.tolist()]
 
     def trial_state(self, k: int) -> dict:
         """Slot ``k``'s schedule: its torch scheduler's state and its stand-in optimizer's

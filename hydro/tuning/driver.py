@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import optuna
@@ -27,7 +28,13 @@ from hydro.errors import ConfigError, HydroWarning
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, check_device, group_key
 from hydro.tuning.progress import Progress
-from hydro.tuning.slots import Occupancy, _stream_in_worker, resume_slot, train_slots
+from hydro.tuning.slots import (
+    Occupancy,
+    _stream_in_worker,
+    resume_slot,
+    save_trials,
+    step_slots,
+)
 from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECONDS, ...: as before
     _INTERRUPTED,
@@ -82,8 +89,9 @@ def optimize(
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
-    Trials are asked ``fuse`` at a time (any Optuna sampler); trials that cannot share one fused
-    model (different batch size or architecture arguments) are split into separate groups. Each
+    Trials are asked as slots free up, ``fuse`` in flight (any Optuna sampler); trials that
+    cannot share one fused model (different batch size or architecture arguments) train in
+    separate groups. Each
     member's intermediate values go to ``trial.report`` at every evaluation and a member the
     study's pruner prunes is dropped from its group. Every asked trial is told: COMPLETE,
     PRUNED or FAIL (with the reason in ``user_attrs["fail_reason"]``) — none is left RUNNING, even
@@ -116,7 +124,8 @@ def optimize(
         progress: show a live progress bar on stderr (trials done, best value, ETA) and a
             table of the five best trials at the end.
         timeout: stop asking new groups after this many seconds.
-        executor: ``None`` trains groups in this process, one after another; a
+        executor: ``None`` trains in this process: one group per key, the groups of all
+            keys sharing ``fuse`` slots and taking turns step by step; a
             ``hydro_fluid`` executor (``LocalExecutor`` for worker processes on this machine,
             ``RayExecutor`` for a Ray cluster) trains one group per slot at once, streaming
             every member's intermediate values back here for the pruner. With an executor the
@@ -283,11 +292,19 @@ def _run_batch(study, callback, space, trials, heart) -> None:  # noqa: ANN001
 
 
 class _Stream:
-    """Continuous batching in this process: fused groups whose freed slots take new trials.
+    """Continuous batching in this process: one live fused group per key, taking turns.
 
-    Trials are asked one at a time, when a slot is free. A trial that cannot join the group
-    asking for it (another batch size or architecture, :func:`group_key`) waits in ``pending``
-    for a group of its own. Every asked trial is told, whatever happens.
+    Trials are asked one at a time, while the study has trials left and the groups have room:
+    together they train at most ``fuse`` trials (:meth:`size` says how many trials of a key
+    fill the device; each live trial takes its share). A slot freed in any group takes the
+    next asked trial: one of the group's own key (:func:`group_key`: batch size and
+    architecture) goes into that slot at once; one of another key waits in ``pending`` and
+    joins its key's group at the start of the next round, growing it or starting it. In a
+    round every group takes one fused step, so every trial advances at the same rate. Every
+    asked trial is told, whatever happens.
+
+    :class:`_Fleet` (executors) reuses the asking side: :meth:`next_members` and
+    :meth:`next_trial` give one group at a time, one key per group.
     """
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
@@ -305,6 +322,10 @@ class _Stream:
         self.first_group = first_group
         self.checkpoints, self.every = checkpoints, every  # each trial's, every `every` steps
         self.seeds: dict[int, int] = {}  # trial -> its seed (a re-asked trial: its predecessor's)
+        self.live: dict[tuple, _InProcess] = {}  # key -> its group training in this process
+        self.key_of: dict[int, tuple] = {}  # trial -> its key, for the trials asked here
+        self.refills = True  # freed slots take new trials (False: an evaluation phase)
+        self.built: dict[tuple, FusedGroup] = {}  # key -> its last group built here
 
     def run(self) -> None:
         self._guard(self._groups)
@@ -312,11 +333,88 @@ class _Stream:
     def _groups(self) -> None:
         complete = len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         if complete < self.first_group:  # a first group alone, to the end, for the pruner
-            members = self.next_members(limit=self.first_group - complete)
-            if members is not None:
-                run_group(self, members[1], refill=False)
-        while (members := self.next_members()) is not None:
-            run_group(self, members[1])
+            self._train(limit=self.first_group - complete, refill=False)
+        self._train()
+
+    def size(self, key: tuple) -> int:
+        """How many trials of ``key`` fill this process's device: ``fuse`` for every key."""
+        return self.fuse
+
+    def _load(self, numbers: Any) -> Fraction:
+        """The part of the device the trials ``numbers`` take (1: full)."""
+        return sum((Fraction(1, self.size(self.key_of[n])) for n in numbers), Fraction(0))
+
+    def _train(self, limit: int | None = None, refill: bool = True) -> None:
+        """Ask trials up to the room there is (at most ``limit``), then rounds until no group is
+        left: the waiting trials join their key's group, then each group takes one fused step
+        (its evaluations, ended trials told, freed slots refilled). ``refill=False``: no trial is
+        asked after the first ones, and the groups drain."""
+        self.refills = refill
+        self._fill(limit)
+        while True:
+            self._admit()
+            if not self.live:
+                return
+            # a group's membership changes only at its own turn: these are the trials this
+            # round trains
+            live, asking = sum(g.group.n for g in self.live.values()), self.asking
+            for key, g in list(self.live.items()):
+                step_slots(g.group, g, fuse=self.size(key), joined=g.joined,
+                           checkpoints=self.checkpoints)  # fmt: skip
+                save_trials(g.group, self.checkpoints, self.every)
+                if not g.group.n:
+                    del self.live[key]
+            if refill:
+                self._fill()
+            self.occupancy.add(1, live, asking)
+            if self.bar is not None:
+                self.bar.occupancy = self.occupancy.fraction(asking=False)
+
+    def _fill(self, limit: int | None = None) -> None:
+        """Ask trials into ``pending`` while the device has room (at most ``limit``)."""
+        while (limit is None or limit > 0) and self._load(self.running) < 1:
+            if self._ask_keyed() is None:
+                return
+            limit = None if limit is None else limit - 1
+
+    def _ask_keyed(self) -> tuple[optuna.Trial, dict] | None:
+        got = self._ask()
+        if got is not None:
+            key = group_key(got[1], self.task)
+            self.key_of[got[0].number] = key
+            self.pending.setdefault(key, []).append(got)
+        return got
+
+    def _admit(self) -> None:
+        """Waiting trials join their key's live group, or start one, while they fit."""
+        used = sum(Fraction(g.group.n, self.size(k)) for k, g in self.live.items())
+        for key in list(self.pending):
+            share = Fraction(1, self.size(key))
+            fits = []
+            while self.pending[key] and used + share <= 1:
+                fits.append(self.pending[key].pop(0))
+                used += share
+            if not self.pending[key]:
+                del self.pending[key]
+            if not fits:
+                continue
+            if key in self.live:
+                for t, params in fits:
+                    self.live[key].add(t, params)
+            else:
+                self.live[key] = start_group(self, fits, refill=self.refills)
+
+    def take(self, key: tuple) -> tuple[optuna.Trial, dict] | None:
+        """The next trial for a freed slot of ``key``'s group: one waiting for that key, else
+        newly asked while there is room (a trial of another key asked on the way waits for its
+        own group, and the slot is dropped: its share of the device went to that trial)."""
+        if not self.refills:
+            return None
+        while not self.pending.get(key) and self._load(self.running) < 1:
+            if self._ask_keyed() is None:
+                break
+        waiting = self.pending.get(key)
+        return waiting.pop(0) if waiting else None
 
     def next_members(
         self, limit: int | None = None
@@ -403,50 +501,59 @@ class _Stream:
         if self.checkpoints is not None:
             self.checkpoints.remove(trial.number)
         self.running.pop(trial.number, None)
+        self.key_of.pop(trial.number, None)
         self.heart.release([trial._trial_id])
 
 
-def run_group(
+def start_group(
     stream: _Stream, members: list[tuple[optuna.Trial, dict]], refill: bool = True
-) -> None:
-    """Train one fused group to the end in this process: every slot freed by pruning,
-    divergence or completion takes the next trial at once, until the study has no more to
-    ask (``refill=False``: freed slots stay empty, the group drains)."""
+) -> _InProcess:
+    """Build a fused group of ``members`` (one key) to train in this process, in the stream's
+    rounds (:meth:`_Stream._train`): its freed slots take new trials until the study has no
+    more to ask (``refill=False``: freed slots stay empty, the group drains)."""
     gid = min(t.number for t, _ in members)
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
+    key = group_key(members[0][1], stream.task)
     group = FusedGroup(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
-                       depth_alpha=stream.depth[1])  # fmt: skip
+                       depth_alpha=stream.depth[1], like=stream.built.get(key))  # fmt: skip
+    stream.built[key] = group  # a key's next group reuses its capture (seconds per group)
     for slot in range(group.n):  # a trial re-asked after its tuner died goes on from there
         resume_slot(group, slot, stream.checkpoints)
-    source = _InProcess(stream, gid, {t.number: t for t, _ in members}, refill=refill)
-    train_slots(group, source, fuse=stream.fuse, joined={t.number: time.perf_counter()
-                                                         for t, _ in members},
-                checkpoints=stream.checkpoints, every=stream.every)  # fmt: skip
+    return _InProcess(stream, gid, group, {t.number: t for t, _ in members}, refill=refill)
 
 
 class _InProcess:
-    """The trial source of a group in the driver's own process (see :func:`train_slots`)."""
+    """A group training in the driver's own process, and its trial source (see
+    :func:`hydro.tuning.slots.step_slots`)."""
 
-    def __init__(self, stream: _Stream, gid: int, trials: dict[int, optuna.Trial],
-                 refill: bool = True) -> None:  # fmt: skip
-        self.stream, self.gid, self.trials, self.refills = stream, gid, trials, refill
+    def __init__(self, stream: _Stream, gid: int, group: FusedGroup,
+                 trials: dict[int, optuna.Trial], refill: bool = True) -> None:  # fmt: skip
+        self.stream, self.gid, self.group, self.trials = stream, gid, group, trials
+        self.refills = refill
+        self.joined = {n: time.perf_counter() for n in trials}  # for each trial's group_seconds
 
     @property
     def asking(self) -> bool:
         return self.stream.asking
 
     def stepped(self, live: int) -> None:
-        occ = self.stream.occupancy
-        occ.add(1, live, self.stream.asking)
-        if self.stream.bar is not None:
-            self.stream.bar.occupancy = occ.fraction(asking=False)
+        """Nothing: the stream counts occupancy per round, over all its groups."""
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         hook = self.stream.hook
         return {n for n, step, v in items if _report_and_ask(self.trials[n], step, v, hook)}
+
+    def add(self, t: optuna.Trial, params: dict) -> None:
+        """Trial ``t`` joins this group in a new slot."""
+        slot = self.group.add(t.number, params, self.stream.seeds[t.number])
+        resume_slot(self.group, slot, self.stream.checkpoints)
+        t.set_user_attr("group", self.gid)
+        t.set_user_attr("slot", slot)
+        self.trials[t.number] = t
+        self.joined[t.number] = time.perf_counter()
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         for number, outcome, info in told:
@@ -455,7 +562,7 @@ class _InProcess:
             return [None] * len(slots)
         out = []
         for slot in slots:
-            nxt = self.stream.next_trial(key)
+            nxt = self.stream.take(key)
             if nxt is None:
                 out.append(None)
                 continue

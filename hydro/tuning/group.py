@@ -218,7 +218,7 @@ class FusedGroup:
     depends only on its parameters and seed, not on its slot or on the trials beside it. A slot
     freed by pruning, divergence or completion takes a new trial with :meth:`put` (a fresh
     surrogate in that slot, its optimizer state and schedule restarted) or leaves the group with
-    :meth:`drop`.
+    :meth:`drop`; :meth:`add` grows the group by a slot for one more trial.
 
     Args:
         task: what to train.
@@ -228,6 +228,9 @@ class FusedGroup:
         refill: slots will take new trials (:meth:`put`); ``False`` when they never do.
         depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated blocks.
         depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP).
+        like: an earlier group of the same task, key, ratio and depth (empty or not): its
+            capture and width analysis are reused, so the group is built without capturing
+            the model again (anything else: captured afresh).
     """
 
     def __init__(
@@ -240,29 +243,38 @@ class FusedGroup:
         refill: bool = True,
         depth_ratio: int = 1,
         depth_alpha: float = 1.0,
+        like: FusedGroup | None = None,
     ) -> None:
         self.task, self.ratio, self.device = task, ratio, device
         self.depth_ratio, self.depth_alpha = depth_ratio, depth_alpha
         first = dict(members[0][1])
         self.key = group_key(first, task)
         self.batch_size = int(first.get("batch_size", task.batch_size))
-        sample_batch = next(task.train_batches(min(self.batch_size, 2), seed=int(members[0][2])))
-        target = _target(task, first)
-        task.validate(target, sample_batch)  # clear errors before any training
-        if task.example_inputs is not None:
-            example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
+        readout = any("output_mult" in m[1] for m in members)
+        same = (self.key, ratio, depth_ratio, depth_alpha, readout)
+        if like is not None and like.task is task and like.recipe == same:
+            # an earlier group of this key: its capture and width analysis serve this one (a
+            # member's surrogate depends only on its own arguments and seed)
+            self.builder, target = like.builder, None
         else:
-            args, kwargs, _ = task.split(sample_batch)
-            example = (args, kwargs)
-        self.builder = _Builder(task, ratio, example, target, first,
-                                any("output_mult" in m[1] for m in members),
-                                (depth_ratio, depth_alpha))  # fmt: skip
+            sample_batch = next(task.train_batches(min(self.batch_size, 2),
+                                                   seed=int(members[0][2])))  # fmt: skip
+            target = _target(task, first)
+            task.validate(target, sample_batch)  # clear errors before any training
+            if task.example_inputs is not None:
+                example: tuple[tuple, dict] = (tuple(task.example_inputs), {})
+            else:
+                args, kwargs, _ = task.split(sample_batch)
+                example = (args, kwargs)
+            self.builder = _Builder(task, ratio, example, target, first, readout,
+                                    (depth_ratio, depth_alpha))  # fmt: skip
+        self.recipe = same
         self.members = [self._member(i, p, sd) for i, p, sd in members]
         modules = [self.builder.make(m.params, m.seed) for m in self.members]
         self.widths = _widths(modules[0])
         self.blocks = _blocks(modules[0])
         cut = self.blocks.get("surrogate", 0) < self.blocks.get("target", 0)
-        if ratio > 1 and not self.widths["target"] and not cut:
+        if target is not None and ratio > 1 and not self.widths["target"] and not cut:
             warnings.warn(HydroWarning(
                 f"no width of {type(target).__name__} can shrink (every dimension is tied to the "
                 f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: "
@@ -351,6 +363,22 @@ class FusedGroup:
             next(m.batches)
         m.step = int(state["step"])
         m.history[:] = [(int(s), float(v)) for s, v in state["history"]]
+
+    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:  # noqa: A002
+        """Start trial ``id`` in a new slot at the end (the group grows by one) and return that
+        slot. The trial starts from scratch exactly as with :meth:`put`; the other slots go on
+        bit for bit."""
+        if not self.n:
+            raise ConfigError("add: this group has no slot left to copy; build a new FusedGroup")
+        self._member(id, params, seed)  # a trial of another key is refused before any change
+        grown = [*range(self.n), 0]  # slot 0 copied to the end, then overwritten by put
+        self.fused.select(grown)
+        self.opt.select(grown)
+        self.members.append(self.members[0])
+        self.clip.append(None)
+        self.slot_params.append(self.slot_params[0])  # in place: the schedules read this list
+        self.put(self.n - 1, id, params, seed)
+        return self.n - 1
 
     def drop(self, slots: Sequence[int]) -> None:
         """Remove ``slots`` from the group (they stop costing compute)."""

@@ -22,7 +22,7 @@ from hydro.tuning import parallel
 from hydro.tuning.checkpoint import TrialCheckpoints, set_aside
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, load_model_state
 
-__all__ = ["Occupancy", "train_slots"]
+__all__ = ["Occupancy", "step_slots", "train_slots"]
 
 
 @dataclass
@@ -67,81 +67,99 @@ class Occupancy:
 def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
                 after_step: Callable[[], None] | None = None,
                 checkpoints: TrialCheckpoints | None = None, every: int = 0) -> None:  # fmt: skip
-    """The loop of continuous batching, wherever the group trains (this process or a worker).
+    """The loop of continuous batching, wherever the group trains (this process or a worker):
+    :func:`step_slots` until the group has no member left, each member saved in
+    ``checkpoints`` every ``every`` fused steps, ``after_step`` after each step that leaves
+    members (a group checkpoint)."""
+    while group.n:
+        step_slots(group, source, fuse=fuse, joined=joined, checkpoints=checkpoints)
+        save_trials(group, checkpoints, every)
+        if after_step is not None and group.n:
+            after_step()
+
+
+def save_trials(group: FusedGroup, checkpoints: TrialCheckpoints | None, every: int) -> None:
+    """Save each member that is part way through in ``checkpoints``, every ``every`` fused
+    steps of ``group``."""
+    if checkpoints is None or not every or group.steps % every:
+        return
+    for slot, m in enumerate(group.members):
+        if 0 < m.step < group.task.steps:
+            checkpoints.save(group.trial_state(slot))
+
+
+def step_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
+               checkpoints: TrialCheckpoints | None = None) -> None:  # fmt: skip
+    """One turn of continuous batching: one fused step of ``group``, the evaluations that are
+    due, and each ended trial told and its slot refilled (or dropped; a trial that has a
+    checkpoint in ``checkpoints`` resumes from it).
 
     ``source`` is where trials come from and results go: ``report(items)`` takes every
     ``(trial, step, value)`` evaluated at one step and returns the trials to prune;
     ``refill(told, slots, key)`` takes the ended trials ``(trial, outcome, info)`` and returns,
-    for each freed slot, the next ``(trial, params, seed)`` or ``None`` (nothing left to ask);
+    for each freed slot, the next ``(trial, params, seed)`` or ``None`` (the slot is dropped);
     ``stepped(live)`` counts a fused step; ``asking`` says whether trials remain to ask.
     ``joined`` maps each member to when it joined (for its ``group_seconds``). With
     ``checkpoints`` and ``every``, every member is saved there every ``every`` fused steps,
     and a trial put in a freed slot resumes from its checkpoint (:func:`resume_slot`).
     """
     steps = group.task.steps
-    while group.n:
-        group.step()  # no host read: on an accelerator the next step queues behind this one
-        source.stepped(group.n)
-        ended: dict[int, Outcome] = {}
-        due = group.due()
-        # Divergence flags are read with the evaluation values (on an accelerator, the one wait
-        # for the device), even where reading is free: a slot then takes its next trial at an
-        # evaluation step, so every slot's evaluations stay at the same fused steps and one
-        # evaluation of the group serves them all.
-        if due:
-            for slot, at in group.diverged().items():
-                ended[slot] = Outcome("fail", None, at, f"diverged at step {at}: non-finite "
-                                      "loss or gradient", group.members[slot].history)  # fmt: skip
-        due = [slot for slot in due if slot not in ended]
-        if due:
-            values = [float(v) for v in group.evaluate()]
-            finite = []
-            for slot in due:
-                m = group.members[slot]
-                m.history.append((m.step, values[slot]))
-                if math.isfinite(values[slot]):
-                    finite.append(slot)
-                else:
-                    ended[slot] = Outcome("fail", None, m.step, "non-finite validation value",
-                                          m.history)  # fmt: skip
-            items = [(group.members[k].id, group.members[k].step, values[k]) for k in finite]
-            pruned = source.report(items) if items else set()
-            for slot in finite:
-                m = group.members[slot]
-                if m.id in pruned and m.step < steps:
-                    ended[slot] = Outcome("pruned", values[slot], m.step, "", m.history)
-        for slot, m in enumerate(group.members):
-            if slot not in ended and m.step >= steps:
-                last = m.history[-1][1] if m.history else None
-                ended[slot] = Outcome("complete", last, steps, "", m.history)
-        if ended:
-            slots = sorted(ended)
-            now = time.perf_counter()
-            told = []
-            for slot in slots:  # every ended trial is told before new ones are asked
-                number = group.members[slot].id
-                info = GroupInfo(ratio=group.ratio, size=fuse, widths=group.widths,
-                                 depth_ratio=group.depth_ratio, depth_alpha=group.depth_alpha,
-                                 blocks=group.blocks,
-                                 seconds=now - joined.pop(number, now))  # fmt: skip
-                told.append((number, ended[slot], info))
-            freed = []
-            for slot, nxt in zip(slots, source.refill(told, slots, group.key)):
-                if nxt is None:
-                    freed.append(slot)
-                    continue
-                number, params, seed = nxt
-                joined[number] = time.perf_counter()
-                group.put(slot, number, params, seed)
-                resume_slot(group, slot, checkpoints)
-            if freed:
-                group.drop(freed)
-        if checkpoints is not None and every and group.steps % every == 0:
-            for slot, m in enumerate(group.members):
-                if 0 < m.step < steps:
-                    checkpoints.save(group.trial_state(slot))
-        if after_step is not None and group.n:
-            after_step()
+    group.step()  # no host read: on an accelerator the next step queues behind this one
+    source.stepped(group.n)
+    ended: dict[int, Outcome] = {}
+    due = group.due()
+    # Divergence flags are read with the evaluation values (on an accelerator, the one wait
+    # for the device), even where reading is free: a slot then takes its next trial at an
+    # evaluation step, so every slot's evaluations stay at the same fused steps and one
+    # evaluation of the group serves them all.
+    if due:
+        for slot, at in group.diverged().items():
+            ended[slot] = Outcome("fail", None, at, f"diverged at step {at}: non-finite "
+                                  "loss or gradient", group.members[slot].history)  # fmt: skip
+    due = [slot for slot in due if slot not in ended]
+    if due:
+        values = [float(v) for v in group.evaluate()]
+        finite = []
+        for slot in due:
+            m = group.members[slot]
+            m.history.append((m.step, values[slot]))
+            if math.isfinite(values[slot]):
+                finite.append(slot)
+            else:
+                ended[slot] = Outcome("fail", None, m.step, "non-finite validation value",
+                                      m.history)  # fmt: skip
+        items = [(group.members[k].id, group.members[k].step, values[k]) for k in finite]
+        pruned = source.report(items) if items else set()
+        for slot in finite:
+            m = group.members[slot]
+            if m.id in pruned and m.step < steps:
+                ended[slot] = Outcome("pruned", values[slot], m.step, "", m.history)
+    for slot, m in enumerate(group.members):
+        if slot not in ended and m.step >= steps:
+            last = m.history[-1][1] if m.history else None
+            ended[slot] = Outcome("complete", last, steps, "", m.history)
+    if not ended:
+        return
+    slots = sorted(ended)
+    now = time.perf_counter()
+    told = []
+    for slot in slots:  # every ended trial is told before new ones are asked
+        number = group.members[slot].id
+        info = GroupInfo(ratio=group.ratio, size=fuse, widths=group.widths,
+                         depth_ratio=group.depth_ratio, depth_alpha=group.depth_alpha,
+                         blocks=group.blocks, seconds=now - joined.pop(number, now))  # fmt: skip
+        told.append((number, ended[slot], info))
+    freed = []
+    for slot, nxt in zip(slots, source.refill(told, slots, group.key)):
+        if nxt is None:
+            freed.append(slot)
+            continue
+        number, params, seed = nxt
+        joined[number] = time.perf_counter()
+        group.put(slot, number, params, seed)
+        resume_slot(group, slot, checkpoints)
+    if freed:
+        group.drop(freed)
 
 
 def _ask_driver(ctx: Any, payload: tuple, world_size: int | None = None) -> Any:

@@ -271,7 +271,8 @@ def tune(
             directory, readable by optuna-dashboard). Rerunning resumes the study there.
         sampler: default TPE with ``constant_liar`` (so a batch asked at once spreads out).
         pruner: default Optuna's ``MedianPruner``.
-        executor: where groups train: ``None``/``"inline"`` in this process, one after another;
+        executor: where groups train: ``None``/``"inline"`` in this process (one group per
+            key, the groups of all keys sharing ``fuse`` slots, taking turns step by step);
             ``"local"`` in worker processes on this machine (``hydro_fluid.LocalExecutor``: one
             group per GPU slot, or CPU threads split between workers); ``"ray"`` on a Ray
             cluster (``hydro_fluid.RayExecutor``; ``RAY_ADDRESS`` or a local one); or an
