@@ -119,6 +119,10 @@ class Placer:
         self.waiting: list[str] = []  # in arrival order
         self.running: dict[str, tuple[Slot, ...]] = {}
         self.measured: dict[str, _Measured] = {}
+        # While a stream still brings groups, a device that empties takes the next one: a group
+        # is widened over several devices (data parallel, with its cost of exchanging
+        # gradients) only once none is coming, so the study's tail does not leave devices idle.
+        self.widen = True
 
     # -- what happens -----------------------------------------------------------------------
 
@@ -220,19 +224,20 @@ class Placer:
         waiting groups the policy places. Groups missing from the answer wait (a running
         one missing from it is to be stopped)."""
         waiting = [self.view(n) for n in self.waiting]
+        d = self.d if self.widen else 1
         if self.policy in ("fifo", "static"):  # they place waiting groups on idle devices
             busy = {dev for slots in self.running.values() for dev, _ in slots}
             idle = [dev for dev in self.devices if dev.name not in busy]
             rule = fifo if self.policy == "fifo" else static_fluid
             placed = rule(waiting, idle) if self.policy == "fifo" else \
-                rule(waiting, idle, self.c, self.d)  # fmt: skip
+                rule(waiting, idle, self.c, d)  # fmt: skip
             return {**self.running, **placed}
         groups = [self.view(n) for n in self.running] + waiting
         running = self._effective()
         if self.policy == "dynamic":
-            return dynamic_fluid(groups, self.devices, self.c, self.d, running=running,
+            return dynamic_fluid(groups, self.devices, self.c, d, running=running,
                                  restart_cost=self.restart_cost)  # fmt: skip
-        return deadline(groups, self.devices, self.c, self.d, now=self.clock(), end=self.end,
+        return deadline(groups, self.devices, self.c, d, now=self.clock(), end=self.end,
                         start=self.start, running=running,
                         restart_cost=self.restart_cost)  # fmt: skip
 

@@ -291,7 +291,8 @@ class FusedGroup:
         self.clip = [p.get("grad_clip") for p in self.slot_params]
         self.steps = 0  # fused steps taken
         self.live_steps = 0  # sum over those steps of the slots that trained
-        self.batch_norm = parallel.batch_norm(target)  # what data parallel refuses
+        # what data parallel refuses (a group built like an earlier one: as that one found)
+        self.batch_norm = like.batch_norm if target is None else parallel.batch_norm(target)
         self.rank, self.world_size = 0, 1  # data parallel replicas (distribute)
 
     def _member(self, id: Any, params: dict[str, Any], seed: int) -> Member:  # noqa: A002

@@ -513,7 +513,7 @@ class Decision:
     """One placement decision of a policy-driven run: when, why, and the allocation."""
 
     seconds: float  # since the run started
-    event: str  # "start", "new group", "ended", "thinned", "tick"
+    event: str  # "start", "new group", "ended", "thinned", "drained", "tick"
     allocation: dict[str, tuple[tuple[str, float], ...]]
 
 
@@ -537,6 +537,7 @@ class _PlacedRun(_Run):
         self.threads = self.ex.threads_per_worker  # per placement device
         self.ex.decisions = []  # type: ignore[attr-defined]
         self.ex.measured = {}  # type: ignore[attr-defined]
+        self.placer.widen = self.more is None  # a stream widens groups once it runs dry
 
     def loop(self) -> None:
         while True:
@@ -577,7 +578,11 @@ class _PlacedRun(_Run):
             wants_room = "room" in inspect.signature(self.more).parameters
             groups = list(self.more(room=room) if wants_room else self.more())
             if not groups:
+                if not self.placer.widen:  # the stream ran dry: its tail may widen now
+                    self.placer.widen = True
+                    self.event = self.event or "drained"
                 break
+            self.placer.widen = False
             self.ledger.submit(groups)
             self.event = "new group"
             self._sync()
