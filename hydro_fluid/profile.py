@@ -32,8 +32,8 @@ def estimate_memory(
 
     On ``"meta"`` (the default, nothing is allocated) the estimate is analytic: weights,
     their gradients, ``optimizer_slots`` optimizer states per weight (2 for Adam, 0 for plain
-    SGD) and the activations that backward keeps (the output of every leaf module, found by
-    propagating shapes through a forward pass), plus the inputs. On a CUDA device it is the
+    SGD), the activations that backward keeps (every tensor autograd saves in a forward pass
+    on ``meta``, each once, and the outputs), plus the inputs. On a CUDA device it is the
     measured peak of allocated memory over a real forward, backward and Adam step.
 
     Args:
@@ -144,21 +144,25 @@ def _analytic(build: BuildFn, batch: BatchFn, n: int, optimizer_slots: int) -> i
         model = build(n)
     model = model.to("meta")
     inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in _as_args(batch(n))]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    activations = 0
+    params = [p for p in model.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    # what backward keeps is what autograd saves: count each saved tensor once, and neither the
+    # weights (counted above, also when saved as a transposed view) nor the inputs (below)
+    known = {id(t) for t in [*params, *_tensors(inputs)]}
+    saved: dict[int, torch.Tensor] = {}
 
-    def keep(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        nonlocal activations
-        activations += sum(t.numel() * t.element_size() for t in _tensors(output))
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        if id(t) not in known and id(base) not in known:
+            saved.setdefault(id(base), base)
+        return t
 
-    leaves = [m for m in model.modules() if not list(m.children())]
-    hooks = [m.register_forward_hook(keep) for m in leaves]
-    try:
-        model(*inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = model(*inputs)
+    kept = {id(t): t for t in _tensors(output) if id(t) not in known}  # the loss reads them
+    kept.update(saved)
+    activations = sum(t.numel() * t.element_size() for t in kept.values())
     data = sum(t.numel() * t.element_size() for t in _tensors(inputs))
     return weights * (2 + optimizer_slots) + frozen + activations + data
 

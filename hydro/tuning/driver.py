@@ -12,16 +12,19 @@ Its example is in :mod:`hydro.integrations.optuna`.
 from __future__ import annotations
 
 import functools
+import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optuna
+import torch
 from optuna.trial import TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, check_device, group_key
 from hydro.tuning.progress import Progress
+from hydro.tuning.sizing import MAX_FUSE, FuseSize, check_fuse, check_memory, fuse_sizes
 from hydro.tuning.slots import Occupancy, _stream_in_worker, train_slots
 from hydro.tuning.space import Space, check_names, check_space, sample
 from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECONDS, ...: as before
@@ -58,7 +61,7 @@ def optimize(
     n_trials: int = 16,
     *,
     ratio: int = 8,
-    fuse: int = 16,
+    fuse: int | str = 16,
     seed: int = 0,
     device: str = "cpu",
     progress: bool = False,
@@ -68,6 +71,7 @@ def optimize(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     first_group: int = 0,
+    fuse_memory: float | None = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -98,7 +102,13 @@ def optimize(
             a callback that suggests its own parameters.
         n_trials: finished trials (COMPLETE, PRUNED or FAIL) the study should have.
         ratio: surrogate width divisor.
-        fuse: trials per fused group.
+        fuse: trials per fused group, or ``"auto"``: for each (batch size, architecture) key,
+            as many as fit the device's memory (:func:`hydro.tuning.sizing.fuse_size`;
+            measured on a GPU, estimated on the CPU), at most the trials left to ask and
+            :data:`~hydro.tuning.sizing.MAX_FUSE`; with an executor, the smallest size over
+            its devices. Each size is printed with ``progress`` and kept in the study's
+            ``hydro_fuse`` user attribute. A group that runs out of memory anyway is halved
+            and its trials start again in the smaller groups; none is lost.
         seed: base seed (a trial's initialization and data seed is ``seed + trial.number``).
         device: where groups train.
         progress: show a live progress bar on stderr (trials done, best value, ETA) and a
@@ -122,12 +132,15 @@ def optimize(
             after its ``n_startup_trials``) can then act on every later trial, where otherwise
             the first ``fuse`` report together before any completed and none can be pruned; the
             first group's unused slots are the price. 0 (default): groups of ``fuse`` at once.
+        fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default: a share
+            of the memory free at start (:func:`hydro.tuning.sizing.memory_budget`).
     """
-    if not isinstance(fuse, int) or fuse < 1:
-        raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
+    fuse = check_fuse(fuse)
+    fuse_memory = check_memory(fuse_memory)
+    most = MAX_FUSE if fuse == "auto" else fuse
     if isinstance(first_group, bool) or not isinstance(first_group, int) \
-            or not 0 <= first_group <= fuse:  # fmt: skip
-        raise ConfigError(f"first_group must be an integer from 0 to fuse ({fuse}), got "
+            or not 0 <= first_group <= most:  # fmt: skip
+        raise ConfigError(f"first_group must be an integer from 0 to fuse ({most}), got "
                           f"{first_group!r}")  # fmt: skip
     check_depth(depth_ratio, depth_alpha)
     depth = (depth_ratio, float(depth_alpha))
@@ -152,13 +165,14 @@ def optimize(
         study.set_user_attr("hydro_occupancy", None)  # describes the last run only
     if study.user_attrs.get("hydro_sampler_exhausted"):
         study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
+    study.set_user_attr("hydro_fuse", {"fuse": fuse, "sizes": []})  # sizes: as keys appear
     if checkpoint_every is None:
         checkpoint_every = getattr(task_or_callback, "checkpoint_every", None) or 50
     if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
     start = time.perf_counter()
     bar = Progress(study, n_trials, _finished) if progress else None
-    occupancy = Occupancy(fuse)
+    occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     with _Heartbeat(study) as heart:
         try:
             while True:
@@ -181,10 +195,14 @@ def optimize(
                 args = (study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
                         heart, bar, start, timeout, occupancy, depth)  # fmt: skip
                 if is_task and executor is None:
-                    _Stream(*args, first_group=first_group).run()
+                    _Stream(*args, first_group=first_group, fuse_memory=fuse_memory).run()
                 elif is_task:
-                    _Fleet(*args, executor=executor, every=checkpoint_every).run()
+                    _Fleet(*args, executor=executor, every=checkpoint_every,
+                           fuse_memory=fuse_memory).run()  # fmt: skip
                 else:
+                    if fuse == "auto":
+                        raise ConfigError("fuse='auto' sizes Hydro's fused groups: with a group "
+                                          "callback, give fuse a number")  # fmt: skip
                     trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
                         _run_batch(study, task_or_callback, space, trials, heart)
@@ -223,7 +241,8 @@ class _Stream:
     """
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
-                 start, timeout, occupancy, depth=(1, 1.0), first_group=0) -> None:  # noqa: ANN001  # fmt: skip
+                 start, timeout, occupancy, depth=(1, 1.0), first_group=0,
+                 fuse_memory=None) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -234,9 +253,60 @@ class _Stream:
         self.occupancy = occupancy
         self.depth = depth  # (depth_ratio, depth_alpha)
         self.first_group = first_group
+        self.fuse_memory = fuse_memory  # GiB per group for fuse="auto"; None: a share of free
+        self.sizes: dict[tuple, int] = {}  # per key: sized by "auto", or halved after an OOM
 
     def run(self) -> None:
         self._guard(self._groups)
+
+    def devices(self) -> list[str]:
+        """Where this source's groups train, one entry per group that trains at once."""
+        return [self.device]
+
+    def fuse_for(self, key: tuple, params: dict | None = None) -> int:
+        """Trials per fused group of ``key``: ``fuse``, or with ``fuse="auto"`` the size that
+        fits every device (measured when the key first appears, from ``params`` of one of its
+        trials); smaller after one of its groups ran out of memory."""
+        if key in self.sizes:
+            return self.sizes[key]
+        if self.fuse != "auto":
+            return self.fuse
+        if params is None:
+            raise RuntimeError(f"fuse='auto': key {key[0]!r} is sized from a trial's parameters")
+        finished, _ = _counts(self.study)
+        sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
+                           remaining=self.n_trials - finished, memory=self.fuse_memory,
+                           depth=self.depth, seed=self.seed)  # fmt: skip
+        self.sizes[key] = min(s.n for s in sizes.values())
+        self._announce(params, sizes.values())
+        return self.sizes[key]
+
+    def _announce(self, params: dict, sizes: Iterable[FuseSize]) -> None:
+        """Print each size (with a progress bar) and keep it in the study's ``hydro_fuse``."""
+        args = {k: params[k] for k in sorted(self.task.model_args()) if k in params}
+        key = {"batch_size": params.get("batch_size", self.task.batch_size), "model_args": args}
+        record = dict(self.study.user_attrs.get("hydro_fuse") or {"fuse": "auto", "sizes": []})
+        for size in sizes:
+            record["sizes"] = [*record["sizes"], {**key, **size.as_dict()}]
+            if self.bar is not None:
+                self.bar.note(f"{size.describe()}: batch size {key['batch_size']}"
+                              + "".join(f", {k} {v}" for k, v in args.items()))  # fmt: skip
+        self.study.set_user_attr("hydro_fuse", record)
+        self.occupancy.fuse = max(self.occupancy.fuse, *self.sizes.values())
+
+    def out_of_memory(self, key: tuple, live: list[tuple[optuna.Trial, dict]],
+                      exc: BaseException) -> None:  # fmt: skip
+        """A group of ``key`` ran out of memory with ``live`` trials: later groups of the key
+        fuse half as many, and those trials wait to start afresh in them; a lone trial fails."""
+        if len(live) < 2:
+            for t, _ in live:
+                self.tell(t, Outcome("fail", None, 0, f"out of memory even with a single trial: "
+                                     f"{type(exc).__name__}: {exc}"[:500]), None)  # fmt: skip
+            return
+        self.sizes[key] = len(live) // 2
+        for t, _ in live:
+            t.set_user_attr("fused", self.sizes[key])
+        self.pending[key] = [*live, *self.pending.get(key, [])]
 
     def _groups(self) -> None:
         complete = len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -257,7 +327,8 @@ class _Stream:
             return None
         key = group_key(first[1], self.task)
         members = [first]
-        while len(members) < min(self.fuse, limit or self.fuse):
+        fuse = self.fuse_for(key, first[1])
+        while len(members) < min(fuse, limit or fuse):
             nxt = self.next_trial(key)
             if nxt is None:
                 break
@@ -301,7 +372,7 @@ class _Stream:
         check_names(params, self.task.model_args())
         t.set_user_attr("ratio", self.ratio)
         _set_depth(t, self.depth)
-        t.set_user_attr("fused", self.fuse)
+        t.set_user_attr("fused", self.fuse_for(group_key(params, self.task), params))
         return t, params
 
     def _pop_pending(self) -> tuple[optuna.Trial, dict] | None:
@@ -315,7 +386,7 @@ class _Stream:
         (trials asked on the way that do not fit wait for a group of their own)."""
         if self.pending.get(key):
             return self.pending[key].pop(0)
-        for _ in range(self.fuse):
+        for _ in range(self.fuse_for(key)):
             got = self._ask()
             if got is None:
                 return None
@@ -336,24 +407,36 @@ def run_group(
 ) -> None:
     """Train one fused group to the end in this process: every slot freed by pruning,
     divergence or completion takes the next trial at once, until the study has no more to
-    ask (``refill=False``: freed slots stay empty, the group drains)."""
+    ask (``refill=False``: freed slots stay empty, the group drains). Out of memory, its
+    trials go back to the stream to start afresh in groups of half the size
+    (:meth:`_Stream.out_of_memory`)."""
     gid = min(t.number for t, _ in members)
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
-    group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number) for t, p in members],
-                       ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
-                       depth_alpha=stream.depth[1])  # fmt: skip
-    source = _InProcess(stream, gid, {t.number: t for t, _ in members}, refill=refill)
-    train_slots(group, source, fuse=stream.fuse, joined={t.number: time.perf_counter()
-                                                         for t, _ in members})  # fmt: skip
+    key = group_key(members[0][1], stream.task)
+    source = _InProcess(stream, gid, {t.number: (t, p) for t, p in members}, refill=refill)
+    try:
+        group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number)
+                                         for t, p in members], ratio=stream.ratio,
+                           device=stream.device, depth_ratio=stream.depth[0],
+                           depth_alpha=stream.depth[1])  # fmt: skip
+        train_slots(group, source, fuse=stream.fuse_for(key),
+                    joined={t.number: time.perf_counter() for t, _ in members})  # fmt: skip
+    except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
+        stream.out_of_memory(key, list(source.trials.values()), exc)
+        group = None  # its memory goes back before the next group is built
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class _InProcess:
     """The trial source of a group in the driver's own process (see :func:`train_slots`)."""
 
-    def __init__(self, stream: _Stream, gid: int, trials: dict[int, optuna.Trial],
+    def __init__(self, stream: _Stream, gid: int, trials: dict[int, tuple[optuna.Trial, dict]],
                  refill: bool = True) -> None:  # fmt: skip
+        # trials of the group not yet told, with their parameters (to start again after an OOM)
         self.stream, self.gid, self.trials, self.refills = stream, gid, trials, refill
 
     @property
@@ -368,11 +451,11 @@ class _InProcess:
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         hook = self.stream.hook
-        return {n for n, step, v in items if _report_and_ask(self.trials[n], step, v, hook)}
+        return {n for n, step, v in items if _report_and_ask(self.trials[n][0], step, v, hook)}
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         for number, outcome, info in told:
-            self.stream.tell(self.trials.pop(number), outcome, info)
+            self.stream.tell(self.trials.pop(number)[0], outcome, info)
         if not self.refills:
             return [None] * len(slots)
         out = []
@@ -384,7 +467,7 @@ class _InProcess:
             t, params = nxt
             t.set_user_attr("group", self.gid)
             t.set_user_attr("slot", slot)
-            self.trials[t.number] = t
+            self.trials[t.number] = (t, params)
             out.append((t.number, params, self.stream.seed + t.number))
         return out
 
@@ -400,8 +483,9 @@ class _Fleet(_Stream):
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """
 
-    def __init__(self, *args: Any, executor: Any, every: int) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, executor: Any, every: int, fuse_memory: float | None = None
+                 ) -> None:  # fmt: skip
+        super().__init__(*args, fuse_memory=fuse_memory)
         self.executor, self.every = executor, every
         self.logs: dict[str, list] = {}  # group -> [first members, one entry per refill]
         self.keys: dict[str, tuple] = {}
@@ -411,8 +495,13 @@ class _Fleet(_Stream):
         self.counts: dict[str, list[int]] = {}  # occupancy counters, per group
         self.base = self.occupancy.counts()
 
+    def devices(self) -> list[str]:
+        return list(self.executor.slots)
+
     def run(self) -> None:
-        fn = functools.partial(_stream_in_worker, self.task, self.ratio, self.fuse, self.depth,
+        # the worker counts steps and members; the driver decides each group's size
+        fuse = MAX_FUSE if self.fuse == "auto" else self.fuse
+        fn = functools.partial(_stream_in_worker, self.task, self.ratio, fuse, self.depth,
                                self.every)  # fmt: skip
         # a worker captures its group's model with torch.export: an import of seconds, paid
         # once in the forkserver instead of in every worker
@@ -473,6 +562,9 @@ class _Fleet(_Stream):
         base = name.rsplit("/", 1)[0]
         live = sorted(n for n, g in self.owner.items() if g == base and n in self.running)
         half = (len(live) + 1) // 2
+        key = self.keys.get(base)
+        if key is not None:  # later groups of the key start at the size that fitted
+            self.sizes[key] = max(1, min(self.fuse_for(key), half))
         for part, numbers in ((f"{base}/0", live[:half]), (f"{base}/1", live[half:])):
             self.keys[part], self.gids[part] = self.keys.get(base), self.gids.get(base, 0)
             self.logs[part] = [[self._assign(self.running[n], self.params[n], part, slot)
