@@ -64,13 +64,14 @@ class FuseSize:
         return self.fixed + self.n * self.per_trial
 
     def describe(self) -> str:
-        """One line, e.g. ``fuse auto -> 24 per group on cuda:0 (19.2 of 80 GiB)``."""
-        of = (f"{self.capacity / GIB:.3g} GiB" if self.device.startswith("cuda")
-              else f"{self.budget / GIB:.3g} GiB budget")  # fmt: skip
+        """One line, e.g. ``fuse auto -> 24 per group on cuda:0 (19.2 GiB of 80 GiB)``."""
+        of = (_bytes(self.capacity) if self.device.startswith("cuda")
+              else f"{_bytes(self.budget)} budget")  # fmt: skip
         why = {"memory": "", "trials": ", capped by the trials left", "max": f", capped at "
                f"{MAX_FUSE}"}[self.limit]  # fmt: skip
-        used = f"{self.used / GIB:.3g}"
-        return f"fuse auto -> {self.n} per group on {self.device} ({used} of {of}{why})"
+        return (
+            f"fuse auto -> {self.n} per group on {self.device} ({_bytes(self.used)} of {of}{why})"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for the study's user attributes and the export."""
@@ -83,7 +84,7 @@ def check_fuse(fuse: Any, where: str = "fuse") -> int | str:
     """``fuse`` if it is a positive integer or ``"auto"``, else a :class:`ConfigError`."""
     if fuse == "auto" or (not isinstance(fuse, bool) and isinstance(fuse, int) and fuse >= 1):
         return fuse
-    raise ConfigError(f"{where} must be a positive integer (trials per fused group) or 'auto' "
+    raise ConfigError(f"{where} must be an integer >= 1 (trials per fused group) or 'auto' "
                       f"(sized to the device's memory), got {fuse!r}")  # fmt: skip
 
 
@@ -148,6 +149,10 @@ def fuse_size(
     Raises:
         ConfigError: not even one trial fits the budget.
     """
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"fuse='auto' measures groups for {device} on a GPU of this process, "
+                          "which sees none (a Ray cluster's GPUs are elsewhere): give fuse a "
+                          "number of trials")  # fmt: skip
     budget, capacity = memory_budget(device, memory, share)
     fixed, per_trial = _measure(task, params, ratio, device, depth, seed)
     room = MARGIN * budget - fixed
@@ -229,3 +234,11 @@ def _ram(total: bool = False) -> int:
         pass
     pages = os.sysconf("SC_PHYS_PAGES" if total else "SC_AVPHYS_PAGES")
     return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _bytes(count: float) -> str:
+    """``count`` bytes in the largest binary unit below it, to three digits: ``"19.2 GiB"``."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{int(count)} B"

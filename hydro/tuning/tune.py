@@ -22,6 +22,7 @@ from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import check_depth, optimize
 from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
+from hydro.tuning.sizing import check_fuse, check_memory
 from hydro.tuning.space import Space, check_space
 from hydro.tuning.task import Task
 
@@ -191,6 +192,8 @@ def export(
             "depth_alpha": best.user_attrs.get("depth_alpha", 1.0),
             "surrogate_widths": best.user_attrs.get("surrogate_widths"),
             "surrogate_blocks": best.user_attrs.get("surrogate_blocks"),
+            "fused": best.user_attrs.get("fused"),
+            "fuse": fuse_record(study),
             "trials_finished": counts["finished"],
             "trials": {k: counts[k] for k in ("complete", "pruned", "failed", "interrupted")},
             "hydro_version": hydro.__version__,
@@ -205,6 +208,14 @@ def export(
         else:
             yaml.safe_dump(data, f, sort_keys=False)
     return data
+
+
+def fuse_record(study: optuna.Study) -> dict[str, Any] | None:
+    """How the last run sized its fused groups: ``fuse`` (a number or ``"auto"``) and, for
+    ``"auto"``, one entry per key and device (batch size, model arguments, ``n``, bytes per
+    trial, fixed bytes, budget, what capped ``n``)."""
+    record = study.user_attrs.get("hydro_fuse")
+    return dict(record) if record else None
 
 
 def open_study(
@@ -235,7 +246,7 @@ def tune(
     *,
     n_trials: int,
     ratio: int | str = 8,
-    fuse: int = 16,
+    fuse: int | str = 16,
     study: optuna.Study | str | None = None,
     storage: str | None = None,
     sampler: optuna.samplers.BaseSampler | None = None,
@@ -248,6 +259,7 @@ def tune(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     first_group: int = 0,
+    fuse_memory: float | None = None,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -260,7 +272,10 @@ def tune(
         ratio: surrogate width divisor (1 tunes the full model itself, fused), or ``"auto"``:
             the largest that keeps every layer above its width floor (``result.ratio`` says
             which; see :func:`hydro.scale`).
-        fuse: trials per fused group.
+        fuse: trials per fused group, or ``"auto"``: per (batch size, architecture) key, as
+            many as fit the device's memory with a margin (measured on a GPU, estimated on the
+            CPU against ``fuse_memory``), at most the trials left and 64; kept in the study
+            and the export (docs/tuning.md, "Fusion size").
         study: an Optuna study, or a study name (default ``"hydro"``) to create or resume in
             ``storage``.
         storage: any Optuna storage URL; default ``sqlite:///hydro.db`` (a file in the working
@@ -290,6 +305,9 @@ def tune(
             before groups of ``fuse`` (in this process only): the default ``MedianPruner``
             compares against completed trials, so otherwise it cannot prune any of the first
             ``fuse`` (:func:`hydro.integrations.optuna.optimize`). 0 (default): off.
+        fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default half the
+            RAM free at start on the CPU (split between an executor's workers), 90% of the
+            free memory on a GPU.
 
     Returns:
         A :class:`TuneResult`.
@@ -312,6 +330,8 @@ def tune(
         raise ConfigError(f"n_trials must be a positive integer, got {n_trials!r}")
     device = check_device(device)
     check_depth(depth_ratio, depth_alpha)
+    check_fuse(fuse)
+    check_memory(fuse_memory)
     executor = make_executor(executor)
     check_space(space, task.model_args())
     preflight(task, space)
@@ -325,7 +345,8 @@ def tune(
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
-             depth_alpha=depth_alpha, first_group=first_group)  # fmt: skip
+             depth_alpha=depth_alpha, first_group=first_group,
+             fuse_memory=fuse_memory)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
