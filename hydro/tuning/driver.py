@@ -303,9 +303,7 @@ class _Stream:
                 self.tell(t, Outcome("fail", None, 0, f"out of memory even with a single trial: "
                                      f"{type(exc).__name__}: {exc}"[:500]), None)  # fmt: skip
             return
-        self.sizes[key] = len(live) // 2
-        for t, _ in live:
-            t.set_user_attr("fused", self.sizes[key])
+        self.sizes[key] = (len(live) + 1) // 2  # as the executors split a group
         self.pending[key] = [*live, *self.pending.get(key, [])]
 
     def _groups(self) -> None:
@@ -411,10 +409,11 @@ def run_group(
     trials go back to the stream to start afresh in groups of half the size
     (:meth:`_Stream.out_of_memory`)."""
     gid = min(t.number for t, _ in members)
+    key = group_key(members[0][1], stream.task)
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
-    key = group_key(members[0][1], stream.task)
+        t.set_user_attr("fused", stream.fuse_for(key))
     source = _InProcess(stream, gid, {t.number: (t, p) for t, p in members}, refill=refill)
     try:
         group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number)
@@ -467,6 +466,7 @@ class _InProcess:
             t, params = nxt
             t.set_user_attr("group", self.gid)
             t.set_user_attr("slot", slot)
+            t.set_user_attr("fused", self.stream.fuse_for(key))
             self.trials[t.number] = (t, params)
             out.append((t.number, params, self.stream.seed + t.number))
         return out
