@@ -33,14 +33,16 @@ def estimate_memory(
     On ``"meta"`` (the default, nothing is allocated) the estimate is analytic: weights,
     their gradients, ``optimizer_slots`` optimizer states per weight (2 for Adam, 0 for plain
     SGD), the activations that backward keeps (every tensor autograd saves in a forward pass
-    on ``meta``, each once, and the outputs), plus the inputs. On a CUDA device it is the
+    on ``meta``, each once, and the outputs), plus the inputs. On ``"cpu"`` the same is counted
+    over a real forward pass, for a model whose shapes the meta device cannot propagate (a
+    ``view`` of a tensor whose meta strides differ from the CPU's). On a CUDA device it is the
     measured peak of allocated memory over a real forward, backward and Adam step.
 
     Args:
         build: ``build(n)`` returns the fused model of ``n`` trials (on the CPU).
         batch: ``batch(n)`` returns the model's input for ``n`` trials: a tensor or a tuple.
         n: The fusion size.
-        device: ``"meta"`` or a CUDA device such as ``"cuda:0"``.
+        device: ``"meta"``, ``"cpu"`` or a CUDA device such as ``"cuda:0"``.
         optimizer_slots: Optimizer tensors per weight (analytic mode only).
 
     Example:
@@ -53,12 +55,12 @@ def estimate_memory(
     """
     if n < 1:
         raise ValueError(f"The fusion size n must be >= 1, got {n}.")
-    if device == "meta":
-        return _analytic(build, batch, n, optimizer_slots)
+    if device in ("meta", "cpu"):
+        return _analytic(build, batch, n, optimizer_slots, device)
     if not str(device).startswith("cuda"):
         raise ValueError(
-            f"estimate_memory measures on 'meta' (analytic) or a CUDA device, got {device!r}; "
-            "use 'meta' for CPU training."
+            f"estimate_memory counts on 'meta' or 'cpu' (analytic) or measures on a CUDA "
+            f"device, got {device!r}; use 'meta' for CPU training."
         )
     return _measured(build, batch, n, torch.device(device))
 
@@ -139,11 +141,14 @@ def _as_args(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _analytic(build: BuildFn, batch: BatchFn, n: int, optimizer_slots: int) -> int:
-    with torch.device("meta"):
+def _analytic(build: BuildFn, batch: BatchFn, n: int, optimizer_slots: int, where: str) -> int:
+    if where == "meta":
+        with torch.device("meta"):
+            model = build(n)
+        model = model.to("meta")
+    else:
         model = build(n)
-    model = model.to("meta")
-    inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in _as_args(batch(n))]
+    inputs = [t.to(where) if isinstance(t, torch.Tensor) else t for t in _as_args(batch(n))]
     params = [p for p in model.parameters()]
     weights = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)

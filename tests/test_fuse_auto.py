@@ -62,6 +62,27 @@ def test_per_trial_bytes_are_weights_gradients_optimizer_state_and_activations()
     assert per_trial(make_task(batch_size=32)) - adamw >= batch
 
 
+def test_a_model_the_meta_device_cannot_run_is_counted_on_the_cpu():
+    """A GPT whose attention output is viewed after SDPA: the meta device's strides refuse the
+    view, so its step is counted over one real CPU forward instead."""
+    from hydro_fluid.profile import estimate_memory
+    from tests import zoo
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 65, (64, 16), generator=g) for _ in range(2))
+    task = hydro.Task(model=zoo.gpt(n_embd=64, n_head=4).model, train_data=(x, y),
+                      val_data=(x, y), loss=zoo.gpt_loss, steps=4, batch_size=8)  # fmt: skip
+    group = FusedGroup(task, [(0, {}, 0)], ratio=2)
+    args, _, _ = task.split(next(group.members[0].batches), "cpu")
+    build = lambda n: group.builder.make({}, 0)  # noqa: E731
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        estimate_memory(build, lambda n: args, 1, device="meta")
+    size = fuse_size(task, {}, ratio=2, memory=1.0)
+    assert size.per_trial == estimate_memory(build, lambda n: args, 1, device="cpu")
+    weights = sum(p.numel() * p.element_size() for p in group.fused.parameters())
+    assert size.per_trial > 4 * weights and size.n == MAX_FUSE
+
+
 def test_the_budget_decides_n():
     task = make_task()
     b = per_trial(task)

@@ -4,7 +4,8 @@ Memory of a fused training step grows linearly with the trials it fuses: ``fixed
 per_trial``. On a GPU both terms are measured (the peak memory of one real fused step at n = 1
 and n = 2); on the CPU one surrogate's step is estimated on the ``meta`` device
 (:func:`hydro_fluid.profile.estimate_memory`: weights, gradients, optimizer state, what
-autograd saves, the batch), since nothing there grows with n but the trials. The size is the
+autograd saves, the batch; counted over one real CPU forward where the meta device cannot
+propagate the model's shapes), since nothing there grows with n but the trials. The size is the
 most trials whose step fits ``MARGIN`` of the memory budget, capped by the trials the study
 still has to ask and by :data:`MAX_FUSE`. If a group still runs out of memory, it is halved
 and nothing is lost (the driver in process, the executors in workers).
@@ -12,6 +13,7 @@ and nothing is lost (the driver in process, the executors in workers).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -23,7 +25,8 @@ import torch
 from hydro.errors import ConfigError
 from hydro.tuning.task import Task
 
-__all__ = ["FuseSize", "MAX_FUSE", "check_fuse", "check_memory", "fuse_size", "memory_budget"]
+__all__ = ["FuseSize", "MAX_FUSE", "check_fuse", "check_memory", "fuse_size", "fuse_sizes",
+           "memory_budget"]  # fmt: skip
 
 GIB = 1024**3
 # Beyond this many trials a fused CPU step stops getting cheaper per trial
@@ -192,14 +195,17 @@ def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # no
     from hydro_fluid.profile import estimate_memory
 
     # one probe group builds the surrogate (capture, width analysis); its step is estimated on
-    # the meta device, where a fused model cannot run but a single surrogate can
+    # the meta device, where a fused model cannot run (it reads values) but a surrogate can
     group = FusedGroup(task, members[:1], ratio=ratio, device="cpu", depth_ratio=depth[0],
                        depth_alpha=depth[1])  # fmt: skip
     args, _, _ = task.split(next(group.members[0].batches), "cpu")
     slots = OPTIMIZER_SLOTS.get(task.optimizer, 2)
-    per_trial = estimate_memory(lambda n: group.builder.make(dict(params), seed), lambda n: args,
-                                1, optimizer_slots=slots)  # fmt: skip
-    return 0, per_trial
+    count = functools.partial(estimate_memory, lambda n: group.builder.make(dict(params), seed),
+                              lambda n: args, 1, optimizer_slots=slots)  # fmt: skip
+    try:
+        return 0, count(device="meta")
+    except RuntimeError:  # a view the meta device's strides refuse: count over a real forward
+        return 0, count(device="cpu")
 
 
 def _peak(task, members, ratio, device, depth) -> int:  # noqa: ANN001
