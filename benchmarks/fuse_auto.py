@@ -2,10 +2,10 @@
 
 For each example (the character-level GPT of examples/charlm, the CNN of examples/cnn, the MLP
 of examples.models), a fused group of n surrogates trains a few steps at each n of ``--sizes``;
-the table gives trials-steps per second (the median of ``--repeats`` runs, all measured side by
-side in this one run), the size ``fuse="auto"`` picks (:func:`hydro.tuning.sizing.fuse_size`,
-not capped by any study's trial count), and its throughput as a fraction of the best measured
-(the target: at least 0.5, i.e. within 2x).
+the table gives trial-steps per second (the median of ``--repeats`` windows of ``--steps``
+steps, all measured side by side in this one run), the size ``fuse="auto"`` picks
+(:func:`hydro.tuning.sizing.fuse_size`, not capped by any study's trial count), and its
+throughput as a fraction of the best measured (the target: at least 0.5, i.e. within 2x).
 
     python benchmarks/fuse_auto.py                      # every example, sizes 1..64
     python benchmarks/fuse_auto.py --examples mlp --sizes 1,8,64 --repeats 3 --steps 3
@@ -50,15 +50,19 @@ def example(name: str) -> tuple[Task, dict, int]:
     return cfg.task, dict(trial.params), int(cfg.ratio)
 
 
-def throughput(task: Task, params: dict, ratio: int, n: int, steps: int) -> float:
-    """Trial-steps per second of a fused group of ``n`` trials (after two warm-up steps)."""
+def throughput(task: Task, params: dict, ratio: int, n: int, steps: int, repeats: int) -> float:
+    """Trial-steps per second of a fused group of ``n`` trials: the median over ``repeats``
+    windows of ``steps`` steps, after two warm-up steps."""
     group = FusedGroup(task, [(k, dict(params), k) for k in range(n)], ratio=ratio)
     for _ in range(2):
         group.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        group.step()
-    return n * steps / (time.perf_counter() - start)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            group.step()
+        rates.append(n * steps / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def main() -> None:
@@ -71,14 +75,14 @@ def main() -> None:
     warnings.simplefilter("ignore")  # width-floor advice about the examples' ratios
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"torch threads {torch.get_num_threads()}; trial-steps/s, median of {args.repeats}")
+    print(f"torch threads {torch.get_num_threads()}; trial-steps/s, median of {args.repeats} "
+          f"windows of {args.steps} steps")  # fmt: skip
     print(f"{'example':8} {'n':>4} {'trial-steps/s':>14} {'of best':>8}")
     for name in args.examples.split(","):
         task, params, ratio = example(name)
         auto = fuse_size(task, params, ratio=ratio)
         measured = sorted(set(sizes) | {auto.n})
-        rates = {n: statistics.median(throughput(task, params, ratio, n, args.steps)
-                                      for _ in range(args.repeats)) for n in measured}  # fmt: skip
+        rates = {n: throughput(task, params, ratio, n, args.steps, args.repeats) for n in measured}
         best = max(rates.values())
         for n in measured:
             mark = "  <- auto" if n == auto.n else ""
