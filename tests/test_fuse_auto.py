@@ -279,3 +279,59 @@ def test_out_of_memory_with_a_single_trial_fails_it_with_the_reason():
     assert len(trials) == 3 and all(t.state == TrialState.FAIL for t in trials)
     assert all("out of memory even with a single trial: MemoryError" in t.user_attrs["fail_reason"]
                for t in trials)  # fmt: skip
+
+
+def test_on_local_workers_each_worker_is_sized_for_its_share():
+    """Two CPU workers share the RAM: the default budget of a group is half of one alone, and
+    the groups the workers train have the key's size."""
+    from hydro_fluid import LocalExecutor
+    from tests.test_continuous import make_task as picklable_task
+
+    task = picklable_task(steps=4)
+    s = study()
+    optimize(s, task, LR, 4, ratio=2, fuse="auto", executor=LocalExecutor(devices=[],
+             num_workers=2), seed=0)  # fmt: skip
+    trials = s.get_trials()
+    assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+    (size,) = s.user_attrs["hydro_fuse"]["sizes"]
+    assert (size["device"], size["n"], size["limit"]) == ("cpu", 4, "trials")
+    alone = memory_budget("cpu")[0]
+    assert size["budget_bytes"] == pytest.approx(alone / 2, rel=0.2)
+    assert {t.user_attrs["fused"] for t in trials} == {4}
+
+
+TOY = """
+import torch
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
+    return {"train": (x[:64], y[:64]), "val": (x[64:], y[64:])}
+
+def model(width=64):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 3))
+"""
+
+
+def test_hydro_tune_without_fuse_prints_auto_and_exports_it(tmp_path, monkeypatch, capsys):
+    from hydro.cli import main
+
+    (tmp_path / "toyfuse.py").write_text(TOY)
+    (tmp_path / "tune.yaml").write_text(
+        "storage: sqlite:///toy.db\ntrials: 3\nratio: 2\n"
+        "task: {model: 'toyfuse:model', data: 'toyfuse:data', steps: 4, eval_every: 2}\n"
+        "space: {lr: {type: float, low: 1.0e-3, high: 1.0e-1, log: true}}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["tune", "tune.yaml", "-o", "best.yaml"]) == 0
+    err = capsys.readouterr().err
+    assert "fuse auto (trials per fused group from the device's memory, per key)" in err
+    assert "fuse auto -> 3 per group on cpu (" in err and "capped by the trials left" in err
+    prov = yaml.safe_load((tmp_path / "best.yaml").read_text())["provenance"]
+    assert prov["fused"] == 3 and prov["fuse"]["sizes"][0]["n"] == 3
+    assert main(["export", "-o", "again.json"]) == 0
+    assert '"fuse": "auto"' in (tmp_path / "again.json").read_text()

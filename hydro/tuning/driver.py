@@ -526,6 +526,7 @@ class _Fleet(_Stream):
     def _assign(self, t: optuna.Trial, params: dict, name: str, slot: int) -> tuple:
         t.set_user_attr("group", self.gids[name])
         t.set_user_attr("slot", slot)
+        t.set_user_attr("fused", self.fuse_for(self.keys[name]))
         self.owner[t.number], self.params[t.number] = name, params
         return (t.number, params, self.seed + t.number)
 
