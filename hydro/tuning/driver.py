@@ -415,6 +415,7 @@ def run_group(
         t.set_user_attr("slot", slot)
         t.set_user_attr("fused", stream.fuse_for(key))
     source = _InProcess(stream, gid, {t.number: (t, p) for t, p in members}, refill=refill)
+    group = None
     try:
         group = FusedGroup(stream.task, [(t.number, p, stream.seed + t.number)
                                          for t, p in members], ratio=stream.ratio,
@@ -422,12 +423,14 @@ def run_group(
                            depth_alpha=stream.depth[1])  # fmt: skip
         train_slots(group, source, fuse=stream.fuse_for(key),
                     joined={t.number: time.perf_counter() for t, _ in members})  # fmt: skip
+        return
     except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
         stream.out_of_memory(key, list(source.trials.values()), exc)
-        group = None  # its memory goes back before the next group is built
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    # the exception (and the frames it kept) is gone: free the group's memory before the next
+    del group
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class _InProcess:
