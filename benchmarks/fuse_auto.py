@@ -3,7 +3,7 @@
 For each example (the character-level GPT of examples/charlm, the CNN of examples/cnn, the MLP
 of examples.models), a fused group of n surrogates trains a few steps at each n of ``--sizes``;
 the table gives trial-steps per second (the median of ``--repeats`` windows of ``--steps``
-steps, all measured side by side in this one run), the size ``fuse="auto"`` picks
+steps, every size timed in turn in each round of this one run), the size ``fuse="auto"`` picks
 (:func:`hydro.tuning.sizing.fuse_size`, not capped by any study's trial count), and its
 throughput as a fraction of the best measured (the target: at least 0.5, i.e. within 2x).
 
@@ -50,19 +50,24 @@ def example(name: str) -> tuple[Task, dict, int]:
     return cfg.task, dict(trial.params), int(cfg.ratio)
 
 
-def throughput(task: Task, params: dict, ratio: int, n: int, steps: int, repeats: int) -> float:
-    """Trial-steps per second of a fused group of ``n`` trials: the median over ``repeats``
-    windows of ``steps`` steps, after two warm-up steps."""
-    group = FusedGroup(task, [(k, dict(params), k) for k in range(n)], ratio=ratio)
-    for _ in range(2):
-        group.step()
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
+def throughputs(task: Task, params: dict, ratio: int, sizes: list[int], steps: int,
+                repeats: int) -> dict[int, float]:  # fmt: skip
+    """Trial-steps per second of a fused group of each size: the median over ``repeats``
+    windows of ``steps`` steps. The groups are built (and warmed up) first, then timed in
+    turn, one window each per round, so that a change in the machine's load hits every size."""
+    groups = {n: FusedGroup(task, [(k, dict(params), k) for k in range(n)], ratio=ratio)
+              for n in sizes}  # fmt: skip
+    for group in groups.values():
+        for _ in range(2):
             group.step()
-        rates.append(n * steps / (time.perf_counter() - start))
-    return statistics.median(rates)
+    rates: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n, group in groups.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                group.step()
+            rates[n].append(n * steps / (time.perf_counter() - start))
+    return {n: statistics.median(r) for n, r in rates.items()}
 
 
 def main() -> None:
@@ -82,7 +87,7 @@ def main() -> None:
         task, params, ratio = example(name)
         auto = fuse_size(task, params, ratio=ratio)
         measured = sorted(set(sizes) | {auto.n})
-        rates = {n: throughput(task, params, ratio, n, args.steps, args.repeats) for n in measured}
+        rates = throughputs(task, params, ratio, measured, args.steps, args.repeats)
         best = max(rates.values())
         for n in measured:
             mark = "  <- auto" if n == auto.n else ""
