@@ -29,8 +29,8 @@ __all__ = ["FuseSize", "MAX_FUSE", "check_fuse", "check_memory", "fuse_size", "f
            "memory_budget"]  # fmt: skip
 
 GIB = 1024**3
-# Beyond this many trials a fused CPU step stops getting cheaper per trial
-# (benchmarks/fuse_auto.py) while the pruner waits longer for its first complete trials.
+# The largest size measured on the CPU examples (benchmarks/fuse_auto.py: within 2x of the best
+# there); a larger group also makes the pruner wait longer for its first complete trials.
 MAX_FUSE = 64
 MARGIN = 0.8  # of the budget, for what an estimate misses: allocator slack, temporaries
 # of the memory free at start that a default budget takes: RAM is shared with everything else
