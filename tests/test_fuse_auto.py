@@ -159,12 +159,14 @@ def test_auto_in_a_study_prints_stores_and_exports(tmp_path, capsys):
     assert prov["fused"] == sizes[s.best_trial.params["width"]]["n"]
 
 
-def test_auto_size_never_exceeds_the_trials_asked():
-    s = study()
-    optimize(s, make_task(), LR, 3, ratio=2, fuse="auto")
-    (size,) = s.user_attrs["hydro_fuse"]["sizes"]
-    assert (size["n"], size["limit"]) == (3, "trials")
-    assert {t.user_attrs["fused"] for t in s.trials} == {3}
+def test_hydro_tune_auto_never_exceeds_the_trials_asked(tmp_path):
+    result = hydro.tune(make_task(), LR, n_trials=3, ratio=2, fuse="auto", fuse_memory=1.0,
+                        storage=f"sqlite:///{tmp_path / 'auto.db'}")  # fmt: skip
+    (size,) = result.study.user_attrs["hydro_fuse"]["sizes"]
+    assert (size["n"], size["limit"], size["budget_bytes"]) == (3, "trials", GIB)
+    assert {t.user_attrs["fused"] for t in result.study.trials} == {3}
+    prov = result.export(tmp_path / "best.json")["provenance"]
+    assert prov["fuse"]["sizes"] == [size] and prov["fused"] == 3
 
 
 @pytest.mark.parametrize(
