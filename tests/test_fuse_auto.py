@@ -83,6 +83,19 @@ def test_a_model_the_meta_device_cannot_run_is_counted_on_the_cpu():
     assert size.per_trial > 4 * weights and size.n == MAX_FUSE
 
 
+def test_keyword_inputs_are_counted_like_positional_ones():
+    """A model called with keyword inputs (dict batches, as HuggingFace models are) is sized
+    exactly as the same model and data given positionally."""
+    from tests.test_task import keyword_data, model
+
+    d = keyword_data()
+    as_tuple = ((d["input_ids"], d["attention_mask"]), d["labels"])
+    sizes = [fuse_size(hydro.Task(model=model(), train_data=data, val_data=data, batch_size=16),
+                       {"lr": 1e-2}, ratio=2, memory=1.0).per_trial
+             for data in (d, as_tuple)]  # fmt: skip
+    assert sizes[0] == sizes[1] > 16 * 6 * 8 * 2  # more than the inputs alone
+
+
 def test_the_budget_decides_n():
     task = make_task()
     b = per_trial(task)

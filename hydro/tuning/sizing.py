@@ -13,7 +13,6 @@ and nothing is lost (the driver in process, the executors in workers).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Sequence
@@ -198,14 +197,33 @@ def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # no
     # the meta device, where a fused model cannot run (it reads values) but a surrogate can
     group = FusedGroup(task, members[:1], ratio=ratio, device="cpu", depth_ratio=depth[0],
                        depth_alpha=depth[1])  # fmt: skip
-    args, _, _ = task.split(next(group.members[0].batches), "cpu")
+    args, kwargs, _ = task.split(next(group.members[0].batches), "cpu")
+
+    def surrogate(n: int) -> torch.nn.Module:
+        return _Call(group.builder.make(dict(params), seed), len(args), list(kwargs))
+
+    def inputs(n: int) -> tuple:
+        return (*args, *kwargs.values())
+
     slots = OPTIMIZER_SLOTS.get(task.optimizer, 2)
-    count = functools.partial(estimate_memory, lambda n: group.builder.make(dict(params), seed),
-                              lambda n: args, 1, optimizer_slots=slots)  # fmt: skip
     try:
-        return 0, count(device="meta")
-    except RuntimeError:  # a view the meta device's strides refuse: count over a real forward
-        return 0, count(device="cpu")
+        return 0, estimate_memory(surrogate, inputs, 1, device="meta", optimizer_slots=slots)
+    except Exception:  # noqa: BLE001 - an op the meta device cannot run, or a view its strides
+        # refuse (SDPA's output): count the same over one real forward
+        return 0, estimate_memory(surrogate, inputs, 1, device="cpu", optimizer_slots=slots)
+
+
+class _Call(torch.nn.Module):
+    """A surrogate called with its batch's keyword inputs passed positionally, so that
+    :func:`estimate_memory` moves and counts them with the others."""
+
+    def __init__(self, model: torch.nn.Module, positional: int, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.positional, self.names = model, positional, names
+
+    def forward(self, *inputs: Any) -> Any:
+        k = self.positional
+        return self.model(*inputs[:k], **dict(zip(self.names, inputs[k:])))
 
 
 def _peak(task, members, ratio, device, depth) -> int:  # noqa: ANN001
