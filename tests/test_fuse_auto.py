@@ -132,6 +132,18 @@ def test_each_device_gets_its_own_size_for_its_share():
         assert set(both) == {"cuda:0", "cpu"} and both["cuda:0"].per_trial != b
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU this process cannot see")
+def test_a_gpu_this_process_cannot_see_is_sized_from_fuse_memory():
+    """A Ray cluster's GPUs: without fuse_memory a clear error; with it, the CPU's estimate."""
+    task = make_task()
+    with pytest.raises(ConfigError, match="give fuse a number of trials, or fuse_memory"):
+        fuse_size(task, {"lr": 1e-2}, ratio=2, device="cuda")
+    b = per_trial(task)
+    size = fuse_size(task, {"lr": 1e-2}, ratio=2, device="cuda", memory=5.5 * b / MARGIN / GIB)
+    assert (size.n, size.per_trial, size.device) == (5, b, "cuda")
+    assert size.capacity == size.budget and " of " in size.describe()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_bytes_are_measured_at_one_and_two_trials():
     task = make_task()

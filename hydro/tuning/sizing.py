@@ -143,7 +143,8 @@ def fuse_size(
         device: ``"cpu"`` or ``"cuda:N"``.
         remaining: trials the study still has to ask (the size never exceeds it).
         memory: GiB one group may use; default a share of the free memory
-            (:func:`memory_budget`).
+            (:func:`memory_budget`). Required for a GPU this process cannot see (a Ray
+            cluster's): the CPU's estimate is then sized against it.
         share: groups that use the device at once (worker slots on it).
         depth: ``(depth_ratio, depth_alpha)`` of the surrogates.
         seed: the seed the probe surrogates are built from.
@@ -151,12 +152,17 @@ def fuse_size(
     Raises:
         ConfigError: not even one trial fits the budget.
     """
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    unseen = device.startswith("cuda") and not torch.cuda.is_available()
+    if unseen and memory is None:
         raise ConfigError(f"fuse='auto' measures groups for {device} on a GPU of this process, "
                           "which sees none (a Ray cluster's GPUs are elsewhere): give fuse a "
-                          "number of trials")  # fmt: skip
-    budget, capacity = memory_budget(device, memory, share)
-    fixed, per_trial = _measure(task, params, ratio, device, depth, seed)
+                          "number of trials, or fuse_memory (GiB of a GPU per group) to size "
+                          "them from the CPU estimate")  # fmt: skip
+    if unseen:  # a GPU elsewhere: the CPU's estimate against the budget given for it
+        budget = capacity = int(memory * GIB)
+    else:
+        budget, capacity = memory_budget(device, memory, share)
+    fixed, per_trial = _measure(task, params, ratio, "cpu" if unseen else device, depth, seed)
     room = MARGIN * budget - fixed
     if room < per_trial:
         raise ConfigError(
