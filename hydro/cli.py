@@ -142,6 +142,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         device=args.device, depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha,
         policy=args.policy, deadline=args.deadline,
         checkpoint_dir=args.checkpoint_dir,
+        fuse_memory=args.fuse_memory,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -163,14 +164,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     before = len(study.trials)
     print(f"study '{cfg.study}' in {cfg.storage or 'sqlite:///hydro.db'}: {before} trials so far, "
           f"target {cfg.trials}; ratio {cfg.ratio}{' (auto)' if auto else ''}"
-          f"{f', depth ratio {cfg.depth_ratio}' if cfg.depth_ratio > 1 else ''}, {cfg.fuse} "
-          "trials per fused group",
+          f"{f', depth ratio {cfg.depth_ratio}' if cfg.depth_ratio > 1 else ''}, "
+          + (f"{cfg.fuse} trials per fused group" if cfg.fuse != "auto" else
+             "fuse auto (trials per fused group from the device's memory, per key)"),
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
              seed=cfg.seed, progress=True, executor=executor, device=cfg.device,
              depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
              first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline,
-             checkpoint_dir=cfg.checkpoint_dir)  # fmt: skip
+             checkpoint_dir=cfg.checkpoint_dir, fuse_memory=cfg.fuse_memory)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
@@ -283,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, help="trials to finish")
     p.add_argument("--ratio", type=_ratio, help="surrogate width divisor, or 'auto' (default, "
                    "unless the config sets one): the largest within the width floors")  # fmt: skip
-    p.add_argument("--fuse", type=int, help="trials per fused group")
+    p.add_argument("--fuse", type=_ratio, help="trials per fused group, or 'auto' (default, "
+                   "unless the config sets one): as many as fit the device's memory")  # fmt: skip
+    p.add_argument("--fuse-memory", type=float, help="with fuse auto: GiB one fused group may "
+                   "use (default: half the free RAM, 90%% of a GPU's free memory)")  # fmt: skip
     p.add_argument("--executor", choices=["inline", "local", "ray"], default=None,
                    help="where groups train: this process (default), local worker processes, "
                    "or a Ray cluster (RAY_ADDRESS, else a local one)")  # fmt: skip

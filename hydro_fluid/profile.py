@@ -32,15 +32,17 @@ def estimate_memory(
 
     On ``"meta"`` (the default, nothing is allocated) the estimate is analytic: weights,
     their gradients, ``optimizer_slots`` optimizer states per weight (2 for Adam, 0 for plain
-    SGD) and the activations that backward keeps (the output of every leaf module, found by
-    propagating shapes through a forward pass), plus the inputs. On a CUDA device it is the
+    SGD), the activations that backward keeps (every tensor autograd saves in a forward pass
+    on ``meta``, each once, and the outputs), plus the inputs. On ``"cpu"`` the same is counted
+    over a real forward pass, for a model whose shapes the meta device cannot propagate (a
+    ``view`` of a tensor whose meta strides differ from the CPU's). On a CUDA device it is the
     measured peak of allocated memory over a real forward, backward and Adam step.
 
     Args:
         build: ``build(n)`` returns the fused model of ``n`` trials (on the CPU).
         batch: ``batch(n)`` returns the model's input for ``n`` trials: a tensor or a tuple.
         n: The fusion size.
-        device: ``"meta"`` or a CUDA device such as ``"cuda:0"``.
+        device: ``"meta"``, ``"cpu"`` or a CUDA device such as ``"cuda:0"``.
         optimizer_slots: Optimizer tensors per weight (analytic mode only).
 
     Example:
@@ -53,12 +55,12 @@ def estimate_memory(
     """
     if n < 1:
         raise ValueError(f"The fusion size n must be >= 1, got {n}.")
-    if device == "meta":
-        return _analytic(build, batch, n, optimizer_slots)
+    if device in ("meta", "cpu"):
+        return _analytic(build, batch, n, optimizer_slots, device)
     if not str(device).startswith("cuda"):
         raise ValueError(
-            f"estimate_memory measures on 'meta' (analytic) or a CUDA device, got {device!r}; "
-            "use 'meta' for CPU training."
+            f"estimate_memory counts on 'meta' or 'cpu' (analytic) or measures on a CUDA "
+            f"device, got {device!r}; use 'meta' for CPU training."
         )
     return _measured(build, batch, n, torch.device(device))
 
@@ -139,26 +141,33 @@ def _as_args(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _analytic(build: BuildFn, batch: BatchFn, n: int, optimizer_slots: int) -> int:
-    with torch.device("meta"):
+def _analytic(build: BuildFn, batch: BatchFn, n: int, optimizer_slots: int, where: str) -> int:
+    if where == "meta":
+        with torch.device("meta"):
+            model = build(n)
+        model = model.to("meta")
+    else:
         model = build(n)
-    model = model.to("meta")
-    inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in _as_args(batch(n))]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    activations = 0
+    inputs = [t.to(where) if isinstance(t, torch.Tensor) else t for t in _as_args(batch(n))]
+    params = [p for p in model.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    # what backward keeps is what autograd saves: count each saved tensor once, and neither the
+    # weights (counted above, also when saved as a transposed view) nor the inputs (below)
+    known = {id(t) for t in [*params, *_tensors(inputs)]}
+    saved: dict[int, torch.Tensor] = {}
 
-    def keep(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        nonlocal activations
-        activations += sum(t.numel() * t.element_size() for t in _tensors(output))
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        if id(t) not in known and id(base) not in known:
+            saved.setdefault(id(base), base)
+        return t
 
-    leaves = [m for m in model.modules() if not list(m.children())]
-    hooks = [m.register_forward_hook(keep) for m in leaves]
-    try:
-        model(*inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = model(*inputs)
+    kept = {id(t): t for t in _tensors(output) if id(t) not in known}  # the loss reads them
+    kept.update(saved)
+    activations = sum(t.numel() * t.element_size() for t in kept.values())
     data = sum(t.numel() * t.element_size() for t in _tensors(inputs))
     return weights * (2 + optimizer_slots) + frozen + activations + data
 

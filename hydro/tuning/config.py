@@ -24,7 +24,8 @@ from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
-            "depth_alpha", "first_group", "policy", "deadline", "checkpoint_dir"}  # fmt: skip
+            "depth_alpha", "first_group", "policy", "deadline", "checkpoint_dir",
+            "fuse_memory"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every"}  # fmt: skip
@@ -54,7 +55,7 @@ class TuneConfig:
     storage: str | None
     trials: int
     ratio: int | str  # 'auto' until cmd_tune resolves it
-    fuse: int
+    fuse: int | str  # 'auto': sized per key to the device's memory (hydro.tuning.sizing)
     seed: int
     verify_top_k: int
     task: Task
@@ -68,6 +69,7 @@ class TuneConfig:
     policy: str = "dynamic"
     deadline: float | None = None
     checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
+    fuse_memory: float | None = None  # GiB per fused group for fuse 'auto'
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -154,7 +156,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         storage=raw.get("storage"),
         trials=_int(raw.get("trials", 32), "trials", path),
         ratio=_ratio(raw.get("ratio", "auto"), path),
-        fuse=_int(raw.get("fuse", 16), "fuse", path),
+        fuse=_fuse(raw.get("fuse", "auto"), path),
         seed=seed,
         verify_top_k=_int(raw.get("verify_top_k", 0), "verify_top_k", path, minimum=0),
         task=task,
@@ -168,8 +170,9 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         policy=raw.get("policy", "dynamic"),
         deadline=raw.get("deadline"),
         checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
+        fuse_memory=_fuse_memory(raw.get("fuse_memory"), path),
     )
-    if cfg.first_group > cfg.fuse:
+    if isinstance(cfg.fuse, int) and cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
                           f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
     return cfg
@@ -294,6 +297,18 @@ def _ratio(value: Any, path: str) -> int | str:
         return value
     raise ConfigError(f"{path}: ratio must be 'auto' or an integer >= 1 (2, 4, 8...), got "
                       f"{value!r}")  # fmt: skip
+
+
+def _fuse(value: Any, path: str) -> int | str:
+    from hydro.tuning.sizing import check_fuse
+
+    return check_fuse(value, where=f"{path}: fuse")
+
+
+def _fuse_memory(value: Any, path: str) -> float | None:
+    from hydro.tuning.sizing import check_memory
+
+    return check_memory(value, where=f"{path}: fuse_memory")
 
 
 def _alpha(value: Any, path: str) -> float:

@@ -12,22 +12,25 @@ Its example is in :mod:`hydro.integrations.optuna`.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
 import optuna
+import torch
 from optuna.trial import TrialState
 
 from hydro.errors import ConfigError, HydroWarning
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, check_device, group_key
 from hydro.tuning.progress import Progress
+from hydro.tuning.sizing import MAX_FUSE, FuseSize, check_fuse, check_memory, fuse_sizes
 from hydro.tuning.slots import (
     Occupancy,
     _stream_in_worker,
@@ -72,7 +75,7 @@ def optimize(
     n_trials: int = 16,
     *,
     ratio: int = 8,
-    fuse: int = 16,
+    fuse: int | str = 16,
     seed: int = 0,
     device: str = "cpu",
     progress: bool = False,
@@ -86,6 +89,7 @@ def optimize(
     policy: str = "dynamic",
     deadline: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
+    fuse_memory: float | None = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -117,7 +121,13 @@ def optimize(
             a callback that suggests its own parameters.
         n_trials: finished trials (COMPLETE, PRUNED or FAIL) the study should have.
         ratio: surrogate width divisor.
-        fuse: trials per fused group.
+        fuse: trials per fused group, or ``"auto"``: for each (batch size, architecture) key,
+            as many as fit the device's memory (:func:`hydro.tuning.sizing.fuse_size`;
+            measured on a GPU, estimated on the CPU), at most the trials left to ask and
+            :data:`~hydro.tuning.sizing.MAX_FUSE`; with an executor, the smallest size over
+            its devices. Each size is printed with ``progress`` and kept in the study's
+            ``hydro_fuse`` user attribute. A group that runs out of memory anyway is halved
+            and its trials start again in the smaller groups; none is lost.
         seed: base seed (a trial's initialization and data seed is ``seed + trial.number``;
             a trial re-asked after its tuner died keeps its predecessor's, ``hydro_seed``).
         device: where groups train.
@@ -166,12 +176,15 @@ def optimize(
             SQLite file (``hydro.db.checkpoints``); a storage without a file (in memory, a
             database server) keeps none unless this is given (for a server, a directory
             every tuner sees). A trial's checkpoint is removed once it is told.
+        fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default: a share
+            of the memory free at start (:func:`hydro.tuning.sizing.memory_budget`).
     """
-    if not isinstance(fuse, int) or fuse < 1:
-        raise ConfigError(f"fuse must be a positive integer, got {fuse!r}")
+    fuse = check_fuse(fuse)
+    fuse_memory = check_memory(fuse_memory)
+    most = MAX_FUSE if fuse == "auto" else fuse
     if isinstance(first_group, bool) or not isinstance(first_group, int) \
-            or not 0 <= first_group <= fuse:  # fmt: skip
-        raise ConfigError(f"first_group must be an integer from 0 to fuse ({fuse}), got "
+            or not 0 <= first_group <= most:  # fmt: skip
+        raise ConfigError(f"first_group must be an integer from 0 to fuse ({most}), got "
                           f"{first_group!r}")  # fmt: skip
     check_depth(depth_ratio, depth_alpha)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -208,6 +221,7 @@ def optimize(
         study.set_user_attr("hydro_occupancy", None)  # describes the last run only
     if study.user_attrs.get("hydro_sampler_exhausted"):
         study.set_user_attr("hydro_sampler_exhausted", False)  # a new run may bring a new sampler
+    study.set_user_attr("hydro_fuse", {"fuse": fuse, "sizes": []})  # sizes: as keys appear
     if checkpoint_every is None:
         checkpoint_every = getattr(task_or_callback, "checkpoint_every", None)
         checkpoint_every = 50 if checkpoint_every is None else checkpoint_every  # 0: never
@@ -216,7 +230,7 @@ def optimize(
     checkpoints = _trial_checkpoints(study, checkpoint_dir) if checkpoint_every else None
     start = time.perf_counter()
     bar = Progress(study, n_trials, _finished) if progress else None
-    occupancy = Occupancy(fuse)
+    occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
         _sweep_checkpoints(study, checkpoints)
     with _Heartbeat(study) as heart:
@@ -242,11 +256,15 @@ def optimize(
                         heart, bar, start, timeout, occupancy, depth)  # fmt: skip
                 keep = {"checkpoints": checkpoints, "every": checkpoint_every}
                 if is_task and executor is None:
-                    _Stream(*args, first_group=first_group, **keep).run()
+                    _Stream(*args, first_group=first_group, fuse_memory=fuse_memory,
+                            **keep).run()  # fmt: skip
                 elif is_task:
                     _Fleet(*args, executor=executor, world_size=world_size, policy=policy,
-                           deadline=deadline, **keep).run()  # fmt: skip
+                           deadline=deadline, fuse_memory=fuse_memory, **keep).run()  # fmt: skip
                 else:
+                    if fuse == "auto":
+                        raise ConfigError("fuse='auto' sizes Hydro's fused groups: with a group "
+                                          "callback, give fuse a number")  # fmt: skip
                     trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
                         _run_batch(study, task_or_callback, space, trials, heart)
@@ -309,7 +327,7 @@ class _Stream:
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
                  start, timeout, occupancy, depth=(1, 1.0), first_group=0, checkpoints=None,
-                 every=0) -> None:  # noqa: ANN001  # fmt: skip
+                 every=0, fuse_memory=None) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -326,9 +344,60 @@ class _Stream:
         self.key_of: dict[int, tuple] = {}  # trial -> its key, for the trials asked here
         self.refills = True  # freed slots take new trials (False: an evaluation phase)
         self.built: dict[tuple, FusedGroup] = {}  # key -> its last group built here
+        self.fuse_memory = fuse_memory  # GiB per group for fuse="auto"; None: a share of free
+        self.key_sizes: dict[tuple, int] = {}  # per key: sized by "auto", or halved after an OOM
+        self.key_memory: dict[tuple, float] = {}  # per key, with "auto": GiB one trial adds
 
     def run(self) -> None:
         self._guard(self._groups)
+
+    def devices(self) -> list[str]:
+        """Where this source's groups train, one entry per group that trains at once."""
+        return [self.device]
+
+    def fuse_for(self, key: tuple, params: dict | None = None) -> int:
+        """Trials per fused group of ``key``: ``fuse``, or with ``fuse="auto"`` the size that
+        fits every device (measured when the key first appears, from ``params`` of one of its
+        trials); smaller after one of its groups ran out of memory."""
+        if key in self.key_sizes:
+            return self.key_sizes[key]
+        if self.fuse != "auto":
+            return self.fuse
+        if params is None:
+            raise RuntimeError(f"fuse='auto': key {key[0]!r} is sized from a trial's parameters")
+        finished, _ = _counts(self.study)
+        sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
+                           remaining=self.n_trials - finished, memory=self.fuse_memory,
+                           depth=self.depth, seed=self.seed)  # fmt: skip
+        self.key_sizes[key] = min(s.n for s in sizes.values())
+        self.key_memory[key] = max(s.per_trial for s in sizes.values()) / 2**30  # GiB
+        self._announce(params, sizes.values())
+        return self.key_sizes[key]
+
+    def _announce(self, params: dict, sizes: Iterable[FuseSize]) -> None:
+        """Print each size (with a progress bar) and keep it in the study's ``hydro_fuse``."""
+        args = {k: params[k] for k in sorted(self.task.model_args()) if k in params}
+        key = {"batch_size": params.get("batch_size", self.task.batch_size), "model_args": args}
+        record = dict(self.study.user_attrs.get("hydro_fuse") or {"fuse": "auto", "sizes": []})
+        for size in sizes:
+            record["sizes"] = [*record["sizes"], {**key, **size.as_dict()}]
+            if self.bar is not None:
+                self.bar.note(f"{size.describe()}: batch size {key['batch_size']}"
+                              + "".join(f", {k} {v}" for k, v in args.items()))  # fmt: skip
+        self.study.set_user_attr("hydro_fuse", record)
+        self.occupancy.fuse = max(self.occupancy.fuse, *self.key_sizes.values())
+
+    def out_of_memory(self, key: tuple, live: list[tuple[optuna.Trial, dict]],
+                      exc: BaseException) -> None:  # fmt: skip
+        """A group of ``key`` ran out of memory with ``live`` trials: later groups of the key
+        fuse half as many, and those trials wait to start afresh in them; a lone trial fails."""
+        if len(live) < 2:
+            for t, _ in live:
+                self.tell(t, Outcome("fail", None, 0, f"out of memory even with a single trial: "
+                                     f"{type(exc).__name__}: {exc}"[:500]), None)  # fmt: skip
+            return
+        self.key_sizes[key] = (len(live) + 1) // 2  # as the executors split a group
+        self.pending[key] = [*live, *self.pending.get(key, [])]
 
     def _groups(self) -> None:
         complete = len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -337,8 +406,8 @@ class _Stream:
         self._train()
 
     def size(self, key: tuple) -> int:
-        """How many trials of ``key`` fill this process's device: ``fuse`` for every key."""
-        return self.fuse
+        """How many trials of ``key`` fill this process's device (:meth:`fuse_for`)."""
+        return self.fuse_for(key)
 
     def _load(self, numbers: Any) -> Fraction:
         """The part of the device the trials ``numbers`` take (1: full)."""
@@ -359,8 +428,12 @@ class _Stream:
             # round trains
             live, asking = sum(g.group.n for g in self.live.values()), self.asking
             for key, g in list(self.live.items()):
-                step_slots(g.group, g, fuse=self.size(key), joined=g.joined,
-                           checkpoints=self.checkpoints)  # fmt: skip
+                try:
+                    step_slots(g.group, g, fuse=self.size(key), joined=g.joined,
+                               checkpoints=self.checkpoints)  # fmt: skip
+                except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
+                    self._out_of_memory(key, exc)
+                    continue
                 save_trials(g.group, self.checkpoints, self.every)
                 if not g.group.n:
                     del self.live[key]
@@ -398,11 +471,33 @@ class _Stream:
                 del self.pending[key]
             if not fits:
                 continue
-            if key in self.live:
-                for t, params in fits:
-                    self.live[key].add(t, params)
-            else:
-                self.live[key] = start_group(self, fits, refill=self.refills)
+            try:
+                if key in self.live:
+                    for t, params in fits:
+                        self.live[key].add(t, params)
+                else:
+                    self.live[key] = start_group(self, fits, refill=self.refills)
+            except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
+                self.pending.setdefault(key, [])[:0] = \
+                    [f for f in fits if f[0].number not in self._members(key)]  # fmt: skip
+                self._out_of_memory(key, exc)
+
+    def _members(self, key: tuple) -> set[int]:
+        g = self.live.get(key)
+        return set() if g is None else {m.id for m in g.group.members}
+
+    def _out_of_memory(self, key: tuple, exc: BaseException) -> None:
+        """``key``'s live group ran out of memory: its trials (and any waiting for it) start
+        afresh in groups of half the size (:meth:`out_of_memory`); its memory is freed."""
+        g = self.live.pop(key, None)
+        live = [] if g is None else [(g.trials[m.id], m.params) for m in g.group.members]
+        waiting = self.pending.pop(key, [])
+        self.out_of_memory(key, [*live, *waiting], exc)
+        # the exception (and the frames it kept) is gone: free the group before the next
+        del g
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def take(self, key: tuple) -> tuple[optuna.Trial, dict] | None:
         """The next trial for a freed slot of ``key``'s group: one waiting for that key, else
@@ -417,16 +512,19 @@ class _Stream:
         return waiting.pop(0) if waiting else None
 
     def next_members(
-        self, limit: int | None = None
+        self, limit: int | None = None, room: float = 1.0
     ) -> tuple[tuple, list[tuple[optuna.Trial, dict]]] | None:
-        """The next group's key and up to ``fuse`` (or ``limit``) members that fuse with its
-        first trial; ``None`` once there is nothing left to ask."""
+        """The next group's key and up to its key's fusion size (or ``limit``, or the part
+        ``room`` of a device) of members that fuse with its first trial; ``None`` once there
+        is nothing left to ask."""
         first = self._pop_pending() or self._ask()
         if first is None:
             return None
         key = group_key(first[1], self.task)
         members = [first]
-        while len(members) < min(self.fuse, limit or self.fuse):
+        fuse = self.fuse_for(key, first[1])
+        fuse = min(fuse, limit or fuse, max(1, math.floor(room * fuse + 1e-9)))
+        while len(members) < fuse:
             nxt = self.next_trial(key)
             if nxt is None:
                 break
@@ -472,7 +570,7 @@ class _Stream:
                                                 self.checkpoints)  # fmt: skip
         t.set_user_attr("ratio", self.ratio)
         _set_depth(t, self.depth)
-        t.set_user_attr("fused", self.fuse)
+        t.set_user_attr("fused", self.fuse_for(group_key(params, self.task), params))
         return t, params
 
     def _pop_pending(self) -> tuple[optuna.Trial, dict] | None:
@@ -486,7 +584,7 @@ class _Stream:
         (trials asked on the way that do not fit wait for a group of their own)."""
         if self.pending.get(key):
             return self.pending[key].pop(0)
-        for _ in range(self.fuse):
+        for _ in range(self.fuse_for(key)):
             got = self._ask()
             if got is None:
                 return None
@@ -512,6 +610,7 @@ def start_group(
     rounds (:meth:`_Stream._train`): its freed slots take new trials until the study has no
     more to ask (``refill=False``: freed slots stay empty, the group drains)."""
     gid = min(t.number for t, _ in members)
+    key = group_key(members[0][1], stream.task)
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
@@ -544,7 +643,7 @@ class _InProcess:
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         hook = self.stream.hook
-        return {n for n, step, v in items if _report_and_ask(self.trials[n], step, v, hook)}
+        return {n for n, step, v in items if _report_and_ask(self.trials[n][0], step, v, hook)}
 
     def add(self, t: optuna.Trial, params: dict) -> None:
         """Trial ``t`` joins this group in a new slot."""
@@ -557,7 +656,7 @@ class _InProcess:
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         for number, outcome, info in told:
-            self.stream.tell(self.trials.pop(number), outcome, info)
+            self.stream.tell(self.trials.pop(number)[0], outcome, info)
         if not self.refills:
             return [None] * len(slots)
         out = []
@@ -569,6 +668,7 @@ class _InProcess:
             t, params = nxt
             t.set_user_attr("group", self.gid)
             t.set_user_attr("slot", slot)
+            t.set_user_attr("fused", self.stream.fuse_for(key))
             self.trials[t.number] = t
             out.append((t.number, params, self.stream.seeds[t.number]))
         return out
@@ -586,9 +686,9 @@ class _Fleet(_Stream):
     """
 
     def __init__(self, *args: Any, executor: Any, every: int, checkpoints: Any = None,
-                 world_size: int = 1, policy: str = "fifo",
-                 deadline: float | None = None) -> None:  # fmt: skip
-        super().__init__(*args, checkpoints=checkpoints, every=every)
+                 world_size: int = 1, policy: str = "fifo", deadline: float | None = None,
+                 fuse_memory: float | None = None) -> None:  # fmt: skip
+        super().__init__(*args, checkpoints=checkpoints, every=every, fuse_memory=fuse_memory)
         self.executor = executor
         self.policy, self.deadline = policy, deadline
         self.world_size = world_size
@@ -602,8 +702,13 @@ class _Fleet(_Stream):
         self.counts: dict[str, list[int]] = {}  # occupancy counters, per group
         self.base = self.occupancy.counts()
 
+    def devices(self) -> list[str]:
+        return list(self.executor.slots)
+
     def run(self) -> None:
-        fn = functools.partial(_stream_in_worker, self.task, self.ratio, self.fuse, self.depth,
+        # the worker counts steps and members; the driver decides each group's size
+        fuse = MAX_FUSE if self.fuse == "auto" else self.fuse
+        fn = functools.partial(_stream_in_worker, self.task, self.ratio, fuse, self.depth,
                                self.every, checkpoints=self.checkpoints,
                                study=_checkpoint.study_id(self.study))  # fmt: skip
         placement = {}
@@ -624,7 +729,7 @@ class _Fleet(_Stream):
         members; trials of a key waiting for a group of their own come first."""
         from hydro_fluid import TrialGroup
 
-        found = self.next_members(limit=max(1, math.floor(room * self.fuse + 1e-9)))
+        found = self.next_members(room=room)
         if found is None:
             return []
         key, members = found
@@ -633,8 +738,10 @@ class _Fleet(_Stream):
         self.keys[name], self.gids[name] = key, gid
         self.sizes[name] = self._world_size(key)
         self.logs[name] = [[self._assign(t, p, name, slot) for slot, (t, p) in enumerate(members)]]
+        # with fuse="auto" the placement policy packs by the memory the sizing measured
         return [TrialGroup(name, tuple(t.number for t, _ in members),
-                           (self.task.steps,) * len(members))]  # fmt: skip
+                           (self.task.steps,) * len(members),
+                           memory_per_trial=self.key_memory.get(key, 0.0))]  # fmt: skip
 
     def _world_size(self, key: tuple) -> int:
         """How many slots a new group of ``key`` trains on: ``world_size``, or 1 where its
@@ -654,6 +761,7 @@ class _Fleet(_Stream):
         t.set_user_attr("group", self.gids[name])
         t.set_user_attr("slot", slot)
         t.set_user_attr("world_size", self.sizes.get(name, 1))  # data parallel replicas
+        t.set_user_attr("fused", self.fuse_for(self.keys[name]))
         self.owner[t.number], self.params[t.number] = name, params
         return (t.number, params, self.seeds[t.number])
 
@@ -690,6 +798,9 @@ class _Fleet(_Stream):
         base = name.rsplit("/", 1)[0]
         live = sorted(n for n, g in self.owner.items() if g == base and n in self.running)
         half = (len(live) + 1) // 2
+        key = self.keys.get(base)
+        if key is not None:  # later groups of the key start at the size that fitted
+            self.key_sizes[key] = max(1, min(self.fuse_for(key), half))
         for part, numbers in ((f"{base}/0", live[:half]), (f"{base}/1", live[half:])):
             self.keys[part], self.gids[part] = self.keys.get(base), self.gids.get(base, 0)
             self.sizes.setdefault(part, self.sizes.get(base, 1))  # as the executor runs it

@@ -44,6 +44,10 @@ class Progress:
         self.occupancy: float | None = None
         self.update()
 
+    def note(self, line: str) -> None:
+        """Print ``line`` above the bar."""
+        self.bar.write(line, file=self.file)
+
     def update(self) -> None:
         now = self.bar._time()
         if now - self._last < self.interval:

@@ -22,6 +22,7 @@ from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import check_depth, check_placement, optimize
 from hydro.tuning.group import check_device, group_key, train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
+from hydro.tuning.sizing import check_fuse, check_memory
 from hydro.tuning.space import Space, check_space
 from hydro.tuning.study import trial_seed
 from hydro.tuning.task import Task
@@ -192,6 +193,8 @@ def export(
             "depth_alpha": best.user_attrs.get("depth_alpha", 1.0),
             "surrogate_widths": best.user_attrs.get("surrogate_widths"),
             "surrogate_blocks": best.user_attrs.get("surrogate_blocks"),
+            "fused": best.user_attrs.get("fused"),
+            "fuse": fuse_record(study),
             "trials_finished": counts["finished"],
             "trials": {k: counts[k] for k in ("complete", "pruned", "failed", "interrupted")},
             "hydro_version": hydro.__version__,
@@ -206,6 +209,14 @@ def export(
         else:
             yaml.safe_dump(data, f, sort_keys=False)
     return data
+
+
+def fuse_record(study: optuna.Study) -> dict[str, Any] | None:
+    """How the last run sized its fused groups: ``fuse`` (a number or ``"auto"``) and, for
+    ``"auto"``, one entry per key and device (batch size, model arguments, ``n``, bytes per
+    trial, fixed bytes, budget, what capped ``n``)."""
+    record = study.user_attrs.get("hydro_fuse")
+    return dict(record) if record else None
 
 
 def open_study(
@@ -236,7 +247,7 @@ def tune(
     *,
     n_trials: int,
     ratio: int | str = 8,
-    fuse: int = 16,
+    fuse: int | str = 16,
     study: optuna.Study | str | None = None,
     storage: str | None = None,
     sampler: optuna.samplers.BaseSampler | None = None,
@@ -252,6 +263,7 @@ def tune(
     policy: str = "dynamic",
     deadline: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
+    fuse_memory: float | None = None,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -264,7 +276,10 @@ def tune(
         ratio: surrogate width divisor (1 tunes the full model itself, fused), or ``"auto"``:
             the largest that keeps every layer above its width floor (``result.ratio`` says
             which; see :func:`hydro.scale`).
-        fuse: trials per fused group.
+        fuse: trials per fused group, or ``"auto"``: per (batch size, architecture) key, as
+            many as fit the device's memory with a margin (measured on a GPU, estimated on the
+            CPU against ``fuse_memory``), at most the trials left and 64; kept in the study
+            and the export (docs/tuning.md, "Fusion size").
         study: an Optuna study, or a study name (default ``"hydro"``) to create or resume in
             ``storage``.
         storage: any Optuna storage URL; default ``sqlite:///hydro.db`` (a file in the working
@@ -303,6 +318,9 @@ def tune(
         checkpoint_dir: where the study's trial checkpoints go, in a directory per study
             (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial re-asked after
             its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
+        fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default half the
+            RAM free at start on the CPU (split between an executor's workers), 90% of the
+            free memory on a GPU.
 
     Returns:
         A :class:`TuneResult`.
@@ -326,6 +344,8 @@ def tune(
     device = check_device(device)
     check_depth(depth_ratio, depth_alpha)
     check_placement(policy, deadline)
+    check_fuse(fuse)
+    check_memory(fuse_memory)
     executor = make_executor(executor)
     check_space(space, task.model_args())
     preflight(task, space)
@@ -340,7 +360,8 @@ def tune(
     optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
              progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
              depth_alpha=depth_alpha, first_group=first_group, policy=policy,
-             deadline=deadline, checkpoint_dir=checkpoint_dir)  # fmt: skip
+             deadline=deadline, checkpoint_dir=checkpoint_dir,
+             fuse_memory=fuse_memory)  # fmt: skip
     result = TuneResult(the_study, ratio)
     if verify_top_k:
         result.verification = verify(task, the_study, verify_top_k, seed=base_seed,

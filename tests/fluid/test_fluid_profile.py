@@ -38,6 +38,10 @@ def test_analytic_estimate_counts_weights_optimizer_and_activations():
     assert m - sgd == 2 * weights
 
 
+def test_cpu_counts_what_meta_counts_over_a_real_forward():
+    assert estimate_memory(FusedMLP, batch, 3, device="cpu") == estimate_memory(FusedMLP, batch, 3)
+
+
 def test_memory_grows_linearly_with_fusion_size():
     m1, m2, m4 = (estimate_memory(FusedMLP, batch, n) for n in (1, 2, 4))
     assert m1 < m2 < m4
@@ -62,6 +66,6 @@ def test_fusion_size_errors():
     with pytest.raises(ValueError, match="margin"):
         fusion_size(FusedMLP, batch, "cpu", memory=1.0, margin=0)
     with pytest.raises(ValueError, match="meta"):
-        estimate_memory(FusedMLP, batch, 1, device="cpu")
+        estimate_memory(FusedMLP, batch, 1, device="mps")
     with pytest.raises(ValueError, match="n must be >= 1"):
         estimate_memory(FusedMLP, batch, 0)
