@@ -478,8 +478,12 @@ class _Stream:
                 else:
                     self.live[key] = start_group(self, fits, refill=self.refills)
             except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
+                members = self._members(key)
+                if not members:  # the group could not even be built: these are its trials
+                    self.out_of_memory(key, fits, exc)
+                    continue
                 self.pending.setdefault(key, [])[:0] = \
-                    [f for f in fits if f[0].number not in self._members(key)]  # fmt: skip
+                    [f for f in fits if f[0].number not in members]  # fmt: skip
                 self._out_of_memory(key, exc)
 
     def _members(self, key: tuple) -> set[int]:
@@ -487,12 +491,11 @@ class _Stream:
         return set() if g is None else {m.id for m in g.group.members}
 
     def _out_of_memory(self, key: tuple, exc: BaseException) -> None:
-        """``key``'s live group ran out of memory: its trials (and any waiting for it) start
-        afresh in groups of half the size (:meth:`out_of_memory`); its memory is freed."""
+        """``key``'s live group ran out of memory: its trials start afresh in groups of half
+        its size (:meth:`out_of_memory`), ahead of those waiting; its memory is freed."""
         g = self.live.pop(key, None)
         live = [] if g is None else [(g.trials[m.id], m.params) for m in g.group.members]
-        waiting = self.pending.pop(key, [])
-        self.out_of_memory(key, [*live, *waiting], exc)
+        self.out_of_memory(key, live, exc)
         # the exception (and the frames it kept) is gone: free the group before the next
         del g
         gc.collect()
@@ -643,7 +646,7 @@ class _InProcess:
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         hook = self.stream.hook
-        return {n for n, step, v in items if _report_and_ask(self.trials[n][0], step, v, hook)}
+        return {n for n, step, v in items if _report_and_ask(self.trials[n], step, v, hook)}
 
     def add(self, t: optuna.Trial, params: dict) -> None:
         """Trial ``t`` joins this group in a new slot."""
@@ -656,7 +659,7 @@ class _InProcess:
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         for number, outcome, info in told:
-            self.stream.tell(self.trials.pop(number)[0], outcome, info)
+            self.stream.tell(self.trials.pop(number), outcome, info)
         if not self.refills:
             return [None] * len(slots)
         out = []
