@@ -86,13 +86,17 @@ def slots_busy(ex: LocalExecutor, makespan: float, devices: int = 2) -> float:
 
 
 def measured_workload(ex: LocalExecutor, work: list[tuple[str, TrialGroup]]) -> list[TrialGroup]:
-    """The workload with each group's cost per member-step, utilization and worker start-up
-    as measured (start-up is latency in the simulator: other groups compute meanwhile)."""
+    """The workload as a fifo run measured it: each group's worker start-up (latency in the
+    simulator: other groups compute meanwhile), utilization from its first steps, and its
+    cost per member-step over its whole run (alone on its device under fifo: from its first
+    step to its end, over the member-steps it trained). The first steps' cost, which the
+    policies use while a group runs, is also paying for the other workers' start-ups."""
     out = []
     for _, g in work:
         m = ex.measured[g.name]
+        training = m["end"] - m["start"] - m["startup"]
         out.append(TrialGroup(g.name, g.trial_ids, g.budgets,
-                              cost_per_step=m["seconds_per_step"] / max(1, m["live"]),
+                              cost_per_step=max(training, 1e-6) / sum(g.budgets),
                               utilization=min(1.0, max(0.05, m["utilization"])),
                               startup=m["startup"]))  # fmt: skip
     return out
