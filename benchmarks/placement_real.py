@@ -9,10 +9,10 @@ advance so that every policy (and the simulator) runs exactly the same work.
 Each policy (fifo, static, dynamic) runs it for real on ``LocalExecutor`` with 2 workers, which
 records each group's cost per step and utilization from its first steps; ``simulate`` replays
 the workload on 2 devices with the costs the fifo run of the same round measured (each group
-alone on its device there, and the start-up of its worker). One table of medians over the
-rounds: makespan, slots busy, trials per hour, the simulator's makespan and its error. Then
-the deadline mode: the best trial's last loss at a deadline of 60 % of that round's fifo
-makespan, ``deadline`` against ``fifo``.
+alone on its device there, and the start-up of its worker as latency: ``TrialGroup.startup``).
+One table of medians over the rounds: makespan, slots busy, trials per hour, the simulator's
+makespan and its error. Then the deadline mode: the best trial's last loss at a deadline of
+60 % of that round's fifo makespan, ``deadline`` against ``fifo``.
 
     PYTHONPATH=$PWD python3 benchmarks/placement_real.py           # full (a quiet machine)
     PYTHONPATH=$PWD python3 benchmarks/placement_real.py --quick --repeats 1   # smoke run
@@ -86,17 +86,19 @@ def slots_busy(ex: LocalExecutor, makespan: float, devices: int = 2) -> float:
 
 
 def measured_workload(ex: LocalExecutor, work: list[tuple[str, TrialGroup]]) -> list[TrialGroup]:
-    """The workload with each group's cost per member-step, utilization and worker start-up
-    as measured."""
+    """The workload as a fifo run measured it: each group's worker start-up (latency in the
+    simulator: other groups compute meanwhile), utilization from its first steps, and its
+    cost per member-step over its whole run (alone on its device under fifo: from its first
+    step to its end, over the member-steps it trained). The first steps' cost, which the
+    policies use while a group runs, is also paying for the other workers' start-ups."""
     out = []
     for _, g in work:
         m = ex.measured[g.name]
-        cost = m["seconds_per_step"] / max(1, m["live"])
-        # the worker's start holds the device too: as extra steps of every member
-        extra = m["startup"] / (cost * g.size)
-        out.append(TrialGroup(g.name, g.trial_ids, tuple(b + extra for b in g.budgets),
-                              cost_per_step=cost,
-                              utilization=min(1.0, max(0.05, m["utilization"]))))  # fmt: skip
+        training = m["end"] - m["start"] - m["startup"]
+        out.append(TrialGroup(g.name, g.trial_ids, g.budgets,
+                              cost_per_step=max(training, 1e-6) / sum(g.budgets),
+                              utilization=min(1.0, max(0.05, m["utilization"])),
+                              startup=m["startup"]))  # fmt: skip
     return out
 
 

@@ -36,6 +36,10 @@ class TrialGroup:
             previous successive-halving rung).
         score: Best objective value of the group so far (lower is better), used by the
             deadline policy to rank groups; ``None`` when unknown.
+        startup: Seconds from placing the group to its first step (starting its worker,
+            importing, building the fused model): latency, not device work, so other groups
+            on the device run at full speed meanwhile. Measured by the executors
+            (``executor.measured[name]["startup"]``); 0 when unknown.
 
     Example:
         >>> from hydro_fluid import TrialGroup
@@ -56,6 +60,7 @@ class TrialGroup:
     comm: float = 0.05
     after: tuple[str, ...] = ()
     score: float | None = None
+    startup: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trial_ids", tuple(self.trial_ids))
@@ -84,6 +89,11 @@ class TrialGroup:
             )
         if not 0 <= self.comm < 1:
             raise ValueError(f"{where}: comm must be in [0, 1), got {self.comm}.")
+        if not self.startup >= 0:
+            raise ValueError(
+                f"{where}: startup must be >= 0 seconds (the measured time to its first step), "
+                f"got {self.startup}."
+            )
 
     @property
     def size(self) -> int:

@@ -10,9 +10,12 @@ The speed model (the same one the policies use for their estimates):
 * Groups packed on one device run at full speed while their utilizations add up to at most
   one, and share the device beyond that, with a small interference cost per co-tenant
   (:func:`hydro_fluid.groups.packed_slowdown`).
-* A running group whose slots change keeps its progress (checkpointed) but makes none for
-  ``restart_cost`` seconds. A device that leaves evicts its groups, which then wait to be
-  placed again.
+* A group placed for the first time makes no progress for its measured ``startup`` seconds
+  (:attr:`TrialGroup.startup`: its worker starting), and a running group whose slots change
+  keeps its progress (checkpointed) but makes none for ``restart_cost`` seconds. Both are
+  latency, not device work: while a group waits on them it holds its slots but takes no
+  compute, so the groups packed with it run as if it were not there.
+* A device that leaves evicts its groups, which then wait to be placed again.
 """
 
 from __future__ import annotations
@@ -387,8 +390,10 @@ class _Simulation:
             if name not in self.running:
                 self.running[name] = tuple(slots)
                 self.since[name] = self.now
-                if name in self.started:  # resumes from its checkpoint
-                    self.paused_until[name] = self.now + self.restart_cost
+                # a first start waits for its worker; a move resumes from its checkpoint
+                delay = self.restart_cost if name in self.started else self.groups[name].startup
+                if delay > 0:
+                    self.paused_until[name] = self.now + delay
                 self.started.add(name)
 
     def _stop(self, name: str) -> None:
@@ -402,6 +407,8 @@ class _Simulation:
         """Seconds per fused step of every running group, and time until its next finish."""
         on_device: dict[str, list[str]] = {}
         for name, slots in self.running.items():
+            if self.paused_until.get(name, 0.0) > self.now + _TOL:
+                continue  # starting or restarting: it holds its slots but computes nothing
             for dev, _ in slots:
                 on_device.setdefault(dev, []).append(name)
         slowdown = {
@@ -413,7 +420,7 @@ class _Simulation:
             g = self.groups[name]
             active = sum(1 for steps in self.left[name] if steps > _TOL)
             speed = min(self.devices[dev].speed for dev, _ in slots)
-            worst = max(slowdown[dev] for dev, _ in slots)
+            worst = max(slowdown.get(dev, 1.0) for dev, _ in slots)
             step[name] = g.cost_per_step * active * worst / (speed * g.speedup(len(slots)))
             first = min(steps for steps in self.left[name] if steps > _TOL)
             pause = max(0.0, self.paused_until.get(name, 0.0) - self.now)

@@ -129,7 +129,7 @@ class _PipeChannel:
         self.asked = 0
         self.stop = False  # the parent asked the group to stop and move
         self.sent = (0.0, -1)  # (when, live) of the last progress message
-        self.clock = (time.perf_counter(), time.process_time(), 0)  # at the last progress
+        self.clock = (time.perf_counter(), runnable_seconds(), 0)  # at the last progress
 
     def send(self, message: tuple) -> None:
         # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
@@ -163,18 +163,19 @@ class _PipeChannel:
         return self.stop
 
     def progress(self, steps: int, live: int, score: float | None) -> None:
-        """Send wall and CPU seconds per step since the last message (at most every 0.2 s)."""
+        """Send wall seconds per step and the busy fraction of the worker's threads since the
+        last message (at most every 0.2 s)."""
         now = time.perf_counter()
         if self.sent[1] < 0:  # the first step: start the clock here, not at the worker's start
-            self.sent, self.clock = (now, live), (now, time.process_time(), steps)
+            self.sent, self.clock = (now, live), (now, runnable_seconds(), steps)
             return
         if now - self.sent[0] < 0.2 and live == self.sent[1]:
             return
         wall0, cpu0, steps0 = self.clock
-        cpu = time.process_time()
+        cpu = runnable_seconds()
         if steps > steps0:
             per_step = (now - wall0) / (steps - steps0)
-            busy = (cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
+            busy = max(0.0, cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
             self.send(("progress", steps, live, per_step, busy, score, _peak_memory()))
         self.sent, self.clock = (now, live), (now, cpu, steps)
 
@@ -186,6 +187,29 @@ class _PipeChannel:
             message = self._take(pickle.loads(self.inbox.recv_bytes()))
             if message is not None and message[1] == ident:
                 return message[2]
+
+
+def runnable_seconds() -> float:
+    """Seconds this process's threads were running or ready to run (waiting for a core).
+
+    Its utilization is this over wall time times its threads: what the worker would use of
+    its cores, also on a shared CPU. CPU time alone (``time.process_time``) reads the share
+    the other processes left it, so a compute-bound worker under contention would look half
+    idle and the policies would pack more where there is less room. Linux's per-thread
+    ``schedstat`` (on-CPU and run-queue nanoseconds) gives both; elsewhere, CPU time.
+    """
+    total = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            try:
+                with open(f"{task.path}/schedstat") as f:
+                    run, wait, _ = f.read().split()
+            except (OSError, ValueError):  # the thread ended meanwhile
+                continue
+            total += int(run) + int(wait)
+    except OSError:
+        return time.process_time()
+    return total / 1e9 if total else time.process_time()
 
 
 def _peak_memory() -> float | None:

@@ -148,3 +148,52 @@ def test_simulate_input_errors():
         simulate(cycle, cluster)
     with pytest.raises(ValueError, match="cycle"):
         lower_bound(cycle, cluster)
+
+
+def _pack_all_on_first_device(now, ready, devices, running):
+    """Every ready group on the first device, half of it each (a custom policy)."""
+    return {g.name: ((devices[0].name, 0.5),) for g in ready}
+
+
+def test_startup_is_latency_before_the_first_step():
+    group = TrialGroup("g", (0,), (100,), cost_per_step=0.1, startup=5.0)
+    run = simulate([group], Cluster.homogeneous(1, 1), "fifo")
+    assert run.makespan == pytest.approx(5.0 + 100 * 0.1)
+    # while it starts the device does no useful work
+    assert run.utilization[0] == (0.0, 0.0)
+
+
+def test_a_starting_group_does_not_slow_the_group_packed_with_it():
+    # Both compute bound (utilization 1) on one device; b's worker takes 4 s to start.
+    a = TrialGroup("a", (0,), (10,), cost_per_step=1.0, utilization=1.0)
+    b = TrialGroup("b", (1,), (10,), cost_per_step=1.0, utilization=1.0, startup=4.0)
+    run = simulate([a, b], Cluster.homogeneous(1, 1), _pack_all_on_first_device)
+    shared = 2 * 1.03  # time-sliced between two groups, with the interference per co-tenant
+    # a runs alone for 4 steps while b starts, then the two share the device
+    a_done = 4.0 + 6 * shared
+    assert run.trial_finish[0] == pytest.approx(a_done)
+    # b made 6 steps while sharing, then runs its last 4 alone
+    assert run.trial_finish[1] == pytest.approx(a_done + 4.0)
+
+
+def test_a_starting_group_does_not_delay_other_devices():
+    a = TrialGroup("a", (0,), (10,), cost_per_step=1.0)
+    b = TrialGroup("b", (1,), (10,), cost_per_step=1.0, startup=3.0)
+    run = simulate([a, b], Cluster.homogeneous(1, 2), "fifo")
+    assert run.trial_finish[0] == pytest.approx(10.0)
+    assert run.makespan == pytest.approx(13.0)
+
+
+def test_a_moved_group_pays_restart_cost_not_its_startup():
+    # dynamic widens the last group over both devices once the other ends: one restart
+    a = TrialGroup("a", (0,), (5,), cost_per_step=1.0, startup=2.0)
+    b = TrialGroup("b", (1,), (100,), cost_per_step=1.0, startup=2.0, comm=0.0)
+    run = simulate([a, b], Cluster.homogeneous(1, 2), "dynamic_fluid", d=2, restart_cost=1.0)
+    assert len({s.device for s in run.segments if s.group == "b"}) == 2
+    # b: 2 s start, 5 steps alone until a ends at 7 s, 1 s restart, 95 steps twice as fast
+    assert run.makespan == pytest.approx(7.0 + 1.0 + 95 / 2)
+
+
+def test_negative_startup_is_rejected():
+    with pytest.raises(ValueError, match="startup must be >= 0"):
+        TrialGroup("g", (0,), (10,), startup=-1.0)
