@@ -128,8 +128,7 @@ class _PipeChannel:
         self.found: set = set()  # pruned trial ids read while waiting for an answer
         self.asked = 0
         self.stop = False  # the parent asked the group to stop and move
-        self.sent = (0.0, -1)  # (when, live) of the last progress message
-        self.clock = (time.perf_counter(), time.process_time(), 0)  # at the last progress
+        self.timer = _StepTimer()
 
     def send(self, message: tuple) -> None:
         # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
@@ -164,19 +163,9 @@ class _PipeChannel:
 
     def progress(self, steps: int, live: int, score: float | None) -> None:
         """Send wall and CPU seconds per step since the last message (at most every 0.2 s)."""
-        now = time.perf_counter()
-        if self.sent[1] < 0:  # the first step: start the clock here, not at the worker's start
-            self.sent, self.clock = (now, live), (now, time.process_time(), steps)
-            return
-        if now - self.sent[0] < 0.2 and live == self.sent[1]:
-            return
-        wall0, cpu0, steps0 = self.clock
-        cpu = time.process_time()
-        if steps > steps0:
-            per_step = (now - wall0) / (steps - steps0)
-            busy = (cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
-            self.send(("progress", steps, live, per_step, busy, score, _peak_memory()))
-        self.sent, self.clock = (now, live), (now, cpu, steps)
+        measured = self.timer.measure(steps, live)
+        if measured is not None:
+            self.send(("progress", steps, live, *measured, score, _peak_memory()))
 
     def request(self, payload: Any) -> Any:
         self.asked += 1
@@ -186,6 +175,33 @@ class _PipeChannel:
             message = self._take(pickle.loads(self.inbox.recv_bytes()))
             if message is not None and message[1] == ident:
                 return message[2]
+
+
+class _StepTimer:
+    """Times a worker's steps for ``ctx.progress``: wall seconds per step and the busy fraction
+    of its threads since the last measure, at most every 0.2 s or when ``live`` changes."""
+
+    def __init__(self) -> None:
+        self.sent = (0.0, -1)  # (when, live) of the last measure
+        self.clock = (time.perf_counter(), time.process_time(), 0)  # at the last measure
+
+    def measure(self, steps: int, live: int) -> tuple[float, float] | None:
+        """``(seconds_per_step, busy)`` when one is due, else ``None``."""
+        now = time.perf_counter()
+        if self.sent[1] < 0:  # the first step: start the clock here, not at the worker's start
+            self.sent, self.clock = (now, live), (now, time.process_time(), steps)
+            return None
+        if now - self.sent[0] < 0.2 and live == self.sent[1]:
+            return None
+        wall0, cpu0, steps0 = self.clock
+        cpu = time.process_time()
+        measured = None
+        if steps > steps0:
+            per_step = (now - wall0) / (steps - steps0)
+            busy = (cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
+            measured = per_step, busy
+        self.sent, self.clock = (now, live), (now, cpu, steps)
+        return measured
 
 
 def _peak_memory() -> float | None:

@@ -1,0 +1,127 @@
+"""RayExecutor applies each placement policy's decisions on a real local Ray (127.0.0.1 only).
+
+Every test runs real Ray tasks (hydro_fluid.executors.examples.placed_steps) and asserts on what
+the policy decided (``executor.decisions``) and on what the workers saw (threads, world size,
+every step trained), never on wall time.
+"""
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hydro_fluid import TrialGroup
+from hydro_fluid.executors.examples import placed_steps
+
+ray = pytest.importorskip("ray")
+
+from hydro_fluid import RayExecutor  # noqa: E402
+from hydro_fluid.executors.ray import _init_ray  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray on 127.0.0.1 with 4 CPUs (2 devices of 2 CPUs); workers import this checkout."""
+    if ray.is_initialized():
+        ray.shutdown()
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *sys.path])
+    _init_ray(ray, None, {"num_cpus": 4, "num_gpus": 0, "log_to_driver": False,
+                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def executor(local_ray):
+    made = RayExecutor(cpus_per_worker=2, restart_cost=0.0)
+    yield made
+    made.shutdown()
+
+
+def long_first(group, ctx, folder: str, seconds: float):
+    """placed_steps, but the short groups start only once the long one trains, so that they
+    end while it still has most of its steps to go, however loaded the machine is."""
+    if group.name == "long":
+        (Path(folder) / "long").touch()
+    else:
+        deadline = time.monotonic() + 120
+        while not (Path(folder) / "long").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return placed_steps(group, ctx, seconds)
+
+
+def by_name(results):
+    return {r.group.name: r for r in results}
+
+
+def one_long_two_short(long: int = 60):
+    return [
+        TrialGroup("long", (0,), (long,)),
+        TrialGroup("short-a", (1,), (8,)),
+        TrialGroup("short-b", (2,), (8,)),
+    ]
+
+
+def test_devices_are_the_nodes_cpus_split_into_worker_slots(executor):
+    devices = executor.placement_devices()
+    assert [d.kind for d in devices] == ["cpu", "cpu"]
+    assert devices[0].name.endswith("/cpu0") and devices[1].name.endswith("/cpu1")
+    assert devices[0].node == devices[1].node == ray.get_runtime_context().get_node_id()
+
+
+def test_fifo_never_packs_nor_moves(executor):
+    fn = functools.partial(placed_steps, seconds=0.01)
+    results = by_name(executor.run(one_long_two_short(20), fn, policy="fifo"))
+    for decision in executor.decisions:
+        for slots in decision.allocation.values():
+            assert len(slots) == 1 and slots[0][1] == 1.0
+        devices = [slots[0][0] for slots in decision.allocation.values()]
+        assert len(devices) == len(set(devices))  # never two groups on one device
+    assert all(r.moves == 0 and r.value["placements"][0][:2] == [1, 2] for r in results.values())
+    assert results["long"].value["trained"] == list(range(20))
+
+
+def test_dynamic_packs_then_widens_and_moves_a_group_with_its_checkpoint(executor, tmp_path):
+    fn = functools.partial(long_first, folder=str(tmp_path), seconds=0.03)
+    results = by_name(executor.run(one_long_two_short(80), fn, policy="dynamic"))
+
+    first = executor.decisions[0].allocation
+    # the long group gets a whole device; the two short ones share the other, half each
+    ((dev_long, share_long),) = first["long"]
+    ((dev_a, share_a),) = first["short-a"]
+    ((dev_b, share_b),) = first["short-b"]
+    assert share_long == 1.0 and dev_a == dev_b != dev_long and share_a == share_b == 0.5
+    # ... as Ray tasks of one CPU each: the device's 2 threads split 1 + 1
+    assert results["short-a"].value["placements"] == [[1, 1, 0]]
+    assert results["short-b"].value["placements"] == [[1, 1, 0]]
+
+    # once the short ones end, the long one is stopped through the hub after a checkpoint and
+    # widened over both devices: a move, not a retry, and no step lost or repeated
+    long = results["long"]
+    assert long.moves == 1 and long.attempts == 1 and long.ok
+    (ws0, threads0, at0), (ws1, _, at1) = long.value["placements"]
+    assert (ws0, threads0, at0) == (1, 2, 0)
+    assert ws1 == 2 and 0 < at1 < 80
+    assert long.value["trained"] == list(range(80))
+    # the workers' step times reached the placer through the hub
+    assert executor.measured["long"]["seconds_per_step"] > 0
+    assert all(o.state == "COMPLETE" for r in results.values() for o in r.trials.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "fastest"}, "unknown placement policy 'fastest'"),
+        ({"policy": "deadline"}, "needs a deadline"),
+        ({"policy": "dynamic", "max_world_size": 0}, "max_world_size must be an int >= 1"),
+    ],
+)
+def test_bad_placement_arguments_are_refused_before_any_task_starts(executor, kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        executor.run([TrialGroup("g", (0,), (3,))], placed_steps, **kwargs)
+    assert "\n" not in str(info.value)
