@@ -125,3 +125,30 @@ def test_bad_placement_arguments_are_refused_before_any_task_starts(executor, kw
     with pytest.raises(ValueError, match=message) as info:
         executor.run([TrialGroup("g", (0,), (3,))], placed_steps, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_optimize_places_its_groups_on_ray_with_the_dynamic_policy(executor, tmp_path):
+    import optuna
+    import torch
+    from optuna.trial import TrialState
+
+    import hydro
+    from hydro.integrations.optuna import optimize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=g)
+    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    task = hydro.Task(model=model, train_data=(x[:96], y[:96]), val_data=(x[96:], y[96:]),
+                      steps=8, eval_every=4, batch_size=32,
+                      loss=torch.nn.functional.cross_entropy)  # fmt: skip
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
+                                sampler=optuna.samplers.RandomSampler(seed=0))  # fmt: skip
+    space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}
+    optimize(study, task, space, n_trials=4, ratio=2, fuse=2, executor=executor,
+             policy="dynamic", checkpoint_dir=str(tmp_path / "checkpoints"))  # fmt: skip
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    assert study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING)) == []
+    # the policy placed the tuner's groups: its decisions name them
+    assert executor.decisions and any(d.allocation for d in executor.decisions)
