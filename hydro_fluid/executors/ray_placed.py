@@ -32,6 +32,10 @@ class _PlacedRayRun(_RayRun):
         self.waiting: dict[str, TrialGroup] = {}
         self.event: str | None = "start"
         self.t0 = self.last_tick = self.last_look = time.monotonic()
+        self.nodes: dict[str, list[str]] = {}  # running attempt -> its ranks' nodes
+        # Nodes whose tasks died with NodeDiedError: Ray marks such a node dead only after
+        # missing heartbeats for a while, and a group placed there meanwhile would wait for it.
+        self.lost: set[str] = set()
         self.ex.decisions = []  # type: ignore[attr-defined]
         self.ex.measured = {}  # type: ignore[attr-defined]
 
@@ -63,10 +67,10 @@ class _PlacedRayRun(_RayRun):
         if time.monotonic() - self.last_look < 0.5:
             return
         self.last_look = time.monotonic()
-        devices = self.ex.placement_devices()
+        devices = [d for d in self.ex.placement_devices() if d.node not in self.lost]
         if devices and [d.name for d in devices] != [d.name for d in self.placer.devices]:
             self.placer.set_devices(devices)
-            self.event = self.event or "devices"
+            self.event = "devices"  # says more than a group ending at the same time
 
     def _sync(self) -> None:
         """Move the ledger's queue (new, retried, split, moved groups) into the placer."""
@@ -118,6 +122,7 @@ class _PlacedRayRun(_RayRun):
             self._start(
                 group, self.attempts.pop(name), [self._options(where[d], s) for d, s in slots]
             )
+            self.nodes[next(reversed(self.running))] = [where[d].node for d, _ in slots]
             record = self.ex.measured.setdefault(name, {"start": time.monotonic() - self.t0})
             record["slots"] = slots
 
@@ -133,9 +138,23 @@ class _PlacedRayRun(_RayRun):
             "threads": self.placer.threads(share, cpus),
         }
 
+    def _finished(self, ref: Any) -> None:
+        key, rank = self.rank_of[ref]
+        try:
+            self.ray.get(ref, timeout=0)
+        except self.ray.exceptions.NodeDiedError:
+            if key in self.nodes:  # that node is gone, whatever Ray's node table says yet
+                self.lost.add(self.nodes[key][rank])
+                self.last_look = 0.0
+        except self.ray.exceptions.RayError:
+            pass  # the parent's _finished says what it means
+        super()._finished(ref)
+
     def _end(self, key: str) -> None:
         name = self.running[key].group.name
         super()._end(key)
+        self.nodes.pop(key, None)
+        self.last_look = 0.0  # its node may have left: look before placing it again
         self.ex.measured.setdefault(name, {})["end"] = time.monotonic() - self.t0
         self.event = self.event or "ended"
 
