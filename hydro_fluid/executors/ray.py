@@ -311,10 +311,9 @@ class RayExecutor:
         """The cluster's alive devices as a placement policy sees them, named ``NODE/gpuI``
         or ``NODE/cpuI`` (``NODE``: the first 8 hex digits of the Ray node id).
 
-        With GPUs, each GPU of each node (memory: the node's ``accelerator`` memory is not
-        reported by Ray, so 16 GiB unless the GPU resource says otherwise). Without, each
-        node's CPUs split into slots of ``cpus_per_worker``, each with its share of the
-        node's memory.
+        With GPUs, each GPU of each node, with 16 GiB (Ray does not report a GPU's memory).
+        Without, each node's CPUs split into slots of ``cpus_per_worker``, each with its share
+        of the node's memory.
         """
         devices = []
         for node in _import_ray().nodes():
