@@ -222,7 +222,7 @@ def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tm
     executor = make_executor(checkpoint_dir=tmp_path / "checkpoints")
     assert len(executor.slots) == 2  # one CPU on each node
     optimize(study, make_task(NodeLog(str(log))), SPACE, n_trials=4, ratio=2, fuse=2,
-             executor=executor, checkpoint_every=EVERY)  # fmt: skip
+             executor=executor, checkpoint_every=EVERY, policy="fifo")  # fmt: skip
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     node_of = {a["pid"]: a["node"] for a in attempts(log)}
     # two groups of two trials, trained at once: one on each node
@@ -271,8 +271,9 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
     watcher = threading.Thread(target=remove_the_worker_node_once_it_stalls, daemon=True)
     watcher.start()
     task = make_task(NodeLog(str(log), stall_on=worker.node_id, stall_at=STALL_AT))
+    # fifo: one group per node, so that one trains on the worker node (dynamic may pack both)
     optimize(study, task, SPACE, n_trials=n_trials, ratio=2, fuse=2, executor=executor,
-             checkpoint_every=EVERY)  # fmt: skip
+             checkpoint_every=EVERY, policy="fifo")  # fmt: skip
     watcher.join(timeout=60)
     assert watched.get("removed"), watched
     assert json.loads((log / "stalled").read_text())["node"] == worker.node_id

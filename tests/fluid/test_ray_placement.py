@@ -44,14 +44,16 @@ def executor(local_ray):
 
 
 def long_first(group, ctx, folder: str, seconds: float):
-    """placed_steps, but the short groups start only once the long one trains, so that they
-    end while it still has most of its steps to go, however loaded the machine is."""
-    if group.name == "long":
-        (Path(folder) / "long").touch()
-    else:
-        deadline = time.monotonic() + 120
-        while not (Path(folder) / "long").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+    """placed_steps, but the long group trains only once both short ones have started, and
+    they only once it has: they end while it still has most of its steps to go, however
+    slowly Ray starts its workers on a loaded machine."""
+    (Path(folder) / group.name).touch()
+    wait_for = ["short-a", "short-b"] if group.name == "long" else ["long"]
+    deadline = time.monotonic() + 120
+    while not all((Path(folder) / name).exists() for name in wait_for):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{wait_for} never started")
+        time.sleep(0.02)
     return placed_steps(group, ctx, seconds)
 
 
@@ -97,17 +99,19 @@ def test_dynamic_packs_then_widens_and_moves_a_group_with_its_checkpoint(executo
     ((dev_b, share_b),) = first["short-b"]
     assert share_long == 1.0 and dev_a == dev_b != dev_long and share_a == share_b == 0.5
     # ... as Ray tasks of one CPU each: the device's 2 threads split 1 + 1
-    assert results["short-a"].value["placements"] == [[1, 1, 0]]
-    assert results["short-b"].value["placements"] == [[1, 1, 0]]
+    assert results["short-a"].value["placements"][0] == [1, 1, 0]
+    assert results["short-b"].value["placements"][0] == [1, 1, 0]
 
     # once the short ones end, the long one is stopped through the hub after a checkpoint and
-    # widened over both devices: a move, not a retry, and no step lost or repeated
+    # widened over both devices: a move, not a retry, and no step lost or repeated (on a
+    # loaded machine the policy may also widen a short group that outlives its twin)
     long = results["long"]
-    assert long.moves == 1 and long.attempts == 1 and long.ok
-    (ws0, threads0, at0), (ws1, _, at1) = long.value["placements"]
-    assert (ws0, threads0, at0) == (1, 2, 0)
-    assert ws1 == 2 and 0 < at1 < 80
-    assert long.value["trained"] == list(range(80))
+    assert long.moves >= 1 and long.attempts == 1 and long.ok
+    assert long.value["placements"][0] == [1, 2, 0]
+    assert any(ws == 2 and 0 < at < 80 for ws, _, at in long.value["placements"][1:])
+    for r in results.values():
+        assert r.value["trained"] == list(range(max(r.group.budgets)))
+        assert r.moves == len(r.value["placements"]) - 1 and r.attempts == 1
     # the workers' step times reached the placer through the hub
     assert executor.measured["long"]["seconds_per_step"] > 0
     assert all(o.state == "COMPLETE" for r in results.values() for o in r.trials.values())
