@@ -168,7 +168,7 @@ def optimize(
             device, first come first served: the baseline) or ``"deadline"`` (as the
             deadline nears, the best groups get whole devices). Without an executor groups
             train one after another here and the policy has no effect; an executor whose
-            ``run`` takes no ``policy`` (``RayExecutor`` for now) runs its own fixed pool.
+            ``run`` takes no ``policy`` runs its own fixed pool.
         deadline: with ``policy="deadline"``: seconds until the deadline; no new trial is
             asked after it.
         checkpoint_dir: the root of the trial checkpoints, each study in a directory of its own

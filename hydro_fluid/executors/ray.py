@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from ..groups import TrialGroup
+from ..placement import Placer, check_policy
+from ..resources import Device
 from .base import (
     GroupResult,
     Ledger,
@@ -34,6 +36,7 @@ from .base import (
     WorkerFn,
     call_worker_fn,
 )
+from .worker import _peak_memory, _StepTimer
 
 __all__ = ["RayExecutor"]
 
@@ -145,6 +148,8 @@ class RayExecutor:
         max_retries: Restarts of a group whose worker died, before its trials FAIL.
         checkpoint_dir: Where each group gets its checkpoint directory (default: a
             temporary directory, removed after ``run``).
+        max_packed: With a placement policy (``run(policy=...)``): most groups on one device.
+        restart_cost: With a placement policy: seconds a move is assumed to cost.
         init_kwargs: Extra arguments for ``ray.init`` when this executor starts Ray.
 
     Example:
@@ -164,9 +169,16 @@ class RayExecutor:
         use_gpus: bool | None = None,
         max_retries: int = 1,
         checkpoint_dir: str | Path | None = None,
+        max_packed: int = 4,
+        restart_cost: float = 5.0,
         init_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         ray = _import_ray()
+        if isinstance(max_packed, bool) or not isinstance(max_packed, int) or max_packed < 1:
+            raise ValueError(f"max_packed must be an int >= 1, got {max_packed!r}.")
+        if not restart_cost >= 0:
+            raise ValueError(f"restart_cost must be >= 0 seconds, got {restart_cost!r}.")
+        self.max_packed, self.restart_cost = max_packed, restart_cost
         if groups_per_device < 1:
             raise ValueError(f"groups_per_device must be >= 1, got {groups_per_device}.")
         if cpus_per_worker < 1:
@@ -233,11 +245,26 @@ class RayExecutor:
         on_result: ResultFn | None = None,
         request: RequestFn | None = None,
         preload: Sequence[str] = (),
+        policy: str | None = None,
+        deadline: float | None = None,
+        max_world_size: int | None = None,
     ) -> list[GroupResult]:
         """Run ``fn(group, ctx)`` for every group; same contract as :meth:`LocalExecutor.run`
         (``more`` is asked for groups while fewer than ``len(self.slots)`` run; ``preload``
-        is not needed: Ray reuses its worker processes, which keep what they imported)."""
+        is not needed: Ray reuses its worker processes, which keep what they imported).
+
+        ``policy``, ``deadline`` and ``max_world_size`` place groups as in
+        :meth:`LocalExecutor.run`, on the cluster's devices (:meth:`placement_devices`,
+        re-read at every event, so a node joining or leaving is one): a share below 1 asks
+        Ray for that fraction of a GPU (on CPUs, of the slot's ``cpus_per_worker``), several
+        devices make a data-parallel group, each rank pinned to its device's node, and a
+        group the policy moves is stopped through the hub at a step boundary after its
+        checkpoint and started again where the policy puts it.
+        """
         ray = _import_ray()
+        placer = None
+        if policy is not None:
+            placer = self._placer(policy, deadline, max_world_size)
         ledger = Ledger(self.max_retries, on_result=on_result)
         ledger.submit(groups)  # checks the groups first
         sizes = {g.name: self._size(world_size, g.name) for g in groups}
@@ -249,7 +276,15 @@ class RayExecutor:
                 stacklevel=2,
             )
         root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-ray-"))
-        run = _RayRun(self, ray, ledger, fn, report, sizes, root, self._get_hub(ray))
+        hub = self._get_hub(ray)
+        if placer is None:
+            run = _RayRun(self, ray, ledger, fn, report, sizes, root, hub)
+        else:
+            from .ray_placed import _PlacedRayRun
+
+            run = _PlacedRayRun(self, ray, ledger, fn, report, sizes, root, hub)
+            run.placer = placer
+            placer.widen = more is None  # a stream widens groups once it runs dry
         run.more, run.request, run.world_size = more, request, world_size
         run.capacity = len(self.slots) if more is not None else 0
         try:
@@ -272,6 +307,42 @@ class RayExecutor:
             )
         return size
 
+    def placement_devices(self) -> list[Device]:
+        """The cluster's alive devices as a placement policy sees them, named ``NODE/gpuI``
+        or ``NODE/cpuI`` (``NODE``: the first 8 hex digits of the Ray node id).
+
+        With GPUs, each GPU of each node, with 16 GiB (Ray does not report a GPU's memory).
+        Without, each node's CPUs split into slots of ``cpus_per_worker``, each with its share
+        of the node's memory.
+        """
+        devices = []
+        for node in _import_ray().nodes():
+            if not node.get("Alive"):
+                continue
+            res, short = node.get("Resources", {}), node["NodeID"][:8]
+            if self.use_gpus:
+                devices += [Device(f"{short}/gpu{i}", "gpu", 16.0, node=node["NodeID"])
+                            for i in range(int(res.get("GPU", 0)))]  # fmt: skip
+            else:
+                n = int(res.get("CPU", 0) // self.cpus_per_worker)
+                memory = float(res.get("memory", 2 * 2**30)) / 2**30 / max(n, 1)
+                devices += [Device(f"{short}/cpu{i}", "cpu", memory, node=node["NodeID"])
+                            for i in range(n)]  # fmt: skip
+        return devices
+
+    def _placer(self, policy: str, deadline: float | None, d: int | None) -> Placer:
+        check_policy(policy, deadline)
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"max_world_size must be an int >= 1, got {d!r}.")
+        devices = self.placement_devices()
+        if not devices:
+            raise ValueError(
+                "the Ray cluster has no device to place groups on (no GPU, or fewer CPUs than "
+                "cpus_per_worker on every node); lower cpus_per_worker or add nodes."
+            )
+        return Placer(policy, devices, c=self.max_packed, d=min(d or len(devices), len(devices)),
+                      deadline=deadline, restart_cost=self.restart_cost)  # fmt: skip
+
 
 # --- the pieces that live in Ray --------------------------------------------------------
 
@@ -291,12 +362,22 @@ def _hub_class(ray):
                 self.pruned_ids: dict[str, set] = {}
                 self.addresses: dict[str, str] = {}
                 self.answers: dict[str, Any] = {}
+                self.stops: set[str] = set()  # attempts asked to stop for a move
 
             def report(self, key: str, trial: Hashable, step: int, value: float) -> None:
                 self.reports.append(("report", key, trial, step, value))
 
             def request(self, key: str, ident: str, payload: Any) -> None:
                 self.reports.append(("request", key, ident, payload))
+
+            def progress(self, key: str, *measured: Any) -> None:
+                self.reports.append(("progress", key, *measured))
+
+            def stop(self, key: str) -> None:
+                self.stops.add(key)
+
+            def stopping(self, key: str) -> bool:
+                return key in self.stops
 
             def answer(self, ident: str, value: Any) -> None:
                 self.answers[ident] = value
@@ -334,6 +415,7 @@ def _hub_class(ray):
                 for table in (self.pruned_ids, self.addresses, self.answers):
                     for key in [k for k in table if k.startswith(run_id)]:
                         del table[key]
+                self.stops = {k for k in self.stops if not k.startswith(run_id)}
 
         _HUB = ray.remote(num_cpus=0)(Hub)
     return _HUB
@@ -371,6 +453,28 @@ class _HubChannel:
         return self.cache
 
 
+class _PlacedHubChannel(_HubChannel):
+    """The channel of a group placed by a policy: it times its steps and can be stopped."""
+
+    def __init__(self, ray, hub, key: str, group: str) -> None:
+        super().__init__(ray, hub, key, group)
+        self.stop, self.stop_checked = False, 0.0
+        self.timer = _StepTimer()
+
+    def progress(self, steps: int, live: int, score: float | None) -> None:
+        measured = self.timer.measure(steps, live)
+        if measured is not None:
+            per_step, busy = measured
+            self.hub.progress.remote(self.key, steps, live, per_step, busy, score, _peak_memory())
+
+    def stopping(self) -> bool:
+        # a round trip per step would be slow; a stop is honoured within 0.2 s
+        if not self.stop and time.monotonic() - self.stop_checked > 0.2:
+            self.stop = self.ray.get(self.hub.stopping.remote(self.key))
+            self.stop_checked = time.monotonic()
+        return self.stop
+
+
 @dataclass
 class _RaySpec:
     group: TrialGroup
@@ -383,6 +487,7 @@ class _RaySpec:
     checkpoint_dir: Path
     pruned: set
     timeout: float = 300.0
+    placed: bool = False  # a policy placed it: it reports step times and may be stopped
 
 
 def _ray_worker(spec: _RaySpec, fn: WorkerFn, hub: Any) -> tuple[str, Any]:
@@ -404,7 +509,7 @@ def _ray_worker(spec: _RaySpec, fn: WorkerFn, hub: Any) -> tuple[str, Any]:
             spec.world_size,
             spec.attempt,
             spec.checkpoint_dir,
-            _HubChannel(ray, hub, spec.key, spec.prune_key),
+            (_PlacedHubChannel if spec.placed else _HubChannel)(ray, hub, spec.key, spec.prune_key),
             spec.pruned,
         )
         return call_worker_fn(fn, spec.group, ctx)
@@ -460,6 +565,7 @@ class _RayAttempt:
     refs: list[Any]
     placement: Any = None
     values: dict[int, Any] = field(default_factory=dict)
+    stopping: bool = False  # asked to stop at its next step boundary, to move
 
 
 class _RayRun:
@@ -472,6 +578,7 @@ class _RayRun:
         self.running: dict[str, _RayAttempt] = {}
         self.rank_of: dict[Any, tuple[str, int]] = {}
         self.more, self.request, self.world_size, self.capacity = None, None, 1, 0
+        self.starts = 0  # makes every start's hub key unique (a moved group keeps its attempt)
 
     def _ask_more(self) -> bool:
         """Take new groups from ``more`` while fewer groups than slots run and none waits."""
@@ -504,21 +611,28 @@ class _RayRun:
                 if ref in self.rank_of:
                     self._finished(ref)
 
-    def _start(self, group: TrialGroup, attempt: int) -> None:
-        key = f"{self.run_id}/{group.name}#{attempt}"
+    def _start(self, group: TrialGroup, attempt: int, ranks: list[dict] | None = None) -> None:
+        """Start ``group``: from the pool (one placement group for ``world_size > 1``), or with
+        ``ranks``, the Ray options of each rank placed by a policy."""
+        self.starts += 1
+        key = f"{self.run_id}/{group.name}#{attempt}.{self.starts}"
         checkpoint_dir = self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        size = self.sizes[group.name]
+        size = self.sizes[group.name] if ranks is None else len(ranks)
         gpus = (1.0 if size > 1 else 1.0 / self.ex.groups_per_device) if self.ex.use_gpus else 0
         options: dict[str, Any] = {"num_cpus": self.ex.cpus_per_worker, "num_gpus": gpus}
         run = _RayAttempt(group, attempt, [])
-        if size > 1:
+        if size > 1 and ranks is None:
             bundle = {"CPU": self.ex.cpus_per_worker, **({"GPU": 1} if self.ex.use_gpus else {})}
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             run.placement = placement_group([bundle] * size, strategy="PACK")
         for rank in range(size):
+            threads = self.ex.cpus_per_worker
+            if ranks is not None:
+                options, threads = dict(ranks[rank]), ranks[rank]["threads"]
+                del options["threads"]
             if run.placement is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     run.placement, placement_group_bundle_index=rank
@@ -529,10 +643,11 @@ class _RayRun:
                 f"{self.run_id}/{group.name}",
                 rank,
                 size,
-                self.ex.cpus_per_worker,
+                threads,
                 attempt,
                 checkpoint_dir,
                 set(self.ledger.pruned[group.name]),
+                placed=ranks is not None,
             )
             ref = self.task.options(**options).remote(spec, self.fn, self.hub)
             run.refs.append(ref)
@@ -549,6 +664,10 @@ class _RayRun:
                 if self.request is None:
                     raise RuntimeError("a worker called ctx.request but run() got no request=")
                 self.hub.answer.remote(ident, self.request(run.group.name, payload))
+                continue
+            if kind == "progress":
+                if run is not None:
+                    self._progress(run, *rest)
                 continue
             trial, step, value = rest
             if run is None or self.report is None:
@@ -574,6 +693,11 @@ class _RayRun:
             if len(run.values) == len(run.refs):
                 self._end(key)
                 self.ledger.done(run.group, run.attempt, run.values[0])
+        elif kind == "stopped":  # stopped after a checkpoint, to move: not a retry
+            run.values[rank] = None
+            if len(run.values) == len(run.refs):
+                self._end(key)
+                self.ledger.moved(run.group, run.attempt)
         elif kind == "oom":
             self._end(key)
             self.ledger.out_of_memory(run.group, run.attempt, payload)
@@ -582,6 +706,9 @@ class _RayRun:
         else:
             self._end(key)
             self.ledger.failed(run.group, run.attempt, payload)
+
+    def _progress(self, run: _RayAttempt, *measured: Any) -> None:
+        """A worker's ``ctx.progress``: only a placement policy uses it."""
 
     def _end(self, key: str) -> None:
         """Forget an attempt; cancel ranks still running (they would wait for a dead peer)."""

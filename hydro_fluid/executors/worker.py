@@ -128,8 +128,7 @@ class _PipeChannel:
         self.found: set = set()  # pruned trial ids read while waiting for an answer
         self.asked = 0
         self.stop = False  # the parent asked the group to stop and move
-        self.sent = (0.0, -1)  # (when, live) of the last progress message
-        self.clock = (time.perf_counter(), runnable_seconds(), 0)  # at the last progress
+        self.timer = _StepTimer()
 
     def send(self, message: tuple) -> None:
         # Plain pickle, not the multiprocessing pickler: that one shares tensors through the
@@ -163,21 +162,11 @@ class _PipeChannel:
         return self.stop
 
     def progress(self, steps: int, live: int, score: float | None) -> None:
-        """Send wall seconds per step and the busy fraction of the worker's threads since the
-        last message (at most every 0.2 s)."""
-        now = time.perf_counter()
-        if self.sent[1] < 0:  # the first step: start the clock here, not at the worker's start
-            self.sent, self.clock = (now, live), (now, runnable_seconds(), steps)
-            return
-        if now - self.sent[0] < 0.2 and live == self.sent[1]:
-            return
-        wall0, cpu0, steps0 = self.clock
-        cpu = runnable_seconds()
-        if steps > steps0:
-            per_step = (now - wall0) / (steps - steps0)
-            busy = max(0.0, cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
-            self.send(("progress", steps, live, per_step, busy, score, _peak_memory()))
-        self.sent, self.clock = (now, live), (now, cpu, steps)
+        """Send wall seconds per step and the busy fraction of the worker's threads
+        (:func:`runnable_seconds`) since the last message (at most every 0.2 s)."""
+        measured = self.timer.measure(steps, live)
+        if measured is not None:
+            self.send(("progress", steps, live, *measured, score, _peak_memory()))
 
     def request(self, payload: Any) -> Any:
         self.asked += 1
@@ -210,6 +199,33 @@ def runnable_seconds() -> float:
     except OSError:
         return time.process_time()
     return total / 1e9 if total else time.process_time()
+
+
+class _StepTimer:
+    """Times a worker's steps for ``ctx.progress``: wall seconds per step and the busy fraction
+    of its threads since the last measure, at most every 0.2 s or when ``live`` changes."""
+
+    def __init__(self) -> None:
+        self.sent = (0.0, -1)  # (when, live) of the last measure
+        self.clock = (time.perf_counter(), runnable_seconds(), 0)  # at the last measure
+
+    def measure(self, steps: int, live: int) -> tuple[float, float] | None:
+        """``(seconds_per_step, busy)`` when one is due, else ``None``."""
+        now = time.perf_counter()
+        if self.sent[1] < 0:  # the first step: start the clock here, not at the worker's start
+            self.sent, self.clock = (now, live), (now, runnable_seconds(), steps)
+            return None
+        if now - self.sent[0] < 0.2 and live == self.sent[1]:
+            return None
+        wall0, cpu0, steps0 = self.clock
+        cpu = runnable_seconds()
+        measured = None
+        if steps > steps0:
+            per_step = (now - wall0) / (steps - steps0)
+            busy = max(0.0, cpu - cpu0) / max(now - wall0, 1e-9) / torch.get_num_threads()
+            measured = per_step, busy
+        self.sent, self.clock = (now, live), (now, cpu, steps)
+        return measured
 
 
 def _peak_memory() -> float | None:

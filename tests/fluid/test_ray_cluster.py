@@ -8,6 +8,7 @@ machine's file system). The study is a real ``optimize`` on a real SQLite file.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from hydro_fluid import RayExecutor, TrialGroup  # noqa: E402
+from hydro_fluid.executors.base import Stopped  # noqa: E402
 from hydro_fluid.executors.examples import count_steps  # noqa: E402
 from hydro_fluid.executors.ray import _init_ray, _loopback_only  # noqa: E402
 
@@ -220,7 +222,7 @@ def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tm
     executor = make_executor(checkpoint_dir=tmp_path / "checkpoints")
     assert len(executor.slots) == 2  # one CPU on each node
     optimize(study, make_task(NodeLog(str(log))), SPACE, n_trials=4, ratio=2, fuse=2,
-             executor=executor, checkpoint_every=EVERY)  # fmt: skip
+             executor=executor, checkpoint_every=EVERY, policy="fifo")  # fmt: skip
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     node_of = {a["pid"]: a["node"] for a in attempts(log)}
     # two groups of two trials, trained at once: one on each node
@@ -269,8 +271,9 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
     watcher = threading.Thread(target=remove_the_worker_node_once_it_stalls, daemon=True)
     watcher.start()
     task = make_task(NodeLog(str(log), stall_on=worker.node_id, stall_at=STALL_AT))
+    # fifo: one group per node, so that one trains on the worker node (dynamic may pack both)
     optimize(study, task, SPACE, n_trials=n_trials, ratio=2, fuse=2, executor=executor,
-             checkpoint_every=EVERY)  # fmt: skip
+             checkpoint_every=EVERY, policy="fifo")  # fmt: skip
     watcher.join(timeout=60)
     assert watched.get("removed"), watched
     assert json.loads((log / "stalled").read_text())["node"] == worker.node_id
@@ -322,6 +325,64 @@ def test_a_node_lost_without_retries_left_fails_its_trials_with_the_reason(
         if t.state == TrialState.FAIL:
             assert "NodeDiedError" in t.user_attrs["fail_reason"], t.user_attrs["fail_reason"]
     assert told == Counter(range(4))
+
+
+def steps_stalling_on(group, ctx, folder: str, node: str, at: int) -> dict:
+    """A movable group (checkpoint, ``ctx.progress`` and ``ctx.should_stop`` every step) that,
+    on node ``node``, stalls after its checkpoint at step ``at`` until the test removes the node.
+    Returns every step trained (across attempts, from the checkpoint) and the nodes it ran on."""
+    here = ray.get_runtime_context().get_node_id()
+    state = ctx.load_checkpoint() or {"step": 0, "trained": [], "nodes": []}
+    state["nodes"].append(here)
+    for step in range(state["step"], max(group.budgets)):
+        time.sleep(0.02)
+        state["trained"].append(step)
+        state["step"] = step + 1
+        ctx.save_checkpoint(state)
+        ctx.progress(step + 1, 1)
+        if here == node and step + 1 == at:
+            (Path(folder) / "stalled").touch()
+            time.sleep(NodeLog.STALL_LIMIT)
+            raise RuntimeError("the test never removed this node")
+        if step + 1 < max(group.budgets) and ctx.should_stop():
+            raise Stopped
+    return state
+
+
+def test_a_policy_sees_a_node_leave_and_resumes_its_group_elsewhere(
+    two_nodes, make_executor, tmp_path
+):
+    """Under ``policy="dynamic"`` the two nodes are two devices; removing the worker node
+    (SIGKILL) is a device-leave event, and its group resumes from its checkpoint on the head."""
+    cluster, head, worker = two_nodes
+    executor = make_executor(checkpoint_dir=tmp_path / "checkpoints", restart_cost=0.0)
+    assert {d.node for d in executor.placement_devices()} == {head, worker.node_id}
+    watched: dict = {}
+
+    def remove_the_worker_node_once_it_stalls() -> None:
+        deadline = time.monotonic() + NodeLog.STALL_LIMIT
+        while not (tmp_path / "stalled").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watched["sockets"] = off_loopback()
+        cluster.remove_node(worker, allow_graceful=False)
+        watched["removed"] = True
+
+    watcher = threading.Thread(target=remove_the_worker_node_once_it_stalls, daemon=True)
+    watcher.start()
+    fn = functools.partial(steps_stalling_on, folder=str(tmp_path), node=worker.node_id, at=5)
+    groups = [TrialGroup("a", (0,), (20,)), TrialGroup("b", (1,), (20,))]
+    results = {r.group.name: r for r in executor.run(groups, fn, policy="dynamic",
+                                                     max_world_size=1)}  # fmt: skip
+    watcher.join(timeout=60)
+    assert watched.get("removed") and watched["sockets"][0] == []  # nothing off loopback
+    assert all(r.ok for r in results.values()), [(r.error, r.attempts) for r in results.values()]
+    assert all(r.value["trained"] == list(range(20)) for r in results.values())
+    [moved] = [r for r in results.values() if r.value["nodes"][0] == worker.node_id]
+    assert moved.value["nodes"] == [worker.node_id, head]  # resumed on the head, at step 5
+    left = [d for d in executor.decisions if d.event == "devices"]
+    assert left, "the node leaving was never an event"
+    assert all(not slots[0][0].startswith(worker.node_id[:8])
+               for d in left for slots in d.allocation.values())  # fmt: skip
 
 
 @pytest.mark.parametrize(
