@@ -364,9 +364,10 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
         for g in hosted.build([tuple(m) for m in got["members"]]):
             for slot in range(g.n):
                 resume_slot(g, slot, checkpoints)
-    if not hosted.n:
+    if not hosted.n and not source.waiting:
         return {"occupancy": occupancy.counts()}
-    world_size = min(_replicas(g, ctx) for g in hosted.groups.values())
+    # (a checkpoint taken as a key's group ended may hold only trials waiting for the next)
+    world_size = min((_replicas(g, ctx) for g in hosted.groups.values()), default=1)
     if world_size == 0:  # an idle rank of a group that trains on rank 0 alone
         return {"occupancy": occupancy.counts()}
     source.world_size = world_size
