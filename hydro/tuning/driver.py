@@ -680,7 +680,8 @@ class _Fleet(_Stream):
     ``executor.run`` asks :meth:`more` for a new group whenever one of its slots is free, so no
     slot waits for another. The group's worker asks this process (``ctx.request``) for its
     first members, gives every evaluation to the study's pruner, tells ended trials and asks for
-    the next one for each freed slot: the study and its storage stay here. What a group was
+    the next one, of any key, for each freed slot (the worker hosts a group per key:
+    :class:`hydro.tuning.slots._Hosted`): the study and its storage stay here. What a group was
     given is logged in order, so a retried worker (after a crash) is given the same trials
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """

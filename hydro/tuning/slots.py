@@ -3,8 +3,8 @@
 :func:`train_slots` steps a fused group, evaluates the members that are due, and hands ended
 trials to a *source* that tells them and fills the freed slots. The driver's own process is
 one source (``hydro.tuning.driver``); an executor's worker is another (:class:`_Remote`, which
-asks the driver through ``ctx.request``), and checkpoints a refilled group so that a retried
-worker resumes it bit-identically.
+asks the driver through ``ctx.request``); a worker hosts one group per key (:class:`_Hosted`),
+and checkpoints them so that a retried worker resumes them bit-identically.
 """
 
 from __future__ import annotations
