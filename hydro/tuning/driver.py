@@ -683,7 +683,8 @@ class _Fleet(_Stream):
     ``executor.run`` asks :meth:`more` for a new group whenever one of its slots is free, so no
     slot waits for another. The group's worker asks this process (``ctx.request``) for its
     first members, gives every evaluation to the study's pruner, tells ended trials and asks for
-    the next one for each freed slot: the study and its storage stay here. What a group was
+    the next one, of any key, for each freed slot (the worker hosts a group per key:
+    :class:`hydro.tuning.slots._Hosted`): the study and its storage stay here. What a group was
     given is logged in order, so a retried worker (after a crash) is given the same trials
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """
@@ -698,6 +699,9 @@ class _Fleet(_Stream):
         self.sizes: dict[str, int] = {}  # group -> its data parallel world size
         self.undivided: set[tuple] = set()  # keys warned about: batch not divisible
         self.logs: dict[str, list] = {}  # group -> [first members, one entry per refill]
+        self.capacity: dict[str, int] = {}  # group -> how many trials its worker trains
+        self.trial_key: dict[int, tuple] = {}  # trial -> its key
+        self.group_of: dict[int, int] = {}  # trial -> the fused group it trains in
         self.keys: dict[str, tuple] = {}
         self.gids: dict[str, int] = {}
         self.owner: dict[int, str] = {}  # trial -> the group training it
@@ -740,6 +744,9 @@ class _Fleet(_Stream):
         name = f"group-{gid}"
         self.keys[name], self.gids[name] = key, gid
         self.sizes[name] = self._world_size(key)
+        # the worker keeps this many trials of any key (its share of the device)
+        fuse = self.fuse_for(key)
+        self.capacity[name] = max(len(members), min(fuse, math.floor(room * fuse + 1e-9)))
         self.logs[name] = [[self._assign(t, p, name, slot) for slot, (t, p) in enumerate(members)]]
         # with fuse="auto" the placement policy packs by the memory the sizing measured
         return [TrialGroup(name, tuple(t.number for t, _ in members),
@@ -761,12 +768,26 @@ class _Fleet(_Stream):
         return 1
 
     def _assign(self, t: optuna.Trial, params: dict, name: str, slot: int) -> tuple:
-        t.set_user_attr("group", self.gids[name])
+        key = group_key(params, self.task)
+        self.group_of[t.number] = self._gid(t.number, key, name)
+        t.set_user_attr("group", self.group_of[t.number])
         t.set_user_attr("slot", slot)
         t.set_user_attr("world_size", self.sizes.get(name, 1))  # data parallel replicas
-        t.set_user_attr("fused", self.fuse_for(self.keys[name]))
+        t.set_user_attr("fused", self.fuse_for(key))
         self.owner[t.number], self.params[t.number] = name, params
+        self.trial_key[t.number] = key
         return (t.number, params, self.seeds[t.number])
+
+    def _gid(self, number: int, key: tuple, name: str) -> int:
+        """The fused group trial ``number`` (of ``key``) joins in the worker of ``name``: the
+        worker's first group, a group of another key it hosts already, or a new one that
+        trial ``number`` starts."""
+        if key == self.keys.get(name):
+            return self.gids[name]
+        for n, owner in self.owner.items():
+            if owner == name and n in self.running and self.trial_key.get(n) == key:
+                return self.group_of[n]
+        return number
 
     def answer(self, name: str, payload: tuple) -> dict[str, Any]:
         """A worker's request: ``start``, ``report`` or ``refill`` (see :class:`_Remote`)."""
@@ -774,7 +795,11 @@ class _Fleet(_Stream):
         if kind == "start":
             if name not in self.logs:
                 self._split(name)
-            return {"members": self.logs[name][0], "asking": self.asking}
+            return {
+                "members": self.logs[name][0],
+                "asking": self.asking,
+                "capacity": self.capacity.get(name, len(self.logs[name][0])),
+            }
         self._count(name, payload[-1])
         if kind == "report":
             pruned = []
@@ -783,17 +808,24 @@ class _Fleet(_Stream):
                 if t is None or _report_and_ask(t, step, value, self.hook):
                     pruned.append(number)
             return {"pruned": pruned, "asking": self.asking}
-        _, told, wants, _ = payload
+        _, told, wants, any_key, _ = payload
         for number, outcome, info in told:
             if number in self.running:
                 self.tell(self.running[number], outcome, info)
         log, out = self.logs[name], []
         for index, slot in wants:
             if index >= len(log):  # new: ask; else a retried worker is given what it had
-                nxt = self.next_trial(self.keys[name])
+                # a worker hosts every key's group (any_key): the next trial, whatever its
+                # key; a data parallel group takes only its own key
+                nxt = self._next_any() if any_key else self.next_trial(self.keys[name])
                 log.append(None if nxt is None else self._assign(*nxt, name, slot))
             out.append(log[index])
         return {"trials": out, "asking": self.asking}
+
+    def _next_any(self) -> tuple[optuna.Trial, dict] | None:
+        """The next trial for a freed slot of a worker that hosts every key: one waiting for a
+        group of its own, else newly asked (with one key: what :meth:`next_trial` gives)."""
+        return self._pop_pending() or self._ask()
 
     def _split(self, name: str) -> None:
         """Members of a half of a group split after running out of memory (``name/0``,

@@ -3,8 +3,8 @@
 :func:`train_slots` steps a fused group, evaluates the members that are due, and hands ended
 trials to a *source* that tells them and fills the freed slots. The driver's own process is
 one source (``hydro.tuning.driver``); an executor's worker is another (:class:`_Remote`, which
-asks the driver through ``ctx.request``), and checkpoints a refilled group so that a retried
-worker resumes it bit-identically.
+asks the driver through ``ctx.request``); a worker hosts one group per key (:class:`_Hosted`),
+and checkpoints them so that a retried worker resumes them bit-identically.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from hydro.errors import HydroError, HydroWarning
 from hydro.tuning import parallel
 from hydro.tuning.checkpoint import TrialCheckpoints, set_aside
-from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, load_model_state
+from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key, load_model_state
 
 __all__ = ["Occupancy", "step_slots", "train_slots"]
 
@@ -187,15 +187,21 @@ def resume_slot(group: FusedGroup, slot: int, checkpoints: TrialCheckpoints | No
 
 
 class _Remote:
-    """The trial source of a group in an executor's worker: the driver, through
-    ``ctx.request`` on rank 0 (see :func:`train_slots`, :func:`_ask_driver`)."""
+    """The trial source of a worker's groups: the driver, through ``ctx.request`` on rank 0
+    (see :func:`step_slots`, :func:`_ask_driver`). With ``any_key`` a freed slot takes the
+    driver's next trial whatever its key: one of another key than the slot's group waits in
+    ``waiting`` and joins its key's group in this worker at the next round (:class:`_Hosted`).
+    """
 
-    def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool) -> None:
+    def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool,
+                 task: Any = None, any_key: bool = False) -> None:  # fmt: skip
         self.ctx, self.occupancy, self.cursor, self.asking = ctx, occupancy, cursor, asking
         self.world_size = ctx.world_size  # the replicas that train the group (_replicas)
+        self.task, self.any_key = task, any_key
+        self.waiting: list[tuple[int, dict, int]] = []  # other keys' trials, for the next round
 
     def stepped(self, live: int) -> None:
-        self.occupancy.add(1, live, self.asking)
+        """Nothing: :class:`_Hosted` counts occupancy per round, over all its groups."""
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         got = _ask_driver(self.ctx, ("report", items, self.occupancy.counts()), self.world_size)
@@ -204,24 +210,127 @@ class _Remote:
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]
-        got = _ask_driver(self.ctx, ("refill", told, wants, self.occupancy.counts()),
-                          self.world_size)  # fmt: skip
+        got = _ask_driver(self.ctx, ("refill", told, wants, self.any_key,
+                                     self.occupancy.counts()), self.world_size)  # fmt: skip
         self.cursor += len(slots)
         self.asking = got["asking"]
-        return got["trials"]
+        out = []
+        for nxt in got["trials"]:
+            if nxt is not None and group_key(nxt[1], self.task) != key:
+                self.waiting.append(tuple(nxt))  # its key's group takes it next round
+                nxt = None
+            out.append(nxt)
+        return out
+
+
+class _Hosted:
+    """The fused groups of one worker, at most one per key, taking turns: in a round each
+    takes one fused step (:func:`step_slots`), after the trials waiting in ``source`` joined
+    their key's group (grown with :meth:`FusedGroup.add`, or started reusing that key's
+    capture). A freed slot's share of the worker goes to the driver's next trial, so the
+    worker stays as full as its first group was."""
+
+    def __init__(self, task: Any, ratio: int, depth: tuple, device: Any, fuse: int,
+                 source: _Remote, checkpoints: TrialCheckpoints | None,
+                 every: int) -> None:  # fmt: skip
+        self.task, self.ratio, self.depth, self.device = task, ratio, depth, device
+        self.fuse, self.source, self.checkpoints, self.every = fuse, source, checkpoints, every
+        self.groups: dict[tuple, FusedGroup] = {}
+        self.joined: dict[tuple, dict[int, float]] = {}
+        self.built: dict[tuple, FusedGroup] = {}  # key -> its last group (for like=)
+        self.rounds = 0
+
+    @property
+    def n(self) -> int:
+        return sum(g.n for g in self.groups.values())
+
+    def build(self, members: Sequence[tuple[int, dict, int]]) -> list[FusedGroup]:
+        """Start one group per key of ``members`` (in order of first appearance)."""
+        by_key: dict[tuple, list] = {}
+        for m in members:
+            by_key.setdefault(group_key(m[1], self.task), []).append(tuple(m))
+        for key, ms in by_key.items():
+            self.groups[key] = self.built[key] = FusedGroup(
+                self.task, ms, ratio=self.ratio, device=self.device, depth_ratio=self.depth[0],
+                depth_alpha=self.depth[1], like=self.built.get(key))  # fmt: skip
+            self.joined[key] = {m[0]: time.perf_counter() for m in ms}
+        return [self.groups[k] for k in by_key]
+
+    def admit(self) -> None:
+        """The trials waiting in the source join their key's group, or start one."""
+        waiting, self.source.waiting = self.source.waiting, []
+        for number, params, seed in waiting:
+            key = group_key(params, self.task)
+            if key not in self.groups:
+                (group,) = self.build([(number, params, seed)])
+                resume_slot(group, 0, self.checkpoints)
+                continue
+            slot = self.groups[key].add(number, params, seed)
+            resume_slot(self.groups[key], slot, self.checkpoints)
+            self.joined[key][number] = time.perf_counter()
+
+    def fill(self, capacity: int) -> None:
+        """Ask the driver for trials of any key while this worker has fewer than ``capacity``
+        (its first group may have found few trials of its key): they wait for the round."""
+        room = capacity - self.n - len(self.source.waiting)
+        if self.source.any_key and self.source.asking and room > 0:
+            self.source.refill([], list(range(self.n, self.n + room)), None)
+
+    def round(self, capacity: int) -> None:
+        """One round: the worker filled to ``capacity``, waiting trials join their key's
+        group, then every group takes one fused step."""
+        self.fill(capacity)
+        self.admit()
+        live, asking = self.n, self.source.asking
+        for key, group in list(self.groups.items()):
+            step_slots(group, self.source, fuse=self.fuse, joined=self.joined[key],
+                       checkpoints=self.checkpoints)  # fmt: skip
+            save_trials(group, self.checkpoints, self.every)
+            if not group.n:
+                del self.groups[key], self.joined[key]
+        self.source.occupancy.add(1, live, asking)
+        self.rounds += 1
+
+    def state(self) -> dict[str, Any]:
+        """The worker's checkpoint: each group's (:func:`_group_state`), the waiting trials,
+        the random states, and how far the worker read its trial log."""
+        from hydro.tuning import checkpoint as _checkpoint
+
+        return {
+            "groups": [_group_state(g) for g in self.groups.values()],
+            "waiting": [list(w) for w in self.source.waiting],
+            "rounds": self.rounds,
+            "cursor": self.source.cursor,
+            "asking": self.source.asking,
+            "occupancy": self.source.occupancy.counts(),
+            "rng": _checkpoint.rng_state(),
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Rebuild the groups of checkpoint ``saved`` in its state (random states included)."""
+        from hydro.tuning import checkpoint as _checkpoint
+
+        for g in saved["groups"]:
+            (group,) = self.build([(int(m[0]), dict(m[1]), int(m[2])) for m in g["members"]])
+            _restore_group(group, g)
+        self.source.waiting = [(int(w[0]), dict(w[1]), int(w[2])) for w in saved["waiting"]]
+        self.rounds = int(saved["rounds"])
+        _checkpoint.set_rng_state(saved["rng"])
 
 
 def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
                       study=""):  # noqa: ANN001, ANN202  # fmt: skip
-    """A fused group with continuous batching in an executor's worker. Its trials come from
-    the driver; with ``every`` it checkpoints in ``ctx.checkpoint_dir`` (which survives a
-    retry or a move) every ``every`` steps, and a restarted attempt resumes there. The group
-    checkpoint names ``study`` and the group's first trials: one of another study or group
-    (a ``checkpoint_dir`` shared by two studies) is moved aside, never resumed. Each member
-    is also saved in the study's ``checkpoints``, and a member that has one there (re-asked
-    after its tuner died) resumes from it. With ``ctx.world_size`` above 1 every rank runs
-    this as one data parallel replica (:mod:`hydro.tuning.parallel`): rank 0 talks to the
-    driver and saves, every rank applies the same answers."""
+    """Fused groups with continuous batching in an executor's worker, at most one per key
+    (:class:`_Hosted`). Its trials come from the driver; a freed slot takes the driver's next
+    trial of any key (one data parallel group: of its own key). With ``every`` it
+    checkpoints in ``ctx.checkpoint_dir`` (which survives a retry or a move) every ``every``
+    rounds, and a restarted attempt resumes there. The checkpoint names ``study`` and the
+    worker's first trials: one of another study or group (a ``checkpoint_dir`` shared by two
+    studies) is moved aside, never resumed. Each member is also saved in the study's
+    ``checkpoints``, and a member that has one there (re-asked after its tuner died) resumes
+    from it. With ``ctx.world_size`` above 1 every rank runs this as one data parallel replica
+    (:mod:`hydro.tuning.parallel`): rank 0 talks to the driver and saves, every rank applies
+    the same answers."""
     from hydro.tuning import checkpoint as _checkpoint
     from hydro_fluid.executors.base import Stopped
 
@@ -234,50 +343,52 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
             saved = _checkpoint.load(ctx.checkpoint_dir)
         except _checkpoint.CheckpointError as exc:
             set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE, f"is unreadable ({exc})")
-        if saved is not None and (saved.get("study") != study or saved.get("first") != first):
+        if saved is not None and (saved.get("study") != study or saved.get("first") != first
+                                  or "groups" not in saved):  # fmt: skip
             set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
                       f"belongs to another study or group than {group.name}")  # fmt: skip
             saved = None
     # data parallel: every rank resumes rank 0's checkpoint, whatever world size wrote it
     saved = parallel.share(saved, ctx.rank, ctx.world_size)
     if saved is not None:
-        members = [(int(m[0]), dict(m[1]), int(m[2])) for m in saved["members"]]
         cursor, asking = int(saved["cursor"]), bool(saved["asking"])
         occupancy.set_counts(saved["occupancy"])
     else:
-        members, cursor, asking = [tuple(m) for m in got["members"]], 1, got["asking"]
-    if not members:
+        cursor, asking = 1, got["asking"]
+    # data parallel ranks step one group of one key alike; one process hosts every key
+    source = _Remote(ctx, occupancy, cursor, asking, task, any_key=ctx.world_size == 1)
+    hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every)
+    if saved is not None:
+        hosted.restore(saved)
+    else:
+        for g in hosted.build([tuple(m) for m in got["members"]]):
+            for slot in range(g.n):
+                resume_slot(g, slot, checkpoints)
+    if not hosted.n and not source.waiting:
         return {"occupancy": occupancy.counts()}
-    fgroup = FusedGroup(task, members, ratio=ratio, device=ctx.device, depth_ratio=depth[0],
-                        depth_alpha=depth[1])  # fmt: skip
-    world_size = _replicas(fgroup, ctx)
+    # (a checkpoint taken as a key's group ended may hold only trials waiting for the next)
+    world_size = min((_replicas(g, ctx) for g in hosted.groups.values()), default=1)
     if world_size == 0:  # an idle rank of a group that trains on rank 0 alone
         return {"occupancy": occupancy.counts()}
-    if saved is not None:
-        _restore_slots(fgroup, saved)
-    else:
-        for slot in range(fgroup.n):
-            resume_slot(fgroup, slot, checkpoints)
-    source = _Remote(ctx, occupancy, cursor, asking)
     source.world_size = world_size
-    joined = {m.id: time.perf_counter() for m in fgroup.members}
-
     sign = 1.0 if task.direction == "minimize" else -1.0
 
-    def save() -> None:
-        # for the executor's placement policy: step times, live members, best value so far
-        # (lower is better); and a move it asks for: checkpoint here, resume where it puts us
-        values = [sign * v for m in fgroup.members for _, v in m.history[-1:]]
-        ctx.progress(fgroup.steps, fgroup.n, min(values, default=None))
+    # a group that ended may leave trials of another key waiting: they start its next round
+    while hosted.n or source.waiting:
+        hosted.round(int(got.get("capacity", len(first))))
+        if not hosted.n and not source.waiting:
+            break
+        # for the executor's placement policy: rounds, live members, best value so far (lower
+        # is better); and a move it asks for: checkpoint here, resume where it puts us
+        values = [sign * v for g in hosted.groups.values() for m in g.members
+                  for _, v in m.history[-1:]]  # fmt: skip
+        ctx.progress(hosted.rounds, hosted.n, min(values, default=None))
         stop = ctx.should_stop(agree=world_size == ctx.world_size)
-        if ctx.rank == 0 and (stop or (every and fgroup.steps % every == 0)):
-            state = {**_slots_state(fgroup, source), "study": study, "first": first}
-            _checkpoint.save(ctx.checkpoint_dir, state)
+        if ctx.rank == 0 and (stop or (every and hosted.rounds % every == 0)):
+            _checkpoint.save(ctx.checkpoint_dir, {**hosted.state(), "study": study,
+                                                  "first": first})  # fmt: skip
         if stop:
             raise Stopped
-
-    train_slots(fgroup, source, fuse=fuse, joined=joined, after_step=save,
-                checkpoints=checkpoints, every=every)  # fmt: skip
     return {"occupancy": occupancy.counts()}
 
 
@@ -294,11 +405,9 @@ def _replicas(group: FusedGroup, ctx: Any) -> int:
     return 1 if ctx.rank == 0 else 0
 
 
-def _slots_state(group: FusedGroup, source: _Remote) -> dict[str, Any]:
+def _group_state(group: FusedGroup) -> dict[str, Any]:
     """A refilled group's checkpoint: each slot's trial, step and history, the fused model,
-    optimizer and schedules, the random states, and how far the group read its trial log."""
-    from hydro.tuning import checkpoint as _checkpoint
-
+    optimizer and schedules."""
     return {
         "members": [
             [m.id, dict(m.params), m.seed, m.step, [list(h) for h in m.history]]
@@ -308,17 +417,11 @@ def _slots_state(group: FusedGroup, source: _Remote) -> dict[str, Any]:
         "optimizer": group.opt.state_dict(),
         "scheduler": group.sched.state_dict(),
         "steps": [group.steps, group.live_steps],
-        "cursor": source.cursor,
-        "asking": source.asking,
-        "occupancy": source.occupancy.counts(),
-        "rng": _checkpoint.rng_state(),
     }
 
 
-def _restore_slots(group: FusedGroup, saved: dict[str, Any]) -> None:
+def _restore_group(group: FusedGroup, saved: dict[str, Any]) -> None:
     """Put a group built from a checkpoint's members in that checkpoint's state."""
-    from hydro.tuning import checkpoint as _checkpoint
-
     for m, (_, _, _, step, history) in zip(group.members, saved["members"]):
         for _ in range(int(step)):  # each data stream continues where it stopped
             next(m.batches)
@@ -328,4 +431,3 @@ def _restore_slots(group: FusedGroup, saved: dict[str, Any]) -> None:
     group.opt.load_state_dict(saved["optimizer"])
     group.sched.load_state_dict(saved["scheduler"])
     group.steps, group.live_steps = (int(v) for v in saved["steps"])
-    _checkpoint.set_rng_state(saved["rng"])
