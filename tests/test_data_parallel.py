@@ -139,7 +139,7 @@ class Driver:
             for number, step, value in payload[1]:
                 self.reports[number, step] = value
             return {"pruned": [1], "asking": True}
-        _, told, wants, _ = payload
+        _, told, wants, *_ = payload  # ("refill", told, wants, any_key, counts)
         for number, outcome, _ in told:
             self.ended[number] = (outcome.state, outcome.value, outcome.step)
         trials = [self.trial(index + 1) for index, _ in wants]

@@ -617,7 +617,7 @@ def start_group(
     for slot, (t, _) in enumerate(members):
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
-    key = group_key(members[0][1], stream.task)
+        t.set_user_attr("fused", stream.fuse_for(key))  # the key's size now (after an OOM)
     group = FusedGroup(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
                        depth_alpha=stream.depth[1], like=stream.built.get(key))  # fmt: skip
@@ -654,6 +654,7 @@ class _InProcess:
         resume_slot(self.group, slot, self.stream.checkpoints)
         t.set_user_attr("group", self.gid)
         t.set_user_attr("slot", slot)
+        t.set_user_attr("fused", self.stream.fuse_for(self.group.key))
         self.trials[t.number] = t
         self.joined[t.number] = time.perf_counter()
 
