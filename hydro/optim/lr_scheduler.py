@@ -30,7 +30,7 @@ import torch
 from torch.optim import lr_scheduler as torch_sched
 
 from hydro.errors import ConfigError
-from hydro.optim.optimizers import FusedOptimizer
+from hydro.optim.base import FusedOptimizer
 
 __all__ = [
     "CosineAnnealingLR",

@@ -1,15 +1,17 @@
-"""Training one trial group: n surrogates fused into one model, trained in lockstep.
+"""The fused group: trials of one :func:`group_key` trained as one fused model, a slot each.
 
-Every member reports its own validation value at every ``eval_every`` steps; a member the caller
-prunes is dropped from the fused model (``select``) so it stops costing compute; a member whose
-loss or gradients stop being finite is frozen by the fused optimizer and ends as a failure.
+:class:`FusedGroup` builds each member's surrogate (:func:`build_members`: one capture and width
+analysis per group, each member from its own factory arguments and seed) and trains the slots
+each at its own step. Every member reports its own validation value at every ``eval_every``
+steps; a member that ends is dropped from the fused model (``select``) so it stops costing
+compute; a member whose loss or gradients stop being finite is frozen by the fused optimizer.
+The optimizer, schedules, step and validation come from :mod:`hydro.tuning.recipe`; training a
+fixed group to the end is :func:`hydro.tuning.lockstep.train_group`.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,22 +20,33 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-import hydro.optim as fused_optim
-from hydro import host
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import fuse
 from hydro.fusion import random as _random
 from hydro.parametrize import READOUT
 from hydro.scaling import build
-from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning import parallel
+
+# DEFAULTS and _schedule are re-exported for the tuner and benchmarks that import them from here
+from hydro.tuning.recipe import (  # noqa: F401
+    DEFAULTS,
+    _hyper,
+    _optimizer,
+    _schedule,
+    _scheduler,
+    _train_step,
+    evaluate,
+)
 from hydro.tuning.task import Task, stack_batches
 
-# report(member, step, value) -> True when the caller prunes that member
-Report = Callable[[int, int, float], bool]
 
-DEFAULTS = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "adam": {"lr": 1e-3, "weight_decay": 0.0},
-            "sgd": {"lr": 1e-2, "weight_decay": 0.0}}  # fmt: skip
+def __getattr__(name: str) -> Any:
+    # train_group is re-exported lazily: hydro.tuning.lockstep builds on this module
+    if name == "train_group":
+        from hydro.tuning.lockstep import train_group
+
+        return train_group
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -532,141 +545,6 @@ class _Builder:
         return _SITES[key]
 
 
-def train_group(
-    task: Task,
-    params: Sequence[dict[str, Any]],
-    *,
-    ratio: int,
-    seeds: Sequence[int],
-    report: Report | None = None,
-    device: str | torch.device = "cpu",
-    pruned: Callable[[], set[int]] | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 0,
-    depth_ratio: int = 1,
-    depth_alpha: float = 1.0,
-) -> tuple[list[Outcome], GroupInfo]:
-    """Train ``len(params)`` trials of ``task`` fused, and return how each ended.
-
-    Each member trains on its own data order (from its seed) and ends exactly as it would
-    alone. Members that end early leave the group; nothing takes their place (the driver's
-    continuous batching refills slots: :class:`FusedGroup`).
-
-    Args:
-        task: what to train.
-        params: each member's hyperparameters (all with the same :func:`group_key`).
-        ratio: surrogate width divisor (1 trains the target itself).
-        seeds: each member's initialization and data seed.
-        report: called with ``(member, step, value)`` at every evaluation; returns ``True`` to
-            prune that member.
-        device: where to train.
-        pruned: polled every step for members pruned meanwhile (when reports travel to
-            another process and the answer comes later).
-        checkpoint: a directory for the group's checkpoint: training resumes from the one
-            found there, and ends bit-identical to a run never interrupted.
-        checkpoint_every: save a checkpoint every this many steps (0: never).
-        depth_ratio: keep every ``depth_ratio``-th block of each stack of repeated blocks
-            (:func:`hydro.scale`); 1 keeps them all.
-        depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP).
-    """
-    start = time.perf_counter()
-    n = len(params)
-    group = FusedGroup(task, [(k, p, s) for k, (p, s) in enumerate(zip(params, seeds))],
-                       ratio=ratio, device=device, refill=False, depth_ratio=depth_ratio,
-                       depth_alpha=depth_alpha)  # fmt: skip
-    outcomes: dict[int, Outcome] = {}
-    history: dict[int, list[tuple[int, float]]] = {k: group.members[k].history for k in range(n)}
-    first = 1
-    saved = _checkpoint.load(checkpoint) if checkpoint is not None else None
-    if saved is not None:
-        first = _resume(saved, group, outcomes, history)
-    for step in range(first, task.steps + 1):
-        group.step()
-        alive = [m.id for m in group.members]
-        due = group.due()
-        # on an accelerator the flags are read with the evaluation values (one wait); where a
-        # read is free, at once: nothing refills a slot here, so a frozen member only costs
-        if due or host.reads_are_free(group.device):
-            for pos, at in group.diverged().items():
-                k = alive[pos]
-                if k not in outcomes:
-                    outcomes[k] = Outcome("fail", None, at, f"diverged at step {at}: "
-                                          "non-finite loss or gradient", history[k])  # fmt: skip
-        for k in pruned() if pruned is not None else ():
-            if k in alive and k not in outcomes:
-                last = history[k][-1][1] if history[k] else None
-                outcomes[k] = Outcome("pruned", last, step, "", history[k])
-        if due:
-            values = group.evaluate()
-            for pos, k in enumerate(alive):
-                if k not in outcomes:
-                    _evaluated(k, step, float(values[pos]), history[k], outcomes, report,
-                               task.steps)  # fmt: skip
-        # members that ended (pruned, failed) leave the fused model and stop costing compute
-        gone = [pos for pos, k in enumerate(alive) if k in outcomes]
-        if gone:
-            if len(gone) == len(alive):
-                break
-            group.drop(gone)
-        if checkpoint is not None and checkpoint_every and step % checkpoint_every == 0 \
-                and step < task.steps:  # fmt: skip
-            _checkpoint.save(checkpoint, _state(step, group, outcomes, history))
-    for m in group.members:
-        if m.id not in outcomes:
-            last = history[m.id][-1][1] if history[m.id] else None
-            outcomes[m.id] = Outcome("complete", last, task.steps, "", history[m.id])
-    info = GroupInfo(ratio=ratio, size=n, widths=group.widths, depth_ratio=depth_ratio,
-                     depth_alpha=depth_alpha, blocks=group.blocks,
-                     seconds=time.perf_counter() - start,
-                     occupancy=group.live_steps / max(1, group.steps * n))  # fmt: skip
-    return [outcomes[k] for k in range(n)], info
-
-
-def _evaluated(k, step, v, history, outcomes, report, last) -> None:  # noqa: ANN001
-    """Record member ``k``'s validation value; end it on a non-finite value or a prune."""
-    history.append((step, v))
-    if not math.isfinite(v):
-        outcomes[k] = Outcome("fail", None, step, "non-finite validation value", history)
-    elif report is not None and report(k, step, v) and step < last:
-        outcomes[k] = Outcome("pruned", v, step, "", history)
-
-
-def _state(step, group, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
-    """Everything the loop needs to go on after ``step``: tensors and plain containers only."""
-    return {
-        "step": step,
-        "model": group.fused.state_dict(),
-        "optimizer": group.opt.state_dict(),
-        "alive": [m.id for m in group.members],
-        "outcomes": {k: [o.state, o.value, o.step, o.reason] for k, o in outcomes.items()},
-        "history": {k: [list(h) for h in v] for k, v in history.items()},
-        "rng": _checkpoint.rng_state(),
-    }
-
-
-def _resume(saved, group, outcomes, history) -> int:  # noqa: ANN001
-    """Put a freshly built group in the state of checkpoint ``saved``; returns the next step."""
-    step = int(saved["step"])
-    for k, v in saved["history"].items():
-        history[int(k)][:] = [(int(s), float(x)) for s, x in v]
-    for k, (state, value, at, reason) in saved["outcomes"].items():
-        outcomes[int(k)] = Outcome(state, value, at, reason, history[int(k)])
-    if group.sched is not None:  # per-trial schedules are pure functions of the step: replay them
-        for _ in range(step):
-            group.sched.step()
-    alive = [int(k) for k in saved["alive"]]
-    if len(alive) < group.n:
-        group.drop([pos for pos, m in enumerate(group.members) if m.id not in alive])
-    for m in group.members:  # each data stream continues where it stopped
-        for _ in range(step):
-            next(m.batches)
-        m.step = step
-    load_model_state(group, saved["model"])
-    group.opt.load_state_dict(saved["optimizer"])
-    _checkpoint.set_rng_state(saved["rng"])
-    return step + 1
-
-
 def load_model_state(group: FusedGroup, state: dict[str, torch.Tensor]) -> None:
     """Load a checkpoint's fused model into ``group`` (whose members already have their
     checkpointed steps). A checkpoint written before per-trial random streams existed lacks
@@ -680,43 +558,6 @@ def load_model_state(group: FusedGroup, state: dict[str, torch.Tensor]) -> None:
     for name, value in streams.items():
         state.setdefault(name, value)
     group.fused.load_state_dict(state)
-
-
-def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None) -> torch.Tensor:  # noqa: ANN001
-    """One step of every member; returns their losses ``[n]`` (detached, on the device: no host
-    synchronization). ``reduce(losses)``, run after the backward pass, averages the losses and
-    gradients of data parallel replicas and returns the averaged losses.
-
-    Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
-    which autograd accepts only once no graph still refers to them.
-    """
-    args, kwargs, y = task.split(batch, device)
-    losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
-    opt.zero_grad(set_to_none=True)
-    losses.sum().backward()
-    if reduce is not None:
-        losses = reduce(losses.detach())
-    # a non-finite loss freezes its member even where its gradients came out finite
-    fused.diverged.logical_or_(~torch.isfinite(losses.detach()))
-    if any(c is not None for c in clip):
-        fused_optim.clip_grad_norm_(fused, [c if c is not None else math.inf for c in clip])
-    opt.step()
-    return losses.detach()
-
-
-@torch.no_grad()
-def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list[float]:
-    """Each member's metric (or loss) averaged over the validation data."""
-    fused.eval()
-    total, count = None, 0
-    for batch in task.val_batches(max(batch_size, 64)):
-        args, kwargs, y = task.split(batch, device)
-        size = task.batch_len(batch)
-        v = task.trial_metrics(fused(*args, **kwargs), y).double() * size
-        total = v if total is None else total + v
-        count += size
-    fused.train()
-    return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
 
 
 def _apply_model_params(sur: nn.Module, p: dict[str, Any], model_args: set[str]) -> None:
@@ -739,73 +580,6 @@ def _apply_model_params(sur: nn.Module, p: dict[str, Any], model_args: set[str])
             for param in sur.parameters():
                 if param.dim() >= 2:
                     param.mul_(float(p["init_scale"]))
-
-
-def _optimizer(task: Task, fused: nn.Module, params: Sequence[dict]) -> fused_optim.FusedOptimizer:
-    defaults = DEFAULTS[task.optimizer]
-
-    def column(name: str, default: float) -> list[float]:
-        return [float(p.get(name, default)) for p in params]
-
-    lr = column("lr", defaults["lr"])
-    wd = column("weight_decay", defaults["weight_decay"])
-    if task.optimizer == "sgd":
-        return fused_optim.SGD(fused.parameters(), lr=lr, momentum=column("momentum", 0.0),
-                               weight_decay=wd)  # fmt: skip
-    cls = fused_optim.AdamW if task.optimizer == "adamw" else fused_optim.Adam
-    return cls(fused.parameters(), lr=lr, betas=(column("beta1", 0.9), column("beta2", 0.999)),
-               eps=column("eps", 1e-8), weight_decay=wd)  # fmt: skip
-
-
-def _hyper(task: Task, p: dict[str, Any]) -> dict[str, Any]:
-    """One trial's optimizer hyperparameters, as :meth:`FusedOptimizer.reset_trial` takes them."""
-    defaults = DEFAULTS[task.optimizer]
-    out = {"lr": float(p.get("lr", defaults["lr"])),
-           "weight_decay": float(p.get("weight_decay", defaults["weight_decay"]))}  # fmt: skip
-    if task.optimizer == "sgd":
-        out["momentum"] = float(p.get("momentum", 0.0))
-    else:
-        out["betas"] = (float(p.get("beta1", 0.9)), float(p.get("beta2", 0.999)))
-        out["eps"] = float(p.get("eps", 1e-8))
-    return out
-
-
-def _scheduler(
-    task: Task, opt: fused_optim.FusedOptimizer, params: Sequence[dict], always: bool = False
-) -> Any:
-    """Each member's own learning-rate schedule (warm-up, then the task's decay), read from
-    ``params[k]`` whenever slot ``k``'s schedule is (re)built; ``None`` when no member has one
-    (unless ``always``: a group whose slots take new trials)."""
-    steps = task.steps
-    warm = [int(p.get("warmup", 0)) for p in params]
-    if any(w >= steps for w in warm):
-        raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps})")
-    if task.scheduler == "none" and not any(warm) and not always:
-        return None
-    return fused_optim.lr_scheduler.TrialScheduler(
-        opt, lambda o, k: _schedule(task.scheduler, steps, int(params[k].get("warmup", 0)), o)
-    )
-
-
-def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> Any:
-    """One trial's torch schedule on (stand-in) optimizer ``o``: the one docs/tuning.md gives
-    for the full model, whatever the other members of its group do."""
-    if warmup >= steps:
-        raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps})")
-    S = torch.optim.lr_scheduler
-    rest = steps - max(warmup, 1)
-    if kind == "cosine":
-        main = S.CosineAnnealingLR(o, T_max=rest)
-    elif kind == "linear":
-        main = S.LinearLR(o, start_factor=1.0, end_factor=1e-3, total_iters=rest)
-    elif kind == "step":
-        main = S.StepLR(o, step_size=max(1, rest // 3), gamma=0.1)
-    else:
-        main = S.LinearLR(o, start_factor=1.0, end_factor=1.0, total_iters=1)
-    if not warmup:
-        return main
-    ramp = S.LinearLR(o, start_factor=1.0 / (warmup + 1), end_factor=1.0, total_iters=warmup)
-    return S.SequentialLR(o, [ramp, main], milestones=[warmup])
 
 
 def _widths(sur: nn.Module) -> dict[str, list[int]]:
@@ -831,7 +605,3 @@ def _blocks(sur: nn.Module) -> dict[str, int]:
         return {}
     return {"target": sum(len(s.blocks) for s in stacks),
             "surrogate": sum(len(s.kept) for s in stacks)}  # fmt: skip
-
-
-def _to(x: Any, device: Any) -> Any:
-    return x.to(device) if isinstance(x, torch.Tensor) else x

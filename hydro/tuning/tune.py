@@ -20,7 +20,8 @@ import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import check_depth, check_placement, optimize
-from hydro.tuning.group import check_device, group_key, train_group
+from hydro.tuning.group import check_device, group_key
+from hydro.tuning.lockstep import train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.sizing import check_fuse, check_memory
 from hydro.tuning.space import Space, check_space

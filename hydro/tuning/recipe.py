@@ -1,0 +1,127 @@
+"""The training recipe of one fused group, read from a :class:`Task` and each trial's params.
+
+The fused optimizer with each trial's hyperparameters (``lr``, ``weight_decay``, betas or
+momentum, with the task optimizer's defaults), each trial's learning-rate schedule (warm-up,
+then the task's decay), one training step of every member, and the validation of every member.
+:mod:`hydro.tuning.group` builds its groups with these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import hydro.optim as fused_optim
+from hydro.errors import ConfigError
+from hydro.tuning.task import Task
+
+DEFAULTS = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "adam": {"lr": 1e-3, "weight_decay": 0.0},
+            "sgd": {"lr": 1e-2, "weight_decay": 0.0}}  # fmt: skip
+
+
+def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None) -> torch.Tensor:  # noqa: ANN001
+    """One step of every member; returns their losses ``[n]`` (detached, on the device: no host
+    synchronization). ``reduce(losses)``, run after the backward pass, averages the losses and
+    gradients of data parallel replicas and returns the averaged losses.
+
+    Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
+    which autograd accepts only once no graph still refers to them.
+    """
+    args, kwargs, y = task.split(batch, device)
+    losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
+    opt.zero_grad(set_to_none=True)
+    losses.sum().backward()
+    if reduce is not None:
+        losses = reduce(losses.detach())
+    # a non-finite loss freezes its member even where its gradients came out finite
+    fused.diverged.logical_or_(~torch.isfinite(losses.detach()))
+    if any(c is not None for c in clip):
+        fused_optim.clip_grad_norm_(fused, [c if c is not None else math.inf for c in clip])
+    opt.step()
+    return losses.detach()
+
+
+@torch.no_grad()
+def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list[float]:
+    """Each member's metric (or loss) averaged over the validation data."""
+    fused.eval()
+    total, count = None, 0
+    for batch in task.val_batches(max(batch_size, 64)):
+        args, kwargs, y = task.split(batch, device)
+        size = task.batch_len(batch)
+        v = task.trial_metrics(fused(*args, **kwargs), y).double() * size
+        total = v if total is None else total + v
+        count += size
+    fused.train()
+    return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
+
+
+def _optimizer(task: Task, fused: nn.Module, params: Sequence[dict]) -> fused_optim.FusedOptimizer:
+    defaults = DEFAULTS[task.optimizer]
+
+    def column(name: str, default: float) -> list[float]:
+        return [float(p.get(name, default)) for p in params]
+
+    lr = column("lr", defaults["lr"])
+    wd = column("weight_decay", defaults["weight_decay"])
+    if task.optimizer == "sgd":
+        return fused_optim.SGD(fused.parameters(), lr=lr, momentum=column("momentum", 0.0),
+                               weight_decay=wd)  # fmt: skip
+    cls = fused_optim.AdamW if task.optimizer == "adamw" else fused_optim.Adam
+    return cls(fused.parameters(), lr=lr, betas=(column("beta1", 0.9), column("beta2", 0.999)),
+               eps=column("eps", 1e-8), weight_decay=wd)  # fmt: skip
+
+
+def _hyper(task: Task, p: dict[str, Any]) -> dict[str, Any]:
+    """One trial's optimizer hyperparameters, as :meth:`FusedOptimizer.reset_trial` takes them."""
+    defaults = DEFAULTS[task.optimizer]
+    out = {"lr": float(p.get("lr", defaults["lr"])),
+           "weight_decay": float(p.get("weight_decay", defaults["weight_decay"]))}  # fmt: skip
+    if task.optimizer == "sgd":
+        out["momentum"] = float(p.get("momentum", 0.0))
+    else:
+        out["betas"] = (float(p.get("beta1", 0.9)), float(p.get("beta2", 0.999)))
+        out["eps"] = float(p.get("eps", 1e-8))
+    return out
+
+
+def _scheduler(
+    task: Task, opt: fused_optim.FusedOptimizer, params: Sequence[dict], always: bool = False
+) -> Any:
+    """Each member's own learning-rate schedule (warm-up, then the task's decay), read from
+    ``params[k]`` whenever slot ``k``'s schedule is (re)built; ``None`` when no member has one
+    (unless ``always``: a group whose slots take new trials)."""
+    steps = task.steps
+    warm = [int(p.get("warmup", 0)) for p in params]
+    if any(w >= steps for w in warm):
+        raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps})")
+    if task.scheduler == "none" and not any(warm) and not always:
+        return None
+    return fused_optim.lr_scheduler.TrialScheduler(
+        opt, lambda o, k: _schedule(task.scheduler, steps, int(params[k].get("warmup", 0)), o)
+    )
+
+
+def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> Any:
+    """One trial's torch schedule on (stand-in) optimizer ``o``: the one docs/tuning.md gives
+    for the full model, whatever the other members of its group do."""
+    if warmup >= steps:
+        raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps})")
+    S = torch.optim.lr_scheduler
+    rest = steps - max(warmup, 1)
+    if kind == "cosine":
+        main = S.CosineAnnealingLR(o, T_max=rest)
+    elif kind == "linear":
+        main = S.LinearLR(o, start_factor=1.0, end_factor=1e-3, total_iters=rest)
+    elif kind == "step":
+        main = S.StepLR(o, step_size=max(1, rest // 3), gamma=0.1)
+    else:
+        main = S.LinearLR(o, start_factor=1.0, end_factor=1.0, total_iters=1)
+    if not warmup:
+        return main
+    ramp = S.LinearLR(o, start_factor=1.0 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+    return S.SequentialLR(o, [ramp, main], milestones=[warmup])
