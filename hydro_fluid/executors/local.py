@@ -517,7 +517,47 @@ class Decision:
     allocation: dict[str, tuple[tuple[str, float], ...]]
 
 
-class _PlacedRun(_Run):
+class PlacementEvents:
+    """What both executors' policy-driven loops do alike: move the ledger's queue into the
+    :class:`~hydro_fluid.placement.Placer` and take new groups from a stream while a device
+    has room. The loop provides ``placer``, ``ledger``, ``waiting``, ``attempts``,
+    ``running``, ``more``, ``event`` and ``_decide``."""
+
+    def _sync(self) -> None:
+        """Move the ledger's queue (new, retried, split, moved groups) into the placer."""
+        for group, attempt in self.ledger.pending:
+            self.placer.wait(group)
+            self.waiting[group.name], self.attempts[group.name] = group, attempt
+            self.event = self.event or "ended"
+        self.ledger.pending.clear()
+        live = {run.group.name for run in self.running.values()} | set(self.waiting)
+        for name in [n for n in self.placer.groups if n not in live]:
+            self.placer.ended(name)
+
+    def _ask_more(self) -> bool:
+        """Take new groups from ``more`` while no group waits and a device has room."""
+        asked = False
+        while self.more is not None and not self.waiting:
+            room = self.placer.room()
+            if room <= 0:
+                break
+            wants_room = "room" in inspect.signature(self.more).parameters
+            groups = list(self.more(room=room) if wants_room else self.more())
+            if not groups:
+                if not self.placer.widen:  # the stream ran dry: its tail may widen now
+                    self.placer.widen = True
+                    self.event = self.event or "drained"
+                break
+            self.placer.widen = False
+            self.ledger.submit(groups)
+            self.event = "new group"
+            self._sync()
+            self._decide(self.event)
+            asked = True
+        return asked
+
+
+class _PlacedRun(PlacementEvents, _Run):
     """The event loop when a placement policy decides where groups run.
 
     Every event asks the :class:`~hydro_fluid.placement.Placer` for an allocation and applies
@@ -556,39 +596,6 @@ class _PlacedRun(_Run):
             if self.placer.tick_due(self.last_tick):
                 self.last_tick = time.monotonic()
                 self.event = self.event or "tick"
-
-    def _sync(self) -> None:
-        """Move the ledger's queue (new, retried, split, moved groups) into the placer."""
-        for group, attempt in self.ledger.pending:
-            self.placer.wait(group)
-            self.waiting[group.name], self.attempts[group.name] = group, attempt
-            self.event = self.event or "ended"
-        self.ledger.pending.clear()
-        live = {run.group.name for run in self.running.values()} | set(self.waiting)
-        for name in [n for n in self.placer.groups if n not in live]:
-            self.placer.ended(name)
-
-    def _ask_more(self) -> bool:
-        """Take new groups from ``more`` while no group waits and a device has room."""
-        asked = False
-        while self.more is not None and not self.waiting:
-            room = self.placer.room()
-            if room <= 0:
-                break
-            wants_room = "room" in inspect.signature(self.more).parameters
-            groups = list(self.more(room=room) if wants_room else self.more())
-            if not groups:
-                if not self.placer.widen:  # the stream ran dry: its tail may widen now
-                    self.placer.widen = True
-                    self.event = self.event or "drained"
-                break
-            self.placer.widen = False
-            self.ledger.submit(groups)
-            self.event = "new group"
-            self._sync()
-            self._decide(self.event)
-            asked = True
-        return asked
 
     def _decide(self, event: str) -> None:
         self.event = None

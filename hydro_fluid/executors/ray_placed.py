@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Any
 
 from ..groups import TrialGroup
 from ..placement import Placer
 from ..resources import Device
-from .local import Decision
+from .local import Decision, PlacementEvents
 from .ray import _RayAttempt, _RayRun
 
 
-class _PlacedRayRun(_RayRun):
+class _PlacedRayRun(PlacementEvents, _RayRun):
     """The event loop when a placement policy decides where groups run on the cluster.
 
     As :class:`~hydro_fluid.executors.local._PlacedRun`: every event (a group starts, ends or
@@ -71,39 +70,6 @@ class _PlacedRayRun(_RayRun):
         if devices and [d.name for d in devices] != [d.name for d in self.placer.devices]:
             self.placer.set_devices(devices)
             self.event = "devices"  # says more than a group ending at the same time
-
-    def _sync(self) -> None:
-        """Move the ledger's queue (new, retried, split, moved groups) into the placer."""
-        for group, attempt in self.ledger.pending:
-            self.placer.wait(group)
-            self.waiting[group.name], self.attempts[group.name] = group, attempt
-            self.event = self.event or "ended"
-        self.ledger.pending.clear()
-        live = {run.group.name for run in self.running.values()} | set(self.waiting)
-        for name in [n for n in self.placer.groups if n not in live]:
-            self.placer.ended(name)
-
-    def _ask_more(self) -> bool:
-        """Take new groups from ``more`` while no group waits and a device has room."""
-        asked = False
-        while self.more is not None and not self.waiting:
-            room = self.placer.room()
-            if room <= 0:
-                break
-            wants_room = "room" in inspect.signature(self.more).parameters
-            groups = list(self.more(room=room) if wants_room else self.more())
-            if not groups:
-                if not self.placer.widen:  # the stream ran dry: its tail may widen now
-                    self.placer.widen = True
-                    self.event = self.event or "drained"
-                break
-            self.placer.widen = False
-            self.ledger.submit(groups)
-            self.event = "new group"
-            self._sync()
-            self._decide(self.event)
-            asked = True
-        return asked
 
     def _decide(self, event: str) -> None:
         self.event = None
