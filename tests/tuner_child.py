@@ -90,7 +90,7 @@ def _block(marker: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import hydro
-    import hydro.tuning.stream as driver  # start_group: the in-process stream builds its groups there
+    import hydro.tuning.stream as driver  # start_group: where the in-process stream builds groups
 
     p = argparse.ArgumentParser()
     p.add_argument("storage")

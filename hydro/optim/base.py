@@ -485,14 +485,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         previous = [dict(group) for group in self.param_groups]
         for group in self.param_groups:
             for key, value in values.items():
-                if key == "betas":
-                    betas = tuple(b.clone() for b in group["betas"])
-                    betas[0][k], betas[1][k] = value
-                    group["betas"] = betas
-                else:
-                    column = group[key].clone()
-                    column[k] = value
-                    group[key] = column
+                _set_trial_value(group, key, k, value)
         try:
             self._validate()
         except ConfigError:
@@ -569,14 +562,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     have[k] = value.to(have.device, have.dtype)
         for group, values in zip(self.param_groups, trial["groups"]):
             for key, value in values.items():
-                if key == "betas":
-                    betas = tuple(b.clone() for b in group["betas"])
-                    betas[0][k], betas[1][k] = value
-                    group["betas"] = betas
-                else:
-                    column = group[key].clone()
-                    column[k] = value
-                    group[key] = column
+                _set_trial_value(group, key, k, value)
         self._device_cache.clear()
 
     def _validate(self) -> None:
@@ -603,3 +589,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _attach(self, scheduler: object) -> None:
         self._schedulers.append(weakref.ref(scheduler))
+
+
+def _set_trial_value(group: dict, key: str, k: int, value: Any) -> None:
+    """Set trial ``k``'s ``key`` in a param group: a new column (``betas``: a new pair), so
+    a copy of the group taken before still holds the old values."""
+    if key == "betas":
+        betas = tuple(b.clone() for b in group["betas"])
+        betas[0][k], betas[1][k] = value
+        group["betas"] = betas
+    else:
+        column = group[key].clone()
+        column[k] = value
+        group[key] = column

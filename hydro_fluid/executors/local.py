@@ -308,12 +308,16 @@ class _Run:
     def loop(self) -> None:
         while self._ask_more() or self.ledger.pending or self.running:
             self._launch_what_fits()
-            waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
-            waitables += [p.sentinel for run in self.running.values() for p in run.procs]
-            mp_connection.wait(waitables, timeout=0.5)
-            for key in list(self.running):
-                self._read(key)
-            self._reap_dead_workers()
+            self._wait_and_read()
+
+    def _wait_and_read(self) -> None:
+        """Wait (at most 0.5 s) for a worker's message or exit, then handle what came."""
+        waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
+        waitables += [p.sentinel for run in self.running.values() for p in run.procs]
+        mp_connection.wait(waitables, timeout=0.5)
+        for key in list(self.running):
+            self._read(key)
+        self._reap_dead_workers()
 
     # -- starting ------------------------------------------------------------------------
 
@@ -523,6 +527,15 @@ class PlacementEvents:
     has room. The loop provides ``placer``, ``ledger``, ``waiting``, ``attempts``,
     ``running``, ``more``, ``event`` and ``_decide``."""
 
+    def _turn(self) -> bool:
+        """Place what the last events changed and take new groups; False once nothing runs,
+        nothing waits and the stream has none."""
+        self._sync()
+        if self.event is not None:
+            self._decide(self.event)
+        asked = self._ask_more()
+        return bool(asked or self.waiting or self.running)
+
     def _sync(self) -> None:
         """Move the ledger's queue (new, retried, split, moved groups) into the placer."""
         for group, attempt in self.ledger.pending:
@@ -581,18 +594,9 @@ class _PlacedRun(PlacementEvents, _Run):
 
     def loop(self) -> None:
         while True:
-            self._sync()
-            if self.event is not None:
-                self._decide(self.event)
-            asked = self._ask_more()
-            if not (asked or self.waiting or self.running):
+            if not self._turn():
                 return
-            waitables = [c for run in self.running.values() for c in run.inboxes if not c.closed]
-            waitables += [p.sentinel for run in self.running.values() for p in run.procs]
-            mp_connection.wait(waitables, timeout=0.5)
-            for key in list(self.running):
-                self._read(key)
-            self._reap_dead_workers()
+            self._wait_and_read()
             if self.placer.tick_due(self.last_tick):
                 self.last_tick = time.monotonic()
                 self.event = self.event or "tick"

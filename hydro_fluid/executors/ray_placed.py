@@ -42,11 +42,7 @@ class _PlacedRayRun(PlacementEvents, _RayRun):
         tick = 0.01 if self.request is not None else 0.1
         while True:
             self._look_at_devices()
-            self._sync()
-            if self.event is not None:
-                self._decide(self.event)
-            asked = self._ask_more()
-            if not (asked or self.waiting or self.running):
+            if not self._turn():
                 return
             if self.rank_of:
                 self.ray.wait(list(self.rank_of), num_returns=1, timeout=tick)
