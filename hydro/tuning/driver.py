@@ -262,13 +262,15 @@ def optimize(
                 if bar is not None:
                     bar.update()
         finally:
+            # the bar ends first: a storage error in the bookkeeping below must not leave it
+            # to be redrawn at exit, after the CLI's last line
+            if bar is not None:
+                bar.close()
             if checkpoints is not None:
                 _sweep_checkpoints(study, checkpoints)
                 checkpoints.tidy()
             if occupancy.steps:
                 study.set_user_attr("hydro_occupancy", occupancy.as_dict())
-            if bar is not None:
-                bar.close()
 
 
 def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheckpoints | None:

@@ -63,8 +63,10 @@ class Progress:
 
     def close(self) -> None:
         self._last = -self.interval
-        self.update()
-        self.bar.close()
+        try:
+            self.update()
+        finally:  # a bar left open is redrawn at exit, after whatever was printed last
+            self.bar.close()
         print(top_table(self.study), file=self.file, flush=True)
 
 
