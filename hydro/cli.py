@@ -8,7 +8,6 @@ Bad input exits with status 2 and a one-paragraph error; ``--debug`` shows the t
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import signal
@@ -26,25 +25,11 @@ from hydro.tuning.tune import check_writable
 
 
 def load_callable(spec: str, what: str = "model factory") -> Any:
-    """Import ``module:attribute`` (the current directory is on the path)."""
-    from hydro.tuning.config import check_callable_name
+    """Import ``module:attribute`` (the current directory is on the path), refused as a
+    config's callables are (:func:`hydro.tuning.config.resolve_callable`) before any call."""
+    from hydro.tuning.config import resolve_callable
 
-    module_name, attr = check_callable_name(spec, what)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"cannot import module {module_name!r} for the {what} {spec!r}: {exc}. "
-            "Run from the directory that contains it or install it."
-        ) from exc
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"module {module_name!r} has no attribute {part!r} ({what} {spec!r})")
-        obj = getattr(obj, part)
-    return obj
+    return resolve_callable(spec, what, (os.getcwd(),))
 
 
 def _model_and_inputs(spec: str) -> tuple[nn.Module, tuple[Any, ...] | None]:

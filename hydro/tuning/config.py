@@ -10,7 +10,8 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Mapping
+import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,24 +104,81 @@ def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
 
 def import_object(spec: str, key: str, path: str) -> Any:
     """``package.module:attribute`` (the config's directory and the working directory import)."""
-    module_name, attr = check_callable_name(spec, f"{path}: {key}")
-    for folder in (os.getcwd(), os.path.dirname(os.path.abspath(path))):
+    folders = (os.getcwd(), os.path.dirname(os.path.abspath(path)))
+    return resolve_callable(spec, f"{path}: {key}", folders)
+
+
+_TRUST = ("a config may only name your own code or an installed ML library (e.g. "
+          "mypkg.model:build). A config runs code like a Python script: only run configs you "
+          "trust.")  # fmt: skip
+
+
+def resolve_callable(spec: Any, where: str, folders: Sequence[str] = ()) -> Any:
+    """Import ``package.module:attribute`` and return it, refusing what a config must not name.
+
+    Checked before anything named is called: the name itself (:func:`check_callable_name`),
+    every attribute on the way (a module reached through an attribute, as in
+    ``torch:os.system``, is refused: a config names modules before the colon, where the
+    standard library is refused), and the object found: a module, something that is not
+    callable, or a callable whose home is the standard library (``mymod:run`` where ``mymod``
+    did ``from subprocess import run``). ``folders`` go on ``sys.path`` first.
+    """
+    module_name, attr = check_callable_name(spec, where)
+    for folder in folders:
         if folder not in sys.path:
             sys.path.insert(0, folder)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(
-            f"{path}: {key}: cannot import module {module_name!r} ({exc}). Run from the "
-            "directory that contains it, or install it."
+            f"{where}: cannot import module {module_name!r} ({exc}). Run from the directory "
+            "that contains it, or install it."
         ) from exc
-    for part in attr.split("."):
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
         if not hasattr(obj, part):
-            raise ConfigError(f"{path}: {key}: module {module_name!r} has no attribute {part!r}")
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {part!r}")
         obj = getattr(obj, part)
+        if isinstance(obj, types.ModuleType):
+            name = obj.__name__
+            if _is_stdlib(name):
+                raise ConfigError(f"{where}: {spec!r} reaches the standard library module "
+                                  f"{name.split('.')[0]!r} through the attribute {part!r}; "
+                                  + _TRUST)  # fmt: skip
+            rest = ".".join(parts[i + 1 :])
+            hint = f"name it {name}:{rest}" if rest else f"name a callable in it, {name}:NAME"
+            raise ConfigError(f"{where}: {spec!r} reaches the module {name!r} through an "
+                              f"attribute; a module goes before the colon: {hint}")  # fmt: skip
+    home = _home(obj)
+    if home is not None and _is_stdlib(home):
+        raise ConfigError(f"{where}: {spec!r} is a callable of the standard library module "
+                          f"{home.split('.')[0]!r}; " + _TRUST)  # fmt: skip
     if not callable(obj):
-        raise ConfigError(f"{path}: {key}: {spec} is not callable")
+        raise ConfigError(f"{where}: {spec} is not callable")
     return obj
+
+
+def _is_stdlib(module_name: str) -> bool:
+    top = module_name.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
+
+
+def _home(obj: Any) -> str | None:
+    """The module a callable comes from: a partial's function's, a bound method's function's,
+    a C method's class's (``dict.get``) or its object's (``{}.get``, ``os.system``)."""
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    if inspect.ismethod(obj):
+        obj = obj.__func__
+    home = getattr(obj, "__module__", None)
+    if isinstance(home, str):
+        return home
+    owner = getattr(obj, "__objclass__", None) or getattr(obj, "__self__", None)
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    if owner is not None:
+        home = getattr(owner if isinstance(owner, type) else type(owner), "__module__", None)
+    return home if isinstance(home, str) else None
 
 
 def load(path: str, **overrides: Any) -> TuneConfig:
@@ -199,6 +257,13 @@ def _task(spec: Any, path: str) -> Task:
     data_fn = import_object(spec["data"], "task.data", path)
     data_args = _mapping(spec.get("data_args", {}), "task.data_args", path)
     _check_arguments(data_fn, data_args, f"{path}: task.data_args", spec["data"])
+    # every name is resolved (and refused) before the first call into the config's code
+    loss = spec.get("loss", "cross_entropy")
+    if loss not in LOSSES and loss != MODEL_LOSS:
+        loss = import_object(loss, "task.loss", path)
+    metric = spec.get("metric")
+    if metric is not None:
+        metric = import_object(metric, "task.metric", path)
     try:
         data = data_fn(**data_args)
     except Exception as exc:  # noqa: BLE001 - user code: say which call failed
@@ -207,12 +272,6 @@ def _task(spec: Any, path: str) -> Task:
     if not isinstance(data, Mapping) or not {"train", "val"} <= set(data):
         raise ConfigError(f"{path}: task.data {spec['data']} must return a dict with 'train' "
                           "and 'val'")  # fmt: skip
-    loss = spec.get("loss", "cross_entropy")
-    if loss not in LOSSES and loss != MODEL_LOSS:
-        loss = import_object(loss, "task.loss", path)
-    metric = spec.get("metric")
-    if metric is not None:
-        metric = import_object(metric, "task.metric", path)
 
     # a partial pickles (worker processes need it) and keeps the factory's signature, whose
     # keyword arguments are the searchable architecture choices
