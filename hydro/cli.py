@@ -66,8 +66,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                      depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha)  # fmt: skip
     print(report)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.to_dict(), f, indent=2)
+        from hydro.files import write_text
+
+        write_text(args.json, json.dumps(report.to_dict(), indent=2))
         print(f"wrote {args.json}")
     return 0
 

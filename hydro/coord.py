@@ -154,7 +154,10 @@ class CoordCheckResult:
         legend_rows = -(-len(labels) // 4)
         fig.tight_layout(rect=(0, 0.06 + 0.035 * legend_rows, 1, 0.95))
         if path:
-            fig.savefig(path, dpi=120)
+            from hydro.files import replacing
+
+            with replacing(path) as tmp:
+                fig.savefig(tmp, dpi=120)
         return fig
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from hydro.files import replacing, write_text
+
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 PAGE_SUFFIXES = (".html", ".htm")
 
@@ -71,7 +73,8 @@ def write_report(study: optuna.Study, path: str) -> None:
     matplotlib.use("Agg")
     figure = _figure(study)
     if str(path).lower().endswith(FIGURE_SUFFIXES):
-        figure.savefig(path, dpi=110)
+        with replacing(path) as tmp:
+            figure.savefig(tmp, dpi=110)
         return
     buf = io.BytesIO()
     figure.savefig(buf, format="png", dpi=110)
@@ -105,8 +108,7 @@ td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head><bod
 <img src="data:image/png;base64,{image}" style="max-width:100%">
 <h2>Trials</h2><table><tr><th>#</th><th>state</th><th>value</th><th>params</th>
 <th>fail reason</th></tr>{rows}</table></body></html>"""
-    with open(path, "w") as f:
-        f.write(page)
+    write_text(path, page)
 
 
 def _figure(study: optuna.Study) -> Any:

@@ -18,6 +18,7 @@ from torch import nn
 
 import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
+from hydro.files import write_text
 from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import check_depth, check_placement, optimize
 from hydro.tuning.group import check_device, group_key
@@ -122,6 +123,10 @@ def check_writable(path: str | os.PathLike, what: str = "output file") -> str:
                           "path you can write.") from exc  # fmt: skip
     if not existed:
         os.remove(path)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write the {what} {path!r}: directory {folder!r} is not "
+                          "writable (the file is written beside its name, then renamed over "
+                          "it). Name a path in a directory you can write.")  # fmt: skip
     return path
 
 
@@ -204,11 +209,10 @@ def export(
     }
     if verification:
         data["verification"] = verification
-    with open(path, "w") as f:
-        if path.endswith(".json"):
-            json.dump(data, f, indent=2)
-        else:
-            yaml.safe_dump(data, f, sort_keys=False)
+    # the whole text first, then one rename: an existing file is never left truncated
+    text = json.dumps(data, indent=2) if path.endswith(".json") else \
+        yaml.safe_dump(data, sort_keys=False)  # fmt: skip
+    write_text(path, text)
     return data
 
 
