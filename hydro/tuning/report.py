@@ -12,6 +12,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hydro.files import replacing, write_text
+from hydro.tuning.space import trained_params
 
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 PAGE_SUFFIXES = (".html", ".htm")
@@ -81,14 +82,14 @@ def write_report(study: optuna.Study, path: str) -> None:
     image = base64.b64encode(buf.getvalue()).decode()
     rows = "".join(
         f"<tr><td>{t.number}</td><td>{_state(t)}</td><td>{_fmt(t.value)}</td>"
-        f"<td>{html.escape(str(t.params))}</td>"
+        f"<td>{html.escape(str(trained_params(t)))}</td>"
         f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
         for t in study.get_trials(deepcopy=False)
     )
     try:
         best = (
             f"best value {study.best_value:.6g} (trial {study.best_trial.number}): "
-            + html.escape(str(study.best_params))
+            + html.escape(str(trained_params(study.best_trial)))
         )
     except ValueError:
         best = "no completed trial yet"

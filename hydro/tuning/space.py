@@ -61,12 +61,47 @@ def check_names(names: Any, model_args: set[str]) -> None:
             )
 
 
+# user attribute holding every value a trial trains with, where that is more than its params
+TRAINED = "hydro_params"
+
+
 def sample(trial: optuna.Trial, space: Space) -> dict[str, Any]:
-    """Draw a trial's hyperparameters from ``space``."""
+    """Draw a trial's hyperparameters from ``space``.
+
+    A space function may return values it did not suggest (``{"lr": trial.suggest_float(...),
+    "warmup": 20}``) or suggest under other names (``{"lr": 10 ** trial.suggest_float("log_lr",
+    ...)}``); ``trial.params`` then differ from what trains, so the returned values are recorded
+    with the trial (:func:`trained_params` reads them back).
+    """
     if isinstance(space, Mapping):
         return {name: suggest(trial, name, dist) for name, dist in space.items()}
     result = space(trial)
-    return dict(trial.params) if result is None else dict(result)
+    params = dict(trial.params) if result is None else dict(result)
+    if params != trial.params:
+        trial.set_user_attr(TRAINED, {k: _storable(k, v) for k, v in params.items()})
+    return params
+
+
+def trained_params(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """Every value ``trial`` trained with: its params, plus the fixed values a space function
+    returned beside them (the export, verification and ``best_params`` read this)."""
+    recorded = trial.user_attrs.get(TRAINED)
+    return dict(recorded) if isinstance(recorded, Mapping) else dict(trial.params)
+
+
+def _storable(name: str, value: Any) -> Any:
+    """``value`` as the study's storage keeps it (JSON), or a ConfigError naming it."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_storable(name, v) for v in value]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a NumPy or torch scalar
+        return value.item()
+    raise ConfigError(
+        f"the space function returned {name}={value!r} ({type(value).__name__}), which the "
+        "study cannot store with the trial; return numbers, strings, booleans, None or lists "
+        "of them, and build other objects from them in the model factory"
+    )
 
 
 def suggest(trial: optuna.Trial, name: str, dist: BaseDistribution) -> Any:

@@ -25,7 +25,7 @@ from hydro.tuning.group import check_device, group_key
 from hydro.tuning.lockstep import train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.sizing import check_fuse, check_memory
-from hydro.tuning.space import Space, check_space
+from hydro.tuning.space import Space, check_space, trained_params
 from hydro.tuning.study import trial_seed
 from hydro.tuning.task import Task
 
@@ -54,7 +54,7 @@ class TuneResult:
     @property
     def best_params(self) -> dict[str, Any]:
         """The best hyperparameters: use them unchanged on the full model."""
-        return dict(self.best_trial.params)
+        return trained_params(self.best_trial)
 
     @property
     def best_value(self) -> float:
@@ -67,7 +67,7 @@ class TuneResult:
         that stopped with its process (and was asked again) has state ``INTERRUPTED``."""
         return [
             {"number": t.number, "state": "INTERRUPTED" if is_interrupted(t) else t.state.name,
-             "value": t.value, **t.params, "group": t.user_attrs.get("group"),
+             "value": t.value, **trained_params(t), "group": t.user_attrs.get("group"),
              "fail_reason": t.user_attrs.get("fail_reason")}
             for t in self.study.get_trials(deepcopy=False)
             if not is_surplus(t)
@@ -186,9 +186,10 @@ def export(
     best = best_trial(study)
     counts = trial_counts(study)
     recipe = study.user_attrs.get("hydro_task", {})
+    params = trained_params(best)  # what trained, fixed values of a space function included
     data: dict[str, Any] = {
-        "hyperparameters": dict(best.params),
-        "training": training(dict(best.params), recipe),
+        "hyperparameters": params,
+        "training": training(params, recipe),
         "provenance": {
             "study": study.study_name,
             "trial": best.number,
@@ -207,6 +208,8 @@ def export(
             "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
+    if params != best.params:  # a space function's fixed or derived values: say what Optuna drew
+        data["provenance"]["searched"] = dict(best.params)
     if verification:
         data["verification"] = verification
     # the whole text first, then one rename: an existing file is never left truncated
@@ -436,15 +439,15 @@ def verify(
         raise ConfigError("no completed trial to verify")
     groups: dict[tuple, list] = {}
     for t in top:
-        groups.setdefault(group_key(t.params, task), []).append(t)
+        groups.setdefault(group_key(trained_params(t), task), []).append(t)
     full: dict[int, float | None] = {}
     for members in groups.values():
-        outcomes, _ = train_group(task, [t.params for t in members], ratio=1,
+        outcomes, _ = train_group(task, [trained_params(t) for t in members], ratio=1,
                                   seeds=[trial_seed(t, seed) for t in members],
                                   device=device)  # fmt: skip
         for t, o in zip(members, outcomes):
             full[t.number] = o.value if o.state == "complete" else None
-    rows = [{"trial": t.number, "params": dict(t.params), "surrogate_value": t.value,
+    rows = [{"trial": t.number, "params": trained_params(t), "surrogate_value": t.value,
              "full_value": full[t.number]} for t in top]  # fmt: skip
     finite = [r for r in rows if r["full_value"] is not None and math.isfinite(r["full_value"])]
     pick = max if reverse else min
