@@ -76,9 +76,10 @@ def sample(trial: optuna.Trial, space: Space) -> dict[str, Any]:
     if isinstance(space, Mapping):
         return {name: suggest(trial, name, dist) for name, dist in space.items()}
     result = space(trial)
-    params = dict(trial.params) if result is None else dict(result)
-    if params != trial.params:
-        trial.set_user_attr(TRAINED, {k: _storable(k, v) for k, v in params.items()})
+    if result is None:
+        return dict(trial.params)
+    params = dict(result)
+    trial.set_user_attr(TRAINED, {k: _storable(k, v) for k, v in params.items()})
     return params
 
 
