@@ -50,6 +50,14 @@ class Zoo:
     def make(cls, width=32):
         return build(width)
 
+class Box:
+    @property
+    def opener(self):
+        open("property_read", "w").close()
+        return build
+
+box = Box()
+
 class Data:
     @staticmethod
     def make(n=96):
@@ -169,6 +177,10 @@ def test_legitimate_dotted_names_still_work(project, capsys):
 def test_a_resolved_module_or_non_callable_is_refused(project):
     with pytest.raises(ConfigError, match="reaches the module 'torch.nn' through an attribute"):
         resolve_callable("torch:nn", "model")
+    with pytest.raises(ConfigError, match="reads the property 'opener' of an object"):
+        resolve_callable("pkg.mod:box.opener", "model")
+    assert not (project / "property_read").exists()
+    assert resolve_callable("pkg.mod:Box.opener.fget", "model")(None) is not None  # on a class
     with pytest.raises(ConfigError, match="model: torch:float32 is not callable"):
         resolve_callable("torch:float32", "model")
     # a standard-library class, bound method, C method or partial, reached from the user's module

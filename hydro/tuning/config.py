@@ -136,6 +136,11 @@ def resolve_callable(spec: Any, where: str, folders: Sequence[str] = ()) -> Any:
         ) from exc
     parts = attr.split(".")
     for i, part in enumerate(parts):
+        if not isinstance(obj, (types.ModuleType, type)) and isinstance(
+            inspect.getattr_static(obj, part, None), (property, functools.cached_property)
+        ):  # reading it would run its getter: code called before any check of what it returns
+            raise ConfigError(f"{where}: {spec!r} reads the property {part!r} of an object; "
+                              "name a function or class")  # fmt: skip
         if not hasattr(obj, part):
             raise ConfigError(f"{where}: module {module_name!r} has no attribute {part!r}")
         obj = getattr(obj, part)
