@@ -13,6 +13,8 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+from hydro.errors import ConfigError
+
 
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[str]:
@@ -26,7 +28,13 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
     target = os.path.realpath(os.fspath(path))
     folder, name = os.path.split(target)
     suffix = os.path.splitext(name)[1]
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=f".tmp{suffix}", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=f".tmp{suffix}", dir=folder)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write {os.fspath(path)!r}: cannot create a file in {folder!r} "
+            f"({exc.strerror or exc}). Name a path you can write."
+        ) from exc
     os.close(fd)
     try:
         yield tmp
