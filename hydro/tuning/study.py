@@ -22,6 +22,7 @@ from optuna.samplers._lazy_random_state import LazyRandomState
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
+from hydro.errors import StorageError
 from hydro.tuning.group import GroupInfo, Outcome
 from hydro_fluid.executors.local import start_ticks
 
@@ -154,6 +155,20 @@ def _reclaim_stale(study: optuna.Study) -> int:
     return n
 
 
+def _fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> None:
+    """Fail the RUNNING ``trials`` a run stopped by ``exc`` cannot finish: as interrupted (asked
+    again with the same parameters) after Ctrl-C or a storage failure, else with the error as
+    the reason. One the storage cannot fail now stays RUNNING, owned by this process: once it
+    has exited, the next run reclaims it as interrupted."""
+    again = isinstance(exc, (KeyboardInterrupt, StorageError))
+    reason = _INTERRUPTED if again else f"{type(exc).__name__}: {exc}"[:500]
+    for t in trials:
+        try:
+            _fail(study, t._trial_id, t.number, t.params, reason, requeue=again)
+        except StorageError:
+            pass  # still failing: the error on its way out says so, and the next run reclaims it
+
+
 def _fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
     """Fail a RUNNING trial (True if this call did it: of racing processes one wins), and with
     ``requeue`` enqueue its parameters to be asked again."""
@@ -256,9 +271,19 @@ class _Heartbeat:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         self.stop.set()
         self.thread.join()
+        if isinstance(exc, StorageError):  # trials asked but not yet in a group's hands too
+            with self.lock:
+                ids = sorted(self.owned)
+            try:
+                storage = self.study._storage
+                left = [storage.get_trial(i) for i in ids]
+                _fail_unfinished(self.study, [t for t in left if t.state == TrialState.RUNNING],
+                                 exc)  # fmt: skip
+            except StorageError:
+                pass  # the next run reclaims them
         self.release(list(self.owned))
 
     def own(self, trial: optuna.Trial) -> None:
