@@ -1,7 +1,8 @@
 """The study side of tuning: asking and telling trials of a study that processes share.
 
-Every trial the driver runs carries its owner (host, pid, process start time) and a heartbeat;
-a trial left RUNNING by a dead owner is failed as interrupted and its parameters asked again.
+Every trial the driver runs carries its owner (host, machine id, pid, process start time) and a
+heartbeat; a trial left RUNNING by a dead owner is failed as interrupted and its parameters
+asked again.
 Telling goes through here too, so a trial's end is recorded the same way wherever it trained.
 """
 
@@ -83,9 +84,10 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
 
 # -- sharing a study between processes -------------------------------------------------------
 #
-# Every trial this driver runs carries its owner (host, pid, process start time) and a heartbeat
-# time refreshed by a thread. A RUNNING trial is stale when its owner is a dead process on this
-# host, or, on another host, when its heartbeat is older than STALE_SECONDS. Stale trials are
+# Every trial this driver runs carries its owner (host, machine id, pid, process start time) and a
+# heartbeat time refreshed by a thread. A RUNNING trial is stale when its owner is a dead process
+# on this machine (same host and machine id: same pid table), or, on another machine, when its
+# heartbeat is older than STALE_SECONDS. Stale trials are
 # failed (one process wins that update; the storage refuses the others) and their parameters
 # asked again, so live processes never lose trials to each other and dead ones lose none.
 
@@ -120,13 +122,45 @@ def _counts(study: optuna.Study) -> tuple[int, int]:
     return finished, running
 
 
+def _read_id(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def machine_id() -> str:
+    """Which table of process ids this process's pid belongs to, as a string.
+
+    A hostname does not say it: two machines, or two containers, may share one. On Linux it is
+    the kernel's boot id (a fresh random id each boot, shared by the containers of one kernel)
+    with the pid namespace (containers with their own pid table have their own); elsewhere
+    ``/etc/machine-id`` if there is one, else the hostname alone.
+    """
+    boot = _read_id("/proc/sys/kernel/random/boot_id")
+    if boot is not None:
+        try:
+            return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        except OSError:
+            return boot
+    return _read_id("/etc/machine-id") or socket.gethostname()
+
+
+_MACHINE = machine_id()
+
+
 def _me() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_ticks(os.getpid())}
+    return {"host": socket.gethostname(), "machine": _MACHINE, "pid": os.getpid(),
+            "started": start_ticks(os.getpid())}  # fmt: skip
 
 
 def _owner_alive(t: FrozenTrial, now: float) -> bool:
     owner = t.user_attrs.get(_OWNER)
-    if isinstance(owner, dict) and owner.get("host") == socket.gethostname():
+    # this host's pid table decides only for an owner on this machine (a record written before
+    # the machine id was kept counts as this host's, as it did then); any other by heartbeat
+    if isinstance(owner, dict) and owner.get("host") == socket.gethostname() \
+            and owner.get("machine", _MACHINE) == _MACHINE:  # fmt: skip
         pid = owner.get("pid")
         if pid == os.getpid():
             with _ACTIVE_LOCK:
