@@ -142,8 +142,8 @@ def _one_line(capsys) -> str:  # noqa: ANN001
     return lines[0]
 
 
-def test_a_lock_held_too_long_is_one_line_exit_3_and_no_trial_left_running(project, capsys,
-                                                                           monkeypatch):  # fmt: skip
+def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, capsys,
+                                                                       monkeypatch):  # fmt: skip
     """Timeout 2 s, lock 3 s: the run gives up at its next storage call (after 2 to 2.5 s),
     then fails its two RUNNING trials as interrupted once the lock is gone; the same command
     then finishes the study with their parameters."""
