@@ -144,13 +144,13 @@ def _one_line(capsys) -> str:  # noqa: ANN001
 
 def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, capsys,
                                                                        monkeypatch):  # fmt: skip
-    """Timeout 2 s, lock 3 s: the run gives up at its next storage call (after 2 to 2.5 s),
+    """Timeout 2 s, lock 3.6 s: the run gives up at its next storage call (after 2 to 2.5 s),
     then fails its two RUNNING trials as interrupted once the lock is gone; the same command
     then finishes the study with their parameters."""
     import storetoy
 
     monkeypatch.setenv("HYDRO_STORAGE_TIMEOUT", "2")
-    locker = Locker(project / "toy.db", hold=3.0)
+    locker = Locker(project / "toy.db", hold=3.6)
     storetoy.HOOK = locker.loss
     assert main(["tune", "tune.yaml"]) == 3
     line = _one_line(capsys)

@@ -236,8 +236,10 @@ def open_study(
 
     url = storage or DEFAULT_STORAGE
     try:
+        # a URL gets the guarded storage; a storage object (a journal file...) is used as given
+        opened = open_storage(url) if isinstance(url, str) else url
         return optuna.create_study(
-            storage=open_storage(url), study_name=study_name, direction=direction,
+            storage=opened, study_name=study_name, direction=direction,
             sampler=sampler, pruner=pruner, load_if_exists=True,
         )  # fmt: skip
     except (StorageError, ConfigError):
