@@ -130,16 +130,16 @@ class GuardedStorage(RDBStorage):
     other failure of the database (read-only, unreachable, disk). Errors that are not the
     database's (a finished trial, a duplicated study name) pass through unchanged.
 
-    After a failure the storage gives its callers (the driver failing its unfinished trials
-    as interrupted, so none stays RUNNING) one more ``timeout`` together, then answers at once
-    with the same error for another ``timeout``, so a run whose database stays locked stops in
-    bounded time; a call that succeeds ends that state.
+    After a failure a thread's calls (the driver failing its unfinished trials as interrupted,
+    so that none stays RUNNING) share one more ``timeout``, then answer at once with the same
+    error for another ``timeout``, so a run whose database stays locked stops in bounded time;
+    a call that succeeds ends that state. It is kept per thread: the heartbeat thread failing
+    must not cut short the driver's own wait.
     """
 
     def __init__(self, url: str, timeout: float | None = None) -> None:
         self.timeout = storage_timeout() if timeout is None else float(timeout)
-        self._failed_at: float | None = None
-        self._failure: tuple[str, BaseException] | None = None
+        self._failures: dict[int, tuple[float, str, BaseException]] = {}  # thread -> last
         kwargs: dict[str, Any] = {}
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"timeout": max(self.timeout / 4, 0.01)}
@@ -148,15 +148,16 @@ class GuardedStorage(RDBStorage):
         self._retry(lambda: RDBStorage.__init__(self, url, engine_kwargs=kwargs), only_lock=True)
 
     def _retry(self, call: Callable[[], _T], only_lock: bool = False) -> _T:
+        thread = threading.get_ident()
         start = time.monotonic()
         deadline = start + self.timeout
-        if self._failed_at is not None and self._failure is not None:
-            since = start - self._failed_at
-            if since < self.timeout:  # callers cleaning up share one more window
-                deadline = self._failed_at + self.timeout
-            elif since < 2 * self.timeout:  # then: at once, so the run stops in bounded time
-                kind, exc = self._failure
-                raise _storage_error(kind, self.url, exc, self.timeout) from None
+        failed = self._failures.get(thread)
+        if failed is not None:
+            since = start - failed[0]
+            if since < self.timeout:  # this thread cleaning up: one more window in all
+                deadline = failed[0] + self.timeout
+            elif since < 2 * self.timeout:  # then at once, so the run stops in bounded time
+                raise _storage_error(failed[1], self.url, failed[2], self.timeout) from None
         delay = 0.02
         while True:
             try:
@@ -170,16 +171,16 @@ class GuardedStorage(RDBStorage):
                     time.sleep(delay * (0.5 + random.random()))  # jitter: racing processes part
                     delay = min(delay * 2, 1.0)
                     continue
-                if self._failed_at is None or now - self._failed_at >= self.timeout:
-                    self._failed_at = now
-                self._failure = (kind, exc)
+                first = failed[0] if failed and now - failed[0] < self.timeout else now
+                self._failures[thread] = (first, kind, exc)
                 raise _storage_error(kind, self.url, exc, self.timeout) from exc
-            self._failed_at = self._failure = None
+            if failed is not None:
+                self._failures.pop(thread, None)
             return out
 
     def __getstate__(self) -> dict[Any, Any]:
         state = super().__getstate__()
-        state["_failed_at"] = state["_failure"] = None  # a failure is this process's
+        state["_failures"] = {}  # a failure is this process's
         return state
 
 
