@@ -134,12 +134,14 @@ def project(tmp_path, monkeypatch):
     storetoy.HOOK = None
 
 
-def _one_line(capsys) -> str:  # noqa: ANN001
+def _one_line(capsys, alone: bool = True) -> str:  # noqa: ANN001
+    """The error line: all of stderr, or (``alone=False``, a run that had started) its last
+    line after the run's header and progress bar; never a traceback."""
     err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("hydro ")]
-    assert len(lines) == 1, err
-    return lines[0]
+    assert "Traceback" not in err and err.count(": error: ") == 1, err
+    if alone:
+        assert err.count("\n") == 1, err
+    return err.rstrip("\n").splitlines()[-1]
 
 
 def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, capsys,
@@ -153,7 +155,7 @@ def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, c
     locker = Locker(project / "toy.db", hold=3.6)
     storetoy.HOOK = locker.loss
     assert main(["tune", "tune.yaml"]) == 3
-    line = _one_line(capsys)
+    line = _one_line(capsys, alone=False)
     assert line.startswith("hydro tune: error: the study database 'toy.db' stayed locked by "
                            "another process for 2 s: wait for that process")  # fmt: skip
     assert "--storage" in line and "HYDRO_STORAGE_TIMEOUT" in line
