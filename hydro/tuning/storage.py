@@ -132,9 +132,9 @@ class GuardedStorage(RDBStorage):
 
     After a failure a thread's calls (the driver failing its unfinished trials as interrupted,
     so that none stays RUNNING) share one more ``timeout``, then answer at once with the same
-    error for another ``timeout``, so a run whose database stays locked stops in bounded time;
-    a call that succeeds ends that state. It is kept per thread: the heartbeat thread failing
-    must not cut short the driver's own wait.
+    error for three more, so a run whose database stays locked stops in about twice the
+    timeout; a call that succeeds ends that state. It is kept per thread: the heartbeat thread
+    failing must not cut short the driver's own wait.
     """
 
     def __init__(self, url: str, timeout: float | None = None) -> None:
@@ -156,7 +156,7 @@ class GuardedStorage(RDBStorage):
             since = start - failed[0]
             if since < self.timeout:  # this thread cleaning up: one more window in all
                 deadline = failed[0] + self.timeout
-            elif since < 2 * self.timeout:  # then at once, so the run stops in bounded time
+            elif since < 4 * self.timeout:  # then at once, so the run stops in bounded time
                 raise _storage_error(failed[1], self.url, failed[2], self.timeout) from None
         delay = 0.02
         while True:
@@ -171,7 +171,8 @@ class GuardedStorage(RDBStorage):
                     time.sleep(delay * (0.5 + random.random()))  # jitter: racing processes part
                     delay = min(delay * 2, 1.0)
                     continue
-                first = failed[0] if failed and now - failed[0] < self.timeout else now
+                # a failure while an earlier one is still being handled does not start anew
+                first = failed[0] if failed and start - failed[0] < 4 * self.timeout else now
                 self._failures[thread] = (first, kind, exc)
                 raise _storage_error(kind, self.url, exc, self.timeout) from exc
             if failed is not None:
