@@ -82,6 +82,33 @@ def test_a_lock_held_past_the_busy_timeout_mid_run_is_waited_out(tmp_path, monke
     assert all(t.user_attrs["hydro_owner"]["machine"] == study_mod.machine_id() for t in trials)
 
 
+def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_reclaims(
+    tmp_path, monkeypatch
+):
+    """Timeout 0.5 s, lock 3 s: the run gives up while the lock is still held (its wait and
+    its clean-up wait are bounded), so its two trials stay RUNNING; the next run, once the
+    database is free, takes them over as interrupted and trains their parameters again."""
+    monkeypatch.setenv("HYDRO_STORAGE_TIMEOUT", "0.5")
+    db = tmp_path / "study.db"
+    locker = Locker(db, hold=3.0)
+    storage = f"sqlite:///{db}"
+    with pytest.raises(hydro.errors.StorageError, match="stayed locked by another process"):
+        hydro.tune(tiny_task(locker.loss), SPACE, n_trials=2, ratio=2, fuse=2,
+                   storage=storage, seed=0)  # fmt: skip
+    assert not locker.released.is_set()  # it did not wait for the lock to go
+    assert locker.released.wait(10)
+    study = optuna.load_study(study_name="hydro", storage=storage)
+    left = study.get_trials(deepcopy=False)
+    assert [t.state for t in left] == [TrialState.RUNNING] * 2
+    result = hydro.tune(tiny_task("cross_entropy"), SPACE, n_trials=2, ratio=2, fuse=2,
+                        storage=storage, seed=0)  # fmt: skip
+    trials = result.study.get_trials(deepcopy=False)
+    assert [t.state for t in trials[:2]] == [TrialState.FAIL] * 2
+    assert all(t.user_attrs["fail_reason"].startswith("interrupted") for t in trials[:2])
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["lr"] for t in done) == sorted(t.params["lr"] for t in left)
+
+
 TOY = """
 import torch
 import torch.nn.functional as F
