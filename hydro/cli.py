@@ -2,7 +2,8 @@
 
 Models are named as ``module:callable`` (the callable returns an ``nn.Module``, or a
 ``(model, example_inputs)`` pair); the current directory is importable, as for ``python -m``.
-Bad input exits with status 2 and a one-paragraph error; ``--debug`` shows the traceback.
+Bad input exits with status 2 and a one-paragraph error, a study database that fails in use
+(locked too long, read-only) with status 3 and one line; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -234,10 +235,14 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
     import optuna
 
     from hydro.errors import StorageError
+    from hydro.tuning.storage import open_storage
 
     url = find_storage(storage)
     try:
-        names = optuna.get_all_study_names(storage=url)
+        opened = open_storage(url)  # retries a locked database, then one line
+        names = optuna.get_all_study_names(storage=opened)
+    except (StorageError, ConfigError):
+        raise
     except Exception as exc:  # noqa: BLE001
         raise StorageError(f"cannot open Optuna storage {url!r}: {exc}") from exc
     if name is None:
@@ -249,7 +254,7 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
     if name not in names:
         raise ConfigError(f"storage {url!r} has no study named {name!r}; it has: "
                           f"{', '.join(names) or 'none'}")  # fmt: skip
-    return optuna.load_study(study_name=name, storage=url)
+    return optuna.load_study(study_name=name, storage=opened)
 
 
 def _vocab(model: nn.Module) -> int:
@@ -366,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nhydro {args.command}: {hint}", file=sys.stderr)
             return 130
         print(f"hydro {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)  # 3: the study's database failed in use
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

@@ -38,6 +38,7 @@ from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECON
     _ask,
     _counts,
     _fail,
+    _fail_unfinished,
     _finished,
     _Heartbeat,
     _reclaim_stale,
@@ -292,11 +293,7 @@ def _run_batch(study, callback, space, trials, heart) -> None:  # noqa: ANN001
     try:
         _run_callback_batch(study, callback, space, trials, told)
     except BaseException as exc:
-        stopped = isinstance(exc, KeyboardInterrupt)
-        for t in trials:
-            if t.number not in told:
-                reason = _INTERRUPTED if stopped else f"{type(exc).__name__}: {exc}"[:500]
-                _fail(study, t._trial_id, t.number, t.params, reason, requeue=stopped)
+        _fail_unfinished(study, [t for t in trials if t.number not in told], exc)
         raise
     finally:
         heart.release(t._trial_id for t in trials)

@@ -29,10 +29,9 @@ from hydro.tuning.slots import (
 )
 from hydro.tuning.space import check_names, sample
 from hydro.tuning.study import (
-    _INTERRUPTED,
     _ask,
     _counts,
-    _fail,
+    _fail_unfinished,
     _reclaim_stale,
     _report_and_ask,
     _seed_and_resume,
@@ -273,10 +272,7 @@ class _Stream:
         try:
             work()
         except BaseException as exc:
-            stopped = isinstance(exc, KeyboardInterrupt)
-            for t in self.running.values():
-                reason = _INTERRUPTED if stopped else f"{type(exc).__name__}: {exc}"[:500]
-                _fail(self.study, t._trial_id, t.number, t.params, reason, requeue=stopped)
+            _fail_unfinished(self.study, list(self.running.values()), exc)
             raise
         finally:
             self.heart.release(t._trial_id for t in self.running.values())

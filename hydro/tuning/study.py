@@ -1,7 +1,8 @@
 """The study side of tuning: asking and telling trials of a study that processes share.
 
-Every trial the driver runs carries its owner (host, pid, process start time) and a heartbeat;
-a trial left RUNNING by a dead owner is failed as interrupted and its parameters asked again.
+Every trial the driver runs carries its owner (host, machine id, pid, process start time) and a
+heartbeat; a trial left RUNNING by a dead owner is failed as interrupted and its parameters
+asked again.
 Telling goes through here too, so a trial's end is recorded the same way wherever it trained.
 """
 
@@ -22,6 +23,7 @@ from optuna.samplers._lazy_random_state import LazyRandomState
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
+from hydro.errors import StorageError
 from hydro.tuning.group import GroupInfo, Outcome
 from hydro_fluid.executors.local import start_ticks
 
@@ -82,9 +84,10 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
 
 # -- sharing a study between processes -------------------------------------------------------
 #
-# Every trial this driver runs carries its owner (host, pid, process start time) and a heartbeat
-# time refreshed by a thread. A RUNNING trial is stale when its owner is a dead process on this
-# host, or, on another host, when its heartbeat is older than STALE_SECONDS. Stale trials are
+# Every trial this driver runs carries its owner (host, machine id, pid, process start time) and a
+# heartbeat time refreshed by a thread. A RUNNING trial is stale when its owner is a dead process
+# on this machine (same host and machine id: same pid table), or, on another machine, when its
+# heartbeat is older than STALE_SECONDS. Stale trials are
 # failed (one process wins that update; the storage refuses the others) and their parameters
 # asked again, so live processes never lose trials to each other and dead ones lose none.
 
@@ -119,13 +122,45 @@ def _counts(study: optuna.Study) -> tuple[int, int]:
     return finished, running
 
 
+def _read_id(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def machine_id() -> str:
+    """Which table of process ids this process's pid belongs to, as a string.
+
+    A hostname does not say it: two machines, or two containers, may share one. On Linux it is
+    the kernel's boot id (a fresh random id each boot, shared by the containers of one kernel)
+    with the pid namespace (containers with their own pid table have their own); elsewhere
+    ``/etc/machine-id`` if there is one, else the hostname alone.
+    """
+    boot = _read_id("/proc/sys/kernel/random/boot_id")
+    if boot is not None:
+        try:
+            return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        except OSError:
+            return boot
+    return _read_id("/etc/machine-id") or socket.gethostname()
+
+
+_MACHINE = machine_id()
+
+
 def _me() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_ticks(os.getpid())}
+    return {"host": socket.gethostname(), "machine": _MACHINE, "pid": os.getpid(),
+            "started": start_ticks(os.getpid())}  # fmt: skip
 
 
 def _owner_alive(t: FrozenTrial, now: float) -> bool:
     owner = t.user_attrs.get(_OWNER)
-    if isinstance(owner, dict) and owner.get("host") == socket.gethostname():
+    # this host's pid table decides only for an owner on this machine (a record written before
+    # the machine id was kept counts as this host's, as it did then); any other by heartbeat
+    if isinstance(owner, dict) and owner.get("host") == socket.gethostname() \
+            and owner.get("machine", _MACHINE) == _MACHINE:  # fmt: skip
         pid = owner.get("pid")
         if pid == os.getpid():
             with _ACTIVE_LOCK:
@@ -152,6 +187,20 @@ def _reclaim_stale(study: optuna.Study) -> int:
         if not _owner_alive(t, now):
             n += _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
     return n
+
+
+def _fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> None:
+    """Fail the RUNNING ``trials`` a run stopped by ``exc`` cannot finish: as interrupted (asked
+    again with the same parameters) after Ctrl-C or a storage failure, else with the error as
+    the reason. One the storage cannot fail now stays RUNNING, owned by this process: once it
+    has exited, the next run reclaims it as interrupted."""
+    again = isinstance(exc, (KeyboardInterrupt, StorageError))
+    reason = _INTERRUPTED if again else f"{type(exc).__name__}: {exc}"[:500]
+    for t in trials:
+        try:
+            _fail(study, t._trial_id, t.number, t.params, reason, requeue=again)
+        except StorageError:
+            pass  # still failing: the error on its way out says so, and the next run reclaims it
 
 
 def _fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
@@ -256,9 +305,19 @@ class _Heartbeat:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         self.stop.set()
         self.thread.join()
+        if isinstance(exc, StorageError):  # trials asked but not yet in a group's hands too
+            with self.lock:
+                ids = sorted(self.owned)
+            try:
+                storage = self.study._storage
+                left = [storage.get_trial(i) for i in ids]
+                _fail_unfinished(self.study, [t for t in left if t.state == TrialState.RUNNING],
+                                 exc)  # fmt: skip
+            except StorageError:
+                pass  # the next run reclaims them
         self.release(list(self.owned))
 
     def own(self, trial: optuna.Trial) -> None:

@@ -234,13 +234,23 @@ def open_study(
     sampler: optuna.samplers.BaseSampler | None = None,
     pruner: optuna.pruners.BasePruner | None = None,
 ) -> optuna.Study:
-    """Create or load a study, with a clear error for a storage that cannot be opened."""
+    """Create or load a study, with a clear error for a storage that cannot be opened.
+
+    The storage retries a locked database and turns what still fails into one
+    :class:`StorageError` line (:mod:`hydro.tuning.storage`, ``HYDRO_STORAGE_TIMEOUT``).
+    """
+    from hydro.tuning.storage import open_storage
+
     url = storage or DEFAULT_STORAGE
     try:
+        # a URL gets the guarded storage; a storage object (a journal file...) is used as given
+        opened = open_storage(url) if isinstance(url, str) else url
         return optuna.create_study(
-            storage=url, study_name=study_name, direction=direction, sampler=sampler,
-            pruner=pruner, load_if_exists=True,
+            storage=opened, study_name=study_name, direction=direction,
+            sampler=sampler, pruner=pruner, load_if_exists=True,
         )  # fmt: skip
+    except (StorageError, ConfigError):
+        raise  # already one line saying what to do
     except Exception as exc:  # noqa: BLE001 - SQLAlchemy, file system, journal errors...
         raise StorageError(
             f"cannot open Optuna storage {url!r}: {type(exc).__name__}: {exc}. Check the URL "

@@ -1,0 +1,228 @@
+"""The study's storage: Optuna's own RDBStorage, made patient with a busy database and plain
+about one that fails.
+
+Several processes share a study through one SQLite file, and anything else that opens it (a
+dashboard, a backup, ``sqlite3``) can hold it locked for a while. SQLite waits for such a lock
+itself (its busy timeout), but not in every case: a transaction that read first and then wants
+to write gets "database is locked" at once when another writer is waiting, to avoid a deadlock.
+So every storage call (ask, tell, attributes, heartbeats, reads) is retried as a whole, with
+backoff, until ``HYDRO_STORAGE_TIMEOUT`` seconds have passed; what still fails is one
+:class:`~hydro.errors.StorageError` line naming the database and what to do. A failed SQLite
+transaction is rolled back, so retrying it whole never writes twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import optuna
+from optuna.storages import RDBStorage
+from sqlalchemy import exc as sa_exc
+
+from hydro.errors import ConfigError, StorageError
+
+__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "open_storage", "storage_timeout"]
+
+ENV_TIMEOUT = "HYDRO_STORAGE_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+EXIT_CODE = 3  # the CLI's exit status for a storage that fails in use (2 is bad input)
+
+_T = TypeVar("_T")
+_local = threading.local()  # nesting depth of guarded calls: only the outermost one retries
+
+
+def storage_timeout() -> float:
+    """Seconds a storage call waits for a locked database: ``$HYDRO_STORAGE_TIMEOUT``, else 60."""
+    text = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{ENV_TIMEOUT} must be a number of seconds above 0, got {text!r}: "
+                          f"unset it for the default ({DEFAULT_TIMEOUT:g} s)")  # fmt: skip
+    return value
+
+
+def _database_error(exc: BaseException) -> BaseException | None:
+    """The database's own error behind ``exc`` (Optuna wraps SQLAlchemy's), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (sa_exc.OperationalError, sqlite3.OperationalError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _kind(exc: BaseException) -> str | None:
+    """What went wrong with the database: "locked", "readonly", "open", "disk", "other", or
+    None for an error that is not the database's (a finished trial, a missing study...)."""
+    err = _database_error(exc)
+    if err is None:
+        return None
+    text = str(getattr(err, "orig", None) or err).lower()
+    if "locked" in text or "busy" in text:
+        return "locked"
+    if "readonly" in text or "read-only" in text:
+        return "readonly"
+    if "unable to open" in text:
+        return "open"
+    if "disk" in text:  # "disk I/O error", "database or disk is full"
+        return "disk"
+    return "other"
+
+
+def _where(url: str) -> str:
+    """The database as a user named it: an SQLite file's path, else the URL sans password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+        return repr(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database:
+        return repr(parsed.database)
+    return repr(parsed.render_as_string(hide_password=True))
+
+
+def _message(kind: str, url: str, exc: BaseException, timeout: float) -> str:
+    where = _where(url)
+    err = _database_error(exc)
+    detail = str(getattr(err, "orig", None) or err).splitlines()[0]
+    left = "trials it could not record are asked again by the next run"
+    if kind == "locked":
+        return (
+            f"the study database {where} stayed locked by another process for {timeout:g} s: "
+            "wait for that process to finish (or stop it) and run the same command again, or "
+            f"use another database with --storage ({ENV_TIMEOUT} sets the wait); {left}"
+        )
+    if kind in ("readonly", "open"):
+        return (f"cannot write the study database {where} ({detail}): make the file and its "
+                "directory writable (SQLite writes a journal beside the file), or choose another "
+                f"path with --storage; {left}")  # fmt: skip
+    if kind == "disk":
+        return (f"the study database {where} failed ({detail}): free space on its disk, or "
+                f"choose another path with --storage; {left}")  # fmt: skip
+    return (f"the study storage {where} failed ({detail}): check that it is reachable and run "
+            f"the same command again (finished trials are kept); {left}")  # fmt: skip
+
+
+def _storage_error(kind: str, url: str, exc: BaseException, timeout: float) -> StorageError:
+    err = StorageError(_message(kind, url, exc, timeout))
+    err.exit_code = EXIT_CODE  # type: ignore[attr-defined]  # read by hydro.cli.main
+    return err
+
+
+class GuardedStorage(RDBStorage):
+    """Optuna's :class:`~optuna.storages.RDBStorage` whose every call retries a locked
+    database with backoff for up to ``timeout`` seconds (SQLite's own busy timeout is a
+    quarter of it), then raises a one-line :class:`~hydro.errors.StorageError`; so does any
+    other failure of the database (read-only, unreachable, disk). Errors that are not the
+    database's (a finished trial, a duplicated study name) pass through unchanged.
+
+    After a failure a thread's calls (the driver failing its unfinished trials as interrupted,
+    so that none stays RUNNING) share one more ``timeout``, then answer at once with the same
+    error for three more, so a run whose database stays locked stops in about twice the
+    timeout; a call that succeeds ends that state. It is kept per thread: the heartbeat thread
+    failing must not cut short the driver's own wait.
+    """
+
+    def __init__(self, url: str, timeout: float | None = None) -> None:
+        self.timeout = storage_timeout() if timeout is None else float(timeout)
+        self._failures: dict[int, tuple[float, str, BaseException]] = {}  # thread -> last
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"timeout": max(self.timeout / 4, 0.01)}
+        self.url = url
+        # opening: a malformed URL or a missing directory stays the caller's to explain
+        self._retry(lambda: RDBStorage.__init__(self, url, engine_kwargs=kwargs), only_lock=True)
+
+    def _retry(self, call: Callable[[], _T], only_lock: bool = False) -> _T:
+        thread = threading.get_ident()
+        start = time.monotonic()
+        deadline = start + self.timeout
+        failed = self._failures.get(thread)
+        if failed is not None:
+            since = start - failed[0]
+            if since < self.timeout:  # this thread cleaning up: one more window in all
+                deadline = failed[0] + self.timeout
+            elif since < 4 * self.timeout:  # then at once, so the run stops in bounded time
+                raise _storage_error(failed[1], self.url, failed[2], self.timeout) from None
+        delay = 0.02
+        while True:
+            try:
+                out = call()
+            except Exception as exc:
+                kind = _kind(exc)
+                if kind is None or (only_lock and kind != "locked"):
+                    raise
+                now = time.monotonic()
+                if kind == "locked" and now + delay < deadline:
+                    time.sleep(delay * (0.5 + random.random()))  # jitter: racing processes part
+                    delay = min(delay * 2, 1.0)
+                    continue
+                # a failure while an earlier one is still being handled does not start anew
+                first = failed[0] if failed and start - failed[0] < 4 * self.timeout else now
+                self._failures[thread] = (first, kind, exc)
+                raise _storage_error(kind, self.url, exc, self.timeout) from exc
+            if failed is not None:
+                self._failures.pop(thread, None)
+            return out
+
+    def __getstate__(self) -> dict[Any, Any]:
+        state = super().__getstate__()
+        state["_failures"] = {}  # a failure is this process's
+        return state
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: GuardedStorage, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "depth", 0):  # inside another guarded call: that one retries
+            return method(self, *args, **kwargs)
+        _local.depth = 1
+        try:
+            return self._retry(lambda: method(self, *args, **kwargs))
+        finally:
+            _local.depth = 0
+
+    return call
+
+
+# Optuna's public storage API, and the private calls its cache (_CachedStorage) makes on it
+_GUARDED = sorted(
+    {n for n in dir(optuna.storages.BaseStorage) if not n.startswith("_")}
+    | {
+        "record_heartbeat",
+        "_create_new_trial",
+        "_get_best_trial_id",
+        "_get_stale_trial_ids",
+        "_get_trials",
+        "_set_trial_param",
+    }  # fmt: skip
+)
+for _name in _GUARDED:
+    _method = getattr(RDBStorage, _name, None)
+    if callable(_method) and _name not in ("remove_session", "get_heartbeat_interval",
+                                           "get_heartbeat_stale_trial_callback"):  # fmt: skip
+        setattr(GuardedStorage, _name, _guarded(_method))
+
+
+def open_storage(url: str) -> GuardedStorage:
+    """The storage at ``url`` (any SQLAlchemy URL Optuna takes), guarded as described above.
+
+    Raises:
+        StorageError: the database is locked past the timeout, or cannot be read or written.
+        ConfigError: ``$HYDRO_STORAGE_TIMEOUT`` is not a number of seconds.
+    """
+    return GuardedStorage(url)
