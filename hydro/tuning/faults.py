@@ -1,7 +1,7 @@
 """User code that raises while a group trains: a one-line reason, and when to stop the run.
 
-The user's callables (data streams, loss, metric, model factory: anything outside Hydro,
-PyTorch, Optuna, NumPy and the standard library) run inside a group's training. When one
+The user's callables (data streams, loss, metric, model factory: code in files outside Hydro,
+the standard library and installed packages) run inside a group's training. When one
 raises, :func:`describe` names it in one line (``data 'mymod:make_batches' raised ValueError:
 bad shard at mymod.py:12``, the innermost line of the user's file), the group's trials fail
 with that reason and the study goes on asking others. :class:`Faults` stops the run once every
@@ -31,23 +31,26 @@ _MOST = 400  # characters of a reason (one line)
 
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
-    """Directories whose frames are not the user's: the standard library and the packages
-    Hydro trains with."""
-    import optuna
-
+    """Directories whose frames are not the user's: Hydro (wherever it is installed), the
+    standard library and installed packages (PyTorch, Optuna, NumPy, ...)."""
     import hydro
     import hydro_fluid
 
-    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
-    mods: list[Any] = [hydro, hydro_fluid, torch, optuna]
-    try:
-        import numpy
-
-        mods.append(numpy)
-    except ImportError:
-        pass
-    dirs |= {os.path.dirname(m.__file__) for m in mods}
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs |= {os.path.dirname(m.__file__) for m in (hydro, hydro_fluid, torch)}
     return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+@functools.cache
+def _not_training() -> tuple[str, ...]:
+    """Files through which the user's code runs outside a group's training: Optuna (a pruner,
+    a sampler) and Hydro's sampling of a trial's parameters (a space function)."""
+    import optuna
+
+    from hydro.tuning import space
+
+    return os.path.dirname(optuna.__file__) + os.sep, space.__file__
 
 
 def _is_user(filename: str) -> bool:
@@ -59,13 +62,16 @@ def _is_user(filename: str) -> bool:
 def describe(exc: BaseException, task: Any) -> str | None:
     """One line naming the user's callable that raised ``exc`` (``loss 'mod:fn' raised
     ValueError: ... at mod.py:12``), or ``None`` when ``exc`` is not the user's: Hydro's own
-    errors, out of memory, an interrupt, or an exception with no frame in the user's files."""
+    errors, out of memory, an interrupt, an exception with no frame in the user's files, or
+    one raised through Optuna (the study's pruner or sampler)."""
     if not isinstance(exc, Exception) or isinstance(
         exc, (HydroError, MemoryError, torch.cuda.OutOfMemoryError)
     ):
         return None
-    frames = [(f, line) for f, line in traceback.walk_tb(exc.__traceback__)
-              if _is_user(f.f_code.co_filename)]  # fmt: skip
+    walked = list(traceback.walk_tb(exc.__traceback__))
+    if any(f.f_code.co_filename.startswith(_not_training()) for f, _ in walked):
+        return None  # the study's pruner or sampler, a space function: not the training
+    frames = [(f, line) for f, line in walked if _is_user(f.f_code.co_filename)]
     if not frames:
         return None
     outer, (inner, line) = frames[0][0], frames[-1]  # the callable Hydro called; where it raised
