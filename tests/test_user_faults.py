@@ -69,6 +69,33 @@ def test_data_that_raises_for_some_trials_fails_those_and_the_others_complete():
         assert "Shards.__call__' raised ValueError: bad shard 0 " + where in reason, reason
 
 
+def factory(width: int = 32) -> torch.nn.Module:
+    if width == 16:
+        raise ValueError("width 16 is not supported")  # RAISES-FACTORY
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3)
+    )
+
+
+def test_a_model_factory_that_raises_for_some_arguments_fails_those_trials_only():
+    base = make_task(2)
+    task = hydro.Task(model=factory, train_data=base.train_data, val_data=base.val_data,
+                      steps=2, eval_every=2, batch_size=16)  # fmt: skip
+    study = optuna.create_study()
+    for width in (16, 32, 16):
+        study.enqueue_trial({"lr": 0.01, "width": width})
+    space = {"lr": SPACE["lr"], "width": optuna.distributions.CategoricalDistribution([16, 32])}
+    optimize(study, task, space, n_trials=3, ratio=2, fuse=2)
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.FAIL, TrialState.COMPLETE, TrialState.FAIL]
+    for t in (study.trials[0], study.trials[2]):
+        assert t.user_attrs["fail_reason"] == (
+            f"trial {t.number} (group {t.user_attrs['group']}): model '{__name__}:factory' "
+            f"raised ValueError: width 16 is not supported at {HERE}:{_line('RAISES-FACTORY')}"
+        )
+
+
 TOY_LOSS = """
 
 def bad_loss(out, y):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hydro.errors import HydroError, UserCodeError
+from hydro.errors import HydroError, ModelError, UserCodeError
 
 __all__ = ["SAME_FAULT_GROUPS", "Faults", "describe"]
 
@@ -61,9 +61,12 @@ def _is_user(filename: str) -> bool:
 
 def describe(exc: BaseException, task: Any) -> str | None:
     """One line naming the user's callable that raised ``exc`` (``loss 'mod:fn' raised
-    ValueError: ... at mod.py:12``), or ``None`` when ``exc`` is not the user's: Hydro's own
+    ValueError: ... at mod.py:12``; a model factory's, that Hydro wrapped in a
+    :class:`ModelError`, too), or ``None`` when ``exc`` is not the user's: Hydro's own
     errors, out of memory, an interrupt, an exception with no frame in the user's files, or
     one raised through Optuna (the study's pruner or sampler)."""
+    if isinstance(exc, ModelError) and _factory_raised(exc.__cause__):
+        return describe(exc.__cause__, task)  # the model factory raised, for these arguments
     if not isinstance(exc, Exception) or isinstance(
         exc, (HydroError, MemoryError, torch.cuda.OutOfMemoryError)
     ):
@@ -80,6 +83,17 @@ def describe(exc: BaseException, task: Any) -> str | None:
     text = f"{_role(outer, task)} {name!r} raised {type(exc).__name__}"
     text += f": {message}" if message else ""
     return f"{text[: _MOST - 60]} at {os.path.basename(inner.f_code.co_filename)}:{line}"
+
+
+def _factory_raised(cause: BaseException | None) -> bool:
+    """Whether ``cause`` is what the model factory raised when :meth:`Task.build_model` called
+    it (and wrapped in a :class:`ModelError`)."""
+    from hydro.tuning.task import Task
+
+    if not isinstance(cause, Exception) or isinstance(cause, HydroError):
+        return False
+    tb = cause.__traceback__  # starts in the frame that caught it
+    return tb is not None and tb.tb_frame.f_code is Task.build_model.__code__
 
 
 def _role(frame: types.FrameType, task: Any) -> str:
