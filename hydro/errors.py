@@ -44,5 +44,15 @@ class StudyError(HydroError, RuntimeError):
     """A study holds no result to read (no completed trial), or cannot be found."""
 
 
+class UserCodeError(HydroError, RuntimeError):
+    """The user's own code (data, loss, metric, model) raised while a group trained.
+
+    The message is one line naming the callable, the exception and the innermost line of the
+    user's file that raised it. It is deterministic: an executor does not retry it.
+    """
+
+    deterministic = True  # read by hydro_fluid's executors: retrying would raise it again
+
+
 class HydroWarning(UserWarning):
     """Something works but is probably not what was meant (e.g. a surrogate as big as the model)."""

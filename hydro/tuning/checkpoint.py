@@ -79,6 +79,11 @@ def load(directory: str | os.PathLike) -> dict[str, Any] | None:
         ) from exc
 
 
+def why(exc: BaseException) -> str:
+    """``exc`` in one short line, for a warning about a checkpoint."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
+
+
 def set_aside(path: str | os.PathLike, why: str) -> Path:
     """Move an unusable checkpoint out of the way (renamed, never deleted, for inspection)
     with a warning naming it; returns the new name."""
@@ -150,7 +155,7 @@ class TrialCheckpoints:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - truncated, planted pickle, not torch at all
-            set_aside(path, f"is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+            set_aside(path, f"is unreadable ({why(exc)})")
             return None
         mine = {"study": self.study, "seed": int(seed), "params": dict(params)}
         if not isinstance(state, dict) or any(state.get(k) != v for k, v in mine.items()):

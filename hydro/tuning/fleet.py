@@ -84,6 +84,7 @@ class _Fleet(_Stream):
                                               request=self.answer, world_size=self.sizes,
                                               preload=["torch.export._trace"],
                                               **placement))  # fmt: skip
+        self.faults.check(end=True)
 
     def more(self, room: float = 1.0) -> list:
         """A new group for a free device: ``room`` is the fraction of a device free for it
@@ -207,11 +208,29 @@ class _Fleet(_Stream):
             self.bar.occupancy = self.occupancy.fraction(asking=False)
 
     def ended(self, result: Any) -> None:
-        """A group's worker ended: the trials it still had fail, with the executor's reason."""
+        """A group's worker ended: the trials it still had fail, with the executor's reason
+        (one line); where user code raised (not retried), each trial's names it and the
+        group, and the run stops once every trial failed that way (:meth:`worker_fault`)."""
         name = result.group.name
         if isinstance(result.value, dict):
             self._count(name, result.value.get("occupancy"))
+        mine = [n for n, owner in self.owner.items() if owner == name and n in self.running]
+        if getattr(result, "deterministic", False) and result.error:
+            self.worker_fault(name, result.error, mine)
+            return
         reason = result.error or "its group's worker ended without a result for it"
-        for number, owner in list(self.owner.items()):
-            if owner == name and number in self.running:
-                self.tell(self.running[number], Outcome("fail", None, 0, reason[:500]), None)
+        reason = (reason.strip().splitlines() or [""])[0][:500]  # never a traceback
+        for number in mine:
+            self.tell(self.running[number], Outcome("fail", None, 0, reason), None)
+
+    def worker_fault(self, name: str, what: str, numbers: list[int]) -> None:
+        """User code raised ``what`` in the worker of group ``name``: its trials ``numbers``
+        fail, each with a reason naming it and its fused group."""
+        first = ""
+        for number in sorted(numbers):
+            gid = self.group_of.get(number, self.gids.get(name))
+            reason = f"trial {number} (group {gid}): {what}"
+            first = first or reason
+            self.tell(self.running[number], Outcome("fail", None, 0, reason), None, fault=True)
+        self.faults.failed(what, first or f"{name}: {what}", self.keys.get(name))
+        self.faults.check(training=(self.trial_key[n] for n in self.running if n in self.trial_key))

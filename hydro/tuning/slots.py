@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydro.errors import HydroError, HydroWarning
+from hydro.errors import HydroError, HydroWarning, UserCodeError
 from hydro.tuning import parallel
 from hydro.tuning.checkpoint import TrialCheckpoints, set_aside
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key, load_model_state
@@ -320,6 +320,23 @@ class _Hosted:
 
 def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
                       study=""):  # noqa: ANN001, ANN202  # fmt: skip
+    """:func:`_train_in_worker`, where an exception the user's code raised (data, loss, metric)
+    becomes a one-line :class:`~hydro.errors.UserCodeError`, which the executor does not retry
+    (it would raise again) and whose message the driver gives the group's trials."""
+    from hydro.tuning.faults import describe
+
+    try:
+        return _train_in_worker(task, ratio, fuse, depth, every, group, ctx,
+                                checkpoints=checkpoints, study=study)  # fmt: skip
+    except Exception as exc:
+        what = describe(exc, task)
+        if what is None:
+            raise
+        raise UserCodeError(what) from None
+
+
+def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
+                     study=""):  # noqa: ANN001, ANN202  # fmt: skip
     """Fused groups with continuous batching in an executor's worker, at most one per key
     (:class:`_Hosted`). Its trials come from the driver; a freed slot takes the driver's next
     trial of any key (one data parallel group: of its own key). With ``every`` it
@@ -341,8 +358,9 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
     if ctx.rank == 0:  # a checkpoint is there after a retry (with ``every``) or a move
         try:
             saved = _checkpoint.load(ctx.checkpoint_dir)
-        except _checkpoint.CheckpointError as exc:
-            set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE, f"is unreadable ({exc})")
+        except _checkpoint.CheckpointError as exc:  # truncated, or a planted pickle
+            set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
+                      f"is unreadable ({_checkpoint.why(exc.__cause__ or exc)})")  # fmt: skip
         if saved is not None and (saved.get("study") != study or saved.get("first") != first
                                   or "groups" not in saved):  # fmt: skip
             set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
@@ -359,8 +377,22 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
     source = _Remote(ctx, occupancy, cursor, asking, task, any_key=ctx.world_size == 1)
     hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every)
     if saved is not None:
-        hosted.restore(saved)
-    else:
+        try:
+            hosted.restore(saved)
+        except Exception as exc:  # noqa: BLE001 - another model's state, keys missing
+            from hydro.tuning.faults import describe
+
+            if describe(exc, task) is not None:  # the user's data raised replaying its stream
+                raise
+            if ctx.rank == 0:  # every rank restored the same state and fails alike
+                why = _checkpoint.why(exc)
+                set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
+                          f"does not fit {group.name}'s model ({why})")  # fmt: skip
+            saved = None
+            occupancy = Occupancy(fuse)  # from step 0, as a first attempt
+            source = _Remote(ctx, occupancy, 1, got["asking"], task, any_key=ctx.world_size == 1)
+            hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every)
+    if saved is None:
         for g in hosted.build([tuple(m) for m in got["members"]]):
             for slot in range(g.n):
                 resume_slot(g, slot, checkpoints)

@@ -20,6 +20,7 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from hydro.tuning.faults import Faults, describe
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key
 from hydro.tuning.sizing import FuseSize, fuse_sizes
 from hydro.tuning.slots import (
@@ -80,9 +81,11 @@ class _Stream:
         self.fuse_memory = fuse_memory  # GiB per group for fuse="auto"; None: a share of free
         self.key_sizes: dict[tuple, int] = {}  # per key: sized by "auto", or halved after an OOM
         self.key_memory: dict[tuple, float] = {}  # per key, with "auto": GiB one trial adds
+        self.faults = Faults()  # user code that raised: stop once every trial failed alike
 
     def run(self) -> None:
         self._guard(self._groups)
+        self.faults.check(end=True)
 
     def devices(self) -> list[str]:
         """Where this source's groups train, one entry per group that trains at once."""
@@ -167,6 +170,12 @@ class _Stream:
                 except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
                     self._out_of_memory(key, exc)
                     continue
+                except Exception as exc:  # noqa: BLE001 - the user's data, loss or metric?
+                    what = describe(exc, self.task)
+                    if what is None:
+                        raise
+                    self.user_fault(key, what)
+                    continue
                 save_trials(g.group, self.checkpoints, self.every)
                 if not g.group.n:
                     del self.live[key]
@@ -218,6 +227,32 @@ class _Stream:
                 self.pending.setdefault(key, [])[:0] = \
                     [f for f in fits if f[0].number not in members]  # fmt: skip
                 self._out_of_memory(key, exc)
+            except Exception as exc:  # noqa: BLE001 - the user's data or model factory?
+                what = describe(exc, self.task)
+                if what is None:
+                    raise
+                self.user_fault(key, what, fits)
+
+    def user_fault(self, key: tuple, what: str,
+                   fits: list[tuple[optuna.Trial, dict]] = ()) -> None:  # fmt: skip
+        """User code raised (``what``, :func:`describe`) while ``key``'s live group trained or
+        took ``fits``: those trials fail with a one-line reason naming each, the group is
+        dropped, and the run stops if every trial it ended failed this way
+        (:class:`~hydro.tuning.faults.Faults`)."""
+        g = self.live.pop(key, None)
+        trials = {} if g is None else dict(g.trials)
+        trials.update((t.number, t) for t, _ in fits)
+        gid = g.gid if g is not None else min(trials)
+        steps = {} if g is None else {m.id: m.step for m in g.group.members}
+        first = ""
+        for number, t in sorted(trials.items()):
+            if number not in self.running:  # told already
+                continue
+            reason = f"trial {number} (group {gid}): {what}"
+            first = first or reason
+            self.tell(t, Outcome("fail", None, steps.get(number, 0), reason), None, fault=True)
+        self.faults.failed(what, first or f"group {gid}: {what}", key)
+        self.faults.check(training=self.key_of.values())
 
     def _members(self, key: tuple) -> set[int]:
         g = self.live.get(key)
@@ -327,8 +362,11 @@ class _Stream:
             self.pending.setdefault(other, []).append(got)
         return None
 
-    def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None) -> None:
+    def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None,
+             fault: bool = False) -> None:  # fmt: skip
+        """Tell ``trial``'s ``outcome`` (``fault``: it failed because user code raised)."""
         _tell(self.study, trial, outcome, info)
+        self.faults.told(fault)
         if self.checkpoints is not None:
             self.checkpoints.remove(trial.number)
         self.running.pop(trial.number, None)

@@ -195,7 +195,9 @@ def _fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> No
     the reason. One the storage cannot fail now stays RUNNING, owned by this process: once it
     has exited, the next run reclaims it as interrupted."""
     again = isinstance(exc, (KeyboardInterrupt, StorageError))
-    reason = _INTERRUPTED if again else f"{type(exc).__name__}: {exc}"[:500]
+    # one line, never a traceback
+    reason = _INTERRUPTED if again else \
+        (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:500]  # fmt: skip
     for t in trials:
         try:
             _fail(study, t._trial_id, t.number, t.params, reason, requeue=again)

@@ -91,6 +91,8 @@ class GroupResult:
         attempts: How many times the group was started (moves not counted).
         error: Why the group failed, if it did.
         moves: How many times the placement policy stopped the group to move or rescale it.
+        deterministic: ``fn`` raised an exception marked ``deterministic`` (``error`` is its
+            message): it would raise again, so it was not retried.
     """
 
     group: TrialGroup
@@ -99,6 +101,7 @@ class GroupResult:
     attempts: int
     error: str | None = None
     moves: int = 0
+    deterministic: bool = False
 
     @property
     def ok(self) -> bool:
@@ -245,8 +248,10 @@ class WorkerContext:
 
 
 def call_worker_fn(fn: WorkerFn, group: TrialGroup, ctx: WorkerContext) -> tuple[str, Any]:
-    """Run ``fn``; the outcome is ``("done", value)``, ``("stopped", None)``, ``("oom", message)``
-    or ``("error", tb)``.
+    """Run ``fn``; the outcome is ``("done", value)``, ``("stopped", None)``, ``("oom", message)``,
+    ``("raised", message)`` (an exception whose class sets ``deterministic = True``: the parent
+    does not retry it) or ``("error", line)`` (any other exception, retried), every message one
+    line.
 
     Shared by the executors so that out-of-memory is recognised the same way everywhere.
     """
@@ -260,8 +265,19 @@ def call_worker_fn(fn: WorkerFn, group: TrialGroup, ctx: WorkerContext) -> tuple
         return "oom", f"{type(exc).__name__}: {exc}"
     except pickle.PicklingError as exc:
         return "error", f"fn returned a value that cannot be pickled: {exc}"
-    except Exception:
-        return "error", traceback.format_exc()
+    except Exception as exc:
+        if getattr(exc, "deterministic", False):  # it would raise again on any worker
+            return "raised", str(exc)
+        return "error", one_line(exc)
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line: its type, the first line of its message and where it was raised
+    (the innermost frame), for a trial's fail reason (a traceback is not one)."""
+    message = (str(exc).strip().splitlines() or [""])[0]
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}: {message}"[:400] + where
 
 
 @dataclass
@@ -328,6 +344,10 @@ class Ledger:
         else:
             self.give_up(group, attempt, f"failed after {attempt + 1} attempt(s): {reason}")
 
+    def raised(self, group: TrialGroup, attempt: int, message: str) -> None:
+        """``fn`` raised a deterministic error: its trials fail with ``message``, no retry."""
+        self.give_up(group, attempt, message, deterministic=True)
+
     def out_of_memory(self, group: TrialGroup, attempt: int, message: str) -> None:
         """Halve the fusion size and run both halves afresh; a single trial fails."""
         live = group.without(self.pruned[group.name])
@@ -349,14 +369,16 @@ class Ledger:
             self.pruned[part.name] = set()
             self.pending.append((part, 0))
 
-    def give_up(self, group: TrialGroup, attempt: int, reason: str) -> None:
+    def give_up(self, group: TrialGroup, attempt: int, reason: str,
+                deterministic: bool = False) -> None:  # fmt: skip
         """End the group: its trials FAIL with ``reason`` (pruned ones stay PRUNED)."""
         pruned = self.pruned[group.name]
         trials = {
             t: TrialOutcome(PRUNED) if t in pruned else TrialOutcome(FAIL, reason)
             for t in group.trial_ids
         }
-        self._result(GroupResult(group, None, trials, attempt + 1, reason))
+        self._result(GroupResult(group, None, trials, attempt + 1, reason,
+                                 deterministic=deterministic))  # fmt: skip
 
     def ordered_results(self) -> list[GroupResult]:
         return sorted(self.results, key=lambda r: (self.order[r.group.name], r.group.name))

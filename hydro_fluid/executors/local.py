@@ -40,7 +40,9 @@ class LocalExecutor:
 
     See :mod:`hydro_fluid.executors.base` for the contract of ``fn``. A worker that dies
     (killed, crashed, or ``fn`` raised) is started again up to ``max_retries`` times, from
-    the group's last checkpoint; after that its trials FAIL with the reason. A worker that
+    the group's last checkpoint; after that its trials FAIL with the reason (one line). An
+    exception whose class sets ``deterministic = True`` is not retried: it would raise again
+    (``GroupResult.deterministic``). A worker that
     runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``) has its group
     split in two halves that run separately, so no trial is lost.
 
@@ -446,6 +448,9 @@ class _Run:
             if len(run.values) == len(run.procs):
                 self._end(key, kill=False)
                 self.ledger.moved(run.group, run.attempt)
+        elif kind == "raised":  # deterministic: another attempt would raise it again
+            self._end(key)
+            self.ledger.raised(run.group, run.attempt, rest[0])
         elif kind == "oom":
             self._end(key)
             self.ledger.out_of_memory(run.group, run.attempt, rest[0])

@@ -698,6 +698,9 @@ class _RayRun:
             if len(run.values) == len(run.refs):
                 self._end(key)
                 self.ledger.moved(run.group, run.attempt)
+        elif kind == "raised":  # deterministic: another attempt would raise it again
+            self._end(key)
+            self.ledger.raised(run.group, run.attempt, payload)
         elif kind == "oom":
             self._end(key)
             self.ledger.out_of_memory(run.group, run.attempt, payload)

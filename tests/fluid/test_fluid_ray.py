@@ -124,6 +124,17 @@ def test_ray_out_of_memory_splits_the_group(make_executor):
     assert all(r.trials[t].state == "COMPLETE" for r in results for t in r.group.trial_ids)
 
 
+def test_ray_does_not_retry_a_deterministic_error(make_executor):
+    """As on the LocalExecutor: an error marked deterministic (user code raised) ends the
+    group after one attempt, its one-line message the trials' reason (a dead worker is still
+    retried: test_killed_ray_worker_is_retried_from_checkpoint)."""
+    from tests.test_user_faults import _raise
+
+    [result] = make_executor(max_retries=1).run([TrialGroup("d", (1,), (1,))], _raise)
+    assert result.attempts == 1 and result.deterministic
+    assert result.trials[1].reason == "data 'x' raised OSError: gone at x.py:1"
+
+
 def test_ray_data_parallel_group_in_a_placement_group(make_executor):
     [result] = make_executor().run([TrialGroup("dp", (0,), (1,))], ddp_gradient, world_size=2)
     assert result.ok, result.error
