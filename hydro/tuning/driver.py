@@ -24,6 +24,7 @@ from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.fleet import _Fleet
 from hydro.tuning.group import check_device
 from hydro.tuning.progress import Progress
+from hydro.tuning.signals import terminate_as_interrupt
 from hydro.tuning.sizing import MAX_FUSE, check_fuse, check_memory
 from hydro.tuning.slots import (
     Occupancy,
@@ -224,7 +225,9 @@ def optimize(
     occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
         _sweep_checkpoints(study, checkpoints)
-    with _Heartbeat(study) as heart:
+    # SIGTERM, while the run is active, stops it as Ctrl-C does (trials requeued, workers
+    # stopped, scratch removed); a handler the user installed is left in place
+    with terminate_as_interrupt(), _Heartbeat(study) as heart:
         try:
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
