@@ -390,5 +390,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .worker import _alive, start_ticks
 
-__all__ = ["check_private", "claim_mp_tempdir", "private_dir"]
+__all__ = ["check_private", "claim_mp_tempdir", "private_dir", "sweep_mp_tempdirs"]
 
 OWNER = "hydro-owner"  # the mark in a pymp-* directory: "<pid> <start ticks>"
 
@@ -65,23 +65,28 @@ def private_dir(path: str | os.PathLike, what: str = "checkpoint directory") -> 
 
 def claim_mp_tempdir() -> Path:
     """Mark multiprocessing's temporary directory of this process as its own and remove those
-    a killed run left (marked, this user's, their process gone); returns this process's."""
+    a killed run left beside it (:func:`sweep_mp_tempdirs`); returns this process's."""
     mine = Path(mp_util.get_temp_dir())
     mark = mine / OWNER
     if not mark.exists():
         ticks = start_ticks(os.getpid())
         mark.write_text(f"{os.getpid()} {'x' if ticks is None else ticks}\n")
-    for old in mine.parent.glob("pymp-*"):
-        if old == mine:
-            continue
+    sweep_mp_tempdirs(mine.parent)
+    return mine
+
+
+def sweep_mp_tempdirs(folder: str | os.PathLike) -> None:
+    """Remove the ``pymp-*`` directories in ``folder`` that :func:`claim_mp_tempdir` marked
+    for a process no longer alive (its pid gone, or reused by a process started later) and
+    that belong to this user; any other is left alone."""
+    for old in Path(folder).glob("pymp-*"):
         try:
             st = old.lstat()
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
             pid, ticks = (old / OWNER).read_text().split()
             dead = not _alive(int(pid), None if ticks == "x" else int(ticks))
-        except (OSError, ValueError):  # unmarked (not ours), or half written
+        except (OSError, ValueError):  # unmarked (not ours), or its mark half written
             continue
         if dead:
             shutil.rmtree(old, ignore_errors=True)
-    return mine
