@@ -117,7 +117,8 @@ def test_sigterm_stops_local_tune_cleanly_and_the_rerun_resumes(tmp_path, monkey
     assert [p.name for p in scratch.glob("pymp-*")] == [live.name]
     study = optuna.load_study(study_name="toy", storage=f"sqlite:///{tmp_path / 'toy.db'}")
     states = [t.state for t in study.trials]
-    assert TrialState.RUNNING not in states and TrialState.WAITING in states
+    running = [(t.number, t.user_attrs) for t in study.trials if t.state == TrialState.RUNNING]
+    assert not running and TrialState.WAITING in states, running
     waiting = sorted(t.system_attrs["fixed_params"]["lr"] for t in study.trials
                      if t.state == TrialState.WAITING)  # fmt: skip
     # the same command resumes: the requeued trials run first

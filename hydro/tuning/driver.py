@@ -264,6 +264,9 @@ def optimize(
                         _run_batch(study, task_or_callback, space, trials, heart)
                 if bar is not None:
                     bar.update()
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated)
+            _requeue_owned(study, heart)
+            raise
         finally:
             # the bar ends first: a storage error in the bookkeeping below must not leave it
             # to be redrawn at exit, after the CLI's last line
@@ -274,6 +277,17 @@ def optimize(
                 checkpoints.tidy()
             if occupancy.steps:
                 study.set_user_attr("hydro_occupancy", occupancy.as_dict())
+
+
+def _requeue_owned(study: optuna.Study, heart: _Heartbeat) -> None:
+    """Fail as interrupted, and ask again, every trial this run asked that is still RUNNING:
+    an interrupt can land between a trial's ask and the bookkeeping of the group that would
+    have told it, and a rerun should not have to wait for such a trial to go stale."""
+    with heart.lock:
+        owned = set(heart.owned)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t._trial_id in owned:
+            _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
 
 
 def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheckpoints | None:
