@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 
 from hydro.cli import main
 from hydro.tuning.driver import optimize
-from hydro.tuning.signals import Terminated
+from hydro.tuning.signals import Terminated, terminate_as_interrupt
 from hydro_fluid.executors.scratch import OWNER, claim_mp_tempdir, private_dir, sweep_mp_tempdirs
 from hydro_fluid.executors.worker import start_ticks
 from tests.test_cli import CONFIG, TOY
@@ -173,6 +173,23 @@ def test_sigterm_in_a_script_stops_optimize_and_restores_the_handler():
     thread.start()
     thread.join()
     assert seen == [signal.SIG_DFL]
+
+
+def test_sigterm_is_put_off_while_inside_storage_code():
+    # a function of a storage library: SIGTERM there would break a transaction half done
+    scope = {"__name__": "sqlalchemy.fake", "os": os, "signal": signal}
+    exec("def commit(log):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+         "    log.append('rest of the transaction')\n", scope)  # fmt: skip
+    for wait in (5.0, 0.0):  # raised once out of it; or, if the run ended first, at its end
+        log: list[str] = []
+        with pytest.raises(Terminated):
+            with terminate_as_interrupt():
+                assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+                scope["commit"](log)
+                log.append("out")
+                time.sleep(wait)
+        assert log == ["rest of the transaction", "out"]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_worker_whose_tuner_died_exits_quietly(tmp_path):
