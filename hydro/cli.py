@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydro.errors import ConfigError, HydroError
+from hydro.tuning.signals import Terminated, terminate_as_interrupt
 from hydro.tuning.tune import check_writable
 
 
@@ -144,8 +145,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg.ratio = task_ratio(cfg.task, cfg.ratio)  # the largest ratio within the width floors
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
     study.set_user_attr("hydro_task", task_recipe(cfg.task))
-    args.interrupted = (
-        f"interrupted; the finished trials are saved in study '{cfg.study}' of "
+    args.resume_hint = (
+        f"the finished trials are saved in study '{cfg.study}' of "
         f"{cfg.storage or 'sqlite:///hydro.db'}: run the same command again to resume"
     )
     before = len(study.trials)
@@ -351,25 +352,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Ctrl-C can land inside a library that turns it into another error (a half-done import,
     # a tracer that wraps what it catches): remember that it came, to say "interrupted" anyway
-    stopped: list[bool] = []
+    stopped: list[int] = []
     previous = None
     if threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
 
             def on_sigint(signum: int, frame: Any) -> None:
-                stopped.append(True)
+                stopped.append(signum)
                 signal.default_int_handler(signum, frame)
 
             previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        return args.func(args)
+        # SIGTERM (kill, Slurm, Docker, systemd) takes Ctrl-C's path: a clean stop, exit 143
+        with terminate_as_interrupt(stopped):
+            return args.func(args)
     except (KeyboardInterrupt, Exception) as exc:
         if args.debug or not (stopped or isinstance(exc, (KeyboardInterrupt, HydroError))):
             raise
         if stopped or isinstance(exc, KeyboardInterrupt):
-            hint = getattr(args, "interrupted", None) or "interrupted"
-            print(f"\nhydro {args.command}: {hint}", file=sys.stderr)
-            return 130
+            term = isinstance(exc, Terminated) or signal.SIGTERM in stopped
+            hint = getattr(args, "resume_hint", None)
+            word = "terminated" if term else "interrupted"
+            print(f"\nhydro {args.command}: {word}{f'; {hint}' if hint else ''}", file=sys.stderr)
+            return 128 + (signal.SIGTERM if term else signal.SIGINT)  # the shell's convention
         print(f"hydro {args.command}: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)  # 3: the study's database failed in use
     finally:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from hydro.errors import HydroError, HydroWarning
+from hydro_fluid.executors.scratch import check_private as _check_private
+from hydro_fluid.executors.scratch import private_dir as _private_dir
 
 __all__ = ["CheckpointError", "TrialCheckpoints", "default_root", "for_study", "load", "save",
            "rng_state", "set_rng_state", "study_id"]  # fmt: skip
@@ -43,11 +45,26 @@ class CheckpointError(HydroError, RuntimeError):
 
 
 def private_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (and parents) if needed, readable and writable by the user only."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path
+    """Create ``path`` (and parents) if needed, readable and writable by the user only.
+
+    Raises:
+        CheckpointError: ``path`` exists but belongs to another user or others can write to
+            it (one line naming it and what to do), or it cannot be created.
+    """
+    try:
+        return _private_dir(path)
+    except PermissionError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def check_private(path: str | os.PathLike) -> None:
+    """A :class:`CheckpointError` if the directory ``path`` exists and belongs to another user
+    or others can write to it: whoever can write there decides what a resumed trial loads."""
+    if os.path.isdir(path):
+        try:
+            _check_private(path)
+        except PermissionError as exc:
+            raise CheckpointError(str(exc)) from exc
 
 
 def save(directory: str | os.PathLike, state: dict[str, Any]) -> Path:
@@ -188,7 +205,10 @@ def for_study(study: Any, root: str | os.PathLike) -> TrialCheckpoints:
     other's files."""
     uid = study_id(study)
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", study.study_name)[:64]
-    return TrialCheckpoints(Path(root).resolve() / f"{name}-{uid}", uid)
+    checkpoints = TrialCheckpoints(Path(root).resolve() / f"{name}-{uid}", uid)
+    check_private(checkpoints.directory.parent)  # before any trial runs, not at its first save
+    check_private(checkpoints.directory)
+    return checkpoints
 
 
 def study_id(study: Any) -> str:

@@ -24,6 +24,7 @@ from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.fleet import _Fleet
 from hydro.tuning.group import check_device
 from hydro.tuning.progress import Progress
+from hydro.tuning.signals import terminate_as_interrupt
 from hydro.tuning.sizing import MAX_FUSE, check_fuse, check_memory
 from hydro.tuning.slots import (
     Occupancy,
@@ -225,7 +226,9 @@ def optimize(
     occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
         _sweep_checkpoints(study, checkpoints)
-    with _Heartbeat(study) as heart:
+    # SIGTERM, while the run is active, stops it as Ctrl-C does (trials requeued, workers
+    # stopped, scratch removed); a handler the user installed is left in place
+    with terminate_as_interrupt(), _Heartbeat(study) as heart:
         try:
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
@@ -262,6 +265,9 @@ def optimize(
                         _run_batch(study, task_or_callback, space, trials, heart)
                 if bar is not None:
                     bar.update()
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated)
+            _requeue_owned(study, heart)
+            raise
         finally:
             # the bar ends first: a storage error in the bookkeeping below must not leave it
             # to be redrawn at exit, after the CLI's last line
@@ -272,6 +278,17 @@ def optimize(
                 checkpoints.tidy()
             if occupancy.steps:
                 study.set_user_attr("hydro_occupancy", occupancy.as_dict())
+
+
+def _requeue_owned(study: optuna.Study, heart: _Heartbeat) -> None:
+    """Fail as interrupted, and ask again, every trial this run asked that is still RUNNING:
+    an interrupt can land between a trial's ask and the bookkeeping of the group that would
+    have told it, and a rerun should not have to wait for such a trial to go stale."""
+    with heart.lock:
+        owned = set(heart.owned)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t._trial_id in owned:
+            _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
 
 
 def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheckpoints | None:

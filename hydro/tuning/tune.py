@@ -24,6 +24,7 @@ from hydro.tuning.driver import check_depth, check_placement, optimize
 from hydro.tuning.group import check_device, group_key
 from hydro.tuning.lockstep import train_group
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
+from hydro.tuning.signals import terminate_as_interrupt
 from hydro.tuning.sizing import check_fuse, check_memory
 from hydro.tuning.space import Space, check_space, trained_params
 from hydro.tuning.study import trial_seed
@@ -375,16 +376,17 @@ def tune(
         sampler = sampler or optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
-    optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
-             progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
-             depth_alpha=depth_alpha, first_group=first_group, policy=policy,
-             deadline=deadline, checkpoint_dir=checkpoint_dir,
-             fuse_memory=fuse_memory)  # fmt: skip
-    result = TuneResult(the_study, ratio)
-    if verify_top_k:
-        result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
-                                     device=device)  # fmt: skip
-        the_study.set_user_attr("hydro_verification", result.verification)  # for report/export
+    with terminate_as_interrupt():  # SIGTERM stops the run and verification as Ctrl-C does
+        optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
+                 progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
+                 depth_alpha=depth_alpha, first_group=first_group, policy=policy,
+                 deadline=deadline, checkpoint_dir=checkpoint_dir,
+                 fuse_memory=fuse_memory)  # fmt: skip
+        result = TuneResult(the_study, ratio)
+        if verify_top_k:
+            result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
+                                         device=device)  # fmt: skip
+            the_study.set_user_attr("hydro_verification", result.verification)
     return result
 
 

@@ -222,7 +222,9 @@ class WorkerContext:
         writes."""
         if self.rank != 0:
             return
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        from .scratch import private_dir  # here: scratch imports worker, which imports base
+
+        private_dir(self.checkpoint_dir)  # a Ray worker on another node may be the first
         tmp = self.checkpoint_dir / f".checkpoint.{os.getpid()}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.checkpoint_dir / "checkpoint.pt")

@@ -22,6 +22,7 @@ from ..groups import TrialGroup
 from ..placement import Placer
 from ..resources import Device
 from .base import GroupResult, Ledger, MoreFn, ReportFn, RequestFn, ResultFn, WorkerFn
+from .scratch import claim_mp_tempdir, private_dir
 
 # start_ticks and _scratch_dir are imported from here by the tuner and the tests
 from .worker import _scratch_dir, _Spec, _worker_main, start_ticks  # noqa: F401
@@ -200,8 +201,7 @@ class LocalExecutor:
         ledger = Ledger(self.max_retries, on_result=on_result)
         ledger.submit(groups)  # checks the groups first
         sizes = {g.name: self._size(world_size, g.name) for g in groups}
-        root = self.checkpoint_dir or _scratch_dir()
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        root = private_dir(self.checkpoint_dir or _scratch_dir())
         if policy is None:
             run = _Run(self, ledger, fn, report, sizes, root, more, request, world_size, preload)
         else:
@@ -297,6 +297,7 @@ class _Run:
         self.sizes: dict[str, int] = dict(sizes)
         self.root = root
         self.ctx = mp.get_context(executor.start_method)
+        claim_mp_tempdir()  # the fork server's socket lives there; a killed run's are swept
         if executor.start_method == "forkserver":
             # fn's module too (the tuner's driver imports in seconds): every worker forks with
             # it imported. Only the run that starts this process's forkserver decides.
@@ -368,7 +369,7 @@ class _Run:
         key = f"{group.name}#{attempt}"
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
         checkpoint_dir = self.root / safe
-        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(checkpoint_dir)
         store = None
         if len(ranks) > 1:  # a fresh rendezvous file per attempt
             (self.root / ".rendezvous").mkdir(exist_ok=True)

@@ -9,7 +9,6 @@ import ipaddress
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 import warnings
@@ -36,7 +35,8 @@ from .base import (
     WorkerFn,
     call_worker_fn,
 )
-from .worker import _peak_memory, _StepTimer
+from .scratch import private_dir
+from .worker import _peak_memory, _scratch_dir, _StepTimer
 
 __all__ = ["RayExecutor"]
 
@@ -275,7 +275,9 @@ class RayExecutor:
                 "restarts from step 0. Pass checkpoint_dir on a file system every node sees.",
                 stacklevel=2,
             )
-        root = self.checkpoint_dir or Path(tempfile.mkdtemp(prefix="hydro-fluid-ray-"))
+        # the scratch root is named by this process, so a run killed before its clean-up
+        # leaves one the next run removes
+        root = private_dir(self.checkpoint_dir or _scratch_dir())
         hub = self._get_hub(ray)
         if placer is None:
             run = _RayRun(self, ray, ledger, fn, report, sizes, root, hub)
@@ -617,7 +619,7 @@ class _RayRun:
         self.starts += 1
         key = f"{self.run_id}/{group.name}#{attempt}.{self.starts}"
         checkpoint_dir = self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", group.name)
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(checkpoint_dir)  # 0o700 from the start, not from the first save
         size = self.sizes[group.name] if ranks is None else len(ranks)
         gpus = (1.0 if size > 1 else 1.0 / self.ex.groups_per_device) if self.ex.use_gpus else 0
         options: dict[str, Any] = {"num_cpus": self.ex.cpus_per_worker, "num_gpus": gpus}

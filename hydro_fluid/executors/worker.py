@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -97,6 +97,13 @@ def _die_with_parent(parent: int, ticks: int | None) -> None:
         os._exit(1)
 
 
+def _orphaned() -> NoReturn:
+    """Leave at once, and quietly: the pipe to the parent broke, so the process that started
+    the run is gone (killed, or stopping) and nothing is left to report to. A traceback here
+    would only land in the dead tuner's log."""
+    os._exit(1)
+
+
 @dataclass
 class _Spec:
     """Everything a worker process needs to start (pickled to the child)."""
@@ -135,7 +142,16 @@ class _PipeChannel:
         # sender's memory, which is gone once a finished worker exits.
         data = pickle.dumps(message)
         with self.lock:
-            self.outbox.send_bytes(data)
+            try:
+                self.outbox.send_bytes(data)
+            except OSError:  # BrokenPipeError, ConnectionResetError: the parent is gone
+                _orphaned()
+
+    def _recv(self) -> tuple:
+        try:
+            return pickle.loads(self.inbox.recv_bytes())
+        except (EOFError, OSError):
+            _orphaned()
 
     def _take(self, message: tuple) -> tuple | None:
         """Keep a prune or stop notice; return anything else (an answer)."""
@@ -149,8 +165,11 @@ class _PipeChannel:
         return None
 
     def _drain(self) -> None:
-        while self.inbox.poll():
-            self._take(pickle.loads(self.inbox.recv_bytes()))
+        try:
+            while self.inbox.poll():
+                self._take(self._recv())
+        except (EOFError, OSError):  # poll of a pipe whose other end is gone
+            _orphaned()
 
     def pruned(self) -> set:
         self._drain()
@@ -173,7 +192,7 @@ class _PipeChannel:
         ident = self.asked
         self.send(("request", ident, payload))
         while True:  # the parent answers in order; prunes and stops may come in between
-            message = self._take(pickle.loads(self.inbox.recv_bytes()))
+            message = self._take(self._recv())
             if message is not None and message[1] == ident:
                 return message[2]
 

@@ -3,6 +3,7 @@
 import functools
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,8 @@ def test_killed_ray_worker_is_retried_from_checkpoint(make_executor, tmp_path):
     assert result.attempts == 2
     assert result.trials[7].state == "COMPLETE"
     assert result.value["resumed_from"] >= 5
+    for d in (tmp_path / "ckpt", tmp_path / "ckpt" / "g"):  # private, not only from a save on
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
 def test_ray_out_of_memory_splits_the_group(make_executor):
