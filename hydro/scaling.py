@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import inspect as pyinspect
 import operator
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,7 +22,7 @@ import torch.fx
 from torch import nn
 
 from hydro import parametrize
-from hydro.errors import ScaleError, TraceError
+from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor
 from hydro.fx.capture import Captured, capture
 from hydro.fx.depth import DepthPlan
@@ -163,6 +164,11 @@ def build(
     if parametrization not in ("mup", "sp"):
         raise ScaleError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
     depth.check_args(depth_ratio, depth_alpha)
+    if next(iter(model.parameters()), None) is None:
+        raise ScaleError(
+            f"{type(model).__name__} has no parameters: there is no width to cut and nothing "
+            "to train; scale the model that holds the layers (nn.Linear, nn.Conv2d, ...)"
+        )
     kwargs = dict(example_kwargs or {})
     if example_inputs is None and not kwargs:
         inputs = guess_inputs(model)
@@ -191,6 +197,12 @@ def build(
         floor.warn_if_full(auto, type(model).__name__)
     else:
         auto, plan = None, analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
+        if ratio > 1 and not plan.width:
+            warnings.warn(HydroWarning(
+                f"scale(ratio={ratio}): every width of {type(model).__name__} is fixed by its "
+                "inputs or outputs (input features, classes, vocabulary), so no width is cut and "
+                "the surrogate costs what the model does; scale a model with hidden layers"
+            ), stacklevel=3)  # fmt: skip
         if parametrization == "mup":  # a naive (sp) model is not meant to transfer anyway
             floor.warn_below(plan, stacklevel=4)
     sur, node_map, new_tensors = _rebuild(cap, plan, model)
