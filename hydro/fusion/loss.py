@@ -84,7 +84,7 @@ def _warn_per_trial(loss_fn: Callable, exc: RuntimeError, n: int) -> None:
         if name in _warned_names:
             return
         _warned_names.add(name)
-    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
     warnings.warn(
         HydroWarning(
             f"trial_loss: torch.func.vmap cannot batch the loss {name} ({why}); it runs once "
