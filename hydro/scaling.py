@@ -106,11 +106,21 @@ def scale(
         >>> sur(torch.randn(4, 16)).shape
         torch.Size([4, 10])
     """
-    return build(
+    scaled = build(
         model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
         head_policy=head_policy, output_mult=output_mult, seed=seed,
         parametrization=parametrization, depth_ratio=depth_ratio, depth_alpha=depth_alpha,
-    ).surrogate  # fmt: skip
+    )  # fmt: skip
+    d = scaled.depth
+    cut = d is not None and d.depth_ratio > 1 and bool(d.stacks)
+    if ratio != "auto" and ratio > 1 and not scaled.plan.width and not cut:
+        # (hydro.tune says so in its own words: FusedGroup builds through build(), not here)
+        warnings.warn(HydroWarning(
+            f"scale(ratio={ratio}): every width of {type(model).__name__} is fixed by its "
+            "inputs or outputs (input features, classes, vocabulary), so no width is cut and "
+            "the surrogate costs what the model does; scale a model with hidden layers"
+        ), stacklevel=2)  # fmt: skip
+    return scaled.surrogate
 
 
 @dataclass
@@ -197,12 +207,6 @@ def build(
         floor.warn_if_full(auto, type(model).__name__)
     else:
         auto, plan = None, analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
-        if ratio > 1 and not plan.width:
-            warnings.warn(HydroWarning(
-                f"scale(ratio={ratio}): every width of {type(model).__name__} is fixed by its "
-                "inputs or outputs (input features, classes, vocabulary), so no width is cut and "
-                "the surrogate costs what the model does; scale a model with hidden layers"
-            ), stacklevel=3)  # fmt: skip
         if parametrization == "mup":  # a naive (sp) model is not meant to transfer anyway
             floor.warn_below(plan, stacklevel=4)
     sur, node_map, new_tensors = _rebuild(cap, plan, model)
