@@ -449,9 +449,10 @@ class FusedModel(nn.Module):
                 "select([]) would leave a fused model of 0 trials; keep at least one (to end "
                 "them all, drop the fused model)"
             )
-        for i in index.tolist():
+        listed = index.tolist()
+        for i in listed:
             self._check_index(i)
-        twice = sorted({i for i in index.tolist() if index.tolist().count(i) > 1})
+        twice = sorted({i for i in listed if listed.count(i) > 1})
         if twice and not repeat:
             raise FuseError(
                 f"select: trials {twice} are listed more than once, which would copy them into "
