@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import inspect as pyinspect
 import operator
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,7 +22,7 @@ import torch.fx
 from torch import nn
 
 from hydro import parametrize
-from hydro.errors import ScaleError, TraceError
+from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor
 from hydro.fx.capture import Captured, capture
 from hydro.fx.depth import DepthPlan
@@ -105,11 +106,21 @@ def scale(
         >>> sur(torch.randn(4, 16)).shape
         torch.Size([4, 10])
     """
-    return build(
+    scaled = build(
         model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
         head_policy=head_policy, output_mult=output_mult, seed=seed,
         parametrization=parametrization, depth_ratio=depth_ratio, depth_alpha=depth_alpha,
-    ).surrogate  # fmt: skip
+    )  # fmt: skip
+    d = scaled.depth
+    cut = d is not None and d.depth_ratio > 1 and bool(d.stacks)
+    if ratio != "auto" and ratio > 1 and not scaled.plan.width and not cut:
+        # (hydro.tune says so in its own words: FusedGroup builds through build(), not here)
+        warnings.warn(HydroWarning(
+            f"scale(ratio={ratio}): every width of {type(model).__name__} is fixed by its "
+            "inputs or outputs (input features, classes, vocabulary), so no width is cut and "
+            "the surrogate costs what the model does; scale a model with hidden layers"
+        ), stacklevel=2)  # fmt: skip
+    return scaled.surrogate
 
 
 @dataclass
@@ -163,6 +174,11 @@ def build(
     if parametrization not in ("mup", "sp"):
         raise ScaleError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
     depth.check_args(depth_ratio, depth_alpha)
+    if next(iter(model.parameters()), None) is None:
+        raise ScaleError(
+            f"{type(model).__name__} has no parameters: there is no width to cut and nothing "
+            "to train; scale the model that holds the layers (nn.Linear, nn.Conv2d, ...)"
+        )
     kwargs = dict(example_kwargs or {})
     if example_inputs is None and not kwargs:
         inputs = guess_inputs(model)

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
 from hydro.fusion import random as _random
+from hydro.fusion.loss import trial_loss
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
 from hydro.fx.capture import Captured, capture_graph, register_at
 
@@ -284,6 +284,17 @@ class FusedModel(nn.Module):
         with torch.no_grad():
             if self.training:  # the next forward draws the next numbers (a diverged trial: frozen)
                 self.trial_step.add_(self.diverged.logical_not())
+            if mutated:
+                # A trial whose running statistics this forward made non-finite (BatchNorm of an
+                # exploding trial) diverged here, before its loss is even seen: flag it now, so
+                # the restore below keeps its buffers at their last finite values.
+                broken = [
+                    ~torch.isfinite(b.data.reshape(self.n, -1)).all(dim=1)
+                    for b in mutated
+                    if b.is_floating_point() or b.is_complex()
+                ]
+                if broken:
+                    self.diverged.logical_or_(torch.stack(broken).any(dim=0))
             # A diverged trial is frozen: undo what this forward wrote to its buffers, without
             # reading the flags on the host (no synchronization). Through .data: autograd saved
             # some of these buffers and must not see a version bump.
@@ -414,18 +425,40 @@ class FusedModel(nn.Module):
         self._frozen_shared.difference_update(tied)
         self._graphs.clear()
 
-    def select(self, indices: Sequence[int] | torch.Tensor) -> FusedModel:
+    def select(self, indices: Sequence[int] | torch.Tensor, *, repeat: bool = False) -> FusedModel:
         """Keep only the trials ``indices`` (in that order), in place, and return ``self``.
 
         Parameters keep their identity (only their data shrinks), so an optimizer over them stays
         valid after ``opt.select(indices)`` with the same indices. Call it between steps, once the
         last step's outputs and losses are gone (``del out, loss``): autograd keeps the old
         parameter shapes for as long as a graph that used them is alive.
+
+        Args:
+            indices: the trials to keep, at least one, each once.
+            repeat: allow an index more than once (a copy of that trial in a new slot, to be
+                overwritten: how :meth:`hydro.tuning.group.FusedGroup.add` grows a group).
+
+        Raises:
+            FuseError: no index, or one index twice without ``repeat=True``.
+            IndexError: an index out of range.
         """
         index = torch.as_tensor(list(indices) if not torch.is_tensor(indices) else indices)
-        index = index.to(torch.long)
-        for i in index.tolist():
+        index = index.to(torch.long).flatten()
+        if not index.numel():
+            raise FuseError(
+                "select([]) would leave a fused model of 0 trials; keep at least one (to end "
+                "them all, drop the fused model)"
+            )
+        listed = index.tolist()
+        for i in listed:
             self._check_index(i)
+        twice = sorted({i for i in listed if listed.count(i) > 1})
+        if twice and not repeat:
+            raise FuseError(
+                f"select: trials {twice} are listed more than once, which would copy them into "
+                "several slots; list each trial once (to copy a trial into a slot, use "
+                "load_trial_state(slot, trial_state(k)))"
+            )
         with torch.no_grad():
             for p in self.parameters():
                 grad = p.grad
@@ -442,9 +475,13 @@ class FusedModel(nn.Module):
         return self
 
     def _check_index(self, k: int) -> int:
-        if not -self.n <= k < self.n:
-            raise IndexError(f"trial {k} out of range for {self.n} fused trials")
-        return k % self.n
+        # no negative indices: trial(-1) is far likelier a bug (an unset slot) than "the last"
+        if isinstance(k, bool) or not 0 <= k < self.n:
+            raise IndexError(
+                f"trial {k!r} out of range: this fused model has trials 0 to {self.n - 1} "
+                "(negative indices are not accepted)"
+            )
+        return int(k)
 
 
 def _capture_mode(model: nn.Module, example: tuple, mode: str) -> torch.fx.GraphModule:
@@ -728,48 +765,4 @@ def _drop_dead_nodes(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def trial_loss(
-    loss_fn: Callable[..., torch.Tensor],
-    output: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    shared: bool = True,
-) -> torch.Tensor:
-    """Each trial's own loss: ``[n]``, with ``loss_fn`` applied to every trial's output alone.
-
-    Backpropagating ``trial_loss(...).sum()`` gives every trial exactly the gradient it would get
-    trained alone (the loss convention: the sum over trials of each trial's own mean loss).
-
-    Args:
-        loss_fn: a loss for one model, e.g. ``torch.nn.functional.cross_entropy``.
-        output: a fused model's output ``[n, ...]``.
-        target: one model's target, the same for every trial; with ``shared=False``, ``[n, ...]``
-            with each trial's own target.
-
-    Example:
-        >>> import torch, torch.nn.functional as F
-        >>> from hydro.fusion import fuse, trial_loss
-        >>> fused = fuse(torch.nn.Linear(4, 3), n=2)
-        >>> trial_loss(F.cross_entropy, fused(torch.randn(8, 4)), torch.randint(0, 3, (8,))).shape
-        torch.Size([2])
-    """
-    if loss_fn is F.cross_entropy and output.dim() >= 3:  # batched logits [n, B, C, ...]
-        return _cross_entropy(output, target, shared)
-    in_dims = (0, None if shared else 0)
-    try:
-        return torch.func.vmap(loss_fn, in_dims=in_dims)(output, target)
-    except Exception:  # noqa: BLE001 - a loss vmap cannot batch: one call per trial instead
-        targets = [target] * output.shape[0] if shared else list(target)
-        return torch.stack([loss_fn(o, t) for o, t in zip(output, targets)])
-
-
-def _cross_entropy(output: torch.Tensor, target: torch.Tensor, shared: bool) -> torch.Tensor:
-    """Per-trial mean cross-entropy in one call over the folded batch (no vmap)."""
-    n = output.shape[0]
-    if shared:
-        target = target.unsqueeze(0).expand(n, *target.shape)
-    losses = F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1), reduction="none")
-    if target.is_floating_point():  # class probabilities: the mean over samples
-        return losses.view(n, -1).mean(dim=1)
-    # class indices: the mean over targets that are not ignore_index (-100), as torch's "mean"
-    return losses.view(n, -1).sum(dim=1) / (target != -100).view(n, -1).sum(dim=1)
+__all__ = ["FusedModel", "fuse", "trial_loss"]

@@ -17,12 +17,14 @@ current mode. It is called with the same arguments and returns the same output t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import linecache
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -271,7 +273,10 @@ def capture_graph(
 
     model.forward = tensors_only  # instance attribute: the class stays untouched
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False)
+        with _quiet_torch_logs():
+            ep = torch.export.export(
+                model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
+            )
     except Exception as exc:
         raise TraceError(explain(exc, model)) from exc
     finally:
@@ -282,6 +287,42 @@ def capture_graph(
     plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
     _strip_guards(plain)
     return plain
+
+
+# Loggers through which torch.export reports a failing op (fake tensors, dynamo, export, fx's
+# symbolic shapes) with its whole traceback, tens of lines, before it raises: the exception
+# reaches the user anyway, as TraceError's one line.
+_EXPORT_LOGGERS = (
+    "torch._subclasses",
+    "torch._dynamo",
+    "torch._export",
+    "torch.export",
+    "torch.fx",
+    "torch._functorch",
+    "torch._guards",
+)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch.export's loggers for the duration (unless ``TORCH_LOGS`` asks for them)."""
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    names = set(_EXPORT_LOGGERS) | {
+        name
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(tuple(p + "." for p in _EXPORT_LOGGERS))
+    }
+    loggers = [logging.getLogger(name) for name in sorted(names)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:  # children created meanwhile inherit the level of these
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _unalias(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -118,6 +118,36 @@ def parse_betas(betas: object, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise fail(str(exc)) from None
 
 
+# What torch.optim accepts of each hyperparameter (and eps > 0, where torch lets 0 divide by
+# zero), per trial: a value outside trains nothing sensible, and NaN would freeze the trial at
+# its first step as "diverged" without a word.
+_RANGES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+    "lr": (lambda v: v >= 0, "a learning rate must be >= 0"),
+    "weight_decay": (lambda v: v >= 0, "weight decay must be >= 0"),
+    "momentum": (lambda v: v >= 0, "momentum must be >= 0"),
+    "dampening": (lambda v: v >= 0, "dampening must be >= 0"),
+    "eps": (lambda v: v > 0, "eps must be > 0"),
+    "beta1": (lambda v: (v >= 0) & (v < 1), "betas must lie in [0, 1)"),
+    "beta2": (lambda v: (v >= 0) & (v < 1), "betas must lie in [0, 1)"),
+}
+
+
+def _check_ranges(group: dict) -> None:
+    """Raise ``ConfigError`` naming the first hyperparameter of ``group`` that some trial has
+    outside its range (or not finite), with those trials and their values."""
+    columns = {k: group[k] for k in _RANGES if torch.is_tensor(group.get(k))}
+    if "betas" in group:
+        columns["beta1"], columns["beta2"] = group["betas"]
+    for key, values in columns.items():
+        ok, rule = _RANGES[key]
+        bad = (~(torch.isfinite(values) & ok(values))).nonzero().flatten().tolist()
+        if bad:
+            shown = ", ".join(f"trial {k}: {float(values[k])!r}" for k in bad[:5])
+            raise ConfigError(
+                f"{key} out of range ({shown}): {rule} and finite; give every trial a valid value"
+            )
+
+
 def _trial_sums(grads: list[torch.Tensor]) -> torch.Tensor:
     """``[len(grads), n]``: each gradient summed per trial (finite iff all its entries are,
     barring an overflow of the sum itself, which only an exploding trial reaches)."""
@@ -172,6 +202,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group[key] = parse_betas(group[key], self.n)
             else:
                 group[key] = per_trial(group[key], self.n, key)
+        _check_ranges(group)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -567,6 +598,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _validate(self) -> None:
         """Reject per-trial hyperparameters that no trial could use."""
+        for group in self.param_groups:
+            _check_ranges(group)
 
     def trial_optimizers(self) -> list[torch.optim.Optimizer]:
         """One stand-in ``torch.optim`` optimizer per trial, for per-trial schedulers to drive."""

@@ -80,6 +80,7 @@ class SGD(FusedOptimizer):
         self._validate()
 
     def _validate(self) -> None:
+        super()._validate()
         for group in self.param_groups:
             bad = (group["nesterov"] > 0) & ((group["momentum"] <= 0) | (group["dampening"] != 0))
             if bool(bad.any()):

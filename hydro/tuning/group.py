@@ -386,7 +386,7 @@ class FusedGroup:
             raise ConfigError("add: this group has no slot left to copy; build a new FusedGroup")
         self._member(id, params, seed)  # a trial of another key is refused before any change
         grown = [*range(self.n), 0]  # slot 0 copied to the end, then overwritten by put
-        self.fused.select(grown)
+        self.fused.select(grown, repeat=True)
         self.opt.select(grown)
         self.members.append(self.members[0])
         self.clip.append(None)

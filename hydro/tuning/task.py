@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from hydro.errors import ConfigError, DataError, ModelError
+from hydro.errors import ConfigError, DataError, HydroWarning, ModelError
 
 Data = tuple[Any, torch.Tensor] | Mapping[str, torch.Tensor] | Dataset | Callable[[int], Any]
 # a batch: ``(inputs, targets)`` or a dict of keyword inputs (the targets under ``target_key``)
@@ -245,6 +246,9 @@ class Task:
         if isinstance(data, (tuple, Mapping)):
             g = torch.Generator().manual_seed(seed)
             size = _length(data)
+            if size < batch_size and batch_size not in self.__dict__.setdefault("_small", set()):
+                self._small.add(batch_size)  # once per task and batch size, not per trial
+                _warn_small(size, batch_size)
             while True:
                 idx = torch.randint(0, size, (batch_size,), generator=g)
                 yield _take(data, idx)
@@ -255,6 +259,13 @@ class Task:
                     yielded = True
                     yield _batch(batch)
                 if not yielded:
+                    size = len(data) if hasattr(data, "__len__") else None
+                    if size is not None and size < batch_size:
+                        raise DataError(
+                            f"train_data holds {size} samples, fewer than one batch of "
+                            f"{batch_size} (a Dataset's last partial batch is dropped); use a "
+                            f"batch_size of at most {size}, or more training data"
+                        )
                     raise DataError("train_data produced no batch")
                 seed += 1
 
@@ -414,6 +425,14 @@ class Task:
                 "loss='mse' for regression, or pass torch.nn.functional.cross_entropy for "
                 "class probabilities"
             )
+
+
+def _warn_small(size: int, batch_size: int) -> None:
+    """Warn that every batch repeats samples of a training set smaller than one batch."""
+    warnings.warn(HydroWarning(
+        f"train_data holds {size} samples, fewer than a batch of {batch_size}: every batch "
+        "draws them with replacement, so each repeats samples; use a batch_size of at most "
+        f"{size}, or more training data"), stacklevel=3)  # fmt: skip
 
 
 def _positive(value: Any, name: str) -> None:
