@@ -271,6 +271,7 @@ class Analysis:
         self.sums: list[Sum] = []
         self.parts: list[Part] = []
         self.indexed: set[int] = set()
+        self.tables: set[int] = set()  # dimensions read by an index tensor's values (x[idx])
         self.depthwise: set[torch.fx.Node] = set()
         self.node_syms: dict[torch.fx.Node, Any] = {}
         self.param_syms: dict[int, list[int]] = {}
@@ -672,7 +673,7 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
     derived = {a.find(c.out) for c in a.sums} | {a.find(c.part) for c in a.parts}
     derived |= {a.find(s) for s in a.derived_syms}
     touching = {a.find(s) for s in a.param_dim_syms}
-    width = (touching - fixed) - derived
+    width = (_width_sources(a) - fixed) - derived
     new: dict[int, int] = {r: a.sizes[r] for r in fixed}
     names = _dim_names(a)
     bad = [r for r in sorted(width) if a.sizes[r] % ratio]
@@ -776,6 +777,18 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
                     if not plan.is_width(s) and a.sizes[s] > 1:
                         plan.kept.append((name, i, a.sizes[s]))
     return plan
+
+
+def _width_sources(a: Analysis) -> set[int]:
+    """Classes holding a dimension of a parameter other than a table read by index.
+
+    A table read as ``table[index]`` (Swin's relative-position bias, ``heads`` columns) adds its
+    rows to what it is added to: its other dimensions follow those (a head count solved by the
+    head policy), they do not make a width of their own.
+    """
+    tables = {key for key, syms in a.param_syms.items() if any(s in a.tables for s in syms)}
+    return {a.find(s) for key, syms in a.param_syms.items() if key not in tables for s in syms
+            if s in a.param_dim_syms}  # fmt: skip
 
 
 def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:

@@ -141,8 +141,13 @@ def index(a, node, out) -> None:  # noqa: ANN001
         a.tie_all(out[k:], rest, node)
         index_out = out[:k]
     a.broadcast(TensorSyms(index_out), [a.syms_of(idx[i]) for i in given], node)
-    for i in given:
+    for i, t in zip(given, shapes):
         a.indexed.add(x[i])
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool:
+            # read by value (a relative-position table's rows, positions): the index's values
+            # were drawn for this size, so it is never a width, as an embedding's rows are not
+            a.fix_syms([x[i]])
+            a.tables.add(x[i])
 
 
 def pad(a, node, out) -> None:  # noqa: ANN001
