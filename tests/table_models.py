@@ -140,3 +140,24 @@ class LastChannel(nn.Module):
         h = self.mlp(F.gelu(self.inp(x)))
         score = h[:, :, -1]
         return F.mse_loss(score, y), score
+
+
+class EncoderFeatures(EncoderDecoder):
+    """The same encoder-decoder returning ``(logits, encoder_last_hidden_state)`` and no loss:
+    its training loss is computed outside, from both."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        return super().forward(ids, labels)[1:]
+
+
+class ChannelAt(LastChannel):
+    """``h[:, :, index]``: an index that a cut width may no longer reach."""
+
+    def __init__(self, width: int = 64, index: int = 40) -> None:
+        super().__init__(width)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        h = self.mlp(F.gelu(self.inp(x)))
+        score = h[:, :, self.index]
+        return F.mse_loss(score, y), score

@@ -103,11 +103,15 @@ def unbind(a, node, out) -> None:  # noqa: ANN001
 
 
 def select(a, node, out) -> None:  # noqa: ANN001
+    from hydro.fx.pins import Select  # pins imports the rules' helpers
+
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b["dim"] % len(x)
     if is_int(b["index"]):
-        a.fix_syms([x[dim]])  # picked by a fixed index (q/k/v of a packed projection, CLS token)
+        # pinned where it is not a width (q/k/v of a packed projection, a CLS position), or
+        # where the index falls outside the cut width (hydro.fx.pins)
+        a.selects.append(Select(node, x[dim], b["index"]))
     a.tie_all(out, [s for i, s in enumerate(x) if i != dim], node)
 
 
@@ -168,6 +172,9 @@ def loss(a, node, out) -> None:  # noqa: ANN001
     """A classification loss: ``reduction='none'`` gives the target's shape; reduced, a scalar."""
     b = bound(node)
     target = a.syms_of(b.get("target"))
+    x = a.syms_of(b.get("self"))
+    if isinstance(x, TensorSyms) and x:
+        a.fix_syms([x[1 if len(x) > 1 else 0]])  # the classes: the target's values index them
     if isinstance(out, TensorSyms) and isinstance(target, TensorSyms) and len(out) == len(target):
         a.tie_all(out, target, node)
 
