@@ -65,7 +65,9 @@ class PositionDecoder(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, width)
         self.pos = nn.Parameter(torch.randn(max_len, width) * 0.02)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
         self.out = nn.Linear(width, VOCAB)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor):
@@ -115,7 +117,9 @@ class EncoderDecoder(nn.Module):
     def __init__(self, width: int = 64) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, width)
-        self.enc = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.enc = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
         self.dec = nn.Linear(2 * width, width)
         self.out = nn.Linear(width, VOCAB)
 

@@ -17,6 +17,7 @@ import torch
 import hydro
 from hydro import scaling
 from hydro.fusion import fuse
+from hydro.fx.capture import capture
 from tests.table_models import (
     VOCAB,
     ChannelAt,
@@ -106,8 +107,8 @@ def test_scale_checks_index_ranges_not_only_shapes():
 
 
 def _fused_vs_separate(model, args, ratio=4, n=2):  # noqa: ANN001
-    model = model.double()
-    surs = [_scale(model, ratio, args, seed=k)[0] for k in range(n)]
+    cap = capture(model.double(), args, {})  # captured once, scaled with n seeds
+    surs = [_scale(cap, ratio, args, seed=k)[0] for k in range(n)]
     fused = fuse(surs)
     loss, logits = fused(*args)
     loss.sum().backward()
@@ -148,7 +149,8 @@ def test_hf_sliding_window_attention_fuses_exactly():
     model = transformers.MistralForCausalLM(cfg).double()
     ids = _ids(2, 8)
     kwargs = {"input_ids": ids, "labels": ids}
-    surs = [_scale(model, 2, (), kwargs, seed=k)[0] for k in range(2)]
+    cap = capture(model, (), kwargs)
+    surs = [_scale(cap, 2, (), kwargs, seed=k)[0] for k in range(2)]
     out = fuse(surs)(**kwargs)
     for k, sur in enumerate(surs):
         own = sur(**kwargs)
@@ -168,10 +170,30 @@ def test_encoder_state_beside_the_loss_is_cut_and_without_a_loss_warns():
     # scale says which hidden width that keeps
     sur, pinned = _scale(EncoderFeatures(), 8, args)
     assert sur(*args)[1].shape == (2, 8, 64)
-    assert len(pinned) == 1 and "'tok.weight' (dimension 1) (64): returned by the model" in pinned[0]
+    assert (
+        len(pinned) == 1 and "'tok.weight' (dimension 1) (64): returned by the model" in pinned[0]
+    )
     report = hydro.inspect(EncoderFeatures(), 8, example_inputs=args)
     assert [p[:2] for p in report.pinned] == [("'tok.weight' (dimension 1)", 64)]
     assert "kept whole: 'tok.weight' (dimension 1) (64), a hidden width" in str(report)
+
+
+def test_hf_bart_encoder_state_beside_the_loss_is_cut():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg)
+    kwargs = {"input_ids": _ids(2, 8), "labels": _ids(2, 8, seed=1)}
+    sur, pinned = _scale(model, 8, (), kwargs)
+    out = sur(**kwargs)
+    assert out.encoder_last_hidden_state.shape == (2, 8, 8) and out.logits.shape[-1] == VOCAB
+    # was 3.5x: every width stayed whole for the returned encoder state; the learned position
+    # tables (34 rows, read by position) stay whole
+    assert _n(model) / _n(sur) > 30 and not pinned
 
 
 def test_an_integer_index_into_a_width_pins_only_where_it_falls_outside():

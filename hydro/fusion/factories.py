@@ -17,8 +17,7 @@ aten = torch.ops.aten
 
 # ops whose tensor operand lends only its dtype and device to the result
 METADATA_ONLY = frozenset(
-    op.default
-    for op in (aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty)
+    op.default for op in (aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty)
 ) | {aten.new_empty_strided.default}
 
 

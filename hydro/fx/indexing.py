@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.paths import get_path
+from hydro.fx.rules.common import TensorSyms, bound, op_name
 
 _THROUGH = ("view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone", "to",
             "_to_copy", "alias", "expand", "unsqueeze", "squeeze")  # fmt: skip
@@ -64,7 +64,7 @@ def out_of_range(
         old_of: the target's node for a new node.
         old_size: the target's size of dimension ``dim`` of an old node's symbols.
     """
-    for new, value in values.items():
+    for new in values:
         old = old_of(new)
         if old is None:
             continue
