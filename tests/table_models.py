@@ -89,21 +89,24 @@ class SlidingWindowLM(nn.Module):
         self.proj = nn.Linear(width, width)
         self.out = nn.Linear(width, VOCAB)
 
-    def mask(self, t: int, device: torch.device) -> torch.Tensor:
-        q_idx = torch.arange(t, device=device)[:, None]
-        kv_idx = torch.arange(t, device=device)[None, :]
+    def mask(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, T, T]`` additive mask from each sample's positions (as models taking
+        ``position_ids`` build it), its constants made by factories of the batched indices."""
+        q_idx, kv_idx = position_ids[:, :, None], position_ids[:, None, :]
         allowed = kv_idx <= q_idx
-        if self.window is not None:
+        if self.window is not None:  # HF's and_masks/or_masks start from new_ones/new_zeros
             inside = (q_idx - kv_idx) < q_idx.new_full((), self.window)
-            allowed = allowed & inside & q_idx.new_ones((), dtype=torch.bool)
+            inside = inside | q_idx.new_zeros((), dtype=torch.bool)
+            allowed = q_idx.new_ones((), dtype=torch.bool) & allowed & inside
         bias = torch.zeros_like(allowed, dtype=torch.float32).masked_fill(~allowed, float("-inf"))
-        return bias + q_idx.new_zeros(()) + torch.ones_like(bias) - 1
+        return (bias + torch.ones_like(bias) - 1).unsqueeze(1)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor):
         b, t = ids.shape
         h = self.tok(ids)
         q, k, v = self.qkv(h).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        bias = self.mask(t, ids.device).to(h.dtype)
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        bias = self.mask(positions).to(h.dtype)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         h = h + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         logits = self.out(h)
