@@ -9,6 +9,7 @@ and compared with separate surrogates in float64.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -16,8 +17,8 @@ import torch
 
 import hydro
 from hydro import scaling
+from hydro.errors import HydroWarning
 from hydro.fusion import fuse
-from hydro.fx.capture import capture
 from tests.table_models import (
     VOCAB,
     ChannelAt,
@@ -106,9 +107,21 @@ def test_scale_checks_index_ranges_not_only_shapes():
         scaling._check(sur, scaled.plan, scaled.node_map, scaled.inputs, scaled.kwargs)
 
 
+def _trials(sur: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    """``sur`` and ``n - 1`` copies with other weights (one scale: capture is the cost)."""
+    out = [sur]
+    for k in range(1, n):
+        other = copy.deepcopy(sur)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(k)
+            for p in other.parameters():
+                p.mul_(1 + 0.5 * torch.rand(p.shape, generator=g, dtype=p.dtype))
+        out.append(other)
+    return out
+
+
 def _fused_vs_separate(model, args, ratio=4, n=2):  # noqa: ANN001
-    cap = capture(model.double(), args, {})  # captured once, scaled with n seeds
-    surs = [_scale(cap, ratio, args, seed=k)[0] for k in range(n)]
+    surs = _trials(_scale(model.double(), ratio, args)[0], n)
     fused = fuse(surs)
     loss, logits = fused(*args)
     loss.sum().backward()
@@ -149,8 +162,7 @@ def test_hf_sliding_window_attention_fuses_exactly():
     model = transformers.MistralForCausalLM(cfg).double()
     ids = _ids(2, 8)
     kwargs = {"input_ids": ids, "labels": ids}
-    cap = capture(model, (), kwargs)
-    surs = [_scale(cap, 2, (), kwargs, seed=k)[0] for k in range(2)]
+    surs = _trials(_scale(model, 2, (), kwargs)[0], 2)
     out = fuse(surs)(**kwargs)
     for k, sur in enumerate(surs):
         own = sur(**kwargs)
@@ -168,13 +180,13 @@ def test_encoder_state_beside_the_loss_is_cut_and_without_a_loss_warns():
     assert _n(model) / _n(sur) > 30  # was 5.7: the encoder width was kept whole
     # the same model returning no loss: its outputs are read outside, at full size, and
     # scale says which hidden width that keeps
-    sur, pinned = _scale(EncoderFeatures(), 8, args)
-    assert sur(*args)[1].shape == (2, 8, 64)
-    assert (
-        len(pinned) == 1 and "'tok.weight' (dimension 1) (64): returned by the model" in pinned[0]
-    )
-    report = hydro.inspect(EncoderFeatures(), 8, example_inputs=args)
+    with pytest.warns(HydroWarning) as caught:  # inspect builds it as scale does
+        report = hydro.inspect(EncoderFeatures(), 8, example_inputs=args)
+    pinned = [str(w.message) for w in caught if "whole, so the surrogate" in str(w.message)]
+    assert len(pinned) == 1
+    assert "'tok.weight' (dimension 1) (64): returned by the model (output 1)" in pinned[0]
     assert [p[:2] for p in report.pinned] == [("'tok.weight' (dimension 1)", 64)]
+    assert {r.path: r.surrogate_shape for r in report.rows}["enc.2"] == (64, 16)
     assert "kept whole: 'tok.weight' (dimension 1) (64), a hidden width" in str(report)
 
 
