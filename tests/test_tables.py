@@ -19,6 +19,7 @@ import hydro
 from hydro import scaling
 from hydro.errors import HydroWarning
 from hydro.fusion import fuse
+from hydro.fx import floor
 from tests.table_models import (
     VOCAB,
     ChannelAt,
@@ -69,6 +70,8 @@ def test_relative_position_table_keeps_its_rows_and_follows_the_heads(ratio):
     loss, logits = sur(torch.randn(3, 16, 3), torch.tensor([0, 1, 4]))
     assert logits.shape == (3, 5) and torch.isfinite(loss) and not pinned
     assert ("attn.table", 0, 49) in scaled.plan.kept
+    # a table is no layer of its own: it never bounds ratio="auto" (its heads would, at 4)
+    assert "attn.table" not in {lw.path for lw in floor.layer_widths(scaled.plan)}
 
 
 def test_timm_swin_scales_with_its_bias_tables():

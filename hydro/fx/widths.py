@@ -103,6 +103,7 @@ class WidthPlan:
             quantity (positions), as ``(name, dim, size)``.
         pinned: hidden widths kept whole by a use (an output beside no loss, an index outside
             the cut width), as ``(dimension in words, size, reason)`` (:mod:`hydro.fx.pins`).
+        tables: ids of the parameters read by index (``table[index]``): not layers of a width.
     """
 
     root: torch.nn.Module
@@ -120,6 +121,7 @@ class WidthPlan:
     head_decisions: list[str] = field(default_factory=list)
     kept: list[tuple[str, int, int]] = field(default_factory=list)
     pinned: list[tuple[str, int, str]] = field(default_factory=list)
+    tables: set[int] = field(default_factory=set)
     int_rewrites: dict = field(default_factory=dict)
     literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
 
@@ -689,6 +691,7 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
             break
         chosen += more
     plan.pinned = _pinned_widths(a, chosen, sources, fixed_selects)
+    plan.tables = _table_keys(a)
     return plan
 
 
@@ -822,6 +825,11 @@ def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
     return plan
 
 
+def _table_keys(a: Analysis) -> set[int]:
+    """The ids of the parameters read by an index tensor's values (``table[index]``)."""
+    return {key for key, syms in a.param_syms.items() if any(s in a.tables for s in syms)}
+
+
 def _width_sources(a: Analysis) -> set[int]:
     """Classes holding a dimension of a parameter other than a table read by index.
 
@@ -829,7 +837,7 @@ def _width_sources(a: Analysis) -> set[int]:
     rows to what it is added to: its other dimensions follow those (a head count solved by the
     head policy), they do not make a width of their own.
     """
-    tables = {key for key, syms in a.param_syms.items() if any(s in a.tables for s in syms)}
+    tables = _table_keys(a)
     return {a.find(s) for key, syms in a.param_syms.items() if key not in tables for s in syms
             if s in a.param_dim_syms}  # fmt: skip
 
