@@ -14,6 +14,9 @@ SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand"
             "randn": "size"}  # fmt: skip
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def sym_size(a, node, out) -> None:  # noqa: ANN001
     x = a.syms_of(node.args[0])
     a.replace(node, IntSym(x[node.args[1]]))
@@ -145,11 +148,15 @@ def index(a, node, out) -> None:  # noqa: ANN001
         a.tie_all(out[k:], rest, node)
         index_out = out[:k]
     a.broadcast(TensorSyms(index_out), [a.syms_of(idx[i]) for i in given], node)
+    table = a.param_of(b["self"]) is not None
     for i, t in zip(given, shapes):
         a.indexed.add(x[i])
-        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool:
-            # read by value (a relative-position table's rows, positions): the index's values
-            # were drawn for this size, so it is never a width, as an embedding's rows are not
+        integer = isinstance(t, torch.Tensor) and t.dtype not in (torch.bool, *_FLOATS)
+        if table and integer:
+            # a table of the model read by value (a relative-position table's rows, positions):
+            # the index's values were drawn for this size, so it is never a width, as an
+            # embedding's rows are not. An activation indexed along a width is left to the
+            # index-range check of scaling, which names it.
             a.fix_syms([x[i]])
             a.tables.add(x[i])
 
