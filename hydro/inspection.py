@@ -42,6 +42,7 @@ class InspectReport:
     head_decisions: list[str] = field(default_factory=list)
     multipliers: dict[str, float] = field(default_factory=dict)
     kept: list[tuple[str, int, int]] = field(default_factory=list)
+    pinned: list[tuple[str, int, str]] = field(default_factory=list)  # widths kept, and why
     depth_ratio: int = 1
     stacks: list[Any] = field(default_factory=list)
     depth_multipliers: dict[str, float] = field(default_factory=dict)
@@ -63,6 +64,7 @@ class InspectReport:
             "head_decisions": self.head_decisions,
             "multipliers": self.multipliers,
             "kept": [list(k) for k in self.kept],
+            "pinned": [list(p) for p in self.pinned],
             "depth_ratio": self.depth_ratio,
             "stacks": [{"path": st.path, "blocks": list(st.blocks), "kept": list(st.kept),
                         "head": list(st.head), "left_whole": st.reason,
@@ -111,6 +113,8 @@ class InspectReport:
             "(vocabulary, positions), not a width"
             for name, dim, size in self.kept
         ]
+        lines += [f"kept whole: {what} ({size}), a hidden width: {why}"
+                  for what, size, why in self.pinned]  # fmt: skip
         return "\n".join(lines)
 
 
@@ -158,7 +162,8 @@ def inspect(
     sur_values = propagate(sur, sur.graphs[mode], scaled.inputs, scaled.kwargs)
     report = InspectReport(plan.ratio, head_decisions=list(sur.hydro.head_decisions),
                            multipliers=dict(sur.hydro.multipliers),
-                           kept=list(plan.kept), depth_ratio=depth_ratio,
+                           kept=list(plan.kept), pinned=list(plan.pinned),
+                           depth_ratio=depth_ratio,
                            stacks=list(sur.hydro.stacks),
                            depth_multipliers=dict(sur.hydro.depth_multipliers))  # fmt: skip
     roles = sur.hydro.roles

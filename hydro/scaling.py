@@ -23,7 +23,7 @@ from torch import nn
 
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
-from hydro.fx import depth, floor
+from hydro.fx import depth, floor, indexing, pins
 from hydro.fx.capture import Captured, capture
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
@@ -209,6 +209,7 @@ def build(
         auto, plan = None, analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
         if parametrization == "mup":  # a naive (sp) model is not meant to transfer anyway
             floor.warn_below(plan, stacklevel=4)
+    pins.warn_pinned(plan, stacklevel=4)
     sur, node_map, new_tensors = _rebuild(cap, plan, model)
     info = parametrize.apply(
         sur, model, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
@@ -514,6 +515,10 @@ def _check(
                 "(x.size(-1)) or a module attribute instead of hard-coding it."
             ) from exc
     by_new = {new: old for old, new in node_map.items()}
+    broken = indexing.out_of_range(sur, values, by_new.get, indexing.sym_size(plan))
+    if broken is not None:
+        raise ScaleError(f"{describe(broken[0])} {broken[1]} at ratio {plan.ratio}. Report this "
+                         "model: width analysis should have kept that table whole")  # fmt: skip
     for new, value in values.items():
         old = by_new.get(new)
         syms = plan.node_syms.get(old) if old is not None else None

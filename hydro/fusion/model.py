@@ -15,7 +15,7 @@ from hydro.errors import FuseError
 from hydro.fusion import random as _random
 from hydro.fusion.loss import trial_loss
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
-from hydro.fx.capture import Captured, capture_graph, register_at
+from hydro.fx.capture import Captured, _check_shapes, capture_graph, register_at
 
 MODES = ("train", "eval")
 # buffers of the fused model itself, not of any trial's module
@@ -251,6 +251,7 @@ class FusedModel(nn.Module):
             shared_names = self.shared_tensors - mutated
             gm = fuse_graph(template, self.n, shared, tensors, shared_names, literals)
             gm.hydro_mutated = sorted(mutated)
+            gm.hydro_source = members[0]  # its placeholders hold the captured input shapes
             gm.hydro_shared = shared_names
             # a graph built before this one may read, as shared, buffers this one writes per
             # trial (an evaluation graph built before the first training step): rebuild it
@@ -278,6 +279,9 @@ class FusedModel(nn.Module):
                         f"{self.n}, got shape {tuple(a.shape)}"
                     )
         gm = self._graph_for(args, kwargs, shared)
+        # the sizes a surrogate checks (only the batch is dynamic), with the surrogate's error
+        one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
+        _check_shapes(self._sources[self._member[0]], gm.hydro_source, *one)
         mutated = [self.get_buffer(name) for name in gm.hydro_mutated]
         saved = [b.clone() for b in mutated]
         out = gm(*args, **kwargs)

@@ -29,7 +29,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from hydro.errors import FuseError
-from hydro.fusion import ops
+from hydro.fusion import factories, ops
 from hydro.fusion import random as rng
 
 logger = logging.getLogger("hydro.fusion")
@@ -1253,4 +1253,5 @@ _HANDLERS = {
     aten.dropout.default: _dropout,
     **dict.fromkeys(_SAMPLERS, _sample),
     aten.scaled_dot_product_attention.default: _attention,
+    **factories.HANDLERS,
 }

@@ -117,10 +117,12 @@ def _captured_shapes(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int | No
     return shapes
 
 
-def _check_shapes(cap: Captured, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+def _check_shapes(cap: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Only the batch dimension of a capture is dynamic: a sequence length (or image size)
     other than the example's would run a graph whose sizes were fixed at capture, so it fails
-    here, clearly, rather than deep inside (or, worse, reshapes silently)."""
+    here, clearly, rather than deep inside (or, worse, reshapes silently). ``cap`` names the
+    model (a :class:`Captured`, or the module a fused model captured)."""
+    model_name = getattr(cap, "captured_name", type(cap).__name__)
     try:
         flat = tree_flatten_spec((tuple(args), dict(kwargs)), gm._in_spec)
     except Exception:
@@ -135,12 +137,12 @@ def _check_shapes(cap: Captured, gm: torch.fx.GraphModule, args: tuple, kwargs: 
         shown = "(" + ", ".join("B" if d is None else str(d) for d in dims) + ")"
         if bad == [0] and dims[0] == 1:
             raise TraceError(
-                f"{cap.captured_name} was captured with a batch of 1 in input '{name}', which "
+                f"{model_name} was captured with a batch of 1 in input '{name}', which "
                 "torch.export fixes (a size of 1 is never dynamic); called with batch "
                 f"{x.shape[0]}. Capture with an example batch of 2 or more"
             )
         raise TraceError(
-            f"{cap.captured_name} was captured with input '{name}' of shape {shown}; called with "
+            f"{model_name} was captured with input '{name}' of shape {shown}; called with "
             f"{tuple(x.shape)}. Only the batch dimension is dynamic: every other size (sequence "
             "length, image size) is fixed by the example inputs. Capture again with example "
             f"inputs of this size (hydro.scale/hydro.tune/Task(example_inputs=...)), or pad or "

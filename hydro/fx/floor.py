@@ -94,8 +94,8 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
     rows: dict[tuple[str, str], LayerWidth] = {}
     params = {id(p) for p in plan.root.parameters()}
     for key, syms in plan.param_syms.items():
-        if key not in params or len(syms) < 2:
-            continue
+        if key not in params or len(syms) < 2 or key in plan.tables:
+            continue  # a table read by index (relative-position bias) is not a layer
         dims = [s for s in syms if plan.is_width(s)]
         if not dims:
             continue

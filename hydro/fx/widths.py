@@ -29,6 +29,7 @@ from torch._subclasses import FakeTensorMode
 from torch.fx._pytree import tree_flatten_spec
 
 from hydro.errors import ScaleError
+from hydro.fx import pins
 from hydro.fx.paths import get_path
 from hydro.fx.rules import RULES
 from hydro.fx.rules.common import IntSym, TensorSyms, bound, op_name
@@ -100,6 +101,9 @@ class WidthPlan:
         head_decisions: how each head split was resolved, in words.
         kept: parameter dimensions kept because they are only indexed or sliced by a fixed
             quantity (positions), as ``(name, dim, size)``.
+        pinned: hidden widths kept whole by a use (an output beside no loss, an index outside
+            the cut width), as ``(dimension in words, size, reason)`` (:mod:`hydro.fx.pins`).
+        tables: ids of the parameters read by index (``table[index]``): not layers of a width.
     """
 
     root: torch.nn.Module
@@ -116,6 +120,8 @@ class WidthPlan:
     uses: dict[int, list[ParamUse]]
     head_decisions: list[str] = field(default_factory=list)
     kept: list[tuple[str, int, int]] = field(default_factory=list)
+    pinned: list[tuple[str, int, str]] = field(default_factory=list)
+    tables: set[int] = field(default_factory=set)
     int_rewrites: dict = field(default_factory=dict)
     literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
 
@@ -271,6 +277,9 @@ class Analysis:
         self.sums: list[Sum] = []
         self.parts: list[Part] = []
         self.indexed: set[int] = set()
+        self.tables: set[int] = set()  # dimensions read by an index tensor's values (x[idx])
+        self.pins: list[pins.Pin] = []  # outputs kept whole (the model returns no loss)
+        self.selects: list[pins.Select] = []  # integer indices, x[:, :, -1]
         self.depthwise: set[torch.fx.Node] = set()
         self.node_syms: dict[torch.fx.Node, Any] = {}
         self.param_syms: dict[int, list[int]] = {}
@@ -519,8 +528,8 @@ class Analysis:
                 self.node_syms[node] = TensorSyms(self.param_syms[id(t)]) if known else None
             elif node.op == "output":
                 out = self._structure(node.args[0])
-                if inputs is None:
-                    self.fix(out)
+                if inputs is None:  # outputs pin their sizes unless one of them is the loss
+                    self.pins.extend(pins.output_pins(self, node.args[0]))
                 return out
             elif node.op == "call_function":
                 self.node_syms[node] = self._call(node, value)
@@ -638,9 +647,10 @@ def analysis(
     return a
 
 
-def _close_fixed(a: Analysis) -> set[int]:
-    """Fixed classes, closed over slices, products and sums whose other side is fixed."""
-    fixed = {a.find(s) for s in a.fixed_syms}
+def _close_fixed(a: Analysis, extra: Iterable[int] = ()) -> set[int]:
+    """Fixed classes (and ``extra`` symbols, pinned), closed over slices, products and sums
+    whose other side is fixed."""
+    fixed = {a.find(s) for s in a.fixed_syms} | {a.find(s) for s in extra}
     changed = True
     while changed:
         changed = False
@@ -667,12 +677,49 @@ def _close_fixed(a: Analysis) -> set[int]:
 
 
 def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
+    """Solve every size at ``ratio``: outputs beside no loss and integer indices into
+    anything but a width are pinned first; an index into a width is pinned, and the sizes
+    solved again, only where it would fall outside the cut width."""
+    sources = _width_sources(a)
+    fixed_selects, into_width = pins.select_pins(a, sources)
+    chosen = list(a.pins)
+    while True:
+        pinned = fixed_selects + [s for p in chosen for s in p.syms]
+        plan = _solve_pinned(a, ratio, head_policy, pinned)
+        more = [p for p in pins.out_of_range(plan, into_width) if p not in chosen]
+        if not more:
+            break
+        chosen += more
+    plan.pinned = _pinned_widths(a, chosen, sources, fixed_selects)
+    plan.tables = _table_keys(a)
+    return plan
+
+
+def _pinned_widths(a: Analysis, chosen: list[pins.Pin], sources: set[int],
+                   base: list[int]) -> list[tuple[str, int, str]]:  # fmt: skip
+    """The hidden widths that only the pins keep whole, each with the first pin's reason."""
+    if not chosen:
+        return []
+    unpinned = _close_fixed(a, base)
+    closures = [_close_fixed(a, base + p.syms) for p in chosen]
+    hidden = pins.hidden_classes(a)
+    names = _dim_names(a)
+    out = []
+    for r in sorted(set().union(*closures) - unpinned):
+        why = [p for p, c in zip(chosen, closures) if r in c and (r in hidden or not p.hidden_only)]
+        if r in sources and why:
+            out.append((names.get(r, "a hidden dimension"), a.sizes[r], why[0].reason))
+    return out
+
+
+def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
+                  pinned: list[int]) -> WidthPlan:  # fmt: skip
     roots = {a.find(s) for s in range(len(a.sizes))}
-    fixed = _close_fixed(a)
+    fixed = _close_fixed(a, pinned)
     derived = {a.find(c.out) for c in a.sums} | {a.find(c.part) for c in a.parts}
     derived |= {a.find(s) for s in a.derived_syms}
     touching = {a.find(s) for s in a.param_dim_syms}
-    width = (touching - fixed) - derived
+    width = (_width_sources(a) - fixed) - derived
     new: dict[int, int] = {r: a.sizes[r] for r in fixed}
     names = _dim_names(a)
     bad = [r for r in sorted(width) if a.sizes[r] % ratio]
@@ -776,6 +823,23 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
                     if not plan.is_width(s) and a.sizes[s] > 1:
                         plan.kept.append((name, i, a.sizes[s]))
     return plan
+
+
+def _table_keys(a: Analysis) -> set[int]:
+    """The ids of the parameters read by an index tensor's values (``table[index]``)."""
+    return {key for key, syms in a.param_syms.items() if any(s in a.tables for s in syms)}
+
+
+def _width_sources(a: Analysis) -> set[int]:
+    """Classes holding a dimension of a parameter other than a table read by index.
+
+    A table read as ``table[index]`` (Swin's relative-position bias, ``heads`` columns) adds its
+    rows to what it is added to: its other dimensions follow those (a head count solved by the
+    head policy), they do not make a width of their own.
+    """
+    tables = _table_keys(a)
+    return {a.find(s) for key, syms in a.param_syms.items() if key not in tables for s in syms
+            if s in a.param_dim_syms}  # fmt: skip
 
 
 def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:

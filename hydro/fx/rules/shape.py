@@ -14,6 +14,9 @@ SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand"
             "randn": "size"}  # fmt: skip
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def sym_size(a, node, out) -> None:  # noqa: ANN001
     x = a.syms_of(node.args[0])
     a.replace(node, IntSym(x[node.args[1]]))
@@ -103,11 +106,15 @@ def unbind(a, node, out) -> None:  # noqa: ANN001
 
 
 def select(a, node, out) -> None:  # noqa: ANN001
+    from hydro.fx.pins import Select  # pins imports the rules' helpers
+
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b["dim"] % len(x)
     if is_int(b["index"]):
-        a.fix_syms([x[dim]])  # picked by a fixed index (q/k/v of a packed projection, CLS token)
+        # pinned where it is not a width (q/k/v of a packed projection, a CLS position), or
+        # where the index falls outside the cut width (hydro.fx.pins)
+        a.selects.append(Select(node, x[dim], b["index"]))
     a.tie_all(out, [s for i, s in enumerate(x) if i != dim], node)
 
 
@@ -141,8 +148,17 @@ def index(a, node, out) -> None:  # noqa: ANN001
         a.tie_all(out[k:], rest, node)
         index_out = out[:k]
     a.broadcast(TensorSyms(index_out), [a.syms_of(idx[i]) for i in given], node)
-    for i in given:
+    table = a.param_of(b["self"]) is not None
+    for i, t in zip(given, shapes):
         a.indexed.add(x[i])
+        integer = isinstance(t, torch.Tensor) and t.dtype not in (torch.bool, *_FLOATS)
+        if table and integer:
+            # a table of the model read by value (a relative-position table's rows, positions):
+            # the index's values were drawn for this size, so it is never a width, as an
+            # embedding's rows are not. An activation indexed along a width is left to the
+            # index-range check of scaling, which names it.
+            a.fix_syms([x[i]])
+            a.tables.add(x[i])
 
 
 def pad(a, node, out) -> None:  # noqa: ANN001
@@ -163,6 +179,9 @@ def loss(a, node, out) -> None:  # noqa: ANN001
     """A classification loss: ``reduction='none'`` gives the target's shape; reduced, a scalar."""
     b = bound(node)
     target = a.syms_of(b.get("target"))
+    x = a.syms_of(b.get("self"))
+    if isinstance(x, TensorSyms) and x:
+        a.fix_syms([x[1 if len(x) > 1 else 0]])  # the classes: the target's values index them
     if isinstance(out, TensorSyms) and isinstance(target, TensorSyms) and len(out) == len(target):
         a.tie_all(out, target, node)
 
