@@ -32,6 +32,7 @@ from hydro.errors import ScaleError
 from hydro.fx.paths import get_path
 from hydro.fx.rules import RULES
 from hydro.fx.rules.common import IntSym, TensorSyms, bound, op_name
+from hydro.fx.rules.rotary import RotaryTable, rotary_base
 from hydro.fx.rules.shape import INT_RULES
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -100,6 +101,7 @@ class WidthPlan:
         head_decisions: how each head split was resolved, in words.
         kept: parameter dimensions kept because they are only indexed or sliced by a fixed
             quantity (positions), as ``(name, dim, size)``.
+        rotary: rotary frequency buffers rebuilt for a smaller head dim, by tensor id.
     """
 
     root: torch.nn.Module
@@ -118,6 +120,7 @@ class WidthPlan:
     kept: list[tuple[str, int, int]] = field(default_factory=list)
     int_rewrites: dict = field(default_factory=dict)
     literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
+    rotary: dict[int, RotaryTable] = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
@@ -618,8 +621,9 @@ def analyze(
 
     Raises:
         ScaleError: a width that ``ratio`` does not divide, a head split that cannot shrink, or
-            a buffer derived from a width that would have to be cut (rotary frequencies),
-            naming the node, module or buffer and the ratios that would work.
+            a buffer derived from a width that would have to be cut (other than a rotary
+            table, which is rebuilt for the new head dim), naming the node, module or buffer
+            and the ratios that would work.
     """
     return _solve(analysis(root, example_inputs, example_kwargs), ratio, head_policy)
 
@@ -851,17 +855,26 @@ def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
 
 
 def _check_buffers(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
-    """A buffer computed from a width (rotary frequencies from the head dim) is never cut."""
+    """A buffer computed from a width is never cut: a rotary table (``1 / base ** (2i / d)``,
+    recognized by its values) is rebuilt for the new head dim (``plan.rotary``); any other
+    is an error."""
     for s, (name, dim) in a.buffer_dim_syms.items():
         r = a.find(s)
         if r in touching or plan.new_dim(s) == a.sizes[s]:
             continue  # running statistics follow their layer's channels; fine
+        t = get_path(a.root, name)
+        base = rotary_base(t) if isinstance(t, torch.Tensor) else None
+        if base is not None:
+            new = plan.new_dim(s)
+            plan.rotary[id(t)] = RotaryTable(name, 2 * a.sizes[s], 2 * new, base)
+            continue
         raise ScaleError(
             f"buffer '{name}' (dimension {dim}, size {a.sizes[s]}) is computed from a width "
-            f"that would shrink to {plan.new_dim(s)} at ratio {plan.ratio} (rotary frequencies "
-            "follow the attention head dim); cutting it would change what it encodes. Keep the "
-            "head dim: use head_policy='keep_head_dim' with a ratio that divides the head count "
-            "(and the key/value head count), or give the model more heads."
+            f"that would shrink to {plan.new_dim(s)} at ratio {plan.ratio}, and its values are "
+            "not a rotary table 1 / base ** (arange(0, d, 2) / d) that Hydro could rebuild; "
+            "cutting it would change what it encodes. Keep the head dim: use "
+            "head_policy='keep_head_dim' with a ratio that divides the head count (and the "
+            "key/value head count), or give the model more heads."
         )
 
 
