@@ -476,7 +476,9 @@ class Analysis:
             if arg.op == "get_attr":
                 t = get_path(self.root, arg.target)
                 return t if isinstance(t, torch.Tensor) else None
-            if op_name(arg) in ("to", "_to_copy", "alias", "detach", "contiguous", "clone"):
+            # a weight-normalized weight is read as its direction ``v`` (rules/weight_norm.py)
+            if op_name(arg) in ("to", "_to_copy", "alias", "detach", "contiguous", "clone",
+                                "_weight_norm"):  # fmt: skip
                 arg = arg.args[0]
                 continue
             return None
