@@ -150,7 +150,7 @@ def test_rotary_frequencies_are_rebuilt_not_cut():
     sur = hydro.scale(model, 2, example_kwargs={"input_ids": ids}, seed=0)
     assert sur.get_buffer("model.rotary_emb.inv_freq").shape == (8,)
     assert sur(input_ids=ids).logits.shape == (2, 8, 61)
-    # ratio 8 needs heads of 2: the rotary frequencies are rebuilt for head dim 2 (tests/test_rotary.py)
+    # ratio 8 needs heads of 2: the rotary table is rebuilt for head dim 2 (test_rotary.py)
     sur = hydro.scale(model, 8, example_kwargs={"input_ids": ids})
     assert sur.get_buffer("model.rotary_emb.inv_freq").tolist() == [1.0]
 

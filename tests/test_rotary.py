@@ -131,7 +131,9 @@ def test_qwen2_with_14_query_and_2_kv_heads_scales_at_ratio_8_head_dim_2():
         warnings.simplefilter("ignore", HydroWarning)
         sur = hydro.scale(model, 8, example_kwargs={"input_ids": ids}, seed=0)
     native = transformers.Qwen2ForCausalLM(config(28))  # Qwen2's own table for head dim 4
-    assert torch.equal(sur.get_buffer("model.rotary_emb.inv_freq"), native.model.rotary_emb.inv_freq)
+    assert torch.equal(
+        sur.get_buffer("model.rotary_emb.inv_freq"), native.model.rotary_emb.inv_freq
+    )
     assert sur(input_ids=ids).logits.shape == (2, 8, 61)
 
 
@@ -140,7 +142,9 @@ def rotary_case(width: int = 112, batch: int = 2, seed: int = 0) -> Case:
     torch.manual_seed(seed)
     ids = torch.randint(0, 50, (batch, 6), generator=g)
     target = torch.randint(0, 50, (batch, 6), generator=g)
-    return Case(GQALM(width), (ids,), target, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    return Case(
+        GQALM(width), (ids,), target, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+    )
 
 
 def test_head_dim_cut_surrogates_fuse_exactly(monkeypatch):

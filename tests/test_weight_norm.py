@@ -52,12 +52,18 @@ def test_weight_norm_scales_with_mup_roles_and_gains_of_its_own_v():
     x = torch.randn(2, 3, 6)
     sur = hydro.scale(model, 4, example_inputs=(x,), seed=0)
     p = dict(sur.named_parameters())
-    v_conv, g_conv = p["conv.parametrizations.weight.original1"], p["conv.parametrizations.weight.original0"]
+    v_conv, g_conv = (
+        p["conv.parametrizations.weight.original1"],
+        p["conv.parametrizations.weight.original0"],
+    )
     assert v_conv.shape == (8, 8, 3) and g_conv.shape == (1, 1, 3)  # g: per kernel position
     assert p["fc.weight_v"].shape == (8, 8) and p["fc.weight_g"].shape == (8, 1)
     roles = sur.hydro.roles
     assert roles["fc.weight_v"] == roles["conv.parametrizations.weight.original1"] == "hidden"
-    assert roles["fc.weight_g"] == "vector" and roles["conv.parametrizations.weight.original0"] == "fixed"
+    assert (
+        roles["fc.weight_g"] == "vector"
+        and roles["conv.parametrizations.weight.original0"] == "fixed"
+    )
     # the effective weight starts as the muP-drawn v, as weight normalization itself starts
     assert torch.allclose(g_conv, torch.norm_except_dim(v_conv, 2, 2))
     assert torch.allclose(p["fc.weight_g"], torch.norm_except_dim(p["fc.weight_v"], 2, 0))

@@ -24,8 +24,8 @@ import torch
 import torch.fx
 
 from hydro.errors import HydroWarning, ScaleError
-from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.rules import weight_norm
+from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.widths import HeadPolicy, WidthPlan, _solve, analysis, module_of
 
 # Narrowest surrogate width (features, channels, head dim) at which the learning-rate optimum

@@ -26,9 +26,9 @@ from torch import nn
 
 from hydro.errors import HydroWarning, TraceError
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) for m in (torch, np)
-) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (torch, np)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+)
 _RANDOM_FILE = os.path.abspath(random.__file__)
 # `x < self.layerdrop`, `p < self.config.layerdrop`: the attribute a random draw is compared to
 _THRESHOLD = re.compile(r"<=?\s*(self(?:\.\w+)+)")
@@ -92,8 +92,11 @@ def _draw_sites(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> lis
         return recorded
 
     global_rng = np.random.mtrand._rand
-    wrapped = {name: fn for name in dir(np.random)
-               if getattr(fn := getattr(np.random, name), "__self__", None) is global_rng}  # fmt: skip
+    wrapped = {}
+    for name in dir(np.random):
+        fn = getattr(np.random, name)
+        if getattr(fn, "__self__", None) is global_rng:
+            wrapped[name] = fn
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
         for name, fn in wrapped.items():
@@ -132,9 +135,7 @@ def probability_to_zero(file: str, line: int, first: int | None = None) -> str:
 
 
 @contextmanager
-def watch(
-    model: nn.Module, args: tuple, kwargs: Mapping[str, Any], mode: str
-) -> Iterator[None]:
+def watch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], mode: str) -> Iterator[None]:
     """Around one capture of ``model`` in ``mode``: a Python ``random`` draw raises
     :class:`TraceError` saying what to set; a NumPy draw warns (:class:`HydroWarning`), naming
     the line and what to use instead."""

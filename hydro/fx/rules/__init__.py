@@ -12,7 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from hydro.fx.rules import (
-    attention, conv, elementwise, embedding, linear, norm, shape, weight_norm,
+    attention,
+    conv,
+    elementwise,
+    embedding,
+    linear,
+    norm,
+    shape,
+    weight_norm,
 )  # fmt: skip
 
 Rule = Callable[[Any, Any, Any], None]
