@@ -36,8 +36,12 @@ _PROBABILITY = re.compile(r"\b(self(?:\.\w+)*\.\w*(?:drop|prob)\w*)")
 
 
 def _state() -> tuple[Any, int, bytes]:
-    _, keys, pos, *_ = np.random.get_state()
-    return random.getstate(), int(pos), keys.tobytes()
+    return (random.getstate(), *_state_of(np.random.get_state()))
+
+
+def _state_of(np_state: tuple) -> tuple[int, bytes]:
+    _, keys, pos, *_ = np_state
+    return int(pos), keys.tobytes()
 
 
 def _user_frame(frame: Any) -> Any:
@@ -63,9 +67,12 @@ def _compared_with_zero(frame: Any) -> bool:
     return isinstance(value, (int, float)) and value == 0
 
 
-def _draw_sites(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> list[tuple]:
+def _draw_sites(
+    model: nn.Module, args: tuple, kwargs: Mapping[str, Any]
+) -> tuple[list[tuple], bool]:
     """``(kind, file, line)`` of each host draw when ``forward`` runs once more (eagerly, with
-    every generator's state restored afterwards).
+    every generator's state restored afterwards), and whether that run drew from NumPy's global
+    generator at all (a draw seen during capture but not now was another thread's).
 
     ``random``'s draws are C methods, which a profiler sees; NumPy's global functions are
     Cython ones, which it does not, so ``np.random.*`` are wrapped for that one run.
@@ -98,6 +105,7 @@ def _draw_sites(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> lis
         if getattr(fn, "__self__", None) is global_rng:
             wrapped[name] = fn
     py_state, np_state = random.getstate(), np.random.get_state()
+    drew = False
     try:
         for name, fn in wrapped.items():
             setattr(np.random, name, wrap(fn))
@@ -107,6 +115,7 @@ def _draw_sites(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> lis
                 model(*args, **kwargs)
             finally:
                 sys.setprofile(None)
+                drew = _state()[1:] != _state_of(np_state)
     except Exception:  # noqa: BLE001 - locating is best effort; the draw was seen anyway
         pass
     finally:
@@ -114,7 +123,7 @@ def _draw_sites(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> lis
             setattr(np.random, name, fn)
         random.setstate(py_state)
         np.random.set_state(np_state)
-    return sites
+    return sites, drew
 
 
 def _at(file: str, line: int) -> str:
@@ -145,9 +154,9 @@ def watch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], mode: str) -
     if after == before:
         return
     name = type(model).__name__
-    sites = _draw_sites(model, args, kwargs)
-    if not sites and after[1:] == before[1:]:
-        return  # Python draws only, each compared with a probability of 0: they decide nothing
+    sites, drew_numpy = _draw_sites(model, args, kwargs)
+    if not sites and not drew_numpy:
+        return  # draws that decide nothing (compared with a probability of 0), or another thread's
     sites = sites or [("numpy", "", 0)]
     python = [s for s in sites if s[0] == "python"]
     if python:
