@@ -4,6 +4,7 @@ the same base and formula, recognized from the buffer's values."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hydro
+from hydro import cli
 from hydro.errors import HydroWarning
 from hydro.fx.rules.rotary import rotary_base, table
 from tests.fusion.exactness import build, train_and_compare
@@ -73,19 +75,29 @@ def test_rotary_table_is_recognized_by_its_values():
     assert rotary_base(torch.ones(3, 4)) is None
 
 
-def test_head_dim_cut_rebuilds_the_rotary_table_with_the_same_base():
+def small_gqa() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """For ``hydro inspect tests.test_rotary:small_gqa``."""
     torch.manual_seed(0)
-    model = GQALM()
+    return GQALM(), (IDS,)
+
+
+def test_head_dim_cut_rebuilds_the_rotary_table_with_the_same_base(tmp_path, capsys):
+    model, _ = small_gqa()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", HydroWarning)  # ratio 8 is below the width floor here
+        warnings.simplefilter("ignore", HydroWarning)  # ratio 4 is below the width floor here
         sur = hydro.scale(model, 4, example_inputs=(IDS,), seed=0)
-        report = hydro.inspect(model, 4, example_inputs=(IDS,))
+        plan = tmp_path / "plan.json"
+        code = cli.main(
+            ["inspect", "tests.test_rotary:small_gqa", "--ratio", "4", "--json", str(plan)]
+        )
+    assert code in (0, None)
+    line = "rotary table rebuilt for head dim 4 (base 500000): 'rope.inv_freq', head dim 16 -> 4"
+    assert line in capsys.readouterr().out
+    assert json.loads(plan.read_text())["rotary"] == [line]
     # 14 heads of 16 -> 14 heads of 4: the table is the one a native head dim 4 model has
     assert sur.get_parameter("q.weight").shape == (56, 56)
     assert torch.equal(sur.get_buffer("rope.inv_freq"), GQALM(width=56).rope.inv_freq)
     assert sur(torch.randint(0, 50, (3, 8))).shape == (3, 8, 50)
-    assert "rotary table rebuilt for head dim 4 (base 500000): 'rope.inv_freq'" in str(report)
-    assert report.to_dict()["rotary"] == report.rotary and len(report.rotary) == 1
     # ratio 1 is the model itself, table and outputs bit for bit
     same = hydro.scale(model, 1, example_inputs=(IDS,), seed=0)
     assert torch.equal(same.get_buffer("rope.inv_freq"), model.rope.inv_freq)
