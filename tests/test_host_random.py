@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import hydro
+from hydro import cli
 from hydro.errors import HydroWarning
 from hydro.fx.capture import capture
 
@@ -81,6 +82,20 @@ def test_python_random_layerdrop_stops_capture_saying_what_to_set():
     random.setstate(state)
     sur = hydro.scale(LayerDropNet(layerdrop=0.0), 2, example_inputs=(x,))  # what it says works
     assert sur(torch.randn(3, 4)).shape == (3, 3)
+
+
+def layerdrop_net() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """For ``hydro inspect tests.test_host_random:layerdrop_net``."""
+    return LayerDropNet(), (torch.randn(2, 4),)
+
+
+def test_layerdrop_error_through_the_cli(capsys):
+    code = cli.main(["inspect", "tests.test_host_random:layerdrop_net", "--ratio", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    first = err.strip().splitlines()[0]
+    assert first.startswith("hydro inspect: error: cannot capture LayerDropNet")
+    assert "set `self.layerdrop` to 0" in first
 
 
 def _wav2vec2(**kw: object) -> nn.Module:
