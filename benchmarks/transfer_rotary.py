@@ -135,7 +135,10 @@ def main() -> None:
                 print(f"{name:>8}: q {q}, inv_freq {table.numel()} entries", flush=True)
             trials = [{"lr": lr, "weight_decay": 0.0, "warmup": args.warmup} for lr in lrs]
             runs[name].append(fused_grid(sur, trials, data, batches, args))
-            print(f"seed {seed} {name:>8} done at {time.time() - start:5.0f} s", flush=True)
+            best = lrs[int(np.nanargmin(runs[name][-1]))]
+            print(f"seed {seed} {name:>8} done at {time.time() - start:5.0f} s: best lr "
+                  f"2^{int(math.log2(best))}, losses {np.round(runs[name][-1], 3).tolist()}",
+                  flush=True)  # fmt: skip
     med = {n: np.nanmedian(np.array(v, dtype=float), axis=0) for n, v in runs.items()}
     print(f"\nValidation loss after {args.steps} steps, median of {args.seeds} seeds; * = best")
     print("lr     | " + " ".join(f"{n:>9}" for n in MODELS))
