@@ -73,6 +73,10 @@ def test_rotary_table_is_recognized_by_its_values():
     assert rotary_base(torch.rand(8)) is None
     assert rotary_base(Rotary(16, 10000.0).inv_freq * 0.5) is None  # linear-scaled: not this one
     assert rotary_base(torch.ones(3, 4)) is None
+    assert rotary_base(Rotary(32, 10000.0).inv_freq.double()) == 10000.0
+    off = Rotary(32, 10000.0).inv_freq.double()
+    off[5] *= 1.001  # one entry off the formula
+    assert rotary_base(off) is None
 
 
 def small_gqa() -> tuple[nn.Module, tuple[torch.Tensor]]:
