@@ -48,6 +48,7 @@ class InspectReport:
     depth_multipliers: dict[str, float] = field(default_factory=dict)
     floors: list[LayerWidth] = field(default_factory=list)
     auto: str | None = None  # why ratio="auto" chose ``ratio``
+    rotary: list[str] = field(default_factory=list)  # rotary tables rebuilt for a new head dim
 
     @property
     def totals(self) -> dict[str, int]:
@@ -73,6 +74,7 @@ class InspectReport:
             "depth_multipliers": self.depth_multipliers,
             "floors": [vars(lw) | {"below": lw.below} for lw in self.floors],
             "auto": self.auto,
+            "rotary": self.rotary,
         }  # fmt: skip
 
     def __str__(self) -> str:
@@ -105,6 +107,7 @@ class InspectReport:
         elif closest is not None:
             lines.append(f"width floor: closest to it (bounds the ratio) {closest}")
         lines += [f"attention: {d}" for d in self.head_decisions]
+        lines += self.rotary
         lines += [f"muP multiplier {k} = {v:g}" for k, v in self.multipliers.items()]
         lines += [_stack_line(st) for st in self.stacks]
         lines += [f"depth multiplier {k} = {v:g}" for k, v in self.depth_multipliers.items()]
@@ -215,6 +218,7 @@ def inspect(
             ))  # fmt: skip
     report.floors = layer_widths(plan)
     report.auto = str(sur.hydro.auto) if sur.hydro.auto else None
+    report.rotary = [str(table) for table in plan.rotary.values()]
     by_path = {lw.path: lw.floor for lw in report.floors}
     for row in report.rows:
         row.floor = by_path.get(row.path.split(":")[0] if row.kind == "scaled_dot_product_attention"

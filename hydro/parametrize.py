@@ -55,6 +55,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from hydro.fx.rules import weight_norm
+
 OptimizerKind = Literal["adam", "sgd"]
 
 
@@ -340,6 +342,7 @@ def apply(
                     u.node.meta["hydro_act"] = u.act
                     readouts.append((u.node, output_mult * fan))
     source.warn_unread(new_names, new_tensors)
+    weight_norm.reset_gains(sur, weight_norm.gain_pairs(sur.graphs))
     _insert_readout_multipliers(sur, plan, node_map, readouts, info, always_readout)
     if standard:
         mup.set_base_shapes(sur, None, rescale_params=False, do_assert=False)
@@ -375,6 +378,7 @@ def redraw(
             p.zero_()
         else:
             cache[name].draw(p, info.init_mult[name], generator)
+    weight_norm.reset_gains(sur, weight_norm.gain_pairs(sur.graphs))
 
 
 class _InitSource:

@@ -26,6 +26,7 @@ from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor, indexing, pins
 from hydro.fx.capture import Captured, capture
 from hydro.fx.depth import DepthPlan
+from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
 from hydro.fx.rules.shape import SIZE_ARG
 from hydro.fx.widths import HeadPolicy, WidthPlan, analyze, describe, op_name, propagate
@@ -365,6 +366,9 @@ def _new_tensor(t: torch.Tensor, plan: WidthPlan, cache: dict[int, torch.Tensor]
                            requires_grad=t.requires_grad)  # fmt: skip
     elif tuple(old_shape) == tuple(new_shape):
         new = t.detach().clone()
+    elif id(t) in plan.rotary:  # frequencies of the surrogate's own head dim, same base
+        table = plan.rotary[id(t)]
+        new = rotary.table(table.new_head_dim, table.base, t.dtype).to(device)
     else:
         # a width-shaped buffer (running statistics): its leading entries along shrunk dims
         new = t.detach()[tuple(slice(0, n) for n in new_shape)].clone()

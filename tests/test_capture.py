@@ -137,7 +137,7 @@ def test_position_table_sliced_by_sequence_length_keeps_its_rows():
     )
 
 
-def test_rotary_frequencies_are_never_cut():
+def test_rotary_frequencies_are_rebuilt_not_cut():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -150,9 +150,9 @@ def test_rotary_frequencies_are_never_cut():
     sur = hydro.scale(model, 2, example_kwargs={"input_ids": ids}, seed=0)
     assert sur.get_buffer("model.rotary_emb.inv_freq").shape == (8,)
     assert sur(input_ids=ids).logits.shape == (2, 8, 61)
-    # ratio 8 would need heads of 2: the rotary frequencies would have to be cut
-    with pytest.raises(hydro.ScaleError, match=r"buffer 'model.rotary_emb.inv_freq'.*head dim"):
-        hydro.scale(model, 8, example_kwargs={"input_ids": ids})
+    # ratio 8 needs heads of 2: the rotary table is rebuilt for head dim 2 (test_rotary.py)
+    sur = hydro.scale(model, 8, example_kwargs={"input_ids": ids})
+    assert sur.get_buffer("model.rotary_emb.inv_freq").tolist() == [1.0]
 
 
 class Branchy(nn.Module):

@@ -24,6 +24,7 @@ import inspect
 import linecache
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import TraceError
+from hydro.fx import host_random
 
 MODES = ("train", "eval")
 
@@ -376,7 +378,16 @@ def explain(exc: BaseException, model: nn.Module) -> str:
         code = linecache.getline(f.f_code.co_filename, line).strip()
         where += f" at {f.f_code.co_filename}:{line}" + (f" (`{code}`)" if code else "")
     text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    if any(k in str(exc) or k in type(exc).__name__ for k in _DATA_DEPENDENT):
+    data_dependent = any(k in str(exc) or k in type(exc).__name__ for k in _DATA_DEPENDENT)
+    if data_dependent and frame is not None and _random_branch(*frame):
+        f, line = frame
+        what = host_random.probability_to_zero(f.f_code.co_filename, line, f.f_code.co_firstlineno)
+        advice = (
+            "a random branch taken only in training (layerdrop: a layer skipped when a draw "
+            "falls below a probability) cannot be captured, since capture records one run; "
+            f"{what} for tuning"
+        )
+    elif data_dependent:
         advice = (
             "the code reads a value computed from the input data as a Python number or "
             "branches on it (`.item()`, `float(t)`, `if t.sum() > 0`: data-dependent control "
@@ -391,6 +402,14 @@ def explain(exc: BaseException, model: nn.Module) -> str:
             "only tensor operations on its inputs"
         )
     return f"cannot capture {type(model).__name__}{where}: {advice}. ({text})"
+
+
+def _random_branch(frame: Any, line: int) -> bool:
+    """Whether the function at ``frame`` draws a random number before ``line`` (the branch it
+    failed on then decides on a draw, as layerdrop does)."""
+    first = frame.f_code.co_firstlineno
+    lines = (linecache.getline(frame.f_code.co_filename, n) for n in range(first, line + 1))
+    return any(re.search(r"\brand\w*\(|\brandom\.", text) for text in lines)
 
 
 def _arg_names(model: nn.Module, n: int, specs: tuple) -> list[tuple[str, Any]]:
@@ -458,9 +477,11 @@ def capture(
     try:
         for mode in modes:
             model.train(mode == "train")
-            graphs[mode] = capture_graph(
-                model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_"
-            )
+            # host randomness (random, NumPy) would be frozen into the graph: say where
+            with host_random.watch(model, tuple(example_inputs), example_kwargs or {}, mode):
+                graphs[mode] = capture_graph(
+                    model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_"
+                )
     finally:
         model.train(was_training)
     keys = set(model.state_dict())

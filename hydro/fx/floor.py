@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from hydro.errors import HydroWarning, ScaleError
+from hydro.fx.rules import weight_norm
 from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.widths import HeadPolicy, WidthPlan, _solve, analysis, module_of
 
@@ -93,9 +94,13 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
     floors = FLOORS if floors is None else floors
     rows: dict[tuple[str, str], LayerWidth] = {}
     params = {id(p) for p in plan.root.parameters()}
+    graphs = getattr(plan.root, "graphs", {})
+    gains = {g for _, g, _ in weight_norm.gain_pairs(graphs)}  # a scale of its layer, not one
     for key, syms in plan.param_syms.items():
         if key not in params or len(syms) < 2 or key in plan.tables:
             continue  # a table read by index (relative-position bias) is not a layer
+        if plan.tensor_names[key][0] in gains:
+            continue
         dims = [s for s in syms if plan.is_width(s)]
         if not dims:
             continue
@@ -103,7 +108,7 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
         kind = "conv" if any(op_name(u.node) in _CONV for u in uses) else "linear"
         narrow = min(dims, key=plan.new_dim)
         name = plan.tensor_names[key][0]
-        path = name[: -len(".weight")] if name.endswith(".weight") else name
+        path = weight_norm.layer_path(name)
         rows.setdefault((path, kind), _row(path, kind, plan.sizes[narrow], plan.new_dim(narrow),
                                            floors))  # fmt: skip
     used = {u.node for us in plan.uses.values() for u in us}

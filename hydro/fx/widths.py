@@ -33,6 +33,7 @@ from hydro.fx import pins
 from hydro.fx.paths import get_path
 from hydro.fx.rules import RULES
 from hydro.fx.rules.common import IntSym, TensorSyms, bound, op_name
+from hydro.fx.rules.rotary import RotaryTable, rotary_base
 from hydro.fx.rules.shape import INT_RULES
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -104,6 +105,7 @@ class WidthPlan:
         pinned: hidden widths kept whole by a use (an output beside no loss, an index outside
             the cut width), as ``(dimension in words, size, reason)`` (:mod:`hydro.fx.pins`).
         tables: ids of the parameters read by index (``table[index]``): not layers of a width.
+        rotary: rotary frequency buffers rebuilt for a smaller head dim, by tensor id.
     """
 
     root: torch.nn.Module
@@ -124,6 +126,7 @@ class WidthPlan:
     tables: set[int] = field(default_factory=set)
     int_rewrites: dict = field(default_factory=dict)
     literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
+    rotary: dict[int, RotaryTable] = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
@@ -482,7 +485,9 @@ class Analysis:
             if arg.op == "get_attr":
                 t = get_path(self.root, arg.target)
                 return t if isinstance(t, torch.Tensor) else None
-            if op_name(arg) in ("to", "_to_copy", "alias", "detach", "contiguous", "clone"):
+            # a weight-normalized weight is read as its direction ``v`` (rules/weight_norm.py)
+            if op_name(arg) in ("to", "_to_copy", "alias", "detach", "contiguous", "clone",
+                                "_weight_norm"):  # fmt: skip
                 arg = arg.args[0]
                 continue
             return None
@@ -627,8 +632,9 @@ def analyze(
 
     Raises:
         ScaleError: a width that ``ratio`` does not divide, a head split that cannot shrink, or
-            a buffer derived from a width that would have to be cut (rotary frequencies),
-            naming the node, module or buffer and the ratios that would work.
+            a buffer derived from a width that would have to be cut (other than a rotary
+            table, which is rebuilt for the new head dim), naming the node, module or buffer
+            and the ratios that would work.
     """
     return _solve(analysis(root, example_inputs, example_kwargs), ratio, head_policy)
 
@@ -915,17 +921,26 @@ def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
 
 
 def _check_buffers(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
-    """A buffer computed from a width (rotary frequencies from the head dim) is never cut."""
+    """A buffer computed from a width is never cut: a rotary table (``1 / base ** (2i / d)``,
+    recognized by its values) is rebuilt for the new head dim (``plan.rotary``); any other
+    is an error."""
     for s, (name, dim) in a.buffer_dim_syms.items():
         r = a.find(s)
         if r in touching or plan.new_dim(s) == a.sizes[s]:
             continue  # running statistics follow their layer's channels; fine
+        t = get_path(a.root, name)
+        base = rotary_base(t) if isinstance(t, torch.Tensor) else None
+        if base is not None:
+            new = plan.new_dim(s)
+            plan.rotary[id(t)] = RotaryTable(name, 2 * a.sizes[s], 2 * new, base)
+            continue
         raise ScaleError(
             f"buffer '{name}' (dimension {dim}, size {a.sizes[s]}) is computed from a width "
-            f"that would shrink to {plan.new_dim(s)} at ratio {plan.ratio} (rotary frequencies "
-            "follow the attention head dim); cutting it would change what it encodes. Keep the "
-            "head dim: use head_policy='keep_head_dim' with a ratio that divides the head count "
-            "(and the key/value head count), or give the model more heads."
+            f"that would shrink to {plan.new_dim(s)} at ratio {plan.ratio}, and its values are "
+            "not a rotary table 1 / base ** (arange(0, d, 2) / d) that Hydro could rebuild; "
+            "cutting it would change what it encodes. Keep the head dim: use "
+            "head_policy='keep_head_dim' with a ratio that divides the head count (and the "
+            "key/value head count), or give the model more heads."
         )
 
 

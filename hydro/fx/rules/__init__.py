@@ -11,12 +11,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hydro.fx.rules import attention, conv, elementwise, embedding, linear, norm, shape
+from hydro.fx.rules import (
+    attention,
+    conv,
+    elementwise,
+    embedding,
+    linear,
+    norm,
+    shape,
+    weight_norm,
+)  # fmt: skip
 
 Rule = Callable[[Any, Any, Any], None]
 
 RULES: dict[str, Rule] = {}
-for _family in (linear, conv, norm, embedding, attention, shape, elementwise):
+for _family in (linear, conv, norm, embedding, attention, shape, weight_norm, elementwise):
     RULES.update(_family.RULES)
 
 __all__ = ["RULES", "Rule"]

@@ -44,4 +44,12 @@ def matmul(a, node, out) -> None:  # noqa: ANN001
         a.use_param(node.args[1], node, (0,), (1,), act=0)
 
 
-RULES = {"linear": linear, "addmm": addmm, "mm": matmul, "bmm": matmul, "matmul": matmul}
+def outer(a, node, out) -> None:  # noqa: ANN001
+    """``outer(x, y)[i, j] = x[i] * y[j]`` (rotary angles: positions x frequencies)."""
+    x, y = a.syms_of(node.args[0]), a.syms_of(node.args[1])
+    a.union(out[0], x[0], node)
+    a.union(out[1], y[0], node)
+
+
+RULES = {"linear": linear, "addmm": addmm, "mm": matmul, "bmm": matmul, "matmul": matmul,
+         "outer": outer, "ger": outer}  # fmt: skip
