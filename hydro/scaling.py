@@ -200,7 +200,7 @@ def build(
     )  # fmt: skip
     _apply_depth(sur, depth_plan, node_map, info, standard=parametrization == "sp")
     removed = [b for st in depth_plan.stacks if st.cut for b in st.blocks if b not in st.kept]
-    modules.adopt(sur, model, removed)  # the user's classes and names, scaled widths
+    modules.adopt(sur, model, removed, plan)  # the user's classes and names, scaled widths
     _check(sur, plan, node_map, inputs, kwargs)
     sur.hydro = info
     device = next((p.device for p in model.parameters() if not p.is_meta), None)

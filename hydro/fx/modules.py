@@ -37,6 +37,8 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.nn.modules import module as _module_mod
 from torch.utils._pytree import tree_unflatten
 
+from hydro.fx.rules.common import TensorSyms
+
 # the per-instance state nn.Module.__init__ makes; a shell gets fresh ones, not the user's
 _STATE = tuple(k for k in nn.Module().__dict__ if k != "training")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
@@ -60,12 +62,14 @@ def _shell(template: nn.Module, state: nn.Module | None, fresh_hooks: bool) -> n
     return shell
 
 
-def _widths(template: nn.Module, shell: nn.Module) -> None:
+def _widths(template: nn.Module, shell: nn.Module, inside: dict[int, set[int]]) -> None:
     """Set the shell's width-valued attributes to its own tensors' sizes.
 
     A size of one of the template's own parameters or buffers that changed (64 -> 8) is a width;
-    an int attribute equal to it (``in_features``), or an int tuple made of such sizes
-    (``normalized_shape``), is rewritten, where the change is unambiguous.
+    so is one of a tensor computed inside the module's calls (``inside``: a head count of 4 ->
+    1, seen in the ``view`` that splits heads), where its own tensors say nothing about it. An
+    int attribute equal to such a size (``in_features``, ``n_head``), or an int tuple made of
+    them (``normalized_shape``), is rewritten where the change is unambiguous.
     """
     changed: dict[int, set[int]] = {}
     for kind in ("_parameters", "_buffers"):
@@ -76,6 +80,8 @@ def _widths(template: nn.Module, shell: nn.Module) -> None:
             for o, n in zip(old.shape, new.shape):
                 if o != n:
                     changed.setdefault(o, set()).add(n)
+    for o, n in inside.items():
+        changed.setdefault(o, set(n))
     sizes = {o: next(iter(n)) for o, n in changed.items() if len(n) == 1}
     if not sizes:
         return
@@ -93,17 +99,44 @@ def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def adopt(root: nn.Module, template: nn.Module, removed: Iterable[str] = ()) -> None:
+def _sizes_inside(plan: Any) -> dict[str, dict[int, set[int]]]:
+    """For each module path, the sizes of the tensors its calls compute that the width plan
+    changes: ``{path: {old size: {new sizes}}}``."""
+    found: dict[str, dict[int, set[int]]] = {}
+    for node, syms in plan.node_syms.items():
+        stack = node.meta.get("nn_module_stack") or {}
+        if not isinstance(syms, TensorSyms) or not stack:
+            continue
+        pairs = []
+        for sym in syms:
+            old, new = plan.sizes[sym], plan.new_dim(sym)
+            if old != new:
+                pairs.append((old, new))
+        for entry in stack.values():
+            path = entry[0] if isinstance(entry, tuple) else None
+            if path and pairs:
+                at = found.setdefault(path, {})
+                for old, new in pairs:
+                    at.setdefault(old, set()).add(new)
+    return found
+
+
+def adopt(
+    root: nn.Module, template: nn.Module, removed: Iterable[str] = (), plan: Any = None
+) -> None:
     """Give ``root`` (a captured model whose tensors sit in plain containers) the module tree of
     ``template`` (the user's model): each container becomes an instance of the user's class at
     that path, holding the same tensors; parameter-free submodules (activations, dropout) are
     added. Paths in ``removed`` (blocks a depth cut dropped) and submodules with tensors the
     captured model does not have are left out. Containers Hydro added (``mup_readout``) stay.
+    ``plan`` (a :class:`~hydro.fx.widths.WidthPlan`) says the sizes computed inside each
+    module's calls, for attributes its own tensors do not show (head counts).
     """
-    _adopt(root, template, "", set(removed), fresh_hooks=True)
+    inside = _sizes_inside(plan) if plan is not None else {}
+    _adopt(root, template, "", set(removed), inside)
 
 
-def _adopt(parent: nn.Module, template: nn.Module, prefix: str, removed: set, fresh_hooks: bool):  # noqa: ANN202
+def _adopt(parent: nn.Module, template: nn.Module, prefix: str, removed: set, inside: dict):  # noqa: ANN202
     old = dict(parent._modules)
     children: OrderedDict[str, nn.Module] = OrderedDict()
     for name, t_child in template._modules.items():
@@ -111,9 +144,9 @@ def _adopt(parent: nn.Module, template: nn.Module, prefix: str, removed: set, fr
         existing = old.pop(name, None)
         if t_child is None or path in removed or (existing is None and _has_state(t_child)):
             continue
-        shell = _shell(t_child, existing, fresh_hooks)
-        _widths(t_child, shell)
-        _adopt(shell, t_child, f"{path}.", removed, fresh_hooks)
+        shell = _shell(t_child, existing, fresh_hooks=True)
+        _widths(t_child, shell, inside.get(path, {}))
+        _adopt(shell, t_child, f"{path}.", removed, inside)
         children[name] = shell
     children.update(old)
     parent.__dict__["_modules"] = children
