@@ -134,6 +134,7 @@ def adopt(
     """
     inside = _sizes_inside(plan) if plan is not None else {}
     _adopt(root, template, "", set(removed), inside)
+    root.__dict__.pop("_hydro_scan", None)  # a new tree: has_hooks lists it again
 
 
 def _adopt(parent: nn.Module, template: nn.Module, prefix: str, removed: set, inside: dict):  # noqa: ANN202
@@ -167,13 +168,21 @@ def copy_tree(source: nn.Module, new: nn.Module) -> None:
 
 
 def has_hooks(root: nn.Module) -> bool:
-    """Whether any submodule of ``root`` (or the global registry) has a forward (pre-)hook."""
+    """Whether any submodule of ``root`` (or the global registry) has a forward (pre-)hook.
+
+    Called on every forward, so the submodules are listed once and kept (walking the tree each
+    time costs more than a small surrogate's step gains from it); the list is made again when
+    ``root``'s own children change.
+    """
     if _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks:
         return True
-    for m in root.modules():
-        if m is not root and (m._forward_hooks or m._forward_pre_hooks):
-            return True
-    return False
+    key = (id(root._modules), len(root._modules))
+    scan = root.__dict__.get("_hydro_scan")
+    if scan is None or scan[0] != key:
+        hooks = [getattr(m, h) for m in root.modules() if m is not root for h in _HOOKS]
+        scan = (key, tuple(hooks))  # the hook dicts themselves: any() over them runs in C
+        root.__dict__["_hydro_scan"] = scan
+    return any(scan[1])
 
 
 class _Call:
