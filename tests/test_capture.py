@@ -16,7 +16,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import hydro
 from hydro.fx.capture import Captured, capture
-from tests.test_modules import assert_hooks_as_model
 from tests.real_models import (
     MODELS,
     TIMM_MODELS,
@@ -26,6 +25,7 @@ from tests.real_models import (
     sized,
     timm_available,
 )
+from tests.test_modules import assert_hooks_as_model
 
 # parameter cut at ratio 8 measured on these configs (target / surrogate parameters), rounded down
 MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "hf_gpt2": 30,

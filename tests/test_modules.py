@@ -58,7 +58,8 @@ def assert_hooks_as_model(
     for name, calls in want.items():
         if all(c["identity"] for c in calls) and name not in got:
             continue
-        assert name in got, f"hooks of {name!r} ({type(model.get_submodule(name)).__name__}) never fired"
+        kind = type(model.get_submodule(name)).__name__
+        assert name in got, f"hooks of {name!r} ({kind}) never fired"
         assert len(got[name]) == len(calls), (name, len(got[name]), len(calls))
         assert type(sur.get_submodule(name)) is type(model.get_submodule(name)), name
         for mine, theirs in zip(got[name], calls):
