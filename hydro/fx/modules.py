@@ -45,8 +45,12 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
 
 def _shell(template: nn.Module, state: nn.Module | None, fresh_hooks: bool) -> nn.Module:
-    """An instance of ``template``'s class with its plain attributes and ``state``'s tensors."""
-    shell = type(template).__new__(type(template))
+    """An instance of ``template``'s class with its plain attributes and ``state``'s tensors
+    (a plain ``nn.Module`` where the class cannot be made without its ``__init__``)."""
+    try:
+        shell = type(template).__new__(type(template))
+    except TypeError:
+        shell = nn.Module.__new__(nn.Module)
     shell.__dict__.update(template.__dict__)
     blank = nn.Module().__dict__
     for key in _STATE:
