@@ -23,7 +23,7 @@ from torch import nn
 
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
-from hydro.fx import depth, floor, indexing, pins
+from hydro.fx import depth, floor, indexing, modules, pins
 from hydro.fx.capture import Captured, capture
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
@@ -217,6 +217,8 @@ def build(
         standard=parametrization == "sp", always_readout=always_readout,
     )  # fmt: skip
     _apply_depth(sur, depth_plan, node_map, info, standard=parametrization == "sp")
+    removed = [b for st in depth_plan.stacks if st.cut for b in st.blocks if b not in st.kept]
+    modules.adopt(sur, model, removed, plan)  # the user's classes and names, scaled widths
     _check(sur, plan, node_map, inputs, kwargs)
     sur.hydro = info
     device = next((p.device for p in model.parameters() if not p.is_meta), None)

@@ -25,6 +25,7 @@ from tests.real_models import (
     sized,
     timm_available,
 )
+from tests.test_modules import assert_hooks_as_model
 
 # parameter cut at ratio 8 measured on these configs (target / surrogate parameters), rounded down
 MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "hf_gpt2": 30,
@@ -72,6 +73,7 @@ def test_real_model_scales_exactly_and_keeps_its_calling_convention(name):
             assert _same(one(*args5, **kwargs5), want), (name, dtype, mode)
         if dtype is not torch.float64:
             continue
+        assert_hooks_as_model(model, one, args5, kwargs5, exact=True)  # a module tree again
         sur = hydro.scale(cap, 8, example_inputs=args, example_kwargs=kwargs, seed=0)
         assert isinstance(sur, Captured) and set(sur.state_dict()) == set(model.state_dict())
         out, want = sur(*args5, **kwargs5), model(*args5, **kwargs5)
@@ -88,6 +90,7 @@ def test_real_model_scales_exactly_and_keeps_its_calling_convention(name):
             out.sum().backward()
         assert all(p.grad is not None for p in sur.parameters() if p.requires_grad)
         assert _n(model) / _n(sur) > MIN_CUT[name], _n(model) / _n(sur)
+        assert_hooks_as_model(model, sur, args5, kwargs5, exact=False)
         report = hydro.inspect(cap, 8, example_inputs=args, example_kwargs=kwargs)
         assert report.totals["target_params"] == _n(model)
         assert report.totals["surrogate_params"] == _n(sur)
@@ -216,6 +219,7 @@ def test_timm_model_scales(name: str) -> None:
     same.load_state_dict(model.state_dict())
     same.eval(), model.eval()
     assert torch.equal(same(*args), model(*args))
+    assert_hooks_as_model(model, same, args, {}, exact=True)
     ratio = 8
     if name == "timm_efficientnet_b0":  # a squeeze-excitation width of 4
         with pytest.raises(hydro.ScaleError, match="not divisible by ratio 8.*Nearest ratios"):
@@ -225,6 +229,7 @@ def test_timm_model_scales(name: str) -> None:
     full = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for p in sur.parameters()) < full / ratio
     assert sur(*args).shape == model(*args).shape
+    assert_hooks_as_model(model, sur, args, {}, exact=False)
 
 
 # (model, width, heads, sequence, batch) where a sequence or batch size equals a width, a head

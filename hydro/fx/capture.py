@@ -36,7 +36,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import TraceError
-from hydro.fx import host_random
+from hydro.fx import host_random, modules
 
 MODES = ("train", "eval")
 
@@ -82,6 +82,8 @@ class Captured(nn.Module):
         gm = self.graphs["train" if self.training else "eval"]
         self._in_spec, self._out_spec = gm._in_spec, gm._out_spec
         _check_shapes(self, gm, args, kwargs)
+        if modules.has_hooks(self):  # node by node, so that submodule hooks see their calls
+            return modules.run_hooked(self, gm, args, kwargs)
         return type(gm).forward(self, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Captured:
@@ -89,6 +91,7 @@ class Captured(nn.Module):
         new = Captured.__new__(Captured)
         memo[id(self)] = new
         nn.Module.__init__(new)
+        modules.copy_tree(self, new)  # the user's classes at the user's paths
         for key, value in self.named_parameters(remove_duplicate=False):
             register_at(new, key, copy.deepcopy(value, memo), "param")
         for key, value in self.named_buffers(remove_duplicate=False):
@@ -487,5 +490,6 @@ def capture(
     keys = set(model.state_dict())
     non_persistent = {n for n, _ in model.named_buffers(remove_duplicate=False) if n not in keys}
     cap = Captured(graphs, type(model).__name__, state=model, non_persistent=non_persistent)
+    modules.adopt(cap, model)
     cap.train(was_training)
     return cap
