@@ -67,6 +67,8 @@ def describe(exc: BaseException, task: Any) -> str | None:
     :class:`ModelError`, too), or ``None`` when ``exc`` is not the user's: Hydro's own
     errors, out of memory, an interrupt, an exception with no frame in the user's files, or
     one raised through Optuna (the study's pruner or sampler)."""
+    if getattr(exc, "_hydro_resume_others", False):
+        return None  # a tune(callbacks=...) callback raised: it stops the run, as in Optuna
     if isinstance(exc, ModelError) and _factory_raised(exc.__cause__):
         return describe(exc.__cause__, task)  # the model factory raised, for these arguments
     if not isinstance(exc, Exception) or isinstance(
