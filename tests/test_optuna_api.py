@@ -200,7 +200,8 @@ def test_cli_timeout_and_first_group(project, capsys, monkeypatch):
         (["--sampler", "bayes"], "--sampler 'bayes' is unknown; use one of cmaes, gp, grid, "
                                  "qmc, random, tpe"),  # fmt: skip
         (["--pruner", "early"], "--pruner 'early' is unknown; use one of asha, hyperband, "
-                                "median, none, successive-halving, successive_halving"),  # fmt: skip
+                                "median, none, successive-halving, "
+                                "successive_halving"),  # fmt: skip
         (["--sampler", "grid"], "--sampler 'grid' needs categorical distributions; space.lr "
                                 "is not one"),  # fmt: skip
         (["--timeout", "-1"], "tune.yaml: timeout must be a number of seconds above 0"),
