@@ -197,13 +197,20 @@ def test_cli_timeout_and_first_group(project, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "flags, said",
     [
-        (["--sampler", "bayes"], "--sampler 'bayes' is unknown; use one of cmaes, gp, grid, "
-                                 "qmc, random, tpe"),  # fmt: skip
-        (["--pruner", "early"], "--pruner 'early' is unknown; use one of asha, hyperband, "
-                                "median, none, successive-halving, "
-                                "successive_halving"),  # fmt: skip
-        (["--sampler", "grid"], "--sampler 'grid' needs categorical distributions; space.lr "
-                                "is not one"),  # fmt: skip
+        (
+            ["--sampler", "bayes"],
+            "--sampler 'bayes' is unknown; use one of cmaes, gp, grid, qmc, random, tpe",
+        ),  # fmt: skip
+        (
+            ["--pruner", "early"],
+            "--pruner 'early' is unknown; use one of asha, hyperband, "
+            "median, none, successive-halving, "
+            "successive_halving",
+        ),  # fmt: skip
+        (
+            ["--sampler", "grid"],
+            "--sampler 'grid' needs categorical distributions; space.lr is not one",
+        ),  # fmt: skip
         (["--timeout", "-1"], "tune.yaml: timeout must be a number of seconds above 0"),
         (["--first-group", "5"], "first_group (5) must not exceed fuse (2)"),
     ],
