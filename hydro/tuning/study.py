@@ -20,6 +20,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.samplers._lazy_random_state import LazyRandomState
+from optuna.storages import InMemoryStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
@@ -227,9 +228,24 @@ def _put_back(study: optuna.Study, trial_id: int, *, owner: Any = None) -> bool:
             return False
         storage.set_trial_user_attr(trial_id, _INTERRUPTIONS,
                                     int(t.user_attrs.get(_INTERRUPTIONS, 0)) + 1)  # fmt: skip
-        return bool(storage.set_trial_state_values(trial_id, TrialState.WAITING))
+        if not storage.set_trial_state_values(trial_id, TrialState.WAITING):
+            return False
     except UpdateFinishedTrialError:
         return False
+    _rewind_queue(study, t.number)
+    return True
+
+
+def _rewind_queue(study: optuna.Study, number: int) -> None:
+    """Optuna's in-memory storage looks for WAITING trials from the first one it last saw on
+    (in Optuna a trial never goes back to WAITING): let it see trial ``number`` again. The
+    other storages read every WAITING trial at each ask."""
+    storage = study._storage
+    cursor = getattr(storage, "_prev_waiting_trial_number", None)
+    if isinstance(storage, InMemoryStorage) and isinstance(cursor, dict) \
+            and study._study_id in cursor:  # fmt: skip
+        with storage._lock:
+            cursor[study._study_id] = min(cursor[study._study_id], number)
 
 
 def _fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> None:
@@ -285,6 +301,8 @@ def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str,
     ``hydro_resumed_at`` records its step. Returns the seed."""
     old = trial.user_attrs.get(_RETRY_OF)
     seed = trial_seed(trial, base)  # a trial put back and taken up again keeps its own
+    if old is None:
+        trial.set_user_attr(_SEED, seed)
     if old is None and trial.user_attrs.get(_INTERRUPTIONS) and checkpoints is not None:
         state = checkpoints.load(trial.number, seed, params)  # its own file, if it saved one
         if state is not None:
