@@ -89,16 +89,6 @@ def write_report(study: optuna.Study, path: str) -> None:
     buf = io.BytesIO()
     figure.savefig(buf, format="png", dpi=110)
     image = base64.b64encode(buf.getvalue()).decode()
-    trials = study.get_trials(deepcopy=False)
-    params = [trained_params(t) for t in trials]
-    names = sorted({k for p in params for k in p})  # one column per hyperparameter
-    rows = "".join(
-        f"<tr><td>{t.number}</td><td>{_state(t)}</td><td>{_fmt(t.value)}</td>"
-        + "".join(f"<td>{html.escape(_cell(p.get(k)))}</td>" for k in names)
-        + f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
-        for t, p in zip(trials, params)
-    )
-    heads = "".join(f"<th>{html.escape(k)}</th>" for k in names)
     try:
         best = (
             f"best value {study.best_value:.6g} (trial {study.best_trial.number}): "
@@ -124,9 +114,25 @@ def write_report(study: optuna.Study, path: str) -> None:
 td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head><body>
 <h1>Study {html.escape(study.study_name)}</h1><p>{best}</p>
 <img src="data:image/png;base64,{image}" style="max-width:100%">
-<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>value</th>{heads}
-<th>fail reason</th></tr>{rows}</table></body></html>"""
+<h2>Trials</h2>{trials_table(study)}</body></html>"""
     write_text(path, page)
+
+
+def trials_table(study: optuna.Study) -> str:
+    """The report's table of trials, as HTML: number, state, value, one column per
+    hyperparameter (sorted by name; blank where a trial has none) and the fail reason."""
+    trials = study.get_trials(deepcopy=False)
+    params = [trained_params(t) for t in trials]
+    names = sorted({k for p in params for k in p})
+    heads = "".join(f"<th>{html.escape(k)}</th>" for k in names)
+    rows = "".join(
+        f"<tr><td>{t.number}</td><td>{_state(t)}</td><td>{_fmt(t.value)}</td>"
+        + "".join(f"<td>{html.escape(_cell(p.get(k)))}</td>" for k in names)
+        + f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
+        for t, p in zip(trials, params)
+    )
+    return (f"<table><tr><th>#</th><th>state</th><th>value</th>{heads}<th>fail reason</th>"
+            f"</tr>{rows}</table>")  # fmt: skip
 
 
 def _figure(study: optuna.Study) -> Any:
