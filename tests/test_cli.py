@@ -116,7 +116,7 @@ def test_tune_export_report(project, capsys):
     assert len(best["verification"]["configs"]) == 2
     # rerunning resumes: nothing new to train
     assert main(["tune", "tune.yaml"]) == 0
-    assert "4 trials so far" in capsys.readouterr().err
+    assert "4 finished (4 complete, 0 pruned), 0 to go" in capsys.readouterr().err
     assert main(["export", "--storage", "sqlite:///toy.db", "--study", "toy", "-o", "b.json"]) == 0
     assert (
         json.loads((project / "b.json").read_text())["hyperparameters"] == best["hyperparameters"]
