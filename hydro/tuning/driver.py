@@ -101,11 +101,13 @@ def optimize(
     Running the same call again resumes the study, and several processes (on one machine or
     several, through any shared Optuna storage) may run it on one study at once: each trial
     records its owner and a heartbeat; a trial left RUNNING by a dead process (a dead pid on this
-    host, or no heartbeat for :data:`STALE_SECONDS` from another host) is failed as
-    ``"interrupted"`` and asked again with the same parameters, while trials of live processes
-    are left alone. ``n_trials`` counts over the whole study, whichever process asked: a process
-    with nothing left to ask waits for the others' running trials. Interrupted rows (and the rare
-    surplus ask of a race between processes) are void: :func:`is_void`, not counted.
+    host, or no heartbeat for :data:`STALE_SECONDS` from another host) is put back to WAITING
+    and taken up again (same number, parameters, seed and checkpoint), as are this run's own
+    unfinished trials on Ctrl-C or SIGTERM: an interrupted trial is never a FAIL row. Trials of
+    live processes are left alone. ``n_trials`` counts over the whole study, whichever process
+    asked: a process with nothing left to ask waits for the others' running trials. The rare
+    surplus ask of a race between processes (and an older study's interrupted FAIL rows) are
+    void: :func:`is_void`, not counted.
 
     The sampler's random state is re-seeded from ``seed`` and the trial number before each trial
     is sampled, so a resumed or shared study never repeats start-up configurations, and the

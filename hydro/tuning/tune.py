@@ -74,7 +74,8 @@ class TuneResult:
     @property
     def trials(self) -> list[dict[str, Any]]:
         """One row per trial: number, state, value, parameters, group and fail reason. A trial
-        that stopped with its process (and was asked again) has state ``INTERRUPTED``."""
+        that stopped with its process is ``WAITING`` until a run takes it up again (an older
+        study's FAIL row for it: ``INTERRUPTED``)."""
         return [
             {"number": t.number, "state": "INTERRUPTED" if is_interrupted(t) else t.state.name,
              "value": t.value, **trained_params(t), "group": t.user_attrs.get("group"),
@@ -359,8 +360,8 @@ def tune(
         deadline: seconds to the deadline, with ``policy="deadline"`` (required there, refused
             otherwise); no trial is asked after it.
         checkpoint_dir: where the study's trial checkpoints go, in a directory per study
-            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial re-asked after
-            its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
+            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial taken up again
+            after its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
         fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default half the
             RAM free at start on the CPU (split between an executor's workers), 90% of the
             free memory on a GPU.
