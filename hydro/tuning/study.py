@@ -36,7 +36,11 @@ _INTERRUPTED = "interrupted: the process running it stopped; re-asked with the s
 def _tell(
     study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None
 ) -> bool:
-    """Record ``outcome`` for ``trial``; False when another process had failed it meanwhile."""
+    """Record ``outcome`` for ``trial``; False when it is no longer this process's: another
+    process took it for dead meanwhile (put it back in the queue, or took it up again)."""
+    current = study._storage.get_trial(trial._trial_id)
+    if current.state != TrialState.RUNNING or current.user_attrs.get(_OWNER, _me()) != _me():
+        return False
     try:
         if info is not None:
             trial.set_user_attr("surrogate_widths", info.widths)
@@ -53,7 +57,7 @@ def _tell(
             trial.set_user_attr("fail_reason", outcome.reason or "no finite value")
             _tell_safely(study, trial, state=TrialState.FAIL)
     except UpdateFinishedTrialError:
-        return False  # failed as stale by another process meanwhile (and asked again there)
+        return False  # finished by another process meanwhile
     return True
 
 
