@@ -4,6 +4,10 @@ Models are named as ``module:callable`` (the callable returns an ``nn.Module``, 
 ``(model, example_inputs)`` pair); the current directory is importable, as for ``python -m``.
 Bad input exits with status 2 and a one-paragraph error, a study database that fails in use
 (locked too long, read-only) with status 3 and one line; ``--debug`` shows the traceback.
+
+This module imports only the standard library (and :mod:`hydro.errors`): ``hydro --help``, a
+subcommand's ``--help`` and a mistyped argument answer at once, without loading torch, Optuna
+or Ray; each ``cmd_*`` imports what it runs. The parser is :func:`build_parser`.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from hydro.errors import ConfigError, HydroError
-from hydro.tuning.signals import Terminated, terminate_as_interrupt
-from hydro.tuning.tune import check_writable
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def load_callable(spec: str, what: str = "model factory") -> Any:
@@ -35,6 +36,8 @@ def load_callable(spec: str, what: str = "model factory") -> Any:
 
 
 def _model_and_inputs(spec: str) -> tuple[nn.Module, tuple[Any, ...] | None]:
+    from torch import nn
+
     made = load_callable(spec)()
     if isinstance(made, nn.Module):
         return made, None
@@ -76,12 +79,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_coord_check(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
     from hydro.coord import coord_check
     from hydro.scaling import guess_inputs
+    from hydro.tuning.tune import check_writable
 
-    if args.threshold <= 1:
-        raise ConfigError(f"--threshold must be above 1 (a ratio of activation sizes), got "
-                          f"{args.threshold}")  # fmt: skip
     torch.manual_seed(args.seed)  # the model's own initialization too: same seed, same numbers
     model, inputs = _model_and_inputs(args.model)
     torch.manual_seed(args.seed)
@@ -115,6 +119,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from hydro.tuning import config as config_module
     from hydro.tuning.tune import (
         TuneResult,
+        check_writable,
         make_executor,
         open_study,
         preflight,
@@ -180,7 +185,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hydro.tuning.tune import export
+    from hydro.tuning.tune import check_writable, export
 
     check_writable(args.output, "export file")
     study = _load_study(args.storage, args.study)
@@ -193,6 +198,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from hydro.tuning.report import check_report_path, write_report
+    from hydro.tuning.tune import check_writable
 
     check_report_path(args.output)
     check_writable(args.output, "report file")
@@ -259,6 +265,8 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
 
 
 def _vocab(model: nn.Module) -> int:
+    from torch import nn
+
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return min(sizes) if sizes else 2
 
@@ -346,6 +354,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what argparse cannot see but the standard library can, before any command imports
+    torch: a typo then answers in milliseconds, not after seconds of imports."""
+    if args.command == "tune":
+        if not os.path.exists(args.config):
+            raise ConfigError(f"config file {args.config!r} does not exist: name a YAML config "
+                              "(see docs/tuning.md), e.g. examples/charlm/tune.yaml")  # fmt: skip
+        if os.path.isdir(args.config):
+            raise ConfigError(f"config file {args.config!r} is a directory: name the YAML file "
+                              f"in it, e.g. {args.config}/tune.yaml")  # fmt: skip
+    if args.command == "coord-check":
+        if args.threshold <= 1:
+            raise ConfigError(f"--threshold must be above 1 (a ratio of activation sizes), got "
+                              f"{args.threshold}")  # fmt: skip
+        _ratios(args.ratios)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hydro`` console script."""
     parser = build_parser()
@@ -363,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             previous = signal.signal(signal.SIGINT, on_sigint)
     try:
+        check_args(args)
+        # hydro.tuning's package imports torch: only once the arguments are known to be good
+        from hydro.tuning.signals import terminate_as_interrupt
+
         # SIGTERM (kill, Slurm, Docker, systemd) takes Ctrl-C's path: a clean stop, exit 143
         with terminate_as_interrupt(stopped):
             return args.func(args)
@@ -370,7 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug or not (stopped or isinstance(exc, (KeyboardInterrupt, HydroError))):
             raise
         if stopped or isinstance(exc, KeyboardInterrupt):
-            term = isinstance(exc, Terminated) or signal.SIGTERM in stopped
+            signals = sys.modules.get("hydro.tuning.signals")  # not imported: no SIGTERM handler
+            term = signal.SIGTERM in stopped or (
+                signals is not None and isinstance(exc, signals.Terminated)
+            )
             hint = getattr(args, "resume_hint", None)
             word = "terminated" if term else "interrupted"
             print(f"\nhydro {args.command}: {word}{f'; {hint}' if hint else ''}", file=sys.stderr)
