@@ -173,8 +173,12 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
             out += _data_changes(a or {}, b or {})
         elif part == "space":
             out += _space_changes(a or {}, b or {})
-        elif part in ("loss", "metric") and (a or {}).get("name") != (b or {}).get("name"):
-            out.append(f"{part} {_text((a or {}).get('name'))}→{_text((b or {}).get('name'))}")
+        elif part in ("loss", "metric"):
+            a, b = a or {}, b or {}
+            if a.get("name") != b.get("name"):
+                out.append(f"{part} {_text(a.get('name'))}→{_text(b.get('name'))}")
+            else:
+                out += _leaves(a.get("args") or {}, b.get("args") or {}, f"{part} args ")
         elif part == "ratio":
             out += _leaves(a or {}, b or {}, "")
         else:
