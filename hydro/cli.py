@@ -117,6 +117,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
     from hydro.tuning import config as config_module
+    from hydro.tuning.fingerprint import check_study, fingerprint
     from hydro.tuning.tune import (
         TuneResult,
         check_writable,
@@ -143,12 +144,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from hydro.tuning.driver import optimize
 
     try:
-        preflight(cfg.task, cfg.space)
+        built = preflight(cfg.task, cfg.space)
     except HydroError as exc:  # name the file, as for any other mistake in it
         raise type(exc)(f"{cfg.path}: task: {exc}") from exc
     auto = cfg.ratio == "auto"
     cfg.ratio = task_ratio(cfg.task, cfg.ratio)  # the largest ratio within the width floors
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
+    definition = fingerprint(cfg.task, cfg.space, ratio=cfg.ratio, depth_ratio=cfg.depth_ratio,
+                             depth_alpha=cfg.depth_alpha, model=built,
+                             data_source=cfg.data_source)  # fmt: skip
+    check_study(study, definition, where=f"study '{cfg.study}' in "
+                f"{cfg.storage or 'sqlite:///hydro.db'}", force=args.force_resume,
+                new_name="--study NAME, or study: in the config",
+                force_hint="--force-resume")  # fmt: skip
     study.set_user_attr("hydro_task", task_recipe(cfg.task))
     args.resume_hint = (
         f"the finished trials are saved in study '{cfg.study}' of "
@@ -307,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "CompleteP (default), 0.5 Depth-muP")  # fmt: skip
     p.add_argument("--checkpoint-dir", help="where trials' checkpoints go, a directory per "
                    "study (default: the config's, else beside the SQLite file)")  # fmt: skip
+    p.add_argument("--force-resume", action="store_true", help="continue the study even though "
+                   "its model, data, loss, recipe, space or ratio changed (default: refused; "
+                   "prefer a new --study)")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 

@@ -71,6 +71,7 @@ class TuneConfig:
     deadline: float | None = None
     checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
     fuse_memory: float | None = None  # GiB per fused group for fuse 'auto'
+    data_source: dict | None = None  # task.data and its data_args: part of the study's fingerprint
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -234,6 +235,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         deadline=raw.get("deadline"),
         checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
         fuse_memory=_fuse_memory(raw.get("fuse_memory"), path),
+        data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
     )
     if isinstance(cfg.fuse, int) and cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
