@@ -462,7 +462,7 @@ class _Rewriter:
         for kind, a in plan:
             if kind == "literal":
                 lit = self.literal(node, a)
-                args.append(self.graph.call_method("to", (lit, val.dtype)))
+                args.append(self.graph.call_method("to", (lit, _literal_dtype(node, val))))
                 specs.append(("T",))
             elif kind == "stacked":
                 args.append(self.stacked_value(a, cdim))
@@ -778,7 +778,7 @@ class _Rewriter:
         for i, a in enumerate(args):
             lit = self.literal(node, i)
             if lit is not None:
-                lit = self.graph.call_method("to", (lit, val.dtype))
+                lit = self.graph.call_method("to", (lit, _literal_dtype(node, val)))
                 new_args.append(lit)
                 specs.append(("T",))
             elif isinstance(a, Node):
@@ -790,8 +790,12 @@ class _Rewriter:
         fact = self.facts[node]
         out = ("F", fact.dim, fact.outer) if isinstance(fact, Batch) else ("T",)
         kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
+        target = node.target
+        if node.name in self.literals and target._overloadname == "Scalar":
+            # a per-trial literal arrives as a tensor: ``le.Scalar`` becomes ``le.Tensor``
+            target = getattr(target._overloadpacket, "Tensor", target)
         self.env[node] = self.graph.call_function(
-            ops.pointwise, (node.target, self.n, specs, out, rank, *new_args), kwargs
+            ops.pointwise, (target, self.n, specs, out, rank, *new_args), kwargs
         )
         self.spec[node] = out
 
@@ -889,6 +893,19 @@ class _Env(dict):
         self[node] = folded
         rw.derived_f.add(node)
         return folded
+
+
+def _literal_dtype(node: Node, val: torch.Tensor) -> torch.dtype:
+    """The dtype a per-trial float literal takes as a tensor operand: the result's, except for a
+    comparison (a boolean result), which compares in the floating operand's dtype (as a Python
+    float does) or, beside integers only, in the default float dtype."""
+    if val.dtype != torch.bool:
+        return val.dtype
+    for a in node.args:
+        v = a.meta.get("val") if isinstance(a, Node) else None
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.dtype
+    return torch.get_default_dtype()
 
 
 def _leading_batch(fact: object) -> bool:
@@ -1212,23 +1229,44 @@ def _dropout(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
 
 
 def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    p = rw.literal(node, 4)
-    if p is None:
-        p = _arg(node, 4, "dropout_p", 0.0)
-        if p == 0:  # nothing drawn: aten's own kernel
-            return False
-    if "T" in kinds:
-        return False
     q, k, v = node.args[:3]
     mask = _arg(node, 3, "attn_mask")
+    # a per-trial mask (an additive bias from each trial's learned table) over batched q, k, v
+    per_trial = isinstance(mask, Node) and rw.spec.get(mask) == ("T",)
+    batched = all(_batched(rw.spec.get(a)) for a in (q, k, v)) and q.meta["val"].dim() >= 3
+    if "T" in kinds and not (per_trial and batched):
+        return False  # per-trial q, k or v (a learned query): torch.func.vmap
+    p = rw.literal(node, 4)
+    causal, scale = _arg(node, 5, "is_causal", False), _arg(node, 6, "scale")
+    gqa = _arg(node, 7, "enable_gqa", False)
     s = rw.out_spec(node)
+    if p is None:
+        p = _arg(node, 4, "dropout_p", 0.0)
+        if p == 0 and not per_trial:  # nothing drawn: aten's own kernel on folded values
+            return False
+        if p == 0:  # nothing drawn: torch's kernel, the trials folded into the heads
+            specs = [_as_folded(rw.spec[a]) for a in (q, k, v)]
+            rw.env[node] = rw.fn(
+                ops.trial_masked_attention, rw.folded(q), rw.folded(k), rw.folded(v),
+                rw.env[mask], causal, scale, gqa, rw.n, specs, s,
+            )  # fmt: skip
+            rw.spec[node] = s
+            return True
     rw.env[node] = rw.fn(
         ops.trial_attention, rw.folded(q), rw.folded(k), rw.folded(v),
-        None if mask is None else rw.folded(mask), p, _arg(node, 5, "is_causal", False),
-        _arg(node, 6, "scale"), _arg(node, 7, "enable_gqa", False), rw.n, s, _stream(rw, node),
+        None if mask is None else rw.folded(mask), p, causal, scale, gqa, rw.n, s,
+        _stream(rw, node), ("T",) if per_trial else None,
     )  # fmt: skip
     rw.spec[node] = s
     return True
+
+
+def _batched(spec: object) -> bool:
+    return isinstance(spec, tuple) and spec[0] in ("F", "SB")
+
+
+def _as_folded(spec: tuple) -> tuple:
+    return ("F", spec[1], spec[2])
 
 
 _HANDLERS = {
