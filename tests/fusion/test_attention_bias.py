@@ -222,3 +222,38 @@ def test_attention_dropout_with_a_per_trial_bias_is_each_trials_own() -> None:
     assert float(alone[0][1]["table"].abs().max()) > 0  # the bias table learns through dropout
     # the drops act: another stream trains differently
     assert _train([me], 0, seed=43, steps=1)[0][0] != pytest.approx(alone[0][0], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_heads, mask_shape",
+    [
+        ((2, 4, 5, 8), 2, (5, 5)),  # grouped-query heads, one mask broadcast over the heads
+        ((2, 4, 5, 8), 4, (1, 4, 5, 5)),  # a mask per head
+        ((2, 4, 5, 8), 2, (4, 1, 5)),  # per head, broadcast over the queries
+        ((2, 5, 8), None, (5, 5)),  # no head dimension
+    ],
+)
+@pytest.mark.parametrize("boolean", [False, True])
+def test_masked_attention_equals_each_trials_own_call(q_shape, kv_heads, mask_shape, boolean):  # noqa: ANN001
+    """The fused op against one SDPA call per trial, values and gradients (the mask's too)."""
+    n, g = 3, torch.Generator().manual_seed(0)
+    kv_shape = q_shape if kv_heads is None else (*q_shape[:1], kv_heads, *q_shape[2:])
+    q, k, v = (torch.randn(n, *s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in (q_shape, kv_shape, kv_shape))  # fmt: skip
+    raw = torch.randn(n, *mask_shape, generator=g, dtype=torch.float64)
+    mask = (raw > -1).logical_or(torch.eye(5, dtype=torch.bool)[0]) if boolean else raw
+    mask.requires_grad_(not boolean)
+    gqa = kv_heads not in (None, q_shape[1])
+    spec = ("F", 0, 1)
+    folded = [t.flatten(0, 1) for t in (q, k, v)]
+    fused = ops.trial_masked_attention(*folded, mask, False, None, gqa, n, [spec] * 3, spec)
+    sdpa = F.scaled_dot_product_attention
+    alone = torch.stack([sdpa(q[t], k[t], v[t], attn_mask=mask[t], enable_gqa=gqa)
+                         for t in range(n)])  # fmt: skip
+    torch.testing.assert_close(fused.unflatten(0, (n, -1)), alone, rtol=1e-12, atol=1e-14)
+    seed = torch.randn(alone.shape, generator=g, dtype=torch.float64)
+    inputs = (q, k, v) if boolean else (q, k, v, mask)
+    got = torch.autograd.grad((fused.unflatten(0, (n, -1)) * seed).sum(), inputs)
+    want = torch.autograd.grad((alone * seed).sum(), inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
