@@ -24,7 +24,7 @@ from torch import nn
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor, indexing, modules, pins
-from hydro.fx.capture import Captured, capture
+from hydro.fx.capture import Captured, Dynamic, capture
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
@@ -44,6 +44,7 @@ def scale(
     parametrization: Literal["mup", "sp"] = "mup",
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
+    dynamic: Dynamic = None,
 ) -> Captured:
     """Build a muP surrogate of ``model`` with every hidden width divided by ``ratio``.
 
@@ -82,6 +83,12 @@ def scale(
             multiplied by ``(L_target / L_surrogate) ** depth_alpha``; 1 (default) is CompleteP,
             0.5 Depth-muP (which also scales the blocks' Adam learning rates, see
             :mod:`hydro.parametrize`).
+        dynamic: dimensions besides the batch that stay dynamic, so that the surrogate trains
+            at one size and evaluates at another. By default the sequence length (dimension 1
+            of integer inputs such as token ids) where the model allows it; ``{"seq": 1}``
+            asks for dimension 1 of every input of rank >= 2 (an error where the model fixes
+            it), ``{"input_ids": {1: "seq"}}`` per input, ``False`` the batch only. See
+            :func:`hydro.fx.capture.capture`.
 
     Returns:
         A :class:`hydro.fx.capture.Captured` module called exactly like ``model`` (same
@@ -111,6 +118,7 @@ def scale(
         model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
         head_policy=head_policy, output_mult=output_mult, seed=seed,
         parametrization=parametrization, depth_ratio=depth_ratio, depth_alpha=depth_alpha,
+        dynamic=dynamic,
     )  # fmt: skip
     d = scaled.depth
     cut = d is not None and d.depth_ratio > 1 and bool(d.stacks)
@@ -165,6 +173,7 @@ def build(
     always_readout: bool = False,
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
+    dynamic: Dynamic = None,
 ) -> Scaled:
     """:func:`scale`, returning the width plan and node map along with the surrogate.
 
@@ -191,7 +200,7 @@ def build(
         cap = model
     else:
         try:
-            cap = capture(model, run_inputs, run_kwargs)
+            cap = capture(model, run_inputs, run_kwargs, dynamic=dynamic)
         except TraceError as exc:
             if example_inputs is None and not kwargs:
                 raise ScaleError(
