@@ -18,7 +18,6 @@ Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -148,8 +147,9 @@ def _multiple(e: sympy.Expr, syms: set) -> bool:
     coeff, rest = e.as_coeff_Mul()
     if not coeff.is_Integer or coeff < 1 or rest.free_symbols & syms:
         return False
+    factors = sympy.Mul.make_args(rest)
     return all(f == 1 or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer
-                                         and f.exp > 0) for f in sympy.Mul.make_args(rest))  # fmt: skip
+                                         and f.exp > 0) for f in factors)  # fmt: skip
 
 
 def _size(size: object) -> sympy.Expr:

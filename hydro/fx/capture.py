@@ -218,8 +218,11 @@ def _check_shapes(cap: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs:
                     "torch.export fixes (a size of 1 is never dynamic); called with batch "
                     f"{x.shape[0]}. Capture with an example batch of 2 or more"
                 )
-            free = "the batch dimension is" if sum(not f for f in fixed) <= 1 else (
-                "the dimensions shown as letters are")
+            free = (
+                "the batch dimension is"
+                if sum(not f for f in fixed) <= 1
+                else ("the dimensions shown as letters are")
+            )
             raise TraceError(
                 f"{model_name} was captured with input '{name}' of shape {shown}; called with "
                 f"{tuple(x.shape)}. Only {free} dynamic: every other size (sequence length, "
@@ -316,7 +319,7 @@ def _check_dynamic(dynamic: Dynamic) -> None:
         return
     if not isinstance(dynamic, Mapping):
         raise TraceError(f"dynamic= must be a mapping, got {type(dynamic).__name__}; {how}")
-    for key, value in dynamic.items():
+    for value in dynamic.values():
         dims = value.keys() if isinstance(value, Mapping) else [value]
         for d in dims:
             if type(d) is not int or d < 1:
@@ -709,7 +712,10 @@ def capture(
             # host randomness (random, NumPy) would be frozen into the graph: say where
             with host_random.watch(model, tuple(example_inputs), example_kwargs or {}, mode):
                 graphs[mode] = capture_graph(
-                    model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_",
+                    model,
+                    tuple(example_inputs),
+                    example_kwargs,
+                    prefix=f"{mode}_",
                     dynamic=dynamic,
                 )
     finally:
