@@ -84,11 +84,11 @@ def scale(
             0.5 Depth-muP (which also scales the blocks' Adam learning rates, see
             :mod:`hydro.parametrize`).
         dynamic: dimensions besides the batch that stay dynamic, so that the surrogate trains
-            at one size and evaluates at another. By default the sequence length (dimension 1
-            of integer inputs such as token ids) where the model allows it; ``{"seq": 1}``
-            asks for dimension 1 of every input of rank >= 2 (an error where the model fixes
-            it), ``{"input_ids": {1: "seq"}}`` per input, ``False`` the batch only. See
-            :func:`hydro.fx.capture.capture`.
+            at one size and evaluates at another. ``None`` (default): the batch only.
+            ``"auto"``: the sequence length (dimension 1 of integer inputs such as token ids)
+            where the model allows it (capture takes ~1.5x as long); ``{"seq": 1}``: dimension
+            1 of every input of rank >= 2 (an error where the model fixes it);
+            ``{"input_ids": {1: "seq"}}``: per input. See :func:`hydro.fx.capture.capture`.
 
     Returns:
         A :class:`hydro.fx.capture.Captured` module called exactly like ``model`` (same

@@ -7,11 +7,11 @@ ATen graph of that run: ``aten.linear``, ``aten.conv2d``, ``aten.batch_norm``, `
 with parameters and buffers read by ``get_attr`` under their original names.
 
 The batch (dimension 0 of every tensor input) stays symbolic, so sizes derived from it are graph
-nodes (``aten.sym_size``) rather than constants. So does a sequence length where the model allows
-it (:func:`dynamic_shapes`): dimension 1 of integer (token) inputs is offered to export as
-dynamic, and stays so unless the model fixes it (a positional table used whole); ``dynamic=``
-names the dimensions explicitly. Training and evaluation modes can differ in
-their graphs (dropout, batch statistics, ``if self.training``), so both are captured.
+nodes (``aten.sym_size``) rather than constants. A sequence length can too, where the model allows
+it (:func:`dynamic_shapes`): ``dynamic="auto"`` offers dimension 1 of integer (token) inputs to
+export, which keeps it unless the model fixes it (a positional table used whole);
+``dynamic={"seq": 1}`` names the dimensions and requires them. Training and evaluation modes can
+differ in their graphs (dropout, batch statistics, ``if self.training``), so both are captured.
 
 :class:`Captured` is the result: an ``nn.Module`` that holds the model's parameters and buffers
 under the same names (same ``state_dict`` keys, the very same tensors) and runs the graph of the
@@ -29,7 +29,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -165,17 +165,20 @@ def _table_bounds(gm: torch.fx.GraphModule) -> dict[Any, int]:
         if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
             continue
         weight, idx = node.args[0], node.args[1]
-        while _opname(idx) in _PASS:
+        offset = 0  # positions past a prefix: arange(T) + start (a constant here)
+        while _opname(idx) in _PASS or (_opname(idx) == "add" and type(idx.args[1]) is int):
+            offset += idx.args[1] if _opname(idx) == "add" else 0
             idx = idx.args[0]
         is_arange = _opname(idx) == "arange"
         rows = getattr(weight.meta.get("val"), "shape", None) if isinstance(weight, Node) else None
-        if not is_arange or not rows:
+        if not is_arange or not rows or type(rows[0]) is not int:
             continue
         ends = [a for a in idx.args[:2] if isinstance(a, torch.fx.Node)]
         val = ends[-1].meta.get("val") if len(ends) == 1 and idx.args[-1] is ends[-1] else None
-        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol and type(rows[0]) is int:
-            sym = val.node.expr
-            out[sym] = min(out.get(sym, rows[0]), rows[0])
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+            # the last index read is end - 1 + offset, whatever arange's start
+            sym, most = val.node.expr, rows[0] - offset
+            out[sym] = min(out.get(sym, most), most)
     return out
 
 
@@ -307,7 +310,7 @@ def register_at(
         mod.register_buffer(leaf, value, persistent=persistent)
 
 
-Dynamic = Mapping[str, Any] | bool | None
+Dynamic = Mapping[str, Any] | Literal["auto"] | None
 """What :func:`capture`'s ``dynamic=`` takes (see there)."""
 
 
@@ -315,10 +318,12 @@ def _check_dynamic(dynamic: Dynamic) -> None:
     """A :class:`TraceError` naming what is wrong with a ``dynamic=`` argument."""
     how = ('pass dynamic={"seq": 1} (a name for each dimension index, applied to every tensor '
            'input with that dimension) or {"input_ids": {1: "seq"}} (per input)')  # fmt: skip
-    if dynamic is None or isinstance(dynamic, bool):
+    if dynamic is None or dynamic is False or dynamic == "auto":
         return
     if not isinstance(dynamic, Mapping):
-        raise TraceError(f"dynamic= must be a mapping, got {type(dynamic).__name__}; {how}")
+        raise TraceError(f"dynamic= must be 'auto' or a mapping, got {dynamic!r}; {how}")
+    if len({isinstance(v, Mapping) for v in dynamic.values()}) > 1:
+        raise TraceError(f"dynamic={dict(dynamic)!r} mixes the two forms; {how}")
     for value in dynamic.values():
         dims = value.keys() if isinstance(value, Mapping) else [value]
         for d in dims:
@@ -336,9 +341,9 @@ def dynamic_shapes(
 
     Dimension 0 of every tensor of rank >= 1 is the batch. ``dynamic`` adds others:
 
-    * ``None`` (default): dimension 1 of every integer tensor of rank 2 or more (token ids
-      ``[B, T]``): a sequence length, kept dynamic when the model allows it.
-    * ``False``: the batch only.
+    * ``None`` (default): the batch only.
+    * ``"auto"``: dimension 1 of every integer tensor of rank 2 or more (token ids ``[B, T]``):
+      a sequence length, kept dynamic where the model allows it.
     * ``{"seq": 1}``: dimension 1 of every tensor input of rank 2 or more.
     * ``{"input_ids": {1: "seq"}}``: the named dimensions of the named inputs.
 
@@ -363,9 +368,9 @@ def dynamic_shapes(
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             return None
         dims = {0: Dim.AUTO}
-        if dynamic is None:
+        if dynamic == "auto":
             extra = [1] if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex() else []
-        elif dynamic is False or dynamic is True:
+        elif not dynamic:
             extra = []
         elif per_input:
             extra = list(dynamic.get(name, {}))
@@ -378,8 +383,13 @@ def dynamic_shapes(
         else:
             extra = [d for d in dynamic.values() if d < x.dim()]
         for d in extra:
+            if dynamic != "auto" and x.shape[d] < 2:  # export fixes a size of 0 or 1
+                raise TraceError(
+                    f"dynamic= names dimension {d} of input {name!r}, of size {x.shape[d]} in "
+                    "the example; torch.export fixes sizes 0 and 1: use an example of 2 or more"
+                )
             dims[d] = Dim.AUTO
-            if dynamic is not None:
+            if dynamic != "auto":
                 asked.append((name, d))
         return dims
 
@@ -465,8 +475,9 @@ def capture_graph(
     """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode.
 
     ``dynamic`` says which dimensions besides the batch may stay dynamic
-    (:func:`dynamic_shapes`). By default a sequence length is tried, and the batch alone kept
-    if export fails with it; a dimension asked for explicitly that the model fixes is an error.
+    (:func:`dynamic_shapes`). With ``"auto"`` a sequence length is tried, and the batch alone
+    kept if export fails with it; a dimension asked for explicitly that the model fixes is an
+    error.
     """
     args, kwargs = _unalias(tuple(args), dict(kwargs or {}))
     names = [n for n, _ in _arg_names(model, len(args), args)]
@@ -474,10 +485,10 @@ def capture_graph(
     try:
         gm = _export(model, args, kwargs, shapes, prefix)
     except TraceError:
-        if dynamic is not None:
+        if dynamic != "auto":
             raise
         # the sequence length was only a guess: a model may fail with it and pass without
-        shapes, _ = dynamic_shapes(names, args, kwargs, False)
+        shapes, _ = dynamic_shapes(names, args, kwargs, None)
         gm = _export(model, args, kwargs, shapes, prefix)
     fixed = _fixed(gm, asked)
     if fixed:
@@ -666,11 +677,12 @@ def capture(
         example_kwargs: keyword inputs of that call (``input_ids=``, ``labels=`` ...).
         modes: the modes to capture (``"train"``, ``"eval"``); both by default.
         dynamic: the dimensions besides the batch left dynamic, so that the captured model
-            runs at other sizes there. ``None`` (default): dimension 1 of integer inputs of
-            rank >= 2 (token ids ``[B, T]``: the sequence length) where the model allows it,
-            else fixed. ``False``: the batch only. ``{"seq": 1}``: dimension 1 of every tensor
-            input of rank >= 2; ``{"input_ids": {1: "seq"}}``: per input. An explicitly named
-            dimension that the model fixes (a positional table added whole) is an error.
+            runs at other sizes there. ``None`` (default): the batch only. ``"auto"``:
+            dimension 1 of integer inputs of rank >= 2 (token ids ``[B, T]``: the sequence
+            length) where the model allows it, else fixed (capture takes ~1.5x as long).
+            ``{"seq": 1}``: dimension 1 of every tensor input of rank >= 2;
+            ``{"input_ids": {1: "seq"}}``: per input. An explicitly named dimension that the
+            model fixes (a positional table added whole) is an error.
 
     Returns:
         A :class:`Captured` module with the model's parameters and buffers (the same tensors)
