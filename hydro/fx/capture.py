@@ -314,7 +314,7 @@ Dynamic = Mapping[str, Any] | Literal["auto"] | None
 """What :func:`capture`'s ``dynamic=`` takes (see there)."""
 
 
-def _check_dynamic(dynamic: Dynamic) -> None:
+def check_dynamic(dynamic: Dynamic) -> None:
     """A :class:`TraceError` naming what is wrong with a ``dynamic=`` argument."""
     how = ('pass dynamic={"seq": 1} (a name for each dimension index, applied to every tensor '
            'input with that dimension) or {"input_ids": {1: "seq"}} (per input)')  # fmt: skip
@@ -351,7 +351,7 @@ def dynamic_shapes(
     otherwise; the explicit ones (returned as ``(input, dim)``) must stay dynamic (see
     :func:`capture_graph`).
     """
-    _check_dynamic(dynamic)
+    check_dynamic(dynamic)
     asked: list[tuple[str, int]] = []
     values = dict(zip(names, args)) | dict(kwargs)
     per_input = isinstance(dynamic, Mapping) and any(isinstance(v, Mapping)
