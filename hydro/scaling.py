@@ -1,10 +1,10 @@
 """``hydro.scale``: a captured model rebuilt with every hidden width divided by ``ratio``.
 
 The pipeline is capture (:mod:`hydro.fx.capture`: run the model on example inputs) → width
-analysis (:mod:`hydro.fx.widths`) → rebuild (this module: a pure pass over the captured graphs
-that makes new, smaller parameters and buffers and rewrites width-valued literals) → muP
-parametrization (:mod:`hydro.parametrize`) → a check that re-propagates shapes on fake tensors
-and compares every node with the analysis.
+analysis (:mod:`hydro.fx.widths`, solved by :mod:`hydro.fx.solve`) → rebuild (this module: a
+pure pass over the captured graphs that makes new, smaller parameters and buffers and rewrites
+width-valued literals) → muP parametrization (:mod:`hydro.parametrize`) → a check that
+re-propagates shapes on fake tensors and compares every node with the analysis.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
 from hydro.fx.rules.shape import SIZE_ARG
-from hydro.fx.widths import HeadPolicy, WidthPlan, analyze, describe, op_name, propagate
+from hydro.fx.solve import analyze
+from hydro.fx.widths import HeadPolicy, WidthPlan, describe, op_name, propagate
 
 
 def scale(
