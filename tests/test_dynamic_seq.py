@@ -175,3 +175,10 @@ def test_a_whole_table_keeps_the_length_fixed_with_its_clear_error_also_fused():
 def test_a_bad_dynamic_argument_says_what_is_wrong(dynamic, message):
     with pytest.raises(hydro.TraceError, match=message):
         _scale(WholeTable(), 16, dynamic=dynamic)
+
+
+def test_task_dynamic_is_checked_up_front():
+    x = _tokens(8, 16)
+    assert hydro.Task(model=WholeTable(), train_data=(x, x), val_data=(x, x)).dynamic is None
+    with pytest.raises(hydro.ConfigError, match=r"dynamic= must be 'auto' or a mapping, got 1"):
+        hydro.Task(model=WholeTable(), train_data=(x, x), val_data=(x, x), dynamic=1)
