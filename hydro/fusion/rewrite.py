@@ -23,7 +23,6 @@ convolutions, dropout and random ops, attention) is its handler's, in :mod:`hydr
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,11 +47,15 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Batch:
-    """Dimension ``dim`` of the value is ``outer * B * inner``."""
+    """Dimension ``dim`` of the value is ``outer * B * inner``.
+
+    ``outer`` and ``inner`` are ints, or products of other dynamic sizes (a sequence length
+    ``T`` merged with the batch by ``view(B * T, C)``) as sympy expressions.
+    """
 
     dim: int
-    outer: int
-    inner: int
+    outer: int | sympy.Expr
+    inner: int | sympy.Expr
 
 
 FREE = "free"  # a tensor without the batch
@@ -128,19 +131,42 @@ def _locate(node: Node, val: torch.Tensor, syms: set) -> tuple[int, sympy.Expr] 
     return found[0] if found else None
 
 
-def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> int:
+def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> sympy.Expr:
     sym = next(iter(expr.free_symbols & syms))
     coeff = sympy.simplify(expr / sym)
-    if not coeff.is_Integer or int(coeff) < 1:
+    if not _multiple(coeff, syms):
         raise FuseError(
             f"cannot fuse node '{node.name}' ({node.format_node()}): its size {expr} is not a "
             "multiple of the batch (a concatenation along the batch?), which would mix trials"
         )
-    return int(coeff)
+    return coeff
 
 
-def _static(sizes: object) -> int:
-    return math.prod(int(s) for s in sizes)
+def _multiple(e: sympy.Expr, syms: set) -> bool:
+    """Whether ``e`` is a positive whole factor: an int >= 1 times other dynamic sizes (a
+    sequence length), never the batch itself."""
+    e = sympy.expand(e)
+    coeff, rest = e.as_coeff_Mul()
+    if not coeff.is_Integer or coeff < 1 or rest.free_symbols & syms:
+        return False
+    factors = sympy.Mul.make_args(rest)
+    return all(f == 1 or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer
+                                         and f.exp > 0) for f in factors)  # fmt: skip
+
+
+def _size(size: object) -> sympy.Expr:
+    # the expression, never ``int(size)``: that would specialize a dynamic size in the shape
+    # environment the captured graph shares, fixing it for every later reader
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _prod(sizes: object) -> sympy.Expr:
+    return sympy.Mul(*[_size(s) for s in sizes])
+
+
+def _plain(e: sympy.Expr) -> int | sympy.Expr:
+    """An int where the expression is a number (the common, static case)."""
+    return int(e) if e.is_Integer else e
 
 
 def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
@@ -158,23 +184,22 @@ def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
     if node.target in _VIEWS and isinstance(src, Node) and isinstance(facts.get(src), Batch):
         b = facts[src]
         shape = src.meta["val"].shape
-        flat = b.inner * _static(shape[b.dim + 1 :])
-        after = _static(val.shape[d + 1 :])
-        if flat % after or coeff % (flat // after):
+        flat = b.inner * _prod(shape[b.dim + 1 :])
+        inner = sympy.simplify(flat / _prod(val.shape[d + 1 :]))
+        if not _multiple(inner, syms) or not _multiple(sympy.simplify(coeff / inner), syms):
             raise FuseError(
                 f"cannot fuse node '{node.name}' ({node.format_node()}): this view splits the "
                 "batch dimension, which would mix trials"
             )
-        inner = flat // after
     if inner is None:
         for a in node.all_input_nodes:
             b = facts.get(a)
-            if isinstance(b, Batch) and b.outer * b.inner == coeff:
+            if isinstance(b, Batch) and sympy.expand(b.outer * b.inner - coeff) == 0:
                 inner = b.inner
                 break
     if inner is None:
         inner = coeff
-    return Batch(d, coeff // inner, inner)
+    return Batch(d, _plain(sympy.simplify(coeff / inner)), _plain(sympy.expand(inner)))
 
 
 def batch_facts(gm: torch.fx.GraphModule) -> dict[Node, object]:
@@ -274,6 +299,9 @@ class _Rewriter:
         self.owners: dict[str, object] = {}
         self._expanded: dict[Node, Node] = {}
         self.fallbacks: list[str] = []  # nodes run under torch.func.vmap
+        # dynamic sizes other than the batch (a sequence length): where to read them at run time
+        self._sym_sizes: dict[sympy.Symbol, tuple[Node, int]] = {}
+        self._runtime: dict[sympy.Expr, Node] = {}
         device = next(iter(tensors.values())).device if tensors else None
         self.device = device
 
@@ -290,8 +318,28 @@ class _Rewriter:
         if isinstance(fact, list):
             return [self.out_spec(node, f, shared_ok=shared_ok) for f in fact]
         if isinstance(fact, Batch):
-            return ("SB" if shared_ok else "F", fact.dim, fact.outer)
+            return ("SB" if shared_ok else "F", fact.dim, self.outer(fact))
         return None if fact is None else "?"
+
+    def outer(self, fact: Batch) -> int | Node:
+        """``fact.outer`` as the fused graph's ops take it: an int, or (a product of dynamic
+        sizes, ``T`` from ``view(T * B, C)``) a node that computes it at run time, one per
+        expression so that equal specs stay equal."""
+        if isinstance(fact.outer, int):
+            return fact.outer
+        if fact.outer not in self._runtime:
+            coeff, rest = fact.outer.as_coeff_Mul()
+            value: object = int(coeff)
+            for f in sympy.Mul.make_args(rest):
+                base, exp = (f.base, int(f.exp)) if f.is_Pow else (f, 1)
+                if base not in self._sym_sizes:
+                    raise FuseError(f"cannot fuse: the size {fact.outer} is read from no input")
+                new, d = self._sym_sizes[base]
+                size = self.fn(aten.sym_size.int, new, d)
+                for _ in range(exp):
+                    value = self.fn(operator.mul, value, size)
+            self._runtime[fact.outer] = value
+        return self._runtime[fact.outer]
 
     def folded(self, a: Node) -> Node:
         """``a``'s new value, a shared batched value expanded to a folded one (once)."""
@@ -607,6 +655,11 @@ class _Rewriter:
         default = node.args[0] if node.args else torch.fx.node.inspect.Signature.empty
         new = self.graph.placeholder(node.target, default_value=default)
         fact = self.facts[node]
+        val = node.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in self.syms:
+                self._sym_sizes.setdefault(expr, (new, d if self.shared else d + 1))
         if fact is None:
             self.env[node], self.spec[node] = new, None
         elif not self.shared:  # [n, B, ...] each trial's own batch, folded / [n, ...]
@@ -790,7 +843,7 @@ class _Rewriter:
                 new_args.append(a)
                 specs.append(None)
         fact = self.facts[node]
-        out = ("F", fact.dim, fact.outer) if isinstance(fact, Batch) else ("T",)
+        out = ("F", fact.dim, self.outer(fact)) if isinstance(fact, Batch) else ("T",)
         kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
         target = node.target
         if node.name in self.literals and target._overloadname == "Scalar":
@@ -815,9 +868,9 @@ class _Rewriter:
             args = (new_x, [self.n, *rest[0]])
         elif target is aten.expand.default:
             if isinstance(fact, Batch):  # a per-trial value grown to the batch (a CLS token)
-                self.env[node] = self.fn(_trial_expand, new_x, rest[0], self.n, fact.dim,
-                                         ("F", fact.dim, fact.outer))  # fmt: skip
-                self.spec[node] = ("F", fact.dim, fact.outer)
+                spec = ("F", fact.dim, self.outer(fact))
+                self.env[node] = self.fn(_trial_expand, new_x, rest[0], self.n, fact.dim, spec)
+                self.spec[node] = spec
                 return True
             args = (new_x, [-1, *rest[0]])
         elif target is aten.permute.default:
