@@ -108,9 +108,10 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
-def _synthetic_task(out: torch.Tensor) -> tuple[torch.Tensor, Callable]:
+def _synthetic_task(out: Any) -> tuple[torch.Tensor, Callable]:
     """A fixed random target and its loss for the coord check: cross entropy on random classes
-    for an output with a class dimension (logits), mean squared error for a single output.
+    for an output with a class dimension (logits), mean squared error for a single output. A
+    HuggingFace ``ModelOutput`` (or a tuple) is judged by its ``logits`` (or first tensor).
 
     Not MSE onto random numbers for logits: under muP a surrogate's initial logits are larger
     by sqrt(ratio) (the target's readout init, times the readout multiplier), and MSE's gradient
@@ -118,14 +119,27 @@ def _synthetic_task(out: torch.Tensor) -> tuple[torch.Tensor, Callable]:
     initialization rather than width-stable training. Cross entropy's gradient at small logits
     (``softmax - onehot``) does not depend on their size; it is also what such models train on.
     """
+
+    def pick(output: Any) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return output
+        if getattr(output, "logits", None) is not None:
+            return output.logits
+        return next(x for x in output if isinstance(x, torch.Tensor))
+
+    out = pick(out)
     if out.is_floating_point() and out.dim() >= 2 and out.shape[-1] >= 2:
         classes = torch.randint(0, out.shape[-1], out.shape[:-1])
 
-        def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(output.flatten(0, -2), target.flatten())
+        def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(pick(output).flatten(0, -2), target.flatten())
 
         return classes, cross_entropy
-    return torch.randn_like(out), F.mse_loss
+
+    def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(pick(output), target)
+
+    return torch.randn_like(out), mse
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

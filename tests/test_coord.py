@@ -114,5 +114,8 @@ def test_logits_get_cross_entropy_and_a_single_output_mse() -> None:
     assert loss(torch.zeros(4, 16, 65), target).item() == pytest.approx(
         torch.log(torch.tensor(65.0))
     )
+    logits = torch.zeros(4, 16, 65)
+    target, loss = _synthetic_task((logits, "extra"))  # a tuple (or ModelOutput): its logits
+    assert target.shape == (4, 16) and loss((logits, "extra"), target).item() > 4
     target, loss = _synthetic_task(torch.zeros(8, 1))
-    assert target.dtype == torch.float32 and loss is torch.nn.functional.mse_loss
+    assert target.dtype == torch.float32 and loss(torch.zeros(8, 1), target) > 0

@@ -103,23 +103,23 @@ def _loop_gpt(n_layer: int, mult: float = 1.0) -> nn.Module:
 
 
 def test_parallel_lists_are_cut_as_one_loop_body() -> None:
-    """(1, 2) of a 4-block LoopGPT is the 2-block LoopGPT with branches x 2: the same numbers."""
-    sur = hydro.scale(_loop_gpt(4), 1, depth_ratio=2, example_inputs=(X,))
+    """(1, 2) of a 4-block LoopGPT at Depth-muP is the 2-block LoopGPT with branches x sqrt 2:
+    the same numbers, and the kept items' Adam learning rates x sqrt 2."""
+    sur = hydro.scale(_loop_gpt(4), 1, depth_ratio=2, depth_alpha=0.5, example_inputs=(X,))
     stacks = {st.path: st for st in sur.hydro.stacks}
     assert set(stacks) == {"ln_1", "attn", "ln_2", "mlp"}
     for path, st in stacks.items():
         assert st.cut and st.reason is None and st.kept == [f"{path}.0", f"{path}.2"]
         assert sorted(st.siblings) == sorted(set(stacks) - {path})
-    assert sur.hydro.depth_multipliers == {"depth_residual.scale": 2.0}
-    ref = _loop_gpt(2, mult=2.0)
+    assert sur.hydro.depth_multipliers == {"depth_residual.scale": pytest.approx(2**0.5)}
+    ref = _loop_gpt(2, mult=2**0.5)
     state = {k.replace(".2.", ".1."): v for k, v in sur.state_dict().items()}
     ref.load_state_dict(state)  # strict: the same tensors, renumbered
     torch.testing.assert_close(sur(X), ref(X), rtol=1e-12, atol=1e-12)
-    # CompleteP's Adam factor reaches every sibling's kept items (1 at alpha 1, sqrt 2 at 0.5)
-    half = hydro.scale(_loop_gpt(4), 1, depth_ratio=2, depth_alpha=0.5, example_inputs=(X,))
+    # CompleteP's Adam factor (L / L_s)^(1 - alpha) reaches every sibling's kept items
     for name in ("attn.2.c_attn.weight", "ln_1.0.weight", "mlp.2.c_proj.bias"):
-        assert optimizer_multipliers(half.get_parameter(name))[0] == pytest.approx(2**0.5), name
-    assert optimizer_multipliers(half.get_parameter("ln_f.weight"))[0] == 1.0
+        assert optimizer_multipliers(sur.get_parameter(name))[0] == pytest.approx(2**0.5), name
+    assert optimizer_multipliers(sur.get_parameter("ln_f.weight"))[0] == 1.0
 
 
 def test_loop_gpt_width_and_depth_surrogate_matches_the_shallow_one_and_trains() -> None:
