@@ -138,11 +138,17 @@ class CoordCheckResult:
                         label=f"{layer} ({self.spread(layer, last):.2f})")  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            # at least a factor 4 top to bottom: a flat line looks flat, not steep noise
+            values = [self.sizes[r][n][last] for r in self.ratios for n in worst]
+            lo, hi = max(min(values), 1e-30), max(max(values), 1e-30)
+            if hi / lo < 4:
+                mid = (lo * hi) ** 0.5
+                ax.set_ylim(mid / 2, mid * 2)
             ax.xaxis.set_major_locator(FixedLocator(widths))
             ax.xaxis.set_minor_locator(NullLocator())
             ax.set_xticklabels([str(w) for w in widths])
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-            ax.yaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
             ax.yaxis.set_minor_formatter(NullFormatter())
             more = f", worst {len(worst)} of {len(members)}" if len(members) > len(worst) else ""
             ax.set_title(f"{kind}{more}", fontsize=10)
