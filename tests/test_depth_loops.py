@@ -112,6 +112,10 @@ def test_parallel_lists_are_cut_as_one_loop_body() -> None:
         assert st.cut and st.reason is None and st.kept == [f"{path}.0", f"{path}.2"]
         assert sorted(st.siblings) == sorted(set(stacks) - {path})
     assert sur.hydro.depth_multipliers == {"depth_residual.scale": pytest.approx(2**0.5)}
+    report = hydro.inspect(_loop_gpt(4), 1, example_inputs=(X,), depth_ratio=2)
+    assert ("depth: stack 'mlp' keeps 2 of 4 blocks (mlp.0, mlp.2) (one loop body with 'ln_1', "
+            "'attn', 'ln_2'), residual branches x 2") in str(report)  # fmt: skip
+    assert report.to_dict()["stacks"][0]["siblings"] == ["attn", "ln_2", "mlp"]
     ref = _loop_gpt(2, mult=2**0.5)
     state = {k.replace(".2.", ".1."): v for k, v in sur.state_dict().items()}
     ref.load_state_dict(state)  # strict: the same tensors, renumbered
