@@ -121,11 +121,16 @@ def _synthetic_task(out: Any) -> tuple[torch.Tensor, Callable]:
     """
 
     def pick(output: Any) -> torch.Tensor:
-        if isinstance(output, torch.Tensor):
-            return output
-        if getattr(output, "logits", None) is not None:
-            return output.logits
-        return next(x for x in output if isinstance(x, torch.Tensor))
+        for _ in range(8):  # (a captured ModelOutput may come back nested in another)
+            if isinstance(output, torch.Tensor):
+                return output
+            if getattr(output, "logits", None) is not None:
+                output = output.logits
+            elif isinstance(output, dict):
+                output = next(iter(output.values()))
+            else:
+                output = output[0]
+        raise ConfigError("coord-check: the model's output holds no tensor to judge")
 
     out = pick(out)
     if out.is_floating_point() and out.dim() >= 2 and out.shape[-1] >= 2:

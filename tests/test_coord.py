@@ -115,7 +115,10 @@ def test_logits_get_cross_entropy_and_a_single_output_mse() -> None:
         torch.log(torch.tensor(65.0))
     )
     logits = torch.zeros(4, 16, 65)
-    target, loss = _synthetic_task((logits, "extra"))  # a tuple (or ModelOutput): its logits
+    target, loss = _synthetic_task((logits, "extra"))  # a tuple: its first tensor
     assert target.shape == (4, 16) and loss((logits, "extra"), target).item() > 4
+    nested = {"logits": {"logits": logits}}  # a ModelOutput comes back from a graph nested
+    target, loss = _synthetic_task(nested)
+    assert target.shape == (4, 16) and loss(nested, target).item() > 4
     target, loss = _synthetic_task(torch.zeros(8, 1))
     assert target.dtype == torch.float32 and loss(torch.zeros(8, 1), target) > 0
