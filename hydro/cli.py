@@ -18,12 +18,13 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hydro.errors import ConfigError, HydroError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -80,7 +81,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_coord_check(args: argparse.Namespace) -> int:
     import torch
-    import torch.nn.functional as F
 
     from hydro.coord import coord_check
     from hydro.scaling import guess_inputs
@@ -99,9 +99,8 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
         )  # fmt: skip
     with torch.no_grad():
         out = model(*inputs)
-    # regress onto a fixed random target: any loss that moves every layer will do
-    target = torch.randn_like(out)
-    result = coord_check(model, inputs, target, F.mse_loss, ratios=_ratios(args.ratios),
+    target, loss = _synthetic_task(out)
+    result = coord_check(model, inputs, target, loss, ratios=_ratios(args.ratios),
                          steps=args.steps, lr=args.lr, optimizer=args.optimizer,
                          parametrization=args.parametrization, seed=args.seed)  # fmt: skip
     check_writable(args.output, "plot file")
@@ -111,6 +110,48 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}")
     print(line)
     return 0 if passed else 1
+
+
+def _synthetic_task(out: Any) -> tuple[torch.Tensor, Callable]:
+    """A fixed random target and its loss for the coord check: cross entropy on random classes
+    for an output with a class dimension (logits), mean squared error for a single output. A
+    HuggingFace ``ModelOutput`` (or a tuple) is judged by its ``logits`` (or first tensor).
+
+    Not MSE onto random numbers for logits: under muP a surrogate's initial logits are larger
+    by sqrt(ratio) (the target's readout init, times the readout multiplier), and MSE's gradient
+    ``logits - target`` carries that into every layer, so the check measured the readout's
+    initialization rather than width-stable training. Cross entropy's gradient at small logits
+    (``softmax - onehot``) does not depend on their size; it is also what such models train on.
+    """
+
+    import torch
+    import torch.nn.functional as F
+
+    def pick(output: Any) -> torch.Tensor:
+        for _ in range(8):  # (a captured ModelOutput may come back nested in another)
+            if isinstance(output, torch.Tensor):
+                return output
+            if getattr(output, "logits", None) is not None:
+                output = output.logits
+            elif isinstance(output, dict):
+                output = next(iter(output.values()))
+            else:
+                output = output[0]
+        raise ConfigError("coord-check: the model's output holds no tensor to judge")
+
+    out = pick(out)
+    if out.is_floating_point() and out.dim() >= 2 and out.shape[-1] >= 2:
+        classes = torch.randint(0, out.shape[-1], out.shape[:-1])
+
+        def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(pick(output).flatten(0, -2), target.flatten())
+
+        return classes, cross_entropy
+
+    def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(pick(output), target)
+
+    return torch.randn_like(out), mse
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -352,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coord-check", help="activation sizes over widths: does muP hold?")
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
     p.add_argument("--ratios", default="1,2,4,8")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--parametrization", default="mup", choices=["mup", "sp"])

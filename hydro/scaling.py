@@ -213,6 +213,7 @@ def build(
     cap, depth_plan = depth.cut(cap, model, depth_ratio, depth_alpha)
     if parametrization == "mup":
         depth.warn_deep_cut(depth_plan, stacklevel=4)
+    depth.warn_no_cut(depth_plan, model, stacklevel=4)
     if ratio == "auto":  # the largest ratio that keeps every width above its floor
         auto, plan = floor.choose(cap, run_inputs, run_kwargs, head_policy)
         floor.warn_if_full(auto, type(model).__name__)

@@ -326,7 +326,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
     assert verdict.startswith("verdict: PASS (mup): worst hidden layer")
     assert "below the threshold 2" in verdict
     args = ["coord-check", "examples.models:mlp", "--ratios", "1,8", "--parametrization", "sp",
-            "-o", str(tmp_path / "sp.png")]  # fmt: skip
+            "--steps", "4", "-o", str(tmp_path / "sp.png")]  # fmt: skip
     assert main(args) == 1
     assert "verdict: FAIL (sp)" in capsys.readouterr().out
 
