@@ -398,3 +398,11 @@ def test_every_page_is_in_the_site_nav():
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     assert sorted(listed) == pages, f"nav {sorted(listed)} != docs/ {pages}"
     assert listed[0] == "index.md", "the site opens at docs/index.md: list it first"
+
+
+def test_the_front_page_links_to_pages_that_exist():
+    text = (ROOT / "docs" / "index.md").read_text()
+    links = re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", text)
+    assert len(set(links)) >= 11, links  # every page of the site is in its table
+    missing = [link for link in links if not (ROOT / "docs" / link).is_file()]
+    assert not missing, f"docs/index.md links to missing pages: {missing}"
