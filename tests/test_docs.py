@@ -178,7 +178,7 @@ SHRINK = {
     "docs/tuning.md": [("n_trials=64", "n_trials=2"), ("steps=300", "steps=2"),
                        ("eval_every=50", "eval_every=2"), ("fuse=16", "fuse=2"),
                        ("IntDistribution(0, 50)", "IntDistribution(0, 1)")],
-    "docs/cli.md": [("--ratios 1,2,4,8 --steps 4", "--ratios 1,8 --steps 2"),
+    "docs/cli.md": [("gpt -o coord.png", "gpt --ratios 1,8 --steps 2 -o coord.png"),
                     ("--parametrization sp", "--ratios 1,8 --parametrization sp")],
     "docs/models.md": [("num_hidden_layers=4", "num_hidden_layers=1")],
     "docs/coordinator.md": [("steps=6, micro_batches=4", "steps=2, micro_batches=2"),
