@@ -274,7 +274,7 @@ def tune(
     executor: Any = None,
     seed: int | None = None,
     verify_top_k: int = 0,
-    progress: bool = False,
+    progress: bool | None = None,
     device: str = "cpu",
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
@@ -314,7 +314,9 @@ def tune(
         seed: seeds the sampler, the surrogates' initializations and the data order.
         verify_top_k: afterwards, train the full model (unmodified, standard parametrization)
             with the best ``k`` configurations and report which wins and the rank agreement.
-        progress: print progress to stderr.
+        progress: show progress on stderr (trial-steps done, trials finished, ETA, best
+            value; docs/tuning.md, "Progress") and the five best trials at the end; ``None``
+            (default): on when stderr is a terminal or in a notebook, off otherwise.
         device: where groups train in this process (``"cpu"``, ``"cuda"``, ``"cuda:N"``): the
             inline executor and ``verify_top_k``. A ``"local"`` or ``"ray"`` executor places
             groups on its own devices (every visible GPU, else CPU). Asking for CUDA where
