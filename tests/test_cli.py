@@ -110,13 +110,16 @@ def project(tmp_path, monkeypatch):
 def test_tune_export_report(project, capsys):
     assert main(["tune", "tune.yaml", "-o", "best.yaml", "--verify-top-k", "2"]) == 0
     out = capsys.readouterr()
-    assert "best value" in out.out and "| 4/4 " in out.err and "top 4 of 4 complete" in out.err
+    assert "best value" in out.out and "top 4 of 4 complete" in out.err
+    # not a terminal: one plain line per update, the last one the whole run
+    assert "\r" not in out.err and "trial-steps 40/40 (100%), trials 4/4, " in out.err
     best = yaml.safe_load((project / "best.yaml").read_text())
     assert set(best["hyperparameters"]) == {"lr"} and best["provenance"]["ratio"] == 2
     assert len(best["verification"]["configs"]) == 2
-    # rerunning resumes: nothing new to train
-    assert main(["tune", "tune.yaml"]) == 0
-    assert "4 trials so far" in capsys.readouterr().err
+    # rerunning resumes: nothing new to train; --no-progress leaves the header alone
+    assert main(["tune", "tune.yaml", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "4 trials so far" in err and err.count("\n") == 1
     assert main(["export", "--storage", "sqlite:///toy.db", "--study", "toy", "-o", "b.json"]) == 0
     assert (
         json.loads((project / "b.json").read_text())["hyperparameters"] == best["hyperparameters"]
