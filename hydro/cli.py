@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "deadline: the best groups get whole devices as it nears")  # fmt: skip
     p.add_argument("--seed", type=int)
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar or lines on stderr, and no table of the best trials")  # fmt: skip
+                   help="no progress bar or lines, no table of the best trials")  # fmt: skip
     p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "
                    "cuda:N (overrides the config's device)")  # fmt: skip
     p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")
