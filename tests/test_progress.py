@@ -96,7 +96,8 @@ def test_eta_from_the_step_rate_on_a_synthetic_clock():
 
 
 def test_piped_lines_are_throttled():
-    """A line per 5% of the run's trial-steps, or after 30 s with news; never more."""
+    """A line per 5% of the run's trial-steps, or after 30 s with news, and one with the first
+    ETA; never more."""
     now = [0.0]
     study = optuna.create_study()
     out = io.StringIO()
@@ -105,21 +106,24 @@ def test_piped_lines_are_throttled():
     for step in range(1, 11):  # 10 of 1000 trial-steps: under 5%, within 30 s
         now[0] += 1.0
         bar.reported(0, step, 2.0 - step / 100)
-    assert len(out.getvalue().splitlines()) == 1
-    for step in range(11, 61):  # 50 more: past 5% of the run
+    lines = out.getvalue().splitlines()  # and the first ETA, at the second step (1 step/s)
+    assert lines[1:] == ["trial-steps 2/1000 (0%), trials 0/10, elapsed 0:02, eta 16:38, "
+                         "best~1.98*"]  # fmt: skip
+    for step in range(11, 61):  # 50 more: past 5% of the run since the last line
         now[0] += 0.01
         bar.stepped(0, step)
         bar.update()
-    assert len(out.getvalue().splitlines()) == 2
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("trial-steps 52/1000 (5%), ")
     now[0] += 31.0
     bar.stepped(1, 1)
     bar.update()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 3 and lines[-1].startswith("trial-steps 61/1000 (6%), trials 0/10, ")
-    assert "best~1.9* " not in lines[-1] and ", best~1.9*" in lines[-1]
+    assert len(lines) == 4 and lines[-1].startswith("trial-steps 61/1000 (6%), trials 0/10, ")
+    assert lines[-1].endswith(", best~1.9*")
     now[0] += 100.0
     bar.update()  # nothing new, however long since
-    assert len(out.getvalue().splitlines()) == 3
+    assert len(out.getvalue().splitlines()) == 4
 
 
 def test_no_progress_prints_nothing(capsys):
@@ -142,5 +146,7 @@ def test_auto_progress_is_off_off_a_terminal(capsys):
 
     assert wanted(None, Terminal()) and not wanted(None, io.StringIO())
     assert wanted(True) and not wanted(False)
-    with pytest.raises(ConfigError, match="progress must be True, False or None"):
-        wanted("yes")
+    with pytest.raises(ConfigError, match=r"^progress must be True, False or None \(auto\), "
+                       "got 'yes'$"):  # fmt: skip
+        hydro.tune(make_task(4), SPACE, n_trials=3, storage="sqlite:///:memory:",
+                   progress="yes")  # fmt: skip

@@ -175,6 +175,7 @@ def optimize(
     """
     fuse = check_fuse(fuse)
     fuse_memory = check_memory(fuse_memory)
+    progress = wanted(progress)  # None: on a terminal or in a notebook
     most = MAX_FUSE if fuse == "auto" else fuse
     if isinstance(first_group, bool) or not isinstance(first_group, int) \
             or not 0 <= first_group <= most:  # fmt: skip
@@ -224,7 +225,7 @@ def optimize(
     checkpoints = _trial_checkpoints(study, checkpoint_dir) if checkpoint_every else None
     start = time.perf_counter()
     steps = task_or_callback.steps if is_task else None  # a callback's steps are its own
-    bar = Progress(study, n_trials, _finished, steps) if wanted(progress) else None
+    bar = Progress(study, n_trials, _finished, steps) if progress else None
     occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
         _sweep_checkpoints(study, checkpoints)

@@ -12,7 +12,8 @@ later trial to train to the end, which overstates the time left whenever the pru
 
 On a terminal (or in a notebook) a tqdm bar is redrawn in place; elsewhere (a pipe, a file, a
 CI log) one plain line is written per update, at most every :attr:`Progress.line_seconds`
-seconds or :attr:`Progress.line_fraction` of the run, so logs stay short.
+seconds or :attr:`Progress.line_fraction` of the run (and once when the first ETA is known),
+so logs stay short.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ class Progress:
         self._read_at: float | None = None  # when the study was last read; None: read next
         self._drawn_at = -float("inf")
         self._line: tuple[float, int, tuple] | None = None  # (time, done, news): last line
+        self._no_eta = True  # the last line had no ETA: the first one gets a line of its own
         self.bar = None
         if self.mode == "bar":
             from tqdm.auto import tqdm
@@ -205,11 +207,11 @@ class Progress:
         # news: what changed besides the clocks (elapsed, the ETA's countdown)
         news = (self.done, self.done_trials, self.best, self.interim, self.text, self.occupancy)
         last = self._line
-        if last is not None and not force:
+        if last is not None and not force and not (left is not None and self._no_eta):
             moved = self.done - last[1] >= self.line_fraction * self.total
             if not moved and (now - last[0] < self.line_seconds or news == last[2]):
                 return
-        self._line = (now, self.done, news)
+        self._line, self._no_eta = (now, self.done, news), left is None
         print(self.describe(left, now, plain=True), file=self.file, flush=True)
 
     def describe(self, left: float | None, now: float, plain: bool) -> str:

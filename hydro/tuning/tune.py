@@ -23,6 +23,7 @@ from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import check_depth, check_placement, optimize
 from hydro.tuning.group import check_device, group_key
 from hydro.tuning.lockstep import train_group
+from hydro.tuning.progress import wanted
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.signals import terminate_as_interrupt
 from hydro.tuning.sizing import check_fuse, check_memory
@@ -367,6 +368,7 @@ def tune(
     check_placement(policy, deadline)
     check_fuse(fuse)
     check_memory(fuse_memory)
+    progress = wanted(progress)  # None: on a terminal or in a notebook
     executor = make_executor(executor)
     check_space(space, task.model_args())
     preflight(task, space)
