@@ -105,16 +105,20 @@ def test_piped_lines_are_throttled():
     assert bar.mode == "lines" and len(out.getvalue().splitlines()) == 1
     for step in range(1, 11):  # 10 of 1000 trial-steps: under 5%, within 30 s
         now[0] += 1.0
-        bar.reported(0, step, 2.0 - step / 100)
-    lines = out.getvalue().splitlines()  # and the first ETA, at the second step (1 step/s)
-    assert lines[1:] == ["trial-steps 2/1000 (0%), trials 0/10, elapsed 0:02, eta 16:38, "
-                         "best~1.98*"]  # fmt: skip
+        if step % 5:
+            bar.stepped(0, step)
+            bar.update()
+        else:  # an evaluation every 5 steps
+            bar.reported(0, step, 2.0 - step / 100)
+    lines = out.getvalue().splitlines()  # and the first ETA, at the first evaluation (1 step/s)
+    assert lines[1:] == ["trial-steps 5/1000 (0%), trials 0/10, elapsed 0:05, eta 16:35, "
+                         "best~1.95*"]  # fmt: skip
     for step in range(11, 61):  # 50 more: past 5% of the run since the last line
         now[0] += 0.01
         bar.stepped(0, step)
         bar.update()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 3 and lines[-1].startswith("trial-steps 52/1000 (5%), ")
+    assert len(lines) == 3 and lines[-1].startswith("trial-steps 55/1000 (6%), ")
     now[0] += 31.0
     bar.stepped(1, 1)
     bar.update()

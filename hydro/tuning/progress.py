@@ -9,6 +9,7 @@ remaining steps thus count as done: the rate the ETA divides by is then the rate
 run gets through its planned budget, pruning included, so once pruning has started the ETA
 expects later trials to be pruned about as often as earlier ones (rather than expecting every
 later trial to train to the end, which overstates the time left whenever the pruner works).
+The ETA is shown from the run's first evaluation on, so that the rate includes its cost.
 
 On a terminal (or in a notebook) a tqdm bar is redrawn in place; elsewhere (a pipe, a file, a
 CI log) one plain line is written per update, at most every :attr:`Progress.line_seconds`
@@ -135,6 +136,8 @@ class Progress:
         self.started = clock()
         self.running: dict[int, int] = {}  # trial -> trial-steps trained, until it is told
         self.interim: float | None = None  # best intermediate value reported in this run
+        # no ETA before this run's first evaluation: until then the rate leaves out its cost
+        self.evaluated = not self.counts_steps
         self.maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
         # mean live members per fused step out of ``fuse`` (continuous batching), when known
         self.occupancy: float | None = None
@@ -165,6 +168,7 @@ class Progress:
     def reported(self, number: int, step: int, value: float) -> None:
         """Trial ``number`` reported intermediate ``value`` at ``step`` (an evaluation)."""
         self.stepped(number, step)
+        self.evaluated = True
         if value == value and (self.interim is None  # not NaN
                                or (value > self.interim if self.maximize
                                    else value < self.interim)):  # fmt: skip
@@ -195,7 +199,8 @@ class Progress:
             self.text = postfix(self.study)
         done = self.done_trials * self.per_trial + sum(self.running.values())
         self.done = max(self.done, min(done, self.total))
-        left = self.eta.observe(self.done)
+        left = self.eta.observe(self.done)  # observed from the first advance on, ...
+        left = left if self.evaluated else None  # ... shown from the first evaluation on
         if self.bar is not None:
             if not force and now - self._drawn_at < self.interval:
                 return
