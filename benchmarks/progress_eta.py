@@ -10,6 +10,7 @@ from 10% of the run on (and from 10% to 90%: in the last seconds a second of rou
 large share of what remains).
 
     python benchmarks/progress_eta.py                      # ~1-2 min on one CPU thread
+    python benchmarks/progress_eta.py --load run.json      # the table of a run saved by --save
     python benchmarks/progress_eta.py --trials 32 --fuse 16 --steps 200 --eval-every 50 \
         --batch 32                                         # the README's main job (long)
 """
@@ -98,12 +99,13 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[float, str]], float, dict]
     return recorder.lines, start, states
 
 
-def table(lines: list[tuple[float, str]], start: float) -> tuple[str, float, float, float]:
-    """The table, and the largest |error| % from 10% of the run on, from 10% to 90%, and the
-    largest |error| in seconds from 10% on."""
+def table(lines: list[tuple[float, str]], start: float) -> tuple[str, float, float, float, float]:
+    """The table; the largest |error| % from 10% of the run on, from 10% to 90%, the largest
+    |error| in seconds from 10% on, and the fraction of the run when the first ETA showed."""
     end = lines[-1][0]
     rows = ["  run%  trial-steps%  eta shown  remaining  error%"]
     worst = worst_mid = worst_s = 0.0
+    first = None
     for t, line in lines:
         m = LINE.search(line)
         if m is None:
@@ -111,6 +113,8 @@ def table(lines: list[tuple[float, str]], start: float) -> tuple[str, float, flo
         frac = (t - start) / (end - start)
         remaining = end - t
         shown = None if m[6] == "?" else seconds(m[6])
+        if shown is not None and first is None:
+            first = frac
         err = None
         if shown is not None and remaining > 0:
             err = 100 * (shown - remaining) / remaining
@@ -121,7 +125,7 @@ def table(lines: list[tuple[float, str]], start: float) -> tuple[str, float, flo
                     worst_mid = max(worst_mid, abs(err))
         rows.append(f"{100 * frac:6.1f}  {m[3]:>12}  {m[6]:>9}  {remaining:9.1f}  "
                     + ("-" if err is None else f"{err:+6.1f}"))  # fmt: skip
-    return "\n".join(rows), worst, worst_mid, worst_s
+    return "\n".join(rows), worst, worst_mid, worst_s, 1.0 if first is None else first
 
 
 def main() -> None:
@@ -137,18 +141,25 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--echo", action="store_true", help="also show the progress lines")
     p.add_argument("--save", help="also write the lines and their times here (JSON)")
+    p.add_argument("--load", help="no run: the table of the lines --save wrote there")
     args = p.parse_args()
-    lines, start, states = run(args)
-    if args.save:
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        lines, start, states = saved["lines"], saved["start"], saved.get("states", "?")
+        args = argparse.Namespace(**{**saved["args"], "load": args.load})
+    else:
+        lines, start, states = run(args)
+    if args.save and not args.load:
         with open(args.save, "w") as f:
-            json.dump({"start": start, "lines": lines, "args": vars(args)}, f)
-    text, worst, worst_mid, worst_s = table(lines, start)
+            json.dump({"start": start, "lines": lines, "args": vars(args), "states": states}, f)
+    text, worst, worst_mid, worst_s, first = table(lines, start)
     print(text)
     print(f"charlm ratio 8, {args.trials} trials, fuse {args.fuse}, {args.steps} steps "
           f"(eval every {args.eval_every}), batch {args.batch}, {args.threads} thread(s): "
           f"{lines[-1][0] - start:.1f} s, {len(lines)} updates, trials {states}")  # fmt: skip
-    print(f"largest ETA error from 10% of the run on: {worst:.1f}% ({worst_s:.1f} s); "
-          f"from 10% to 90%: {worst_mid:.1f}%")  # fmt: skip
+    print(f"first ETA at {100 * first:.1f}% of the run; largest ETA error from 10% of the run "
+          f"on: {worst:.1f}% ({worst_s:.1f} s); from 10% to 90%: {worst_mid:.1f}%")  # fmt: skip
 
 
 if __name__ == "__main__":
