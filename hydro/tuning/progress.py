@@ -142,6 +142,7 @@ class Progress:
         # mean live members per fused step out of ``fuse`` (continuous batching), when known
         self.occupancy: float | None = None
         self.done_trials = 0
+        self.best: float | None = None  # the study's best complete value, when read
         self.done = 0  # trial-steps shown (never goes back)
         self.text = ""
         self._read_at: float | None = None  # when the study was last read; None: read next
