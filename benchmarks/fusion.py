@@ -187,25 +187,47 @@ def fused_step(
     return step
 
 
-def _module_at(rev: str, path: str, name: str, extra: dict) -> types.ModuleType:
-    source = subprocess.run(
+def _source_at(rev: str, path: str) -> str | None:
+    done = subprocess.run(
         ["git", "show", f"{rev}:{path}"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+    )  # fmt: skip
+    return done.stdout if done.returncode == 0 else None
+
+
+def _module_at(
+    rev: str, path: str, name: str, extra: dict, replace: dict | None = None
+) -> types.ModuleType:
+    source = _source_at(rev, path)
+    if source is None:
+        raise FileNotFoundError(f"{path} at {rev}")
     module = types.ModuleType(name)
     module.__dict__.update(extra)
     sys.modules[name] = module  # dataclasses look their module up
     source = source.replace("from hydro.fusion import ops\n", "")
+    for old, new in (replace or {}).items():
+        source = source.replace(old, new)
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # noqa: S102
     return module
 
 
 def rewrite_at(rev: str) -> types.ModuleType:
-    """``hydro/fusion/rewrite.py`` with its ``ops.py`` as of git revision ``rev``: the fused
-    graphs as that revision built them (the rest of ``hydro`` is this tree's)."""
+    """``hydro/fusion/rewrite.py`` with its ``ops.py`` (and ``handlers.py``, where the revision
+    has it) as of git revision ``rev``: the fused graphs as that revision built them (the rest
+    of ``hydro`` is this tree's)."""
     tag = rev.replace("/", "_").replace("-", "_").replace("~", "_").replace("^", "_")
     ops = _module_at(rev, "hydro/fusion/ops.py", f"hydro_fusion_ops_{tag}", {})
-    return _module_at(rev, "hydro/fusion/rewrite.py", f"hydro_fusion_rewrite_{tag}", {"ops": ops})
+    replace = {}
+    if _source_at(rev, "hydro/fusion/handlers.py") is not None:
+        handlers = f"hydro_fusion_handlers_{tag}"
+        own_ops = {
+            "from hydro.fusion import factories, ops\n": "from hydro.fusion import factories\n"
+        }
+        _module_at(rev, "hydro/fusion/handlers.py", handlers, {"ops": ops}, own_ops)
+        replace = {"from hydro.fusion.handlers import": f"from {handlers} import"}
+    return _module_at(
+        rev, "hydro/fusion/rewrite.py", f"hydro_fusion_rewrite_{tag}", {"ops": ops}, replace
+    )
 
 
 @contextlib.contextmanager

@@ -4,6 +4,10 @@ Models are named as ``module:callable`` (the callable returns an ``nn.Module``, 
 ``(model, example_inputs)`` pair); the current directory is importable, as for ``python -m``.
 Bad input exits with status 2 and a one-paragraph error, a study database that fails in use
 (locked too long, read-only) with status 3 and one line; ``--debug`` shows the traceback.
+
+This module imports only the standard library (and :mod:`hydro.errors`): ``hydro --help``, a
+subcommand's ``--help`` and a mistyped argument answer at once, without loading torch, Optuna
+or Ray; each ``cmd_*`` imports what it runs. The parser is :func:`build_parser`.
 """
 
 from __future__ import annotations
@@ -14,16 +18,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hydro.errors import ConfigError, HydroError
-from hydro.tuning.signals import Terminated, terminate_as_interrupt
-from hydro.tuning.tune import check_writable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def load_callable(spec: str, what: str = "model factory") -> Any:
@@ -35,6 +37,8 @@ def load_callable(spec: str, what: str = "model factory") -> Any:
 
 
 def _model_and_inputs(spec: str) -> tuple[nn.Module, tuple[Any, ...] | None]:
+    from torch import nn
+
     made = load_callable(spec)()
     if isinstance(made, nn.Module):
         return made, None
@@ -76,12 +80,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_coord_check(args: argparse.Namespace) -> int:
+    import torch
+
     from hydro.coord import coord_check
     from hydro.scaling import guess_inputs
+    from hydro.tuning.tune import check_writable
 
-    if args.threshold <= 1:
-        raise ConfigError(f"--threshold must be above 1 (a ratio of activation sizes), got "
-                          f"{args.threshold}")  # fmt: skip
     torch.manual_seed(args.seed)  # the model's own initialization too: same seed, same numbers
     model, inputs = _model_and_inputs(args.model)
     torch.manual_seed(args.seed)
@@ -95,9 +99,8 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
         )  # fmt: skip
     with torch.no_grad():
         out = model(*inputs)
-    # regress onto a fixed random target: any loss that moves every layer will do
-    target = torch.randn_like(out)
-    result = coord_check(model, inputs, target, F.mse_loss, ratios=_ratios(args.ratios),
+    target, loss = _synthetic_task(out)
+    result = coord_check(model, inputs, target, loss, ratios=_ratios(args.ratios),
                          steps=args.steps, lr=args.lr, optimizer=args.optimizer,
                          parametrization=args.parametrization, seed=args.seed)  # fmt: skip
     check_writable(args.output, "plot file")
@@ -109,12 +112,56 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def _synthetic_task(out: Any) -> tuple[torch.Tensor, Callable]:
+    """A fixed random target and its loss for the coord check: cross entropy on random classes
+    for an output with a class dimension (logits), mean squared error for a single output. A
+    HuggingFace ``ModelOutput`` (or a tuple) is judged by its ``logits`` (or first tensor).
+
+    Not MSE onto random numbers for logits: under muP a surrogate's initial logits are larger
+    by sqrt(ratio) (the target's readout init, times the readout multiplier), and MSE's gradient
+    ``logits - target`` carries that into every layer, so the check measured the readout's
+    initialization rather than width-stable training. Cross entropy's gradient at small logits
+    (``softmax - onehot``) does not depend on their size; it is also what such models train on.
+    """
+
+    import torch
+    import torch.nn.functional as F
+
+    def pick(output: Any) -> torch.Tensor:
+        for _ in range(8):  # (a captured ModelOutput may come back nested in another)
+            if isinstance(output, torch.Tensor):
+                return output
+            if getattr(output, "logits", None) is not None:
+                output = output.logits
+            elif isinstance(output, dict):
+                output = next(iter(output.values()))
+            else:
+                output = output[0]
+        raise ConfigError("coord-check: the model's output holds no tensor to judge")
+
+    out = pick(out)
+    if out.is_floating_point() and out.dim() >= 2 and out.shape[-1] >= 2:
+        classes = torch.randint(0, out.shape[-1], out.shape[:-1])
+
+        def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(pick(output).flatten(0, -2), target.flatten())
+
+        return classes, cross_entropy
+
+    def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(pick(output), target)
+
+    return torch.randn_like(out), mse
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
     from hydro.tuning import config as config_module
+    from hydro.tuning.fingerprint import check_study, fingerprint
     from hydro.tuning.tune import (
         TuneResult,
+        check_writable,
         make_executor,
         open_study,
         preflight,
@@ -138,12 +185,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from hydro.tuning.driver import optimize
 
     try:
-        preflight(cfg.task, cfg.space)
+        built = preflight(cfg.task, cfg.space)
     except HydroError as exc:  # name the file, as for any other mistake in it
         raise type(exc)(f"{cfg.path}: task: {exc}") from exc
     auto = cfg.ratio == "auto"
     cfg.ratio = task_ratio(cfg.task, cfg.ratio)  # the largest ratio within the width floors
     study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
+    definition = fingerprint(cfg.task, cfg.space, ratio=cfg.ratio, depth_ratio=cfg.depth_ratio,
+                             depth_alpha=cfg.depth_alpha, model=built,
+                             data_source=cfg.data_source)  # fmt: skip
+    check_study(study, definition, where=f"study '{cfg.study}' in "
+                f"{cfg.storage or 'sqlite:///hydro.db'}", force=args.force_resume,
+                new_name="--study NAME, or study: in the config",
+                force_hint="--force-resume")  # fmt: skip
     study.set_user_attr("hydro_task", task_recipe(cfg.task))
     args.resume_hint = (
         f"the finished trials are saved in study '{cfg.study}' of "
@@ -180,7 +234,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hydro.tuning.tune import export
+    from hydro.tuning.tune import check_writable, export
 
     check_writable(args.output, "export file")
     study = _load_study(args.storage, args.study)
@@ -193,6 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from hydro.tuning.report import check_report_path, write_report
+    from hydro.tuning.tune import check_writable
 
     check_report_path(args.output)
     check_writable(args.output, "report file")
@@ -259,6 +314,8 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
 
 
 def _vocab(model: nn.Module) -> int:
+    from torch import nn
+
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return min(sizes) if sizes else 2
 
@@ -301,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "CompleteP (default), 0.5 Depth-muP")  # fmt: skip
     p.add_argument("--checkpoint-dir", help="where trials' checkpoints go, a directory per "
                    "study (default: the config's, else beside the SQLite file)")  # fmt: skip
+    p.add_argument("--force-resume", action="store_true", help="continue the study even though "
+                   "its model, data, loss, recipe, space or ratio changed (default: refused; "
+                   "prefer a new --study)")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 
@@ -335,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coord-check", help="activation sizes over widths: does muP hold?")
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
     p.add_argument("--ratios", default="1,2,4,8")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--parametrization", default="mup", choices=["mup", "sp"])
@@ -346,6 +406,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="coord_check.png", help="plot file (PNG)")
     p.set_defaults(func=cmd_coord_check)
     return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what argparse cannot see but the standard library can, before any command imports
+    torch: a typo then answers in milliseconds, not after seconds of imports."""
+    if args.command == "tune":
+        if not os.path.exists(args.config):
+            raise ConfigError(f"config file {args.config!r} does not exist: name a YAML config "
+                              "(see docs/tuning.md), e.g. examples/charlm/tune.yaml")  # fmt: skip
+        if os.path.isdir(args.config):
+            raise ConfigError(f"config file {args.config!r} is a directory: name the YAML file "
+                              f"in it, e.g. {args.config}/tune.yaml")  # fmt: skip
+    if args.command == "coord-check":
+        if args.threshold <= 1:
+            raise ConfigError(f"--threshold must be above 1 (a ratio of activation sizes), got "
+                              f"{args.threshold}")  # fmt: skip
+        _ratios(args.ratios)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,6 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             previous = signal.signal(signal.SIGINT, on_sigint)
     try:
+        check_args(args)
+        # hydro.tuning's package imports torch: only once the arguments are known to be good
+        from hydro.tuning.signals import terminate_as_interrupt
+
         # SIGTERM (kill, Slurm, Docker, systemd) takes Ctrl-C's path: a clean stop, exit 143
         with terminate_as_interrupt(stopped):
             return args.func(args)
@@ -372,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug or not (stopped or isinstance(exc, (KeyboardInterrupt, HydroError))):
             raise
         if stopped or isinstance(exc, KeyboardInterrupt):
-            term = isinstance(exc, Terminated) or signal.SIGTERM in stopped
+            signals = sys.modules.get("hydro.tuning.signals")  # not imported: no SIGTERM handler
+            term = signal.SIGTERM in stopped or (
+                signals is not None and isinstance(exc, signals.Terminated)
+            )
             hint = getattr(args, "resume_hint", None)
             word = "terminated" if term else "interrupted"
             print(f"\nhydro {args.command}: {word}{f'; {hint}' if hint else ''}", file=sys.stderr)

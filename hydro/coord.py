@@ -30,6 +30,7 @@ class CoordCheckResult:
     Attributes:
         widths: the main hidden width of the surrogate at each ratio (target width / ratio).
         roles: each layer's muP role (hidden layers are the ones the check is about).
+        ops: the op that applies each layer's weight (``linear``, ``embedding``, ``layer_norm``).
     """
 
     ratios: list[int]
@@ -38,6 +39,7 @@ class CoordCheckResult:
     sizes: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     widths: dict[int, int] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
+    ops: dict[str, str] = field(default_factory=dict)
 
     def spread(self, layer: str, step: int) -> float:
         """Largest over smallest activation size across ratios for one layer and step."""
@@ -86,9 +88,22 @@ class CoordCheckResult:
         fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))  # noqa: E731
         return "\n".join([fmt(head), fmt(["-" * w for w in cols]), *map(fmt, rows)])
 
-    def plot(self, path: str | None = None, threshold: float = 2.0):  # noqa: ANN201 - Figure
-        """Activation size against width, one panel per step and one line per layer (log-log),
-        then each layer's spread per step against the ``threshold`` of :meth:`verdict`."""
+    def kind(self, layer: str) -> str:
+        """The layer's kind, one panel of :meth:`plot`: embedding, norm, conv, or a linear map by
+        its muP role (input, hidden, output)."""
+        op = self.ops.get(layer, "")
+        if op == "embedding":
+            return "embedding"
+        if op.endswith("norm"):
+            return "norm"
+        family = "conv" if op.startswith("conv") else "linear"
+        role = self.roles.get(layer, "?")
+        return "output (logits)" if role == "output" else f"{family} ({role})"
+
+    def plot(self, path: str | None = None, threshold: float = 2.0, per_panel: int = 6):  # noqa: ANN201 - Figure
+        """Activation size against width at the last step, one panel per layer kind (at most
+        ``per_panel`` lines each: the layers with the largest spread, named), then the spread
+        per step of the worst layers against the ``threshold`` of :meth:`verdict`."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -101,43 +116,56 @@ class CoordCheckResult:
             NullLocator,
         )  # fmt: skip
 
+        last = self.steps - 1
         layers = list(self.sizes[self.ratios[0]])
         widths = [self.widths[r] for r in self.ratios]
-        panels = self.steps + 1
-        cols = min(panels, 5)
+        kinds: dict[str, list[str]] = {}
+        for layer in layers:
+            kinds.setdefault(self.kind(layer), []).append(layer)
+        panels = len(kinds) + 1
+        cols = min(panels, 4)
         rows = -(-panels // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.2 * rows + 1.2),
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows + 0.6),
                                  squeeze=False)  # fmt: skip
         axes = [ax for row in axes for ax in row]
-        colors = plt.get_cmap("tab10" if len(layers) <= 10 else "tab20")
-        labels = [f"{name} ({self.roles.get(name, '?')})" for name in layers]
-        for t, ax in enumerate(axes[: self.steps]):
-            for i, layer in enumerate(layers):
-                ax.plot(widths, [self.sizes[r][layer][t] for r in self.ratios], marker="o",
-                        color=colors(i % colors.N), label=labels[i])  # fmt: skip
+        colors = plt.get_cmap("tab10")
+        judged = set(self.hidden_layers())
+        for ax, (kind, members) in zip(axes, kinds.items()):
+            worst = sorted(members, key=lambda n: -self.spread(n, last))[:per_panel]
+            for i, layer in enumerate(worst):
+                ax.plot(widths, [self.sizes[r][layer][last] for r in self.ratios], marker="o",
+                        color=colors(i), ls="-" if layer in judged else ":",
+                        label=f"{layer} ({self.spread(layer, last):.2f})")  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            # at least a factor 4 top to bottom: a flat line looks flat, not steep noise
+            values = [self.sizes[r][n][last] for r in self.ratios for n in worst]
+            lo, hi = max(min(values), 1e-30), max(max(values), 1e-30)
+            if hi / lo < 4:
+                mid = (lo * hi) ** 0.5
+                ax.set_ylim(mid / 2, mid * 2)
             ax.xaxis.set_major_locator(FixedLocator(widths))
             ax.xaxis.set_minor_locator(NullLocator())
             ax.set_xticklabels([str(w) for w in widths])
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-            ax.yaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
             ax.yaxis.set_minor_formatter(NullFormatter())
-            ax.set_title(f"step {t}")
+            more = f", worst {len(worst)} of {len(members)}" if len(members) > len(worst) else ""
+            ax.set_title(f"{kind}{more}", fontsize=10)
             ax.set_xlabel("hidden width")
-            ax.set_ylabel("mean |activation|")
+            ax.set_ylabel(f"mean |activation| at step {last}")
+            ax.legend(fontsize=7, loc="best", title="layer (spread)", title_fontsize=7)
             ax.grid(alpha=0.3)
-        ax = axes[self.steps]
-        counted = {self.worst()[0], *self.hidden_layers()}
-        for i, layer in enumerate(layers):
+        ax = axes[len(kinds)]
+        order = sorted(judged or layers, key=lambda n: -self.spread(n, last))[:per_panel]
+        for i, layer in enumerate(order):
             ax.plot(range(self.steps), [self.spread(layer, t) for t in range(self.steps)],
-                    marker="o", color=colors(i % colors.N),
-                    ls="-" if layer in counted else ":")  # fmt: skip
+                    marker="o", color=colors(i), label=layer)  # fmt: skip
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"threshold {threshold:g}")
-        ax.set(title="spread max/min across widths\n(dotted: not hidden, not judged)",
-               xlabel="step", ylabel="spread")  # fmt: skip
+        ax.set(title="spread (max/min across widths),\nworst judged layers", xlabel="step",
+               ylabel="spread")  # fmt: skip
         ax.set_xticks(range(self.steps))
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
         for extra in axes[panels:]:
             extra.axis("off")
@@ -145,14 +173,10 @@ class CoordCheckResult:
         layer, spread = self.worst()
         fig.suptitle(
             f"coord check ({self.parametrization}): {'PASS' if passed else 'FAIL'}, worst hidden "
-            f"spread {spread:.2f} ({layer}) vs threshold {threshold:g}",
+            f"spread {spread:.2f} ({layer}) vs threshold {threshold:g}; dotted: not judged",
             color="green" if passed else "red",
         )
-        handles, _ = axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9,
-                   frameon=False)  # fmt: skip
-        legend_rows = -(-len(labels) // 4)
-        fig.tight_layout(rect=(0, 0.06 + 0.035 * legend_rows, 1, 0.95))
+        fig.tight_layout(rect=(0, 0, 1, 0.95))
         if path:
             from hydro.files import replacing
 
@@ -199,8 +223,9 @@ def coord_check(
         gm = sur.graphs["train"]
         layers = _layers(sur, gm)
         roles = sur.hydro.roles
-        for name, weight in layers.values():
+        for node, (name, weight) in layers.items():
             result.roles.setdefault(name, roles.get(weight, "?"))
+            result.ops.setdefault(name, op_name(node))
         hidden = [
             s for n, s in sur.hydro.target_shapes.items()
             if roles.get(n) == "hidden" and len(s) >= 2

@@ -69,7 +69,7 @@ class InspectReport:
             "depth_ratio": self.depth_ratio,
             "stacks": [{"path": st.path, "blocks": list(st.blocks), "kept": list(st.kept),
                         "head": list(st.head), "left_whole": st.reason,
-                        "multiplier": st.multiplier}
+                        "multiplier": st.multiplier, "siblings": list(st.siblings)}
                        for st in self.stacks],
             "depth_multipliers": self.depth_multipliers,
             "floors": [vars(lw) | {"below": lw.below} for lw in self.floors],
@@ -232,6 +232,8 @@ def _stack_line(st: Any) -> str:
     if not st.cut:
         return f"depth: stack '{st.path}' ({len(st.blocks)} blocks) kept whole"
     after = f" after {', '.join(st.head)} (another shape, kept as is)" if st.head else ""
+    if st.siblings:
+        after += f" (one loop body with {', '.join(repr(s) for s in st.siblings)})"
     return (f"depth: stack '{st.path}' keeps {len(st.kept)} of {len(st.blocks)} blocks "
             f"({', '.join(st.kept)}){after}, residual branches x {st.multiplier:g}")  # fmt: skip
 

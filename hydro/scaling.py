@@ -1,10 +1,10 @@
 """``hydro.scale``: a captured model rebuilt with every hidden width divided by ``ratio``.
 
 The pipeline is capture (:mod:`hydro.fx.capture`: run the model on example inputs) → width
-analysis (:mod:`hydro.fx.widths`) → rebuild (this module: a pure pass over the captured graphs
-that makes new, smaller parameters and buffers and rewrites width-valued literals) → muP
-parametrization (:mod:`hydro.parametrize`) → a check that re-propagates shapes on fake tensors
-and compares every node with the analysis.
+analysis (:mod:`hydro.fx.widths`, solved by :mod:`hydro.fx.solve`) → rebuild (this module: a
+pure pass over the captured graphs that makes new, smaller parameters and buffers and rewrites
+width-valued literals) → muP parametrization (:mod:`hydro.parametrize`) → a check that
+re-propagates shapes on fake tensors and compares every node with the analysis.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from torch import nn
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor, indexing, modules, pins
-from hydro.fx.capture import Captured, capture
+from hydro.fx.capture import Captured, Dynamic, capture
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
 from hydro.fx.rules.shape import SIZE_ARG
-from hydro.fx.widths import HeadPolicy, WidthPlan, analyze, describe, op_name, propagate
+from hydro.fx.solve import analyze
+from hydro.fx.widths import HeadPolicy, WidthPlan, describe, op_name, propagate
 
 
 def scale(
@@ -44,6 +45,7 @@ def scale(
     parametrization: Literal["mup", "sp"] = "mup",
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
+    dynamic: Dynamic = None,
 ) -> Captured:
     """Build a muP surrogate of ``model`` with every hidden width divided by ``ratio``.
 
@@ -82,6 +84,12 @@ def scale(
             multiplied by ``(L_target / L_surrogate) ** depth_alpha``; 1 (default) is CompleteP,
             0.5 Depth-muP (which also scales the blocks' Adam learning rates, see
             :mod:`hydro.parametrize`).
+        dynamic: dimensions besides the batch that stay dynamic, so that the surrogate trains
+            at one size and evaluates at another. ``None`` (default): the batch only.
+            ``"auto"``: the sequence length (dimension 1 of integer inputs such as token ids)
+            where the model allows it (capture takes ~1.5x as long); ``{"seq": 1}``: dimension
+            1 of every input of rank >= 2 (an error where the model fixes it);
+            ``{"input_ids": {1: "seq"}}``: per input. See :func:`hydro.fx.capture.capture`.
 
     Returns:
         A :class:`hydro.fx.capture.Captured` module called exactly like ``model`` (same
@@ -111,6 +119,7 @@ def scale(
         model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
         head_policy=head_policy, output_mult=output_mult, seed=seed,
         parametrization=parametrization, depth_ratio=depth_ratio, depth_alpha=depth_alpha,
+        dynamic=dynamic,
     )  # fmt: skip
     d = scaled.depth
     cut = d is not None and d.depth_ratio > 1 and bool(d.stacks)
@@ -165,6 +174,7 @@ def build(
     always_readout: bool = False,
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
+    dynamic: Dynamic = None,
 ) -> Scaled:
     """:func:`scale`, returning the width plan and node map along with the surrogate.
 
@@ -191,7 +201,7 @@ def build(
         cap = model
     else:
         try:
-            cap = capture(model, run_inputs, run_kwargs)
+            cap = capture(model, run_inputs, run_kwargs, dynamic=dynamic)
         except TraceError as exc:
             if example_inputs is None and not kwargs:
                 raise ScaleError(
@@ -203,6 +213,7 @@ def build(
     cap, depth_plan = depth.cut(cap, model, depth_ratio, depth_alpha)
     if parametrization == "mup":
         depth.warn_deep_cut(depth_plan, stacklevel=4)
+    depth.warn_no_cut(depth_plan, model, stacklevel=4)
     if ratio == "auto":  # the largest ratio that keeps every width above its floor
         auto, plan = floor.choose(cap, run_inputs, run_kwargs, head_policy)
         floor.warn_if_full(auto, type(model).__name__)

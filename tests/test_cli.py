@@ -136,6 +136,10 @@ def test_tune_export_report(project, capsys):
     [
         (lambda c: c.replace("trials: 4", "trails: 4"), "unknown key 'trails'"),
         (lambda c: c.replace("  steps: 10", "  stepz: 10"), "unknown key 'task.stepz'"),
+        (
+            lambda c: c.replace("  steps: 10", "  steps: 10\n  dynamic: {seq: 0}"),
+            "task: dynamic={'seq': 0}: 0 is not a dimension index >= 1",
+        ),
         (lambda c: c.replace("toymod:model", "toymod:nomodel"), "task.model: module 'toymod' has"),
         (lambda c: c.replace("toymod:data", "missing_mod:data"), "cannot import module 'missing"),
         (lambda c: c.replace("  lr: {type: float", "  lrate: {type: float"), "unknown hyperparam"),
@@ -326,7 +330,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
     assert verdict.startswith("verdict: PASS (mup): worst hidden layer")
     assert "below the threshold 2" in verdict
     args = ["coord-check", "examples.models:mlp", "--ratios", "1,8", "--parametrization", "sp",
-            "-o", str(tmp_path / "sp.png")]  # fmt: skip
+            "--steps", "4", "-o", str(tmp_path / "sp.png")]  # fmt: skip
     assert main(args) == 1
     assert "verdict: FAIL (sp)" in capsys.readouterr().out
 

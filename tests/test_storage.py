@@ -100,8 +100,9 @@ def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_
     study = optuna.load_study(study_name="hydro", storage=storage)
     left = study.get_trials(deepcopy=False)
     assert [t.state for t in left] == [TrialState.RUNNING] * 2
+    # the same study, now without the locking loss (force: the recorded loss differs by name)
     result = hydro.tune(tiny_task("cross_entropy"), SPACE, n_trials=2, ratio=2, fuse=2,
-                        storage=storage, seed=0)  # fmt: skip
+                        storage=storage, seed=0, force_resume=True)  # fmt: skip
     trials = result.study.get_trials(deepcopy=False)
     assert [t.state for t in trials[:2]] == [TrialState.FAIL] * 2
     assert all(t.user_attrs["fail_reason"].startswith("interrupted") for t in trials[:2])

@@ -156,9 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         from optuna.storages.journal import JournalFileBackend
 
         storage = JournalStorage(JournalFileBackend(storage[len("journal:") :]))
+    # the run a test kills trains with a blocking or killing loss, its rerun with plain
+    # cross-entropy: the same study, whose recorded loss differs by name only
     hydro.tune(task, SPACE, n_trials=a.n_trials, ratio=2, fuse=a.fuse, storage=storage,
                seed=a.seed, pruner=optuna.pruners.NopPruner(), executor=executor,
-               checkpoint_dir=a.checkpoint_dir)  # fmt: skip
+               checkpoint_dir=a.checkpoint_dir, force_resume=True)  # fmt: skip
 
 
 if __name__ == "__main__":

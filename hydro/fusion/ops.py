@@ -421,10 +421,12 @@ def trial_random(
 
 
 def trial_attention(
-    q, k, v, mask, p, causal: bool, scale, gqa: bool, n: int, spec: Spec, keys: torch.Tensor
-) -> torch.Tensor:  # noqa: ANN001
+    q, k, v, mask, p, causal: bool, scale, gqa: bool, n: int, spec: Spec, keys: torch.Tensor,
+    mask_spec: Spec = None,
+) -> torch.Tensor:  # noqa: ANN001  # fmt: skip
     """``scaled_dot_product_attention`` with dropout (the math form): one rate or a per-trial
-    rate ``p[n]``, each trial's attention weights dropped from its own stream (``keys``)."""
+    rate ``p[n]``, each trial's attention weights dropped from its own stream (``keys``). A
+    per-trial mask (``mask_spec`` ``("T",)``, ``[n, ...]``) meets each trial's own scores."""
     d = q.shape[-1]
     if gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
@@ -434,14 +436,49 @@ def trial_attention(
         tq, tk = q.shape[-2], k.shape[-2]
         keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
         scores = scores.masked_fill(~keep, float("-inf"))
+    per_trial = mask is not None and mask_spec == ("T",)
+    if per_trial:  # over an explicit trial dimension, folded back after
+        scores = to_trials(scores, n, spec)
+        mask = lift(mask, n, mask_spec, scores.dim() - 1)
     if mask is not None:
         scores = (
             scores.masked_fill(~mask, float("-inf"))
             if mask.dtype == torch.bool
             else (scores + mask)
         )
+    if per_trial:
+        scores = settle(scores, spec)
     att = trial_dropout(torch.softmax(scores, dim=-1), p, True, n, spec, keys)
     return att @ v
+
+
+def _heads_folded(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
+    """A folded attention operand, ``[lead0, *rest, L, E]`` per trial, as ``[lead0, n *
+    prod(rest), L, E]``: the trials inside the head dimension, trial-major, so a grouped-query
+    layout (``n * H_kv`` heads serving ``n * H_q``) still pairs heads within a trial."""
+    t = to_trials(x, n, spec)
+    return t.movedim(0, 1).flatten(1, t.dim() - 3)
+
+
+def trial_masked_attention(
+    q, k, v, mask, causal: bool, scale, gqa: bool, n: int, specs: Sequence[Spec], out: Spec
+) -> torch.Tensor:  # noqa: ANN001
+    """``scaled_dot_product_attention`` with a per-trial mask or additive bias ``[n, ...]`` (a
+    learned relative-position table read per trial) over folded ``q``, ``k``, ``v``: one call to
+    torch's kernel with the trials folded into the heads, so the bias needs no copy per sample
+    and its gradient flows through torch's own backward. A boolean mask stays boolean."""
+    qs, ks, vs = (_heads_folded(x, n, s) for x, s in zip((q, k, v), specs))
+    one = list(q.shape)  # one trial's shape: folded values keep the rank
+    if specs[0][0] == "F":
+        one[specs[0][1]] //= n
+    heads = one[1:-2]  # the dimensions between the leading one and the sequence
+    m = lift(mask, n, ("T",), len(one)).movedim(0, 1)  # [m0, n, *heads or 1s, Lq | 1, Lk | 1]
+    if heads:  # a mask broadcast over the heads is broadcast per trial only (a small copy)
+        m = m.expand(m.shape[0], n, *heads, *m.shape[-2:])
+    m = m.flatten(1, m.dim() - 3)
+    y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=causal, scale=scale,
+                                       enable_gqa=gqa)  # fmt: skip
+    return settle(y.unflatten(1, (n, *heads)).movedim(1, 0), out)
 
 
 def trial_reduce(op_name: str, x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:

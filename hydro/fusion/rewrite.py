@@ -13,12 +13,16 @@ Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
    computed inside the model) becomes one result per trial. Values from convolutions and
    normalizations stay channel-stacked (``[B, n * C, H, W]``) through the channel-wise ops that
    follow (:meth:`_Rewriter.stacked_op`) and are folded only where an op needs it (``_Env``).
+
+This module holds the walk: batch facts, layouts, the general rules (unchanged on folded values,
+broadcast over the trials, one result per trial for a reduction, the ``torch.func.vmap``
+fallback) and the dispatch. The fused form of each op kind (linear, embedding, norms,
+convolutions, dropout and random ops, attention) is its handler's, in :mod:`hydro.fusion.handlers`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,8 +33,11 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from hydro.errors import FuseError
-from hydro.fusion import factories, ops
-from hydro.fusion import random as rng
+from hydro.fusion import ops
+from hydro.fusion.handlers import HANDLERS as _HANDLERS
+from hydro.fusion.handlers import SAMPLERS as _SAMPLERS
+from hydro.fusion.handlers import arg as _arg
+from hydro.fusion.handlers import draws as _draws
 
 logger = logging.getLogger("hydro.fusion")
 
@@ -40,11 +47,15 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Batch:
-    """Dimension ``dim`` of the value is ``outer * B * inner``."""
+    """Dimension ``dim`` of the value is ``outer * B * inner``.
+
+    ``outer`` and ``inner`` are ints, or products of other dynamic sizes (a sequence length
+    ``T`` merged with the batch by ``view(B * T, C)``) as sympy expressions.
+    """
 
     dim: int
-    outer: int
-    inner: int
+    outer: int | sympy.Expr
+    inner: int | sympy.Expr
 
 
 FREE = "free"  # a tensor without the batch
@@ -92,12 +103,6 @@ def _random(target: object) -> bool:
     return _is_aten(target) and torch.Tag.nondeterministic_seeded in target.tags
 
 
-def _arg(node: Node, pos: int, name: str, default: object = None) -> object:
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
-
-
 # --- batch facts --------------------------------------------------------------------------------
 
 
@@ -126,19 +131,42 @@ def _locate(node: Node, val: torch.Tensor, syms: set) -> tuple[int, sympy.Expr] 
     return found[0] if found else None
 
 
-def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> int:
+def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> sympy.Expr:
     sym = next(iter(expr.free_symbols & syms))
     coeff = sympy.simplify(expr / sym)
-    if not coeff.is_Integer or int(coeff) < 1:
+    if not _multiple(coeff, syms):
         raise FuseError(
             f"cannot fuse node '{node.name}' ({node.format_node()}): its size {expr} is not a "
             "multiple of the batch (a concatenation along the batch?), which would mix trials"
         )
-    return int(coeff)
+    return coeff
 
 
-def _static(sizes: object) -> int:
-    return math.prod(int(s) for s in sizes)
+def _multiple(e: sympy.Expr, syms: set) -> bool:
+    """Whether ``e`` is a positive whole factor: an int >= 1 times other dynamic sizes (a
+    sequence length), never the batch itself."""
+    e = sympy.expand(e)
+    coeff, rest = e.as_coeff_Mul()
+    if not coeff.is_Integer or coeff < 1 or rest.free_symbols & syms:
+        return False
+    factors = sympy.Mul.make_args(rest)
+    return all(f == 1 or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer
+                                         and f.exp > 0) for f in factors)  # fmt: skip
+
+
+def _size(size: object) -> sympy.Expr:
+    # the expression, never ``int(size)``: that would specialize a dynamic size in the shape
+    # environment the captured graph shares, fixing it for every later reader
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _prod(sizes: object) -> sympy.Expr:
+    return sympy.Mul(*[_size(s) for s in sizes])
+
+
+def _plain(e: sympy.Expr) -> int | sympy.Expr:
+    """An int where the expression is a number (the common, static case)."""
+    return int(e) if e.is_Integer else e
 
 
 def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
@@ -156,23 +184,22 @@ def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
     if node.target in _VIEWS and isinstance(src, Node) and isinstance(facts.get(src), Batch):
         b = facts[src]
         shape = src.meta["val"].shape
-        flat = b.inner * _static(shape[b.dim + 1 :])
-        after = _static(val.shape[d + 1 :])
-        if flat % after or coeff % (flat // after):
+        flat = b.inner * _prod(shape[b.dim + 1 :])
+        inner = sympy.simplify(flat / _prod(val.shape[d + 1 :]))
+        if not _multiple(inner, syms) or not _multiple(sympy.simplify(coeff / inner), syms):
             raise FuseError(
                 f"cannot fuse node '{node.name}' ({node.format_node()}): this view splits the "
                 "batch dimension, which would mix trials"
             )
-        inner = flat // after
     if inner is None:
         for a in node.all_input_nodes:
             b = facts.get(a)
-            if isinstance(b, Batch) and b.outer * b.inner == coeff:
+            if isinstance(b, Batch) and sympy.expand(b.outer * b.inner - coeff) == 0:
                 inner = b.inner
                 break
     if inner is None:
         inner = coeff
-    return Batch(d, coeff // inner, inner)
+    return Batch(d, _plain(sympy.simplify(coeff / inner)), _plain(sympy.expand(inner)))
 
 
 def batch_facts(gm: torch.fx.GraphModule) -> dict[Node, object]:
@@ -272,6 +299,9 @@ class _Rewriter:
         self.owners: dict[str, object] = {}
         self._expanded: dict[Node, Node] = {}
         self.fallbacks: list[str] = []  # nodes run under torch.func.vmap
+        # dynamic sizes other than the batch (a sequence length): where to read them at run time
+        self._sym_sizes: dict[sympy.Symbol, tuple[Node, int]] = {}
+        self._runtime: dict[sympy.Expr, Node] = {}
         device = next(iter(tensors.values())).device if tensors else None
         self.device = device
 
@@ -288,8 +318,28 @@ class _Rewriter:
         if isinstance(fact, list):
             return [self.out_spec(node, f, shared_ok=shared_ok) for f in fact]
         if isinstance(fact, Batch):
-            return ("SB" if shared_ok else "F", fact.dim, fact.outer)
+            return ("SB" if shared_ok else "F", fact.dim, self.outer(fact))
         return None if fact is None else "?"
+
+    def outer(self, fact: Batch) -> int | Node:
+        """``fact.outer`` as the fused graph's ops take it: an int, or (a product of dynamic
+        sizes, ``T`` from ``view(T * B, C)``) a node that computes it at run time, one per
+        expression so that equal specs stay equal."""
+        if isinstance(fact.outer, int):
+            return fact.outer
+        if fact.outer not in self._runtime:
+            coeff, rest = fact.outer.as_coeff_Mul()
+            value: object = int(coeff)
+            for f in sympy.Mul.make_args(rest):
+                base, exp = (f.base, int(f.exp)) if f.is_Pow else (f, 1)
+                if base not in self._sym_sizes:
+                    raise FuseError(f"cannot fuse: the size {fact.outer} is read from no input")
+                new, d = self._sym_sizes[base]
+                size = self.fn(aten.sym_size.int, new, d)
+                for _ in range(exp):
+                    value = self.fn(operator.mul, value, size)
+            self._runtime[fact.outer] = value
+        return self._runtime[fact.outer]
 
     def folded(self, a: Node) -> Node:
         """``a``'s new value, a shared batched value expanded to a folded one (once)."""
@@ -462,7 +512,7 @@ class _Rewriter:
         for kind, a in plan:
             if kind == "literal":
                 lit = self.literal(node, a)
-                args.append(self.graph.call_method("to", (lit, val.dtype)))
+                args.append(self.graph.call_method("to", (lit, _literal_dtype(node, val))))
                 specs.append(("T",))
             elif kind == "stacked":
                 args.append(self.stacked_value(a, cdim))
@@ -605,6 +655,11 @@ class _Rewriter:
         default = node.args[0] if node.args else torch.fx.node.inspect.Signature.empty
         new = self.graph.placeholder(node.target, default_value=default)
         fact = self.facts[node]
+        val = node.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in self.syms:
+                self._sym_sizes.setdefault(expr, (new, d if self.shared else d + 1))
         if fact is None:
             self.env[node], self.spec[node] = new, None
         elif not self.shared:  # [n, B, ...] each trial's own batch, folded / [n, ...]
@@ -778,7 +833,7 @@ class _Rewriter:
         for i, a in enumerate(args):
             lit = self.literal(node, i)
             if lit is not None:
-                lit = self.graph.call_method("to", (lit, val.dtype))
+                lit = self.graph.call_method("to", (lit, _literal_dtype(node, val)))
                 new_args.append(lit)
                 specs.append(("T",))
             elif isinstance(a, Node):
@@ -788,10 +843,14 @@ class _Rewriter:
                 new_args.append(a)
                 specs.append(None)
         fact = self.facts[node]
-        out = ("F", fact.dim, fact.outer) if isinstance(fact, Batch) else ("T",)
+        out = ("F", fact.dim, self.outer(fact)) if isinstance(fact, Batch) else ("T",)
         kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
+        target = node.target
+        if node.name in self.literals and target._overloadname == "Scalar":
+            # a per-trial literal arrives as a tensor: ``le.Scalar`` becomes ``le.Tensor``
+            target = getattr(target._overloadpacket, "Tensor", target)
         self.env[node] = self.graph.call_function(
-            ops.pointwise, (node.target, self.n, specs, out, rank, *new_args), kwargs
+            ops.pointwise, (target, self.n, specs, out, rank, *new_args), kwargs
         )
         self.spec[node] = out
 
@@ -809,9 +868,9 @@ class _Rewriter:
             args = (new_x, [self.n, *rest[0]])
         elif target is aten.expand.default:
             if isinstance(fact, Batch):  # a per-trial value grown to the batch (a CLS token)
-                self.env[node] = self.fn(_trial_expand, new_x, rest[0], self.n, fact.dim,
-                                         ("F", fact.dim, fact.outer))  # fmt: skip
-                self.spec[node] = ("F", fact.dim, fact.outer)
+                spec = ("F", fact.dim, self.outer(fact))
+                self.env[node] = self.fn(_trial_expand, new_x, rest[0], self.n, fact.dim, spec)
+                self.spec[node] = spec
                 return True
             args = (new_x, [-1, *rest[0]])
         elif target is aten.permute.default:
@@ -889,6 +948,19 @@ class _Env(dict):
         self[node] = folded
         rw.derived_f.add(node)
         return folded
+
+
+def _literal_dtype(node: Node, val: torch.Tensor) -> torch.dtype:
+    """The dtype a per-trial float literal takes as a tensor operand: the result's, except for a
+    comparison (a boolean result), which compares in the floating operand's dtype (as a Python
+    float does) or, beside integers only, in the default float dtype."""
+    if val.dtype != torch.bool:
+        return val.dtype
+    for a in node.args:
+        v = a.meta.get("val") if isinstance(a, Node) else None
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.dtype
+    return torch.get_default_dtype()
 
 
 def _leading_batch(fact: object) -> bool:
@@ -978,280 +1050,3 @@ def _full_reduction(node: Node) -> bool:
         rank = node.args[0].meta["val"].dim()
         return not keep and (not dims or {d % rank for d in dims} == set(range(rank)))
     return False
-
-
-# --- handlers of ops with fused forms -------------------------------------------------------------
-
-
-def _linear(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    t = node.target
-    if t is aten.linear.default:
-        x, w, b = node.args[0], node.args[1], _arg(node, 2, "bias")
-        transposed = True
-    elif t is aten.addmm.default:
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            return False
-        b, x, w = node.args[:3]
-        transposed = False
-    elif t in (aten.mm.default, aten.matmul.default):
-        x, w, b = node.args[0], node.args[1], None
-        transposed = False
-    else:
-        return False
-    ws, bs = rw.spec.get(w), None if b is None else rw.spec.get(b)
-    if w.meta["val"].dim() != 2 or ("T",) not in (ws, bs):
-        return False  # no per-trial operand (a frozen shared layer): runs as it is
-    if ws not in (("T",), ("S",)) or bs not in (None, ("T",), ("S",)):
-        return False
-    xs = rw.spec.get(x)
-    if not isinstance(xs, tuple) or xs[0] not in ("F", "SB", "S", "T"):
-        return False
-    out = rw.out_spec(node)
-    out = ("T",) if out == "?" else out
-    bias = rw.as_trial(b)
-    rw.env[node] = rw.fn(ops.trial_linear, rw.env[x], rw.as_trial(w), bias, rw.n, xs, out,
-                         transposed)  # fmt: skip
-    rw.spec[node] = out
-    return True
-
-
-def _embedding(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    w, ids = node.args[0], node.args[1]
-    if rw.spec.get(w) != ("T",):
-        return False
-    if _arg(node, 3, "scale_grad_by_freq", False) or _arg(node, 4, "sparse", False):
-        raise rw.error(node, "embeddings with scale_grad_by_freq or sparse have no fused form")
-    pad = _arg(node, 2, "padding_idx", -1)
-    out = rw.out_spec(node)
-    out = ("T",) if out == "?" else out
-    rw.env[node] = rw.fn(ops.trial_embedding, rw.env[w], rw.env[ids], pad, rw.n,
-                         rw.spec.get(ids), out)  # fmt: skip
-    rw.spec[node] = out
-    return True
-
-
-def _norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    if "T" not in kinds:
-        return False
-    layer = node.target is aten.layer_norm.default
-    x, shape = node.args[0], node.args[1]
-    w = _arg(node, 2, "weight")
-    b = _arg(node, 3, "bias") if layer else None
-    eps = _arg(node, 4 if layer else 3, "eps", 1e-5 if layer else None)
-    if rw.spec.get(x) == ("T",) and x in found and rw.spec[x][0] == "T":
-        pass
-    out = rw.out_spec(node)
-    out = ("T",) if out == "?" else out
-    rank = node.meta["val"].dim()
-    rw.env[node] = rw.fn(
-        ops.trial_norm, "layer" if layer else "rms", rw.env[x], shape,
-        None if w is None else rw.env[w], None if b is None else rw.env[b], eps, rw.n,
-        rw.spec.get(x), None if w is None else rw.spec[w], None if b is None else rw.spec[b],
-        out, rank,
-    )  # fmt: skip
-    rw.spec[node] = out
-    return True
-
-
-def _batched_input(rw: _Rewriter, node: Node, x: Node, what: str) -> tuple:
-    s = rw.spec.get(x)
-    if not (isinstance(s, tuple) and s[0] in ("F", "SB") and s[1] == 0 and s[2] == 1):
-        raise rw.error(node, f"{what} needs the batch as the leading dimension of its input")
-    return s
-
-
-def _group_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    if "T" not in kinds:
-        return False
-    x, groups = node.args[0], node.args[1]
-    w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
-    eps = _arg(node, 4, "eps", 1e-5)
-    _batched_input(rw, node, x, "group_norm")
-    new = rw.fn(ops.trial_group_norm, rw.stacked_value(x, 1), groups, rw.as_trial(w),
-                rw.as_trial(b), eps, rw.n)  # fmt: skip
-    rw.set_stacked(node, new, 1)
-    return True
-
-
-def _batch_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    x, w, b, rm, rv, training, momentum, eps = node.args[:8]
-    s = _batched_input(rw, node, x, "batch_norm")
-    shared = all(a is None or rw.spec.get(a) == ("S",) for a in (w, b, rm, rv))
-    # Frozen and equal in every trial, nothing written (evaluation mode, or no running
-    # statistics): on the shared input it runs once; in evaluation mode it is per sample
-    if shared and s[0] == "SB" and (not training or rm is None):
-        return False
-    if shared and not training:
-        return False
-    args = [rw.as_trial(a) for a in (w, b, rm, rv)]
-    new = rw.fn(ops.trial_batch_norm, rw.stacked_value(x, 1), *args, training, momentum, eps)
-    rw.set_stacked(node, new, 1)
-    return True
-
-
-def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    w = node.args[1]
-    if "T" not in kinds:  # a frozen shared convolution: runs as it is
-        return False
-    x = node.args[0]
-    s = _batched_input(rw, node, x, "a convolution")
-    dims = {
-        aten.conv1d.default: 1,
-        aten.conv2d.default: 2,
-        aten.conv3d.default: 3,
-        aten.conv1d.padding: 1,
-        aten.conv2d.padding: 2,
-        aten.conv3d.padding: 3,
-    }[node.target]
-    b = _arg(node, 2, "bias")
-    k = dims
-    stride = _arg(node, 3, "stride", [1] * k)
-    padding = _arg(node, 4, "padding", [0] * k)
-    dilation = _arg(node, 5, "dilation", [1] * k)
-    groups = _arg(node, 6, "groups", 1)
-    shared = s[0] == "SB" and groups == 1 and not isinstance(padding, str)
-    # all trials' filters over the shared input in one convolution, else a grouped one over the
-    # channel-stacked input; the result stays channel-stacked for the layers that follow
-    xin = rw.env[x] if shared else rw.stacked_value(x, 1)
-    new = rw.fn(ops.trial_conv, dims, xin, rw.as_trial(w), rw.as_trial(b), stride, padding,
-                dilation, groups, rw.n, shared)  # fmt: skip
-    rw.set_stacked(node, new, 1)
-    return True
-
-
-def _conv_transpose(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    if "T" not in kinds:
-        return False
-    x, w = node.args[0], node.args[1]
-    _batched_input(rw, node, x, "a transposed convolution")
-    k = w.meta["val"].dim() - 2
-    args = [_arg(node, i, name, default) for i, name, default in (
-        (2, "bias", None), (3, "stride", [1] * k), (4, "padding", [0] * k),
-        (5, "output_padding", [0] * k), (6, "groups", 1), (7, "dilation", [1] * k),
-    )]  # fmt: skip
-    args[0] = rw.as_trial(args[0])
-    new = rw.fn(ops.trial_conv_transpose, k, rw.stacked_value(x, 1), rw.as_trial(w), *args, rw.n)
-    rw.set_stacked(node, new, 1)
-    return True
-
-
-def _draws(node: Node) -> bool:
-    """A node that may draw random numbers: its rank among these is its stream's salt, the same
-    in every graph of the architecture (whatever the rates, train or eval)."""
-    return node.op == "call_function" and (
-        node.target in (aten.dropout.default, aten.scaled_dot_product_attention.default)
-        or node.target in _SAMPLERS
-    )
-
-
-_SAMPLERS = {  # op: (kind, position of a scalar probability or None)
-    aten.rand_like.default: ("rand", None), aten.randn_like.default: ("randn", None),
-    aten.bernoulli.default: ("bernoulli", None), aten.bernoulli.p: ("bernoulli", 1),
-    aten.bernoulli_.float: ("bernoulli", 1),
-}  # fmt: skip
-
-
-def _sample(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    """Random numbers shaped like a value (``bernoulli_`` on a fresh ``new_empty``: timm's
-    drop-path): each trial's from its own stream, as a new value (in place on a fresh tensor
-    is the same to its readers)."""
-    kind, pos = _SAMPLERS[node.target]
-    x = node.args[0]
-    s = rw.spec.get(x)
-    if not isinstance(s, tuple) or any(k in node.kwargs for k in ("generator", "memory_format")):
-        return False
-    if s[0] == "S":  # each trial its own numbers
-        new, s = rw.as_trial(x), ("T",)
-    else:
-        new, s = rw.folded(x), ("F", s[1], s[2]) if s[0] == "SB" else s
-    p = None
-    if pos is not None:
-        p = rw.literal(node, pos)
-        p = _arg(node, pos, "p", 0.5) if p is None else p
-    dtype = node.kwargs.get("dtype")
-    rw.env[node] = rw.fn(ops.trial_random, kind, new, rw.n, s, _stream(rw, node), p, dtype)
-    rw.spec[node] = s
-    return True
-
-
-def _stream(rw: _Rewriter, node: Node) -> Node:
-    """``node``'s per-trial keys ``[2, n]`` (:mod:`hydro.fusion.random`): every random node's
-    keys come from one computation per forward, over the trials' seed and step buffers."""
-    if not hasattr(rw, "hydro_keys"):
-        if rng.SEED not in rw.tensors or rng.STEP not in rw.tensors:
-            raise rw.error(node, "a random op needs the fused model's per-trial seed and step "
-                           "buffers; build the graph through hydro.fuse")  # fmt: skip
-        salts = {m: j for j, m in enumerate(m for m in rw.template.graph.nodes if _draws(m))}
-        bufs = []
-        for name in (rng.SEED, rng.STEP):
-            rw.owners[name] = rw.tensors[name]
-            bufs.append(rw.graph.get_attr(name))
-        rw.hydro_keys = (rw.fn(rng.stream_keys, *bufs, len(salts)), salts)
-    keys, salts = rw.hydro_keys
-    return rw.fn(operator.getitem, keys, salts[node])
-
-
-def _dropout(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    p = rw.literal(node, 1)
-    x, train = node.args[0], _arg(node, 2, "train", True)
-    if p is None:  # one rate for all: nothing drawn at 0 or in eval mode (aten's identity)
-        p = _arg(node, 1, "p", 0.5)
-        if not train or p == 0:
-            return False
-    s = rw.spec.get(x)
-    if not isinstance(s, tuple):
-        return False
-    if s[0] == "S":  # a value without the batch: each trial drops its own copy
-        new, s = rw.as_trial(x), ("T",)
-    else:
-        new, s = rw.folded(x), ("F", s[1], s[2]) if s[0] == "SB" else s
-    keys = _stream(rw, node) if train else None
-    rw.env[node] = rw.fn(ops.trial_dropout, new, p, train, rw.n, s, keys)
-    rw.spec[node] = s
-    return True
-
-
-def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
-    p = rw.literal(node, 4)
-    if p is None:
-        p = _arg(node, 4, "dropout_p", 0.0)
-        if p == 0:  # nothing drawn: aten's own kernel
-            return False
-    if "T" in kinds:
-        return False
-    q, k, v = node.args[:3]
-    mask = _arg(node, 3, "attn_mask")
-    s = rw.out_spec(node)
-    rw.env[node] = rw.fn(
-        ops.trial_attention, rw.folded(q), rw.folded(k), rw.folded(v),
-        None if mask is None else rw.folded(mask), p, _arg(node, 5, "is_causal", False),
-        _arg(node, 6, "scale"), _arg(node, 7, "enable_gqa", False), rw.n, s, _stream(rw, node),
-    )  # fmt: skip
-    rw.spec[node] = s
-    return True
-
-
-_HANDLERS = {
-    aten.linear.default: _linear,
-    aten.addmm.default: _linear,
-    aten.mm.default: _linear,
-    aten.matmul.default: _linear,
-    aten.embedding.default: _embedding,
-    aten.layer_norm.default: _norm,
-    aten.rms_norm.default: _norm,
-    aten.group_norm.default: _group_norm,
-    aten.batch_norm.default: _batch_norm,
-    aten.conv1d.default: _conv,
-    aten.conv2d.default: _conv,
-    aten.conv3d.default: _conv,
-    aten.conv1d.padding: _conv,
-    aten.conv2d.padding: _conv,
-    aten.conv3d.padding: _conv,
-    aten.conv_transpose1d.default: _conv_transpose,
-    aten.conv_transpose2d.input: _conv_transpose,
-    aten.conv_transpose3d.input: _conv_transpose,
-    aten.dropout.default: _dropout,
-    **dict.fromkeys(_SAMPLERS, _sample),
-    aten.scaled_dot_product_attention.default: _attention,
-    **factories.HANDLERS,
-}

@@ -7,8 +7,11 @@ ATen graph of that run: ``aten.linear``, ``aten.conv2d``, ``aten.batch_norm``, `
 with parameters and buffers read by ``get_attr`` under their original names.
 
 The batch (dimension 0 of every tensor input) stays symbolic, so sizes derived from it are graph
-nodes (``aten.sym_size``) rather than constants. Training and evaluation modes can differ in
-their graphs (dropout, batch statistics, ``if self.training``), so both are captured.
+nodes (``aten.sym_size``) rather than constants. A sequence length can too, where the model allows
+it (:func:`dynamic_shapes`): ``dynamic="auto"`` offers dimension 1 of integer (token) inputs to
+export, which keeps it unless the model fixes it (a positional table used whole);
+``dynamic={"seq": 1}`` names the dimensions and requires them. Training and evaluation modes can
+differ in their graphs (dropout, batch statistics, ``if self.training``), so both are captured.
 
 :class:`Captured` is the result: an ``nn.Module`` that holds the model's parameters and buffers
 under the same names (same ``state_dict`` keys, the very same tensors) and runs the graph of the
@@ -26,12 +29,13 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
 from torch import nn
 from torch.export import Dim
+from torch.fx import Node
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -108,51 +112,154 @@ class Captured(nn.Module):
         return f"captured {self.captured_name}, graphs: {', '.join(self.graphs)}"
 
 
-def _captured_shapes(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int | None, ...]] | None]:
-    """Each graph input's name and shape as captured, ``None`` where a dimension is dynamic."""
+def _captured_shapes(gm: torch.fx.GraphModule) -> list[tuple[str, tuple] | None]:
+    """Each graph input's name and shape as captured: an ``int`` where a dimension is fixed,
+    ``(symbol, low, high)`` where it is dynamic (``high`` ``None`` when unbounded)."""
     shapes = getattr(gm, "_hydro_shapes", None)
     if shapes is None:
         shapes = []
+        tables = _table_bounds(gm)
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 val = node.meta.get("val")
-                dims = tuple(d if type(d) is int else None for d in getattr(val, "shape", ()))
+                dims = tuple(_dim(d, tables) for d in getattr(val, "shape", ()))
                 shapes.append((node.name, dims) if isinstance(val, torch.Tensor) else None)
         gm._hydro_shapes = shapes
     return shapes
 
 
+def _dim(size: Any, tables: Mapping[Any, int]) -> int | tuple[str, int, int | None]:
+    if type(size) is int:
+        return size
+    expr = size.node.expr
+    if expr.is_number:  # a dimension offered to export that the model fixed
+        return int(expr)
+    low, high = 0, None
+    try:  # the range export proved (a slice of a positional table bounds the length)
+        vr = size.node.shape_env.bound_sympy(expr)
+        low = int(vr.lower) if vr.lower.is_finite else 0
+        high = int(vr.upper) if vr.upper.is_finite else None
+    except Exception:
+        pass
+    if expr in tables:
+        high = tables[expr] if high is None else min(high, tables[expr])
+    return str(expr), low, high
+
+
+_PASS = {"view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone", "to", "_to_copy",
+         "alias", "contiguous", "lift_fresh_copy"}  # fmt: skip
+
+
+def _opname(node: Any) -> str | None:
+    if isinstance(node, Node) and node.op == "call_function":
+        return getattr(node.target, "_opname", None)
+    return None
+
+
+def _table_bounds(gm: torch.fx.GraphModule) -> dict[Any, int]:
+    """Sizes bounded by a table read at ``arange(size)`` (``wpe(torch.arange(T))``): export
+    proves no range for an embedding's indices, so a longer sequence would fail inside with an
+    index error; ``{symbol: rows}``."""
+    out: dict[Any, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+            continue
+        weight, idx = node.args[0], node.args[1]
+        offset = 0  # positions past a prefix: arange(T) + start (a constant here)
+        while _opname(idx) in _PASS or (_opname(idx) == "add" and type(idx.args[1]) is int):
+            offset += idx.args[1] if _opname(idx) == "add" else 0
+            idx = idx.args[0]
+        is_arange = _opname(idx) == "arange"
+        rows = getattr(weight.meta.get("val"), "shape", None) if isinstance(weight, Node) else None
+        if not is_arange or not rows or type(rows[0]) is not int:
+            continue
+        ends = [a for a in idx.args[:2] if isinstance(a, torch.fx.Node)]
+        val = ends[-1].meta.get("val") if len(ends) == 1 and idx.args[-1] is ends[-1] else None
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+            # the last index read is end - 1 + offset, whatever arange's start
+            sym, most = val.node.expr, rows[0] - offset
+            out[sym] = min(out.get(sym, most), most)
+    return out
+
+
+def dynamic_dims(gm: torch.fx.GraphModule) -> dict[str, dict[int, str]]:
+    """The dynamic dimensions of each graph input other than the batch: ``{input: {dim:
+    symbol}}`` (empty when only the batch is dynamic)."""
+    out: dict[str, dict[int, str]] = {}
+    for want in _captured_shapes(gm):
+        if want is not None:
+            name, dims = want
+            syms = {i: d[0] for i, d in enumerate(dims) if i and type(d) is tuple}
+            if syms:
+                out[name] = syms
+    return out
+
+
 def _check_shapes(cap: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    """Only the batch dimension of a capture is dynamic: a sequence length (or image size)
-    other than the example's would run a graph whose sizes were fixed at capture, so it fails
-    here, clearly, rather than deep inside (or, worse, reshapes silently). ``cap`` names the
-    model (a :class:`Captured`, or the module a fused model captured)."""
+    """Sizes other than the dynamic ones (the batch, a sequence length the model leaves free) were
+    fixed at capture: another size would run a graph built for the example's, so it fails here,
+    clearly, rather than deep inside (or, worse, reshapes silently). So does a dynamic size
+    outside the range export proved, or two sizes that must agree (one symbol) and do not.
+    ``cap`` names the model (a :class:`Captured`, or the module a fused model captured)."""
     model_name = getattr(cap, "captured_name", type(cap).__name__)
     try:
         flat = tree_flatten_spec((tuple(args), dict(kwargs)), gm._in_spec)
     except Exception:
         return  # a call of another structure: the graph's own error says which
+    seen: dict[str, tuple[int, str]] = {}
     for x, want in zip(flat, _captured_shapes(gm)):
         if want is None or not isinstance(x, torch.Tensor):
             continue
         name, dims = want
-        bad = [i for i, (got, d) in enumerate(zip(x.shape, dims)) if d is not None and got != d]
-        if x.dim() == len(dims) and not bad:
-            continue
-        shown = "(" + ", ".join("B" if d is None else str(d) for d in dims) + ")"
-        if bad == [0] and dims[0] == 1:
-            raise TraceError(
-                f"{model_name} was captured with a batch of 1 in input '{name}', which "
-                "torch.export fixes (a size of 1 is never dynamic); called with batch "
-                f"{x.shape[0]}. Capture with an example batch of 2 or more"
+        fixed = [type(d) is int for d in dims]
+        bad = [i for i, (got, d) in enumerate(zip(x.shape, dims)) if type(d) is int and got != d]
+        shown = _shown(dims)
+        if x.dim() != len(dims) or bad:
+            if bad == [0] and dims[0] == 1:
+                raise TraceError(
+                    f"{model_name} was captured with a batch of 1 in input '{name}', which "
+                    "torch.export fixes (a size of 1 is never dynamic); called with batch "
+                    f"{x.shape[0]}. Capture with an example batch of 2 or more"
+                )
+            free = (
+                "the batch dimension is"
+                if sum(not f for f in fixed) <= 1
+                else ("the dimensions shown as letters are")
             )
-        raise TraceError(
-            f"{model_name} was captured with input '{name}' of shape {shown}; called with "
-            f"{tuple(x.shape)}. Only the batch dimension is dynamic: every other size (sequence "
-            "length, image size) is fixed by the example inputs. Capture again with example "
-            f"inputs of this size (hydro.scale/hydro.tune/Task(example_inputs=...)), or pad or "
-            f"crop the inputs to {shown}"
-        )
+            raise TraceError(
+                f"{model_name} was captured with input '{name}' of shape {shown}; called with "
+                f"{tuple(x.shape)}. Only {free} dynamic: every other size (sequence length, "
+                "image size) is fixed by the example inputs (or by the model: a positional "
+                "table it adds whole). Capture again with example inputs of this size "
+                "(hydro.scale/hydro.tune/Task(example_inputs=...)), or pad or crop the inputs "
+                f"to {shown}"
+            )
+        for i, d in enumerate(dims):
+            if type(d) is int:
+                continue
+            sym, low, high = d
+            got = int(x.shape[i])
+            if (high is not None and got > high) or (low > 2 and got < low):
+                allowed = f"{low} to {high}" if high is not None else f"at least {low}"
+                raise TraceError(
+                    f"{model_name} was captured with dimension {i} of input '{name}' dynamic "
+                    f"from {allowed} (shape {shown}: the model bounds it, e.g. by a table of "
+                    f"positions); called with {got}. Pad or crop the inputs to that range"
+                )
+            if sym in seen and seen[sym][0] != got:
+                raise TraceError(
+                    f"{model_name} was called with {got} in dimension {i} of input '{name}' but "
+                    f"{seen[sym][0]} in {seen[sym][1]}: the model needs these sizes equal"
+                )
+            seen.setdefault(sym, (got, f"dimension {i} of input '{name}'"))
+
+
+def _shown(dims: tuple) -> str:
+    letters = {}
+    for i, d in enumerate(dims):
+        if type(d) is tuple and d[0] not in letters:
+            letters[d[0]] = "B" if i == 0 else "T" if "T" not in letters.values() else d[0]
+    return "(" + ", ".join(str(d) if type(d) is int else letters[d[0]] for d in dims) + ")"
 
 
 def _persistent(root: nn.Module, path: str) -> bool:
@@ -203,15 +310,111 @@ def register_at(
         mod.register_buffer(leaf, value, persistent=persistent)
 
 
-def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``dynamic_shapes`` with dimension 0 of every tensor of rank >= 1 left to export (AUTO)."""
+Dynamic = Mapping[str, Any] | Literal["auto"] | None
+"""What :func:`capture`'s ``dynamic=`` takes (see there)."""
 
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            return {0: Dim.AUTO}
-        return None
 
-    return tree_map(spec, args), tree_map(spec, kwargs)
+def check_dynamic(dynamic: Dynamic) -> None:
+    """A :class:`TraceError` naming what is wrong with a ``dynamic=`` argument."""
+    how = ('pass dynamic={"seq": 1} (a name for each dimension index, applied to every tensor '
+           'input with that dimension) or {"input_ids": {1: "seq"}} (per input)')  # fmt: skip
+    if dynamic is None or dynamic is False or dynamic == "auto":
+        return
+    if not isinstance(dynamic, Mapping):
+        raise TraceError(f"dynamic= must be 'auto' or a mapping, got {dynamic!r}; {how}")
+    if len({isinstance(v, Mapping) for v in dynamic.values()}) > 1:
+        raise TraceError(f"dynamic={dict(dynamic)!r} mixes the two forms; {how}")
+    for value in dynamic.values():
+        dims = value.keys() if isinstance(value, Mapping) else [value]
+        for d in dims:
+            if type(d) is not int or d < 1:
+                raise TraceError(
+                    f"dynamic={dict(dynamic)!r}: {d!r} is not a dimension index >= 1 (dimension "
+                    f"0 is the batch, always dynamic); {how}"
+                )
+
+
+def dynamic_shapes(
+    names: list[str], args: tuple, kwargs: dict, dynamic: Dynamic = None
+) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """``dynamic_shapes`` for ``torch.export`` and the dimensions the user asked for.
+
+    Dimension 0 of every tensor of rank >= 1 is the batch. ``dynamic`` adds others:
+
+    * ``None`` (default): the batch only.
+    * ``"auto"``: dimension 1 of every integer tensor of rank 2 or more (token ids ``[B, T]``):
+      a sequence length, kept dynamic where the model allows it.
+    * ``{"seq": 1}``: dimension 1 of every tensor input of rank 2 or more.
+    * ``{"input_ids": {1: "seq"}}``: the named dimensions of the named inputs.
+
+    All are ``Dim.AUTO``: export keeps a dimension dynamic where the model allows it and fixes it
+    otherwise; the explicit ones (returned as ``(input, dim)``) must stay dynamic (see
+    :func:`capture_graph`).
+    """
+    check_dynamic(dynamic)
+    asked: list[tuple[str, int]] = []
+    values = dict(zip(names, args)) | dict(kwargs)
+    per_input = isinstance(dynamic, Mapping) and any(isinstance(v, Mapping)
+                                                     for v in dynamic.values())  # fmt: skip
+    if per_input:
+        unknown = sorted(set(dynamic) - set(values))
+        if unknown:
+            raise TraceError(
+                f"dynamic= names input {unknown[0]!r}, which the model's call does not take "
+                f"(its inputs: {', '.join(values)})"
+            )
+
+    def spec(name: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            return None
+        dims = {0: Dim.AUTO}
+        if dynamic == "auto":
+            extra = [1] if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex() else []
+        elif not dynamic:
+            extra = []
+        elif per_input:
+            extra = list(dynamic.get(name, {}))
+            for d in extra:
+                if d >= x.dim():
+                    raise TraceError(
+                        f"dynamic= names dimension {d} of input {name!r}, which has shape "
+                        f"{tuple(x.shape)} ({x.dim()} dimensions)"
+                    )
+        else:
+            extra = [d for d in dynamic.values() if d < x.dim()]
+        for d in extra:
+            if dynamic != "auto" and x.shape[d] < 2:  # export fixes a size of 0 or 1
+                raise TraceError(
+                    f"dynamic= names dimension {d} of input {name!r}, of size {x.shape[d]} in "
+                    "the example; torch.export fixes sizes 0 and 1: use an example of 2 or more"
+                )
+            dims[d] = Dim.AUTO
+            if dynamic != "auto":
+                asked.append((name, d))
+        return dims
+
+    out = {name: tree_map(functools.partial(spec, name), v) for name, v in values.items()}
+    if isinstance(dynamic, Mapping) and not per_input and dynamic and not asked:
+        shapes = {n: tuple(v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)}
+        raise TraceError(
+            f"dynamic={dict(dynamic)!r} names a dimension no tensor input has (input shapes: "
+            f"{shapes})"
+        )
+    return out, asked
+
+
+def _fixed(gm: torch.fx.GraphModule, asked: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """The asked-for dimensions export fixed: ``(input, dim, size)``."""
+    shapes = {}
+    for want in _captured_shapes(gm):
+        if want is not None:
+            shapes[want[0]] = want[1]
+    out = []
+    for name, d in asked:
+        dims = shapes.get(name) or next((v for k, v in shapes.items() if k.startswith(name)), None)
+        if dims is not None and type(dims[d]) is int:
+            out.append((name, d, dims[d]))
+    return out
 
 
 def _strip_guards(gm: torch.fx.GraphModule) -> None:
@@ -267,11 +470,40 @@ def capture_graph(
     args: tuple = (),
     kwargs: Mapping[str, Any] | None = None,
     prefix: str = "",
+    dynamic: Dynamic = None,
 ) -> torch.fx.GraphModule:
-    """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode."""
+    """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode.
+
+    ``dynamic`` says which dimensions besides the batch may stay dynamic
+    (:func:`dynamic_shapes`). With ``"auto"`` a sequence length is tried, and the batch alone
+    kept if export fails with it; a dimension asked for explicitly that the model fixes is an
+    error.
+    """
     args, kwargs = _unalias(tuple(args), dict(kwargs or {}))
-    dyn_args, dyn_kwargs = _batch_dynamic(args, kwargs)
-    dynamic = {**dict(_arg_names(model, len(args), dyn_args)), **dyn_kwargs}
+    names = [n for n, _ in _arg_names(model, len(args), args)]
+    shapes, asked = dynamic_shapes(names, args, kwargs, dynamic)
+    try:
+        gm = _export(model, args, kwargs, shapes, prefix)
+    except TraceError:
+        if dynamic != "auto":
+            raise
+        # the sequence length was only a guess: a model may fail with it and pass without
+        shapes, _ = dynamic_shapes(names, args, kwargs, None)
+        gm = _export(model, args, kwargs, shapes, prefix)
+    fixed = _fixed(gm, asked)
+    if fixed:
+        name, d, size = fixed[0]
+        raise TraceError(
+            f"cannot capture {type(model).__name__} with dimension {d} of input '{name}' "
+            f"dynamic: the model fixes it to {size} (a table of positions used whole, a view "
+            f"with that size); drop it from dynamic= and call the model at size {size}"
+        )
+    return gm
+
+
+def _export(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic: dict, prefix: str
+) -> torch.fx.GraphModule:
     forward = model.forward
 
     @functools.wraps(forward)
@@ -435,6 +667,7 @@ def capture(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     modes: tuple[str, ...] = MODES,
+    dynamic: Dynamic = None,
 ) -> Captured:
     """Capture ``model`` by running it on ``example_inputs`` (and ``example_kwargs``).
 
@@ -443,13 +676,21 @@ def capture(
         example_inputs: positional inputs of one call, batch in dimension 0 of every tensor.
         example_kwargs: keyword inputs of that call (``input_ids=``, ``labels=`` ...).
         modes: the modes to capture (``"train"``, ``"eval"``); both by default.
+        dynamic: the dimensions besides the batch left dynamic, so that the captured model
+            runs at other sizes there. ``None`` (default): the batch only. ``"auto"``:
+            dimension 1 of integer inputs of rank >= 2 (token ids ``[B, T]``: the sequence
+            length) where the model allows it, else fixed (capture takes ~1.5x as long).
+            ``{"seq": 1}``: dimension 1 of every tensor input of rank >= 2;
+            ``{"input_ids": {1: "seq"}}``: per input. An explicitly named dimension that the
+            model fixes (a positional table added whole) is an error.
 
     Returns:
         A :class:`Captured` module with the model's parameters and buffers (the same tensors)
         and its train and eval graphs. A :class:`Captured` passed in is returned as it is.
 
     Raises:
-        TraceError: naming the module, file and line where the run could not be captured.
+        TraceError: naming the module, file and line where the run could not be captured;
+            a malformed ``dynamic``, or a dimension in it that the model fixes.
 
     Example:
         >>> import torch
@@ -483,7 +724,11 @@ def capture(
             # host randomness (random, NumPy) would be frozen into the graph: say where
             with host_random.watch(model, tuple(example_inputs), example_kwargs or {}, mode):
                 graphs[mode] = capture_graph(
-                    model, tuple(example_inputs), example_kwargs, prefix=f"{mode}_"
+                    model,
+                    tuple(example_inputs),
+                    example_kwargs,
+                    prefix=f"{mode}_",
+                    dynamic=dynamic,
                 )
     finally:
         model.train(was_training)

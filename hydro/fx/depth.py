@@ -1,8 +1,9 @@
 """Depth: find stacks of repeated residual blocks and keep every ``depth_ratio``-th block.
 
-A *stack* is an ``nn.ModuleList`` / ``nn.Sequential`` whose children are all of one class with
-the same parameter shapes (GPT's ``h``, LLaMA's ``layers``, BERT's ``encoder.layer``, a ResNet
-stage). The module tree only proposes it; the captured graphs must confirm it, in every mode:
+A *stack* is an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children are all
+of one class with the same parameter shapes (GPT's ``h``, LLaMA's ``layers``, BERT's
+``encoder.layer``, a ResNet stage). The module tree only proposes it; the captured graphs must
+confirm it, in every mode:
 
 * each block's nodes form one segment, the blocks in order, nothing else in between;
 * the blocks are structurally identical (the same ops in the same order);
@@ -11,6 +12,12 @@ stage). The module tree only proposes it; the captured graphs must confirm it, i
 * each block has a residual add: an ``add`` whose one operand is the block's input (the residual
   stream, or the previous residual add of the block) and whose other operand, the *branch*, is
   computed from it.
+
+Where the loop body lives in the parent's ``forward`` (``x = x + self.attn[i](self.ln1[i](x))``,
+then the same with ``self.mlp[i]``), no container is a stack on its own. Sibling containers of
+one length that failed alone are then tried together: block ``i`` is the ``i``-th item of each
+plus the parent's operations up to block ``i + 1`` (the residual adds), and the same four
+conditions must hold. Such a group is cut as one (``Stack.siblings``).
 
 A confirmed stack of ``L`` blocks keeps blocks ``0, k, 2k, ...`` (``k = depth_ratio``, at least
 one); the others' nodes are removed (the stream passes straight through) and so are their
@@ -55,6 +62,8 @@ class Stack:
         reason: why the stack is left whole; ``None`` when it is cut.
         multiplier: the residual-branch multiplier of its kept blocks (1 when left whole).
         buffer: the 0-dim buffer holding ``multiplier`` in the surrogate, if one was inserted.
+        siblings: the other containers whose ``i``-th items, with the parent's code between
+            them, form block ``i`` together with this one's (a loop body in the parent).
     """
 
     path: str
@@ -64,6 +73,7 @@ class Stack:
     multiplier: float = 1.0
     buffer: str | None = None
     head: list[str] = field(default_factory=list)
+    siblings: list[str] = field(default_factory=list)
 
     @property
     def cut(self) -> bool:
@@ -105,7 +115,7 @@ def candidates(model: nn.Module) -> list[Stack]:
     """
     found: list[Stack] = []
     for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or not len(mod):
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or not len(mod):
             continue
         children = list(mod.named_children())
         if any(not any(True for _ in c.parameters()) for _, c in children):
@@ -144,31 +154,42 @@ def cut(
         return cap, DepthPlan(1, float(alpha))
     plan = DepthPlan(depth_ratio, float(alpha), candidates(model))
     graphs = {mode: _copy_gm(gm) for mode, gm in cap.graphs.items()}
-    found: dict[str, dict[str, _Found]] = {}
+    # each unit is cut as one: a stack alone, or sibling containers run by one loop body
+    units: list[tuple[list[Stack], dict[str, _Found]]] = []
+    alone: list[Stack] = []  # confirmable in principle, but not alone
     for stack in plan.stacks:
         if stack.reason is not None:
             continue
-        per_mode = {}
-        for mode, gm in graphs.items():
-            f = _confirm(gm.graph, stack)
-            if isinstance(f, str):
-                stack.reason = f"{f} ({mode} graph)"
-                break
-            per_mode[mode] = f
-        if stack.reason is None:
-            found[stack.path] = per_mode
+        f = _confirm_all(graphs, [stack], plan.stacks)
+        if isinstance(f, str):
+            stack.reason = f
+            if not stack.head:
+                alone.append(stack)
+        else:
+            units.append(([stack], f))
+    for group in _sibling_groups(alone):  # (one container alone was tried as a loop body)
+        f = _confirm_all(graphs, group, plan.stacks)
+        if isinstance(f, str):
+            names = ", ".join(f"'{st.path}'" for st in group)
+            for st in group:
+                st.reason += f"{_GROUP}{names}: {f}"
+            continue
+        for st in group:
+            st.reason = None
+            st.siblings = [o.path for o in group if o is not st]
+        units.append((group, f))
     removed: list[str] = []
     for mode in graphs:
         plan.residuals[mode] = []
-    for stack in plan.stacks:
-        if stack.path not in found:
-            continue
+    for group, per_mode in units:
+        stack = group[0]
         keep = list(range(0, len(stack.blocks), depth_ratio))
-        stack.kept = [stack.blocks[i] for i in keep]
-        stack.multiplier = (len(stack.blocks) / len(keep)) ** plan.alpha
-        if len(keep) < len(stack.blocks):
-            removed += [b for i, b in enumerate(stack.blocks) if i not in keep]
-        for mode, f in found[stack.path].items():
+        for st in group:
+            st.kept = [st.blocks[i] for i in keep]
+            st.multiplier = (len(st.blocks) / len(keep)) ** plan.alpha
+            if len(keep) < len(st.blocks):
+                removed += [b for i, b in enumerate(st.blocks) if i not in keep]
+        for mode, f in per_mode.items():
             _remove_blocks(f, set(keep))
             if stack.multiplier != 1.0:
                 plan.residuals[mode] += [(a, i, stack) for k in keep for a, i in f.residual[k]]
@@ -222,10 +243,11 @@ def _paths(node: torch.fx.Node) -> list[str]:
     return [_clean_path(v[0]) for v in stack.values()]
 
 
-def _owner(node: torch.fx.Node, blocks: list[str]) -> int | None:
+def _owner(node: torch.fx.Node, items: list[list[str]]) -> int | None:
+    """The block ``node`` belongs to: ``i`` when it runs inside one of ``items[i]``'s modules."""
     for path in _paths(node):
-        for i, b in enumerate(blocks):
-            if path == b or path.startswith(b + "."):
+        for i, modules in enumerate(items):
+            if any(path == b or path.startswith(b + ".") for b in modules):
                 return i
     return None
 
@@ -241,11 +263,40 @@ def _sig(node: torch.fx.Node) -> tuple:
     return (node.op, str(node.target), len(node.args))
 
 
-def _confirm(graph: torch.fx.Graph, stack: Stack) -> _Found | str:
-    """The stack's blocks in ``graph``, or why they are not a stack of residual blocks."""
+_GROUP = "; as one loop body with its siblings "
+
+
+def _sibling_groups(stacks: list[Stack]) -> list[list[Stack]]:
+    """Containers with one parent and one length, in module order (a loop body's candidates)."""
+    groups: dict[tuple[str, int], list[Stack]] = {}
+    for st in stacks:
+        groups.setdefault((st.path.rpartition(".")[0], len(st.blocks)), []).append(st)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _confirm_all(
+    graphs: dict[str, torch.fx.GraphModule], group: list[Stack], stacks: list[Stack]
+) -> dict | str:
+    """``{mode: _Found}`` for a stack (or sibling group) in every graph, or the first reason why
+    not (naming the graph). A loop body may run no block of the other ``stacks``."""
+    foreign = [b for st in stacks if st not in group for b in st.head + st.blocks]
+    per_mode = {}
+    for mode, gm in graphs.items():
+        f = _confirm(gm.graph, group, foreign)
+        if isinstance(f, str):
+            return f"{f} ({mode} graph)"
+        per_mode[mode] = f
+    return per_mode
+
+
+def _confirm(graph: torch.fx.Graph, group: list[Stack], foreign: list[str]) -> _Found | str:
+    """The blocks of a stack (or of a group of sibling containers run by one loop body) in
+    ``graph``, or why they are not a stack of residual blocks."""
     # sizes (batch x heads) computed once and reused by later blocks are no block's own
     nodes = [n for n in graph.nodes if n.op == "call_function" and _tensorish(n)]
-    owner = {n: _owner(n, stack.blocks) for n in nodes}
+    stack = group[0]
+    items = [[st.blocks[i] for st in group] for i in range(len(stack.blocks))]
+    owner = {n: _owner(n, items) for n in nodes}
     segs: list[list[torch.fx.Node]] = [[] for _ in stack.blocks]
     for n in nodes:
         if owner[n] is not None:
@@ -253,6 +304,11 @@ def _confirm(graph: torch.fx.Graph, stack: Stack) -> _Found | str:
     if any(not s for s in segs):
         return "a block does not run in forward"
     pos = {n: i for i, n in enumerate(nodes)}
+    if len(group) > 1 or _between(nodes, segs, pos):
+        # the loop body is the parent's: block i runs from its first op to block i+1's first
+        segs = _loop_body(nodes, segs, pos, owner, foreign)
+        if isinstance(segs, str):
+            return segs
     first, last = pos[segs[0][0]], pos[segs[-1][-1]]
     span = nodes[first : last + 1]
     if len(span) != sum(map(len, segs)) or any(
@@ -289,6 +345,40 @@ def _confirm(graph: torch.fx.Graph, stack: Stack) -> _Found | str:
             )
         residual.append(found)
     return _Found(segs, inputs, outputs, residual)
+
+
+def _between(nodes: list, segs: list[list[torch.fx.Node]], pos: dict) -> bool:
+    """Whether only code outside the blocks (the parent's) runs between consecutive blocks."""
+    owned = {n for s in segs for n in s}
+    first, last = pos[segs[0][0]], pos[segs[-1][-1]]
+    return any(n not in owned for n in nodes[first : last + 1])
+
+
+def _loop_body(
+    nodes: list, segs: list[list[torch.fx.Node]], pos: dict, owner: dict, foreign: list[str]
+) -> list[list[torch.fx.Node]] | str:
+    """Blocks that end with the parent's code after them: block ``i`` runs from its first op up
+    to block ``i + 1``'s first, the last block as many ops as the first. ``str``: why not.
+
+    That code may not run another container's blocks (``foreign``): those must be cut with
+    these, as siblings, or the stream would lose them."""
+    starts = [pos[s[0]] for s in segs]
+    if any(a >= b for a, b in zip(starts, starts[1:])):
+        return "the blocks' operations are interleaved with other code"
+    size = starts[1] - starts[0]
+    ends = [*starts[1:], starts[-1] + size]
+    body = [nodes[a:b] for a, b in zip(starts, ends)]
+    for i, (seg, own) in enumerate(zip(body, segs)):
+        if any(owner[n] not in (i, None) for n in seg) or not set(own) <= set(seg):
+            return "the blocks' operations are interleaved with other code"
+        if len(seg) != size:
+            return "the parent's code between blocks differs from block to block"
+        for n in (n for n in seg if owner[n] is None):
+            inside = next((b for p in _paths(n) for b in foreign
+                           if p == b or p.startswith(b + ".")), None)  # fmt: skip
+            if inside:
+                return f"the blocks' operations are interleaved with those of {inside}"
+    return body
 
 
 def _residual_adds(
@@ -407,6 +497,39 @@ def warn_deep_cut(plan: DepthPlan, stacklevel: int = 3) -> bool:
     return True
 
 
+def warn_no_cut(plan: DepthPlan, model: nn.Module, stacklevel: int = 3) -> bool:
+    """Warn (:class:`hydro.errors.HydroWarning`) when ``depth_ratio > 1`` cuts no block anywhere:
+    the surrogate then has the target's depth, which the user asked not to pay for. The line
+    names each container looked at and why it was left whole."""
+    if plan.depth_ratio == 1 or any(st.cut for st in plan.stacks):
+        return False
+    name = type(model).__name__
+    if plan.stacks:
+        lines: list[str] = []  # a sibling group once, by its reason as one loop body
+        for st in plan.stacks:
+            reason = st.reason or "too few blocks to keep fewer"
+            own, _, group = reason.partition(_GROUP)
+            line = f"'{st.path or '(the model)'}' ({len(st.blocks)} blocks) left whole: {own}"
+            if group:
+                names, why_group = group.split(": ", 1)
+                line = f"{names} ({len(st.blocks)} blocks each) left whole as one loop body: "
+                line += why_group
+            if line not in lines:
+                lines.append(line)
+        why = "; ".join(lines[:4])
+        if len(lines) > 4:
+            why += f"; and {len(lines) - 4} more (hydro.inspect lists them)"
+    else:
+        why = "it has no ModuleList, Sequential or ModuleDict of two or more blocks of one class"
+    warnings.warn(HydroWarning(
+        f"depth_ratio {plan.depth_ratio} cut no block of {name}, so the surrogate keeps the "
+        f"target's depth: {why}. A block is cut when it is one module holding its residual add, "
+        "or the i-th items of sibling lists run by one loop body in order (docs/concepts.md, "
+        "'Depth')"
+    ), stacklevel=stacklevel)  # fmt: skip
+    return True
+
+
 def block_of(name: str, plan: DepthPlan) -> Stack | None:
     """The cut stack a (surrogate) parameter name lies in, if any."""
     for stack in plan.stacks:
@@ -423,4 +546,5 @@ __all__ = [
     "cut",
     "insert_multipliers",
     "warn_deep_cut",
+    "warn_no_cut",
 ]

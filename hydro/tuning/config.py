@@ -29,7 +29,7 @@ TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "s
             "fuse_memory"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
-             "target_key", "checkpoint_every"}  # fmt: skip
+             "target_key", "checkpoint_every", "dynamic"}  # fmt: skip
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -71,6 +71,7 @@ class TuneConfig:
     deadline: float | None = None
     checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
     fuse_memory: float | None = None  # GiB per fused group for fuse 'auto'
+    data_source: dict | None = None  # task.data and its data_args: part of the study's fingerprint
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -234,6 +235,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         deadline=raw.get("deadline"),
         checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
         fuse_memory=_fuse_memory(raw.get("fuse_memory"), path),
+        data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
     )
     if isinstance(cfg.fuse, int) and cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
@@ -282,7 +284,7 @@ def _task(spec: Any, path: str) -> Task:
     # keyword arguments are the searchable architecture choices
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
-                                   "batch_size", "target_key", "checkpoint_every")
+                                   "batch_size", "target_key", "checkpoint_every", "dynamic")
               if k in spec}  # fmt: skip
     try:
         return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),

@@ -184,7 +184,7 @@ def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  #
 
     # training is where a literal like dropout acts; the eval graph keeps the first member's
     other = capture(task.build_model(**{**args0, name: value}), example[0], example[1],
-                    modes=("train",))  # fmt: skip
+                    modes=("train",), dynamic=task.dynamic)  # fmt: skip
     sites = []
     for mode, gm in scaled.captured.graphs.items():
         if mode not in other.graphs:
@@ -508,7 +508,8 @@ class _Builder:
         self.names = sorted(k for k in task.model_args() if k in params0)
         self.args0 = {k: params0[k] for k in self.names}
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
-                            seed=0, always_readout=readout, **self.depth)  # fmt: skip
+                            seed=0, always_readout=readout, dynamic=task.dynamic,
+                            **self.depth)  # fmt: skip
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -518,7 +519,7 @@ class _Builder:
         if any(v is None for v in sites.values()):
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
                         example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
-                        **self.depth).surrogate  # fmt: skip
+                        dynamic=task.dynamic, **self.depth).surrogate  # fmt: skip
         else:
             sur = self.scaled.sample(int(seed))
             for n in differs:

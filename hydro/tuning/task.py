@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from hydro.errors import ConfigError, DataError, HydroWarning, ModelError
+from hydro.errors import ConfigError, DataError, HydroWarning, ModelError, TraceError
+from hydro.fx.capture import check_dynamic
 
 Data = tuple[Any, torch.Tensor] | Mapping[str, torch.Tensor] | Dataset | Callable[[int], Any]
 # a batch: ``(inputs, targets)`` or a dict of keyword inputs (the targets under ``target_key``)
@@ -76,6 +77,9 @@ class Task:
         checkpoint_every: fused steps between checkpoints of a group's trials (in process or
             on an executor), so a retried group, or a trial re-asked after its tuner died,
             resumes where it stopped (0: never).
+        dynamic: sizes besides the batch left dynamic at capture, for validation batches of
+            another sequence length than the training batches: ``"auto"`` or ``{"seq": 1}``
+            (``hydro.scale``'s ``dynamic``); ``None`` (default) fixes them to the example's.
 
     Raises:
         ConfigError: an unknown loss, optimizer or scheduler, or a count that is not positive.
@@ -105,6 +109,7 @@ class Task:
     example_inputs: tuple[Any, ...] | None = None
     target_key: str = "labels"
     checkpoint_every: int = 50
+    dynamic: Any = None
 
     def __post_init__(self) -> None:
         self.loss_name = self.loss if isinstance(self.loss, str) else _name(self.loss)
@@ -135,6 +140,10 @@ class Task:
             raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
         if not isinstance(self.target_key, str):
             raise ConfigError(f"target_key must be a string, got {self.target_key!r}")
+        try:
+            check_dynamic(self.dynamic)
+        except TraceError as exc:
+            raise ConfigError(str(exc)) from exc
         if not isinstance(self.model, nn.Module) and not callable(self.model):
             raise ConfigError("model must be an nn.Module or a function returning one")
         for name, data in (("train_data", self.train_data), ("val_data", self.val_data)):

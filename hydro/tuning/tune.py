@@ -21,6 +21,7 @@ from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
 from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import check_depth, check_placement, optimize
+from hydro.tuning.fingerprint import check_study, fingerprint, recipe_for
 from hydro.tuning.group import check_device, group_key
 from hydro.tuning.lockstep import train_group
 from hydro.tuning.progress import wanted
@@ -187,7 +188,7 @@ def export(
     path = check_writable(path, "export file")
     best = best_trial(study)
     counts = trial_counts(study)
-    recipe = study.user_attrs.get("hydro_task", {})
+    recipe = recipe_for(study, best.number)  # the one it trained with, if the study changed
     params = trained_params(best)  # what trained, fixed values of a space function included
     data: dict[str, Any] = {
         "hyperparameters": params,
@@ -284,6 +285,7 @@ def tune(
     deadline: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     fuse_memory: float | None = None,
+    force_resume: bool = False,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -303,7 +305,10 @@ def tune(
         study: an Optuna study, or a study name (default ``"hydro"``) to create or resume in
             ``storage``.
         storage: any Optuna storage URL; default ``sqlite:///hydro.db`` (a file in the working
-            directory, readable by optuna-dashboard). Rerunning resumes the study there.
+            directory, readable by optuna-dashboard). Rerunning resumes the study there; a
+            study keeps what defines it (model, data, loss, metric, recipe, space, ratio) and a
+            rerun with another definition raises a :class:`~hydro.errors.ConfigError` naming
+            what changed (docs/tuning.md, "Studies and resuming").
         sampler: default TPE with ``constant_liar`` (so a batch asked at once spreads out).
         pruner: default Optuna's ``MedianPruner``.
         executor: where groups train: ``None``/``"inline"`` in this process (one group per
@@ -343,6 +348,9 @@ def tune(
         fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default half the
             RAM free at start on the CPU (split between an executor's workers), 90% of the
             free memory on a GPU.
+        force_resume: continue a study whose recorded definition differs from this one (a
+            :class:`~hydro.errors.HydroWarning` names the change; the export of a trial trained
+            before it keeps its own recipe). Prefer a new study name.
 
     Returns:
         A :class:`TuneResult`.
@@ -371,7 +379,7 @@ def tune(
     progress = wanted(progress)  # None: on a terminal or in a notebook
     executor = make_executor(executor)
     check_space(space, task.model_args())
-    preflight(task, space)
+    built = preflight(task, space)
     base_seed = 0 if seed is None else int(seed)
     ratio = task_ratio(task, ratio)  # "auto": the largest ratio within the width floors
     if isinstance(study, optuna.Study):
@@ -379,6 +387,12 @@ def tune(
     else:
         sampler = sampler or optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
+    where = f"study {the_study.study_name!r}"
+    if not isinstance(study, optuna.Study):
+        where += f" in {_storage_name(storage)}"
+    definition = fingerprint(task, space, ratio=ratio, depth_ratio=depth_ratio,
+                             depth_alpha=depth_alpha, model=built)  # fmt: skip
+    check_study(the_study, definition, where=where, force=force_resume)  # before it is changed
     the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
     with terminate_as_interrupt():  # SIGTERM stops the run and verification as Ctrl-C does
         optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
@@ -394,12 +408,13 @@ def tune(
     return result
 
 
-def preflight(task: Task, space: Space) -> None:
+def preflight(task: Task, space: Space) -> nn.Module | None:
     """Build the target model and run it on a training batch before any trial is asked, so a
     broken factory, model, loss or data set is one clear error instead of failed trials.
 
     Architecture choices take their first value in a dict space; with a function space and a
-    factory that needs searched arguments the check waits for the first group.
+    factory that needs searched arguments the check waits for the first group (``None``).
+    Returns the model it built (the study's fingerprint records its architecture).
     """
     arch: dict[str, Any] = {}
     names = task.model_args()
@@ -413,9 +428,17 @@ def preflight(task: Task, space: Space) -> None:
                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                   and p.name not in arch]  # fmt: skip
         if needed:
-            return
+            return None
     model = task.build_model(**arch)
     task.validate(model, next(task.train_batches(2, seed=0)))
+    return model
+
+
+def _storage_name(storage: Any) -> str:
+    """A storage as a message names it: its URL, or its type."""
+    if storage is None:
+        return DEFAULT_STORAGE
+    return storage if isinstance(storage, str) else type(storage).__name__
 
 
 def make_executor(executor: Any) -> Any:

@@ -1,0 +1,148 @@
+"""What loads when: `hydro --help` and argument errors load no torch, `import hydro` is lazy.
+
+The heavy libraries are checked in fresh processes: this test process has torch loaded already.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import hydro
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "optuna", "ray", "matplotlib", "transformers", "numpy")
+
+# runs hydro.cli.main (the console script's entry) on each argv in a fresh process and reports,
+# for each, the exit code, stderr's first line and which heavy libraries were loaded by then
+RUNNER = """
+import contextlib, io, json, sys
+from hydro.cli import build_parser, main
+heavy = {heavy!r}
+cases = json.loads(sys.argv[1])
+subcommands = sorted(build_parser()._subparsers._group_actions[0].choices)
+cases += [[name, "--help"] for name in subcommands]
+out = []
+for argv in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    lines = err.getvalue().splitlines()
+    out.append([argv, code, lines, [m for m in heavy if m in sys.modules]])
+print(json.dumps({{"subcommands": subcommands, "results": out}}))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_the_console_script_is_hydro_cli_main():
+    """The in-process runs below call the function the installed `hydro` command calls."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    scripts = cfg["options.entry_points"]["console_scripts"].split("\n")
+    assert "hydro = hydro.cli:main" in [s.strip() for s in scripts]
+
+
+def test_help_and_argument_errors_load_no_torch(tmp_path):
+    cases = [
+        (["--help"], 0, None),
+        (["tune", "tune.yaml", "--bogus"], 2, "hydro: error: unrecognized arguments: --bogus"),
+        (["tune", "tune.yaml", "--trials", "many"], 2, "argument --trials: invalid int value"),
+        (["tune", "tune.yaml", "--ratio", "x"], 2, "argument --ratio: must be 'auto' or an"),
+        (["tune", "tune.yaml", "--executor", "gpu"], 2, "argument --executor: invalid choice"),
+        (["inspect"], 2, "the following arguments are required: model"),
+        (
+            ["tune", "missing.yaml"],
+            2,
+            "hydro tune: error: config file 'missing.yaml' does not exist: name a YAML config",
+        ),
+        (
+            ["tune", str(tmp_path)],
+            2,
+            f"hydro tune: error: config file '{tmp_path}' is a directory",
+        ),
+        (["coord-check", "m:f", "--threshold", "1"], 2, "--threshold must be above 1"),
+        (["coord-check", "m:f", "--ratios", "1,x"], 2, "--ratios must be integers"),
+    ]
+    (tmp_path / "tune.yaml").write_text("")  # exists: only the flag is wrong
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER.format(heavy=HEAVY), json.dumps([c[0] for c in cases])],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {"tune", "export", "report", "inspect", "coord-check"} <= set(report["subcommands"])
+    results = report["results"]
+    expected = cases + [([name, "--help"], 0, None) for name in report["subcommands"]]
+    assert len(results) == len(expected)
+    for (argv, code, lines, heavy), (_, want_code, want) in zip(results, expected):
+        assert heavy == [], f"hydro {' '.join(argv)} imported {heavy}"
+        assert code == want_code, (argv, lines)
+        if want is not None:
+            # argparse's own errors print the usage first; Hydro's checks print one line
+            line = lines[-1] if want_code == 2 and "error:" in lines[-1] else lines[0]
+            assert want in line, (argv, lines)
+            assert not any("Traceback" in x for x in lines)
+            if want.startswith("hydro tune: error: config file"):
+                assert len(lines) == 1, lines
+
+
+def test_module_run_of_the_cli_imports_no_torch():
+    """`python -m hydro.cli tune --help` as a whole process: its import log names no torch."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hydro.cli", "tune", "--help"],
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "--trials" in proc.stdout, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
+    assert "hydro.errors" in imported  # the log is complete: it names what the CLI imported
+    assert not {m for m in imported if m.split(".")[0] in HEAVY}
+
+
+def test_import_hydro_is_lazy_and_the_names_still_work():
+    code = """
+import sys
+import hydro
+assert not [m for m in {heavy!r} if m in sys.modules], sorted(sys.modules)
+assert set(hydro.__all__) <= set(dir(hydro)) and "__version__" in dir(hydro)
+assert "scaling" not in dir(hydro)  # a submodule is listed once imported, not before
+scale = hydro.scale
+import hydro.scaling
+assert scale is hydro.scaling.scale and "scaling" in dir(hydro)
+assert "torch" in sys.modules
+from hydro import Task, fuse, tune
+from hydro.fusion import fuse as fuse2
+from hydro.tuning.task import Task as Task2
+assert fuse is fuse2 and Task is Task2 and tune is sys.modules["hydro.tuning.tune"].tune
+assert hydro.fusion.FusedModel is hydro.FusedModel  # a submodule as an attribute, as before
+try:
+    hydro.no_such_name
+except AttributeError as exc:
+    assert "no attribute 'no_such_name'" in str(exc)
+else:
+    raise AssertionError("hydro.no_such_name did not raise")
+print("ok")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code.format(heavy=HEAVY)],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("name", hydro.__all__)
+def test_every_public_name_resolves(name):
+    value = getattr(hydro, name)
+    assert value is not None
+    assert getattr(hydro, name) is value  # cached: the second read is the same object
