@@ -226,7 +226,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
              "fuse auto (trials per fused group from the device's memory, per key)"),
           file=sys.stderr)  # fmt: skip
     optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
-             seed=cfg.seed, progress=True, executor=executor, device=cfg.device,
+             seed=cfg.seed, progress=args.progress, executor=executor, device=cfg.device,
              depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
              first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline,
              checkpoint_dir=cfg.checkpoint_dir, fuse_memory=cfg.fuse_memory,
@@ -395,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and to the end, so the pruner has complete trials to compare with")  # fmt: skip
     p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
                    "config's task.steps)")  # fmt: skip
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar or lines, no table of the best trials")  # fmt: skip
     p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "
                    "cuda:N (overrides the config's device)")  # fmt: skip
     p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")

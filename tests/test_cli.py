@@ -110,13 +110,16 @@ def project(tmp_path, monkeypatch):
 def test_tune_export_report(project, capsys):
     assert main(["tune", "tune.yaml", "-o", "best.yaml", "--verify-top-k", "2"]) == 0
     out = capsys.readouterr()
-    assert "best value" in out.out and "| 4/4 " in out.err and "top 4 of 4 complete" in out.err
+    assert "best value" in out.out and "top 4 of 4 complete" in out.err
+    # not a terminal: one plain line per update, the last one the whole run
+    assert "\r" not in out.err and "trial-steps 40/40 (100%), trials 4/4, " in out.err
     best = yaml.safe_load((project / "best.yaml").read_text())
     assert set(best["hyperparameters"]) == {"lr"} and best["provenance"]["ratio"] == 2
     assert len(best["verification"]["configs"]) == 2
-    # rerunning resumes: nothing new to train
-    assert main(["tune", "tune.yaml"]) == 0
-    assert "4 finished (4 complete, 0 pruned), 0 to go" in capsys.readouterr().err
+    # rerunning resumes: nothing new to train; --no-progress leaves the header alone
+    assert main(["tune", "tune.yaml", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "4 finished (4 complete, 0 pruned), 0 to go" in err and err.count("\n") == 1
     assert main(["export", "--storage", "sqlite:///toy.db", "--study", "toy", "-o", "b.json"]) == 0
     assert (
         json.loads((project / "b.json").read_text())["hyperparameters"] == best["hyperparameters"]
@@ -289,7 +292,8 @@ def test_ctrl_c_says_how_to_resume(project):
     import sys
     import time
 
-    config = CONFIG.replace("trials: 4", "trials: 400").replace("fuse: 2", "fuse: 2\npruner: none")
+    # 40 trials (~40 s here): a progress line (piped: every 5% of the trial-steps) per 2 trials
+    config = CONFIG.replace("trials: 4", "trials: 40").replace("fuse: 2", "fuse: 2\npruner: none")
     (project / "tune.yaml").write_text(config.replace("steps: 10", "steps: 60"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # a shell may start background jobs with Ctrl-C ignored; a user's terminal does not
@@ -299,7 +303,7 @@ def test_ctrl_c_says_how_to_resume(project):
                             preexec_fn=default)  # fmt: skip
     seen = ""
     # trials have completed (how many at one refresh depends on the machine's speed)
-    while not any(int(n) >= 2 for n in re.findall(r"\| (\d+)/400", seen)):
+    while not any(int(n) >= 2 for n in re.findall(r"trials (\d+)/40,", seen)):
         char = proc.stderr.read(1)
         assert char, seen
         seen += char

@@ -37,7 +37,7 @@ def assert_alone(study: optuna.Study, task, seed: int, numbers=None) -> None:  #
         assert {s: v for s, v in alone.history} == pytest.approx(t.intermediate_values, rel=1e-12)
 
 
-def test_local_workers_refill_their_groups_from_the_driver():
+def test_local_workers_refill_their_groups_from_the_driver(capsys):
     task = make_task(steps=8)
     study = optuna.create_study(
         sampler=optuna.samplers.TPESampler(seed=0),
@@ -46,7 +46,12 @@ def test_local_workers_refill_their_groups_from_the_driver():
     ex = LocalExecutor(devices=[], num_workers=2)
     # fifo: one group per slot for good (dynamic may move the last group to widen it)
     optimize(study, task, SPACE, n_trials=10, ratio=2, fuse=2, seed=5, executor=ex,
-             policy="fifo")  # fmt: skip
+             policy="fifo", progress=True)  # fmt: skip
+    # progress from the workers' evaluations: trial-steps advance before any trial ends
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("trial-steps ")]  # fmt: skip
+    early = {int(line.split()[1].split("/")[0]) for line in lines if ", trials 0/10," in line}
+    assert len(early - {0}) >= 2 and lines[-1].startswith("trial-steps 80/80 (100%), trials 10/")
     trials = study.trials
     assert len(trials) == 10 and all(t.state.is_finished() for t in trials)
     assert any(t.state == TrialState.PRUNED for t in trials)

@@ -23,7 +23,7 @@ from hydro.errors import ConfigError
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.fleet import _Fleet
 from hydro.tuning.group import check_device
-from hydro.tuning.progress import Progress
+from hydro.tuning.progress import Progress, wanted
 from hydro.tuning.signals import terminate_as_interrupt
 from hydro.tuning.sizing import MAX_FUSE, check_fuse, check_memory
 from hydro.tuning.slots import (
@@ -73,7 +73,7 @@ def optimize(
     fuse: int | str = 16,
     seed: int = 0,
     device: str = "cpu",
-    progress: bool = False,
+    progress: bool | None = False,
     timeout: float | None = None,
     executor: Any = None,
     checkpoint_every: int | None = None,
@@ -130,8 +130,9 @@ def optimize(
         seed: base seed (a trial's initialization and data seed is ``seed + trial.number``;
             a trial re-asked after its tuner died keeps its predecessor's, ``hydro_seed``).
         device: where groups train.
-        progress: show a live progress bar on stderr (trials done, best value, ETA) and a
-            table of the five best trials at the end.
+        progress: show the run's progress on stderr (trial-steps and trials done, ETA, best
+            value; :class:`hydro.tuning.progress.Progress`) and a table of the five best
+            trials at the end; ``None``: only on a terminal or in a notebook.
         timeout: stop asking new trials after this many seconds; the trials already training
             run to their end and are told (as ``study.optimize`` lets running trials finish).
         executor: ``None`` trains in this process: one group per key, the groups of all
@@ -192,6 +193,7 @@ def optimize(
     timeout = check_timeout(timeout)
     fuse = check_fuse(fuse)
     fuse_memory = check_memory(fuse_memory)
+    progress = wanted(progress)  # None: on a terminal or in a notebook
     most = MAX_FUSE if fuse == "auto" else fuse
     if isinstance(first_group, bool) or not isinstance(first_group, int) \
             or not 0 <= first_group <= most:  # fmt: skip
@@ -240,7 +242,8 @@ def optimize(
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
     checkpoints = _trial_checkpoints(study, checkpoint_dir) if checkpoint_every else None
     start = time.perf_counter()
-    bar = Progress(study, n_trials, _finished) if progress else None
+    steps = task_or_callback.steps if is_task else None  # a callback's steps are its own
+    bar = Progress(study, n_trials, _finished, steps) if progress else None
     occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
         _sweep_checkpoints(study, checkpoints)

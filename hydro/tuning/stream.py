@@ -66,7 +66,7 @@ class _Stream:
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
-        self.hook = bar.update if bar is not None else None
+        self.hook = bar.reported if bar is not None else None
         self.pending: dict[tuple, list[tuple[optuna.Trial, dict]]] = {}
         self.running: dict[int, optuna.Trial] = {}  # asked, not yet told
         self.asking = True
@@ -186,6 +186,10 @@ class _Stream:
             self.occupancy.add(1, live, asking)
             if self.bar is not None:
                 self.bar.occupancy = self.occupancy.fraction(asking=False)
+                for g in self.live.values():  # trial-steps advance at every fused step here
+                    for m in g.group.members:
+                        self.bar.stepped(m.id, m.step)
+                self.bar.update()
 
     def _fill(self, limit: int | None = None) -> None:
         """Ask trials into ``pending`` while the device has room (at most ``limit``)."""
@@ -379,6 +383,8 @@ class _Stream:
         self.running.pop(trial.number, None)
         self.key_of.pop(trial.number, None)
         self.heart.release([trial._trial_id])
+        if self.bar is not None:
+            self.bar.ended(trial.number)
         if told:
             _after_tell(self.study, trial, self.callbacks)
 

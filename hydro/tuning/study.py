@@ -97,7 +97,8 @@ def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> 
 
 
 def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
-    """Give the study a member's intermediate value; True when its pruner prunes it."""
+    """Give the study a member's intermediate value; True when its pruner prunes it.
+    ``hook(number, step, value)`` is then told of the report (the progress bar)."""
     try:
         if step not in trial._cached_frozen_trial.intermediate_values:
             trial.report(value, step)  # a retried group reports its steps again: once is enough
@@ -105,7 +106,7 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
     except UpdateFinishedTrialError:
         return True  # another process failed it as stale: it is no longer ours to train
     if hook is not None:
-        hook()
+        hook(trial.number, step, value)
     return pruned
 
 

@@ -33,6 +33,7 @@ from hydro.tuning.driver import (
 from hydro.tuning.fingerprint import check_study, fingerprint, recipe_for
 from hydro.tuning.group import check_device, group_key
 from hydro.tuning.lockstep import train_group
+from hydro.tuning.progress import wanted
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.signals import terminate_as_interrupt
 from hydro.tuning.sizing import check_fuse, check_memory
@@ -297,7 +298,7 @@ def tune(
     executor: Any = None,
     seed: int | None = None,
     verify_top_k: int = 0,
-    progress: bool = False,
+    progress: bool | None = None,
     device: str = "cpu",
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
@@ -344,7 +345,9 @@ def tune(
         seed: seeds the sampler, the surrogates' initializations and the data order.
         verify_top_k: afterwards, train the full model (unmodified, standard parametrization)
             with the best ``k`` configurations and report which wins and the rank agreement.
-        progress: print progress to stderr.
+        progress: show progress on stderr (trial-steps done, trials finished, ETA, best
+            value; docs/tuning.md, "Progress") and the five best trials at the end; ``None``
+            (default): on when stderr is a terminal or in a notebook, off otherwise.
         device: where groups train in this process (``"cpu"``, ``"cuda"``, ``"cuda:N"``): the
             inline executor and ``verify_top_k``. A ``"local"`` or ``"ray"`` executor places
             groups on its own devices (every visible GPU, else CPU). Asking for CUDA where
@@ -416,6 +419,7 @@ def tune(
     callbacks = check_callbacks(callbacks)
     if isinstance(study, optuna.Study):
         check_single_objective(study)
+    progress = wanted(progress)  # None: on a terminal or in a notebook
     executor = make_executor(executor)
     check_space(space, task.model_args())
     built = preflight(task, space)
