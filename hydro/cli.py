@@ -64,6 +64,21 @@ def _ratio(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from exc
 
 
+def _count(minimum: int) -> Any:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hydro.inspection import inspect
 
@@ -177,7 +192,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         device=args.device, depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha,
         policy=args.policy, deadline=args.deadline,
         checkpoint_dir=args.checkpoint_dir,
-        fuse_memory=args.fuse_memory,
+        fuse_memory=args.fuse_memory, sampler=args.sampler, pruner=args.pruner,
+        first_group=args.first_group, steps=args.steps, timeout=args.timeout,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -203,9 +219,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"the finished trials are saved in study '{cfg.study}' of "
         f"{cfg.storage or 'sqlite:///hydro.db'}: run the same command again to resume"
     )
-    before = len(study.trials)
-    print(f"study '{cfg.study}' in {cfg.storage or 'sqlite:///hydro.db'}: {before} trials so far, "
-          f"target {cfg.trials}; ratio {cfg.ratio}{' (auto)' if auto else ''}"
+    print(f"{_progress_line(study, cfg.study, cfg.storage, cfg.trials)}; "
+          f"ratio {cfg.ratio}{' (auto)' if auto else ''}"
           f"{f', depth ratio {cfg.depth_ratio}' if cfg.depth_ratio > 1 else ''}, "
           + (f"{cfg.fuse} trials per fused group" if cfg.fuse != "auto" else
              "fuse auto (trials per fused group from the device's memory, per key)"),
@@ -214,7 +229,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
              seed=cfg.seed, progress=args.progress, executor=executor, device=cfg.device,
              depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
              first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline,
-             checkpoint_dir=cfg.checkpoint_dir, fuse_memory=cfg.fuse_memory)  # fmt: skip
+             checkpoint_dir=cfg.checkpoint_dir, fuse_memory=cfg.fuse_memory,
+             timeout=cfg.timeout)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
@@ -231,6 +247,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result.export(args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _progress_line(study: Any, name: str, storage: str | None, target: int) -> str:
+    """Where the study stands as a run starts: new, or resuming with its finished trials
+    (complete and pruned; failed apart), the interrupted ones it takes up first, and how many
+    are left to finish."""
+    from hydro.tuning.report import trial_counts
+
+    where = f"study '{name}' in {storage or 'sqlite:///hydro.db'}"
+    c = trial_counts(study)
+    if not (c["finished"] or c["interrupted"] or c["running"]):
+        return f"{where}: new, {target} trials to finish"
+    line = (f"resuming {where}: {c['complete'] + c['pruned']} finished ({c['complete']} "
+            f"complete, {c['pruned']} pruned)")  # fmt: skip
+    if c["failed"]:
+        line += f", {c['failed']} failed"
+    if c["interrupted"]:
+        line += f", {c['interrupted']} interrupted (resumed first)"
+    if c["running"]:
+        line += f", {c['running']} running elsewhere"
+    return line + f", {max(0, target - c['finished'])} to go"
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -346,7 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "else dynamic; fifo: one group per device, the baseline)")  # fmt: skip
     p.add_argument("--deadline", type=float, help="seconds to the deadline, with --policy "
                    "deadline: the best groups get whole devices as it nears")  # fmt: skip
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="seeds the sampler, the surrogates' initializations "
+                   "and the data order (default: the config's, else 0)")  # fmt: skip
+    p.add_argument("--timeout", type=float, help="stop asking new trials after this many "
+                   "seconds; trials in flight finish; rerun to go on")  # fmt: skip
+    p.add_argument("--sampler", help="Optuna sampler: tpe (default), random, cmaes, gp, qmc, "
+                   "grid (overrides the config's)")  # fmt: skip
+    p.add_argument("--pruner", help="Optuna pruner: median (default), asha (successive "
+                   "halving), hyperband, none (overrides the config's)")  # fmt: skip
+    p.add_argument("--first-group", type=_count(0), help="train this many trials first, alone "
+                   "and to the end, so the pruner has complete trials to compare with")  # fmt: skip
+    p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
+                   "config's task.steps)")  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or lines, no table of the best trials")  # fmt: skip
     p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "

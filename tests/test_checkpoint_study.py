@@ -120,7 +120,7 @@ def _child(storage: str, *extra: str) -> list[str]:
 @pytest.mark.parametrize("executor", [None, "local"])
 def test_killed_tuner_resumes_each_trial_from_its_last_checkpoint(tmp_path, executor):
     """A tuner SIGKILLed at step 13 of its only group (checkpoints every 5 steps), run again:
-    each interrupted trial is re-asked with its seed and resumes from its last checkpoint,
+    each interrupted trial is put back and taken up again, resuming from its last checkpoint,
     retraining at most 5 steps (today: all 20), ends with the value the uninterrupted trial
     has, and the dead run's checkpoints are gone once the re-asked trials are told."""
     storage = f"sqlite:///{tmp_path / 'hydro.db'}"
@@ -138,12 +138,13 @@ def test_killed_tuner_resumes_each_trial_from_its_last_checkpoint(tmp_path, exec
     study = optuna.load_study(study_name="hydro", storage=storage)
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert len(complete) == 2 and all(is_void(t) for t in trials if t not in complete)
+    assert len(complete) == len(trials) == 2  # the same two trials, put back and resumed
+    assert not [t for t in trials if is_void(t)]
     trained = 0
     for t in complete:
-        old = t.user_attrs["hydro_retry_of"]
+        old = t.number
         resumed = t.user_attrs["hydro_resumed_at"]
-        assert t.user_attrs["hydro_seed"] == old  # the same trial: its predecessor's seed
+        assert t.user_attrs["hydro_seed"] == old and t.user_attrs["hydro_interrupted"] == 1
         assert resumed % EVERY == 0 and 0 < reached[old] - resumed <= EVERY
         # the predecessor's reported values came along, for the pruner
         assert sorted(t.intermediate_values) == list(range(1, STEPS + 1))
@@ -158,7 +159,7 @@ def test_killed_tuner_resumes_each_trial_from_its_last_checkpoint(tmp_path, exec
                storage=fresh, seed=0, pruner=optuna.pruners.NopPruner())  # fmt: skip
     want = {t.number: t.value for t in optuna.load_study(study_name="hydro", storage=fresh).trials}
     for t in complete:
-        assert t.value == pytest.approx(want[t.user_attrs["hydro_retry_of"]], rel=1e-6)
+        assert t.value == pytest.approx(want[t.number], rel=1e-6)
 
 
 # --- two studies, one checkpoint directory ----------------------------------------------------
@@ -234,14 +235,14 @@ def test_an_unusable_checkpoint_is_moved_aside_and_the_trial_starts_afresh(tmp_p
         optimize(study, task, SPACE, n_trials=1, ratio=2, fuse=2, checkpoint_every=2,
                  checkpoint_dir=tmp_path / "ck")  # fmt: skip
     said = [str(w.message) for w in caught if issubclass(w.category, HydroWarning)]
-    # the file is named (another model's is found out once handed to the re-ask, trial 1)
-    named = str(store.path(1 if kind == "another model" else 0))
+    # the file is named (the trial is put back and taken up again under its own number)
+    named = str(store.path(0))
     assert any(m.startswith(f"checkpoint {named} ") and "moved aside" in m for m in said), said
     assert len(list(store.directory.glob("trial-*.pt.set-aside-*"))) == 1
     assert not (store.directory / "pwned").exists()
-    again = [t for t in study.trials if t.user_attrs.get("hydro_retry_of") == 0]
+    again = study.trials
     assert len(again) == 1 and again[0].state == TrialState.COMPLETE
-    assert again[0].user_attrs["hydro_seed"] == 0
+    assert again[0].user_attrs["hydro_seed"] == 0 and again[0].user_attrs["hydro_interrupted"] == 1
     # it started afresh: the value of the trial trained from step 0
     (fresh,), _ = train_group(task, [params], ratio=2, seeds=[0])
     assert again[0].value == pytest.approx(fresh.value, rel=1e-6)

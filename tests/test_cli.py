@@ -119,7 +119,7 @@ def test_tune_export_report(project, capsys):
     # rerunning resumes: nothing new to train; --no-progress leaves the header alone
     assert main(["tune", "tune.yaml", "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert "4 trials so far" in err and err.count("\n") == 1
+    assert "4 finished (4 complete, 0 pruned), 0 to go" in err and err.count("\n") == 1
     assert main(["export", "--storage", "sqlite:///toy.db", "--study", "toy", "-o", "b.json"]) == 0
     assert (
         json.loads((project / "b.json").read_text())["hyperparameters"] == best["hyperparameters"]

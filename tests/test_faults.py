@@ -133,6 +133,7 @@ def test_concurrent_processes_share_one_study(tmp_path, processes, kind):
     reasons = {t.user_attrs["fail_reason"] for t in study.trials if t.state == TrialState.FAIL}
     assert reasons <= {t.user_attrs["fail_reason"] for t in study.trials if is_void(t)}
     assert not any(r.startswith("interrupted") for r in reasons)
+    assert not any(t.user_attrs.get("hydro_interrupted") for t in study.trials)  # none put back
 
 
 def _alive(pid: int) -> bool:

@@ -355,6 +355,6 @@ def test_the_same_config_resumes_in_another_process(project, capsys):
         again = hydro.tune(task_, toymod.space, n_trials=3, ratio=2, fuse=2,
                            storage="sqlite:///toy.db", study="function", seed=0)  # fmt: skip
     assert no_fingerprint_warnings(record)
-    assert "2 trials so far" in capsys.readouterr().err
+    assert "2 finished (2 complete, 0 pruned), 1 to go" in capsys.readouterr().err
     assert len(again.study.trials) == 3
     assert again.study.user_attrs[FINGERPRINT]["parts"]["space"]["fixed"] == {"warmup": 1}

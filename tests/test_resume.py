@@ -56,16 +56,18 @@ def test_only_dead_owners_trials_are_reclaimed(tmp_path):
     dead_there = _running_trial(study, hydro_owner={"host": "elsewhere", "pid": 1},
                                 hydro_heartbeat=now - driver.STALE_SECONDS - 1)  # fmt: skip
     assert driver._reclaim_stale(study) == 2
-    assert driver._reclaim_stale(study) == 0  # failed once, asked again once
+    assert driver._reclaim_stale(study) == 0  # put back once
     trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 4  # no new row: the same trials wait to be taken up again
     for number in (live_here, live_there):
         assert trials[number].state == TrialState.RUNNING
     for number in (dead_here, dead_there):
-        assert trials[number].state == TrialState.FAIL
-        assert trials[number].user_attrs["fail_reason"].startswith("interrupted")
-        again = [t for t in trials if t.user_attrs.get("hydro_retry_of") == number]
-        assert len(again) == 1 and again[0].state == TrialState.WAITING
-        assert again[0].system_attrs["fixed_params"] == trials[number].params
+        assert trials[number].state == TrialState.WAITING
+        assert trials[number].user_attrs["hydro_interrupted"] == 1
+    # the next ask takes up a put-back trial, with its parameters
+    t = study.ask()
+    assert t.number in (dead_here, dead_there)
+    assert t.suggest_float("lr", 1e-3, 1e-1, log=True) == trials[t.number].params["lr"]
 
 
 def test_a_running_trial_of_another_process_counts_towards_n_trials(tmp_path):

@@ -87,7 +87,7 @@ def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_
 ):
     """Timeout 0.5 s, lock 3 s: the run gives up while the lock is still held (its wait and
     its clean-up wait are bounded), so its two trials stay RUNNING; the next run, once the
-    database is free, takes them over as interrupted and trains their parameters again."""
+    database is free, puts them back to WAITING and trains them."""
     monkeypatch.setenv("HYDRO_STORAGE_TIMEOUT", "0.5")
     db = tmp_path / "study.db"
     locker = Locker(db, hold=3.0)
@@ -104,10 +104,10 @@ def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_
     result = hydro.tune(tiny_task("cross_entropy"), SPACE, n_trials=2, ratio=2, fuse=2,
                         storage=storage, seed=0, force_resume=True)  # fmt: skip
     trials = result.study.get_trials(deepcopy=False)
-    assert [t.state for t in trials[:2]] == [TrialState.FAIL] * 2
-    assert all(t.user_attrs["fail_reason"].startswith("interrupted") for t in trials[:2])
-    done = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert sorted(t.params["lr"] for t in done) == sorted(t.params["lr"] for t in left)
+    # put back and taken up again: the same two trials, now complete, and no FAIL row
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert all(t.user_attrs["hydro_interrupted"] == 1 for t in trials)
+    assert [t.params["lr"] for t in trials] == [t.params["lr"] for t in left]
 
 
 TOY = """
@@ -175,8 +175,8 @@ def _one_line(capsys, alone: bool = True) -> str:  # noqa: ANN001
 def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, capsys,
                                                                        monkeypatch):  # fmt: skip
     """Timeout 2 s, lock 3.6 s: the run gives up at its next storage call (after 2 to 2.5 s),
-    then fails its two RUNNING trials as interrupted once the lock is gone; the same command
-    then finishes the study with their parameters."""
+    then puts its two RUNNING trials back to WAITING once the lock is gone; the same command
+    then finishes the study with them."""
     import storetoy
 
     monkeypatch.setenv("HYDRO_STORAGE_TIMEOUT", "2")
@@ -191,10 +191,8 @@ def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, c
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
     trials = study.get_trials(deepcopy=False)
     assert not [t for t in trials if t.state == TrialState.RUNNING]
-    stopped = [t for t in trials if t.state == TrialState.FAIL]
-    assert len(stopped) == 2
-    assert all(t.user_attrs["fail_reason"].startswith("interrupted") for t in stopped)
-    assert sum(t.state == TrialState.WAITING for t in trials) == 2  # asked again next run
+    stopped = [t for t in trials if t.state == TrialState.WAITING]  # taken up next run
+    assert len(stopped) == 2 and not [t for t in trials if t.state == TrialState.FAIL]
     storetoy.HOOK = None
     assert main(["tune", "tune.yaml"]) == 0
     trials = optuna.load_study(study_name="toy", storage="sqlite:///toy.db").trials
@@ -277,5 +275,5 @@ def test_owners_on_another_machine_with_this_hostname_are_judged_by_heartbeat(tm
     assert study_mod._reclaim_stale(study) == 3
     trials = study.get_trials(deepcopy=False)
     assert [trials[n].state for n in kept] == [TrialState.RUNNING] * 3
-    assert [trials[n].state for n in reclaimed] == [TrialState.FAIL] * 3
+    assert [trials[n].state for n in reclaimed] == [TrialState.WAITING] * 3
     assert study_mod._me()["machine"] == me

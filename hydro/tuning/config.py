@@ -26,7 +26,7 @@ from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
             "depth_alpha", "first_group", "policy", "deadline", "checkpoint_dir",
-            "fuse_memory"}  # fmt: skip
+            "fuse_memory", "timeout"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every", "dynamic"}  # fmt: skip
@@ -42,6 +42,8 @@ SAMPLERS = {
 PRUNERS = {
     "median": optuna.pruners.MedianPruner,
     "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+    "successive-halving": optuna.pruners.SuccessiveHalvingPruner,
+    "asha": optuna.pruners.SuccessiveHalvingPruner,  # asynchronous successive halving
     "hyperband": optuna.pruners.HyperbandPruner,
     "none": optuna.pruners.NopPruner,
 }
@@ -71,6 +73,7 @@ class TuneConfig:
     deadline: float | None = None
     checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
     fuse_memory: float | None = None  # GiB per fused group for fuse 'auto'
+    timeout: float | None = None  # seconds after which no new trial is asked
     data_source: dict | None = None  # task.data and its data_args: part of the study's fingerprint
 
 
@@ -202,7 +205,17 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     for key in ("task", "space"):
         if key not in raw:
             raise ConfigError(f"{path}: missing key '{key}'")
-    raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    steps = given.pop("steps", None)
+    if steps is not None:  # --steps: the task's training steps
+        if not isinstance(raw["task"], Mapping):
+            raise ConfigError(f"{path}: task must be a mapping")
+        raw = {**raw, "task": {**raw["task"], "steps": steps}}
+    for key in ("sampler", "pruner"):  # a sampler named on the command line: not the
+        if key in given and given[key] != raw.get(key):  # config's sampler's arguments
+            raw = {k: v for k, v in raw.items() if k != f"{key}_args"}
+    flags = {k: f"--{k}" for k in ("sampler", "pruner") if k in given}
+    raw = {**raw, **given}
     try:  # before the task is built: a typo here should not wait for the data
         check_placement(raw.get("policy", "dynamic"), raw.get("deadline"))
     except ConfigError as exc:
@@ -225,8 +238,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         verify_top_k=_int(raw.get("verify_top_k", 0), "verify_top_k", path, minimum=0),
         task=task,
         space=space,
-        sampler=_sampler(raw, space, seed, path),
-        pruner=_pruner(raw, path),
+        sampler=_sampler(raw, space, seed, path, flags.get("sampler")),
+        pruner=_pruner(raw, path, flags.get("pruner")),
         device=_device(raw.get("device", "cpu"), path),
         depth_ratio=_int(raw.get("depth_ratio", 1), "depth_ratio", path),
         depth_alpha=_alpha(raw.get("depth_alpha", 1.0), path),
@@ -235,6 +248,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         deadline=raw.get("deadline"),
         checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
         fuse_memory=_fuse_memory(raw.get("fuse_memory"), path),
+        timeout=_timeout(raw.get("timeout"), path),
         data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
     )
     if isinstance(cfg.fuse, int) and cfg.first_group > cfg.fuse:
@@ -313,30 +327,35 @@ def _check_arguments(fn: Any, args: Mapping, where: str, spec: str) -> None:
                               f"{', '.join(known) or 'no arguments'}")  # fmt: skip
 
 
-def _sampler(raw: Mapping, space: dict, seed: int, path: str) -> optuna.samplers.BaseSampler:
+def _sampler(raw: Mapping, space: dict, seed: int, path: str,
+             flag: str | None = None) -> optuna.samplers.BaseSampler:  # fmt: skip
+    """The config's ``sampler`` (or ``flag``'s, from the command line), seeded by ``seed``."""
     name = raw.get("sampler", "tpe")
+    where = flag or f"{path}: sampler"
     args = _mapping(raw.get("sampler_args", {}), "sampler_args", path)
     if name == "grid":
         grid = {}
         for key, dist in space.items():
             if not isinstance(dist, optuna.distributions.CategoricalDistribution):
-                raise ConfigError(f"{path}: sampler 'grid' needs categorical distributions; "
+                raise ConfigError(f"{where} 'grid' needs categorical distributions; "
                                   f"space.{key} is not one")  # fmt: skip
             grid[key] = list(dist.choices)
         return optuna.samplers.GridSampler(grid, seed=seed)
     if name not in SAMPLERS:
-        raise ConfigError(f"{path}: sampler {name!r} is unknown; use one of "
-                          f"{sorted([*SAMPLERS, 'grid'])}")  # fmt: skip
+        raise ConfigError(f"{where} {name!r} is unknown; use one of "
+                          f"{', '.join(sorted([*SAMPLERS, 'grid']))}")  # fmt: skip
     try:
         return SAMPLERS[name](seed, **args)
     except TypeError as exc:
         raise ConfigError(f"{path}: sampler_args: {exc}") from exc
 
 
-def _pruner(raw: Mapping, path: str) -> optuna.pruners.BasePruner:
+def _pruner(raw: Mapping, path: str, flag: str | None = None) -> optuna.pruners.BasePruner:
+    """The config's ``pruner`` (or ``flag``'s, from the command line)."""
     name = raw.get("pruner", "median")
     if name not in PRUNERS:
-        raise ConfigError(f"{path}: pruner {name!r} is unknown; use one of {sorted(PRUNERS)}")
+        raise ConfigError(f"{flag or f'{path}: pruner'} {name!r} is unknown; use one of "
+                          f"{', '.join(sorted(PRUNERS))}")  # fmt: skip
     try:
         return PRUNERS[name](**_mapping(raw.get("pruner_args", {}), "pruner_args", path))
     except TypeError as exc:
@@ -375,6 +394,15 @@ def _fuse_memory(value: Any, path: str) -> float | None:
     from hydro.tuning.sizing import check_memory
 
     return check_memory(value, where=f"{path}: fuse_memory")
+
+
+def _timeout(value: Any, path: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 < value < float("inf"):  # fmt: skip
+        raise ConfigError(f"{path}: timeout must be a number of seconds above 0, got {value!r}")
+    return float(value)
 
 
 def _alpha(value: Any, path: str) -> float:

@@ -36,12 +36,14 @@ from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECON
     _POLL_SECONDS,
     HEARTBEAT_SECONDS,
     STALE_SECONDS,
+    _after_tell,
     _ask,
     _counts,
     _fail,
     _fail_unfinished,
     _finished,
     _Heartbeat,
+    _put_back,
     _reclaim_stale,
     _report_and_ask,
     _seed_and_resume,
@@ -83,6 +85,8 @@ def optimize(
     deadline: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     fuse_memory: float | None = None,
+    catch: Sequence[type[BaseException]] | type[BaseException] = (),
+    callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], Any]] | None = None,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -97,11 +101,13 @@ def optimize(
     Running the same call again resumes the study, and several processes (on one machine or
     several, through any shared Optuna storage) may run it on one study at once: each trial
     records its owner and a heartbeat; a trial left RUNNING by a dead process (a dead pid on this
-    host, or no heartbeat for :data:`STALE_SECONDS` from another host) is failed as
-    ``"interrupted"`` and asked again with the same parameters, while trials of live processes
-    are left alone. ``n_trials`` counts over the whole study, whichever process asked: a process
-    with nothing left to ask waits for the others' running trials. Interrupted rows (and the rare
-    surplus ask of a race between processes) are void: :func:`is_void`, not counted.
+    host, or no heartbeat for :data:`STALE_SECONDS` from another host) is put back to WAITING
+    and taken up again (same number, parameters, seed and checkpoint), as are this run's own
+    unfinished trials on Ctrl-C or SIGTERM: an interrupted trial is never a FAIL row. Trials of
+    live processes are left alone. ``n_trials`` counts over the whole study, whichever process
+    asked: a process with nothing left to ask waits for the others' running trials. The rare
+    surplus ask of a race between processes (and an older study's interrupted FAIL rows) are
+    void: :func:`is_void`, not counted.
 
     The sampler's random state is re-seeded from ``seed`` and the trial number before each trial
     is sampled, so a resumed or shared study never repeats start-up configurations, and the
@@ -127,7 +133,8 @@ def optimize(
         progress: show the run's progress on stderr (trial-steps and trials done, ETA, best
             value; :class:`hydro.tuning.progress.Progress`) and a table of the five best
             trials at the end; ``None``: only on a terminal or in a notebook.
-        timeout: stop asking new groups after this many seconds.
+        timeout: stop asking new trials after this many seconds; the trials already training
+            run to their end and are told (as ``study.optimize`` lets running trials finish).
         executor: ``None`` trains in this process: one group per key, the groups of all
             keys sharing ``fuse`` slots and taking turns step by step; a
             ``hydro_fluid`` executor (``LocalExecutor`` for worker processes on this machine,
@@ -172,7 +179,18 @@ def optimize(
             every tuner sees). A trial's checkpoint is removed once it is told.
         fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default: a share
             of the memory free at start (:func:`hydro.tuning.sizing.memory_budget`).
+        catch: exception types that are expected failures of the user's data, loss or metric
+            (``study.optimize``'s ``catch``): their trials fail and the run goes on. Other
+            exceptions of user code fail their trials too, but stop the run once every trial
+            failed the same way (:mod:`hydro.tuning.faults`); ``catch`` exempts its types.
+        callbacks: ``f(study, frozen_trial)`` called in this process after each trial ends
+            (COMPLETE, PRUNED or FAIL), as ``study.optimize``'s; an exception in one stops
+            the run and propagates (the trials still training resume on the next run).
     """
+    check_single_objective(study)
+    catch = check_catch(catch)
+    callbacks = check_callbacks(callbacks)
+    timeout = check_timeout(timeout)
     fuse = check_fuse(fuse)
     fuse_memory = check_memory(fuse_memory)
     progress = wanted(progress)  # None: on a terminal or in a notebook
@@ -252,7 +270,8 @@ def optimize(
                     continue
                 args = (study, task_or_callback, space, n_trials, ratio, fuse, seed, device,
                         heart, bar, start, timeout, occupancy, depth)  # fmt: skip
-                keep = {"checkpoints": checkpoints, "every": checkpoint_every}
+                keep = {"checkpoints": checkpoints, "every": checkpoint_every, "catch": catch,
+                        "callbacks": callbacks}  # fmt: skip
                 if is_task and executor is None:
                     _Stream(*args, first_group=first_group, fuse_memory=fuse_memory,
                             **keep).run()  # fmt: skip
@@ -265,7 +284,7 @@ def optimize(
                                           "callback, give fuse a number")  # fmt: skip
                     trials = _ask(study, min(fuse, budget), n_trials, seed, heart)
                     if trials:
-                        _run_batch(study, task_or_callback, space, trials, heart)
+                        _run_batch(study, task_or_callback, space, trials, heart, callbacks)
                 if bar is not None:
                     bar.update()
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated)
@@ -284,14 +303,14 @@ def optimize(
 
 
 def _requeue_owned(study: optuna.Study, heart: _Heartbeat) -> None:
-    """Fail as interrupted, and ask again, every trial this run asked that is still RUNNING:
-    an interrupt can land between a trial's ask and the bookkeeping of the group that would
-    have told it, and a rerun should not have to wait for such a trial to go stale."""
+    """Put back to WAITING every trial this run asked that is still RUNNING: an interrupt can
+    land between a trial's ask and the bookkeeping of the group that would have told it, and
+    a rerun should not have to wait for such a trial to go stale."""
     with heart.lock:
         owned = set(heart.owned)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t._trial_id in owned:
-            _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
+            _put_back(study, t._trial_id)
 
 
 def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheckpoints | None:
@@ -306,17 +325,64 @@ def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheck
     return _checkpoint.for_study(study, root) if root is not None else None
 
 
-def _run_batch(study, callback, space, trials, heart) -> None:  # noqa: ANN001
+def _run_batch(study, callback, space, trials, heart, callbacks=()) -> None:  # noqa: ANN001
     """Run one batch of asked trials through a group callback; whatever happens, none of them
     stays RUNNING."""
     told: set[int] = set()
     try:
         _run_callback_batch(study, callback, space, trials, told)
+        for t in trials:
+            _after_tell(study, t, callbacks)
     except BaseException as exc:
         _fail_unfinished(study, [t for t in trials if t.number not in told], exc)
         raise
     finally:
         heart.release(t._trial_id for t in trials)
+
+
+def check_single_objective(study: optuna.Study) -> None:
+    """A one-line :class:`ConfigError` for a multi-objective study: Hydro ranks, prunes and
+    exports by the task's one value."""
+    refuse_directions(study.study_name, study.directions)
+
+
+def refuse_directions(name: str, directions: Sequence[Any]) -> None:
+    """The :class:`ConfigError` of :func:`check_single_objective`, for several ``directions``."""
+    if len(directions) > 1:
+        names = ", ".join(d.name.lower() for d in directions)
+        raise ConfigError(f"study {name!r} has {len(directions)} objectives ({names}): Hydro "
+                          "tunes one value (the task's metric) and cannot run a "
+                          "multi-objective study. Use a study with one direction (another "
+                          "study name).")  # fmt: skip
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` as seconds (a number above 0), or None; else a one-line ConfigError."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout < float("inf"):  # fmt: skip
+        raise ConfigError(f"timeout must be a number of seconds above 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_catch(catch: Any) -> tuple[type[BaseException], ...]:
+    """``catch`` (one exception class or several, as ``study.optimize`` takes) as a tuple."""
+    items = (catch,) if isinstance(catch, type) else tuple(catch or ())
+    for c in items:
+        if not (isinstance(c, type) and issubclass(c, Exception)):
+            raise ConfigError(f"catch must hold exception classes (e.g. catch=(ValueError,)), "
+                              f"got {c!r}")  # fmt: skip
+    return items
+
+
+def check_callbacks(callbacks: Any) -> list[Callable[..., Any]]:
+    """``callbacks`` as a list of callables ``f(study, frozen_trial)``."""
+    items = list(callbacks or ())
+    for c in items:
+        if not callable(c):
+            raise ConfigError(f"callbacks must be callables f(study, frozen_trial), got {c!r}")
+    return items
 
 
 def check_placement(policy: Any, deadline: Any) -> None:

@@ -6,13 +6,15 @@ raises, :func:`describe` names it in one line (``data 'mymod:make_batches' raise
 bad shard at mymod.py:12``, the innermost line of the user's file), the group's trials fail
 with that reason and the study goes on asking others. :class:`Faults` stops the run once every
 trial it ended failed the same way (:data:`SAME_FAULT_GROUPS` groups, or the whole run), so a
-loss that always raises does not burn the budget.
+loss that always raises does not burn the budget. Exceptions of the types given to
+``hydro.tune(catch=...)`` are expected: their trials fail the same way, but never stop the run.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import sysconfig
 import traceback
 import types
@@ -65,6 +67,8 @@ def describe(exc: BaseException, task: Any) -> str | None:
     :class:`ModelError`, too), or ``None`` when ``exc`` is not the user's: Hydro's own
     errors, out of memory, an interrupt, an exception with no frame in the user's files, or
     one raised through Optuna (the study's pruner or sampler)."""
+    if getattr(exc, "_hydro_resume_others", False):
+        return None  # a tune(callbacks=...) callback raised: it stops the run, as in Optuna
     if isinstance(exc, ModelError) and _factory_raised(exc.__cause__):
         return describe(exc.__cause__, task)  # the model factory raised, for these arguments
     if not isinstance(exc, Exception) or isinstance(
@@ -134,7 +138,8 @@ class Faults:
     :class:`UserCodeError`) once every trial it ended failed with one description, in
     :data:`SAME_FAULT_GROUPS` groups or, at the end (``end=True``), in all of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, catch: tuple[type[BaseException], ...] = ()) -> None:
+        self.catch = catch  # tune(catch=...): expected failures, which never stop the run
         self.kinds: set[str] = set()  # descriptions (trial and group left out)
         self.keys: set[tuple] = set()  # the failed groups' keys
         self.groups = 0
@@ -145,6 +150,20 @@ class Faults:
         """A trial was told; ``fault``: it failed because user code raised."""
         if not fault:
             self.other = True
+
+    def caught(self, exc: BaseException | str | None) -> bool:
+        """Whether a fault is of a type the run was told to ``catch``: an exception raised in
+        this process by ``isinstance``; a worker's one-line description (:func:`describe`,
+        the exception itself stayed in the worker) by the class name it gives."""
+        if not self.catch or exc is None:
+            return False
+        if isinstance(exc, BaseException):
+            return isinstance(exc, self.catch)
+        if any(c in (Exception, BaseException) for c in self.catch):
+            return True
+        found = re.search(r" raised ([\w.]+)", exc)
+        return found is not None and found.group(1).rsplit(".", 1)[-1] in \
+            {c.__name__ for c in self.catch}  # fmt: skip
 
     def failed(self, what: str, reason: str, key: tuple | None) -> None:
         """A group of ``key`` failed because user code raised (``what``, :func:`describe`);

@@ -46,8 +46,10 @@ class _Fleet(_Stream):
 
     def __init__(self, *args: Any, executor: Any, every: int, checkpoints: Any = None,
                  world_size: int = 1, policy: str = "fifo", deadline: float | None = None,
-                 fuse_memory: float | None = None) -> None:  # fmt: skip
-        super().__init__(*args, checkpoints=checkpoints, every=every, fuse_memory=fuse_memory)
+                 fuse_memory: float | None = None, catch: tuple = (),
+                 callbacks: Sequence = ()) -> None:  # fmt: skip
+        super().__init__(*args, checkpoints=checkpoints, every=every, fuse_memory=fuse_memory,
+                         catch=catch, callbacks=callbacks)  # fmt: skip
         self.executor = executor
         self.policy, self.deadline = policy, deadline
         self.world_size = world_size
@@ -225,12 +227,17 @@ class _Fleet(_Stream):
 
     def worker_fault(self, name: str, what: str, numbers: list[int]) -> None:
         """User code raised ``what`` in the worker of group ``name``: its trials ``numbers``
-        fail, each with a reason naming it and its fused group."""
+        fail, each with a reason naming it and its fused group (by the exception's class
+        name, a type the run catches never stops it)."""
+        caught = self.faults.caught(what)
         first = ""
         for number in sorted(numbers):
             gid = self.group_of.get(number, self.gids.get(name))
             reason = f"trial {number} (group {gid}): {what}"
             first = first or reason
-            self.tell(self.running[number], Outcome("fail", None, 0, reason), None, fault=True)
+            self.tell(self.running[number], Outcome("fail", None, 0, reason), None,
+                      fault=not caught)  # fmt: skip
+        if caught:
+            return
         self.faults.failed(what, first or f"{name}: {what}", self.keys.get(name))
         self.faults.check(training=(self.trial_key[n] for n in self.running if n in self.trial_key))

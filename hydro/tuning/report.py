@@ -26,6 +26,12 @@ def is_interrupted(trial: optuna.trial.FrozenTrial) -> bool:
     return bool(trial.user_attrs.get("interrupted")) or reason.startswith("interrupted")
 
 
+def is_put_back(trial: optuna.trial.FrozenTrial) -> bool:
+    """A trial interrupted with its process and put back in the queue (WAITING): the next run
+    takes it up again, same number (:func:`hydro.tuning.study._put_back`)."""
+    return trial.state == TrialState.WAITING and bool(trial.user_attrs.get("hydro_interrupted"))
+
+
 def is_surplus(trial: optuna.trial.FrozenTrial) -> bool:
     """A row asked past ``n_trials`` by a process sharing the study: never trained, not a trial."""
     return trial.state == TrialState.FAIL and str(
@@ -35,8 +41,9 @@ def is_surplus(trial: optuna.trial.FrozenTrial) -> bool:
 
 def trial_counts(study: optuna.Study) -> dict[str, int]:
     """Trials by outcome: ``complete``, ``pruned``, ``failed`` (real failures),
-    ``interrupted`` (stopped with their process and asked again; not finished), ``running``,
-    and ``finished`` = complete + pruned + failed."""
+    ``interrupted`` (stopped with their process: waiting to resume, or an older study's FAIL
+    row asked again; not finished), ``running``, and ``finished`` = complete + pruned +
+    failed."""
     counts = dict.fromkeys(("complete", "pruned", "failed", "interrupted", "running"), 0)
     for t in study.get_trials(deepcopy=False):
         if is_surplus(t):
@@ -49,6 +56,8 @@ def trial_counts(study: optuna.Study) -> dict[str, int]:
             counts["interrupted" if is_interrupted(t) else "failed"] += 1
         elif t.state == TrialState.RUNNING:
             counts["running"] += 1
+        elif is_put_back(t):
+            counts["interrupted"] += 1
     counts["finished"] = counts["complete"] + counts["pruned"] + counts["failed"]
     return counts
 
@@ -80,16 +89,14 @@ def write_report(study: optuna.Study, path: str) -> None:
     buf = io.BytesIO()
     figure.savefig(buf, format="png", dpi=110)
     image = base64.b64encode(buf.getvalue()).decode()
-    rows = "".join(
-        f"<tr><td>{t.number}</td><td>{_state(t)}</td><td>{_fmt(t.value)}</td>"
-        f"<td>{html.escape(str(trained_params(t)))}</td>"
-        f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
-        for t in study.get_trials(deepcopy=False)
-    )
     try:
         best = (
             f"best value {study.best_value:.6g} (trial {study.best_trial.number}): "
-            + html.escape(str(trained_params(study.best_trial)))
+            + html.escape(
+                ", ".join(
+                    f"{k} {_cell(v)}" for k, v in sorted(trained_params(study.best_trial).items())
+                )
+            )
         )
     except ValueError:
         best = "no completed trial yet"
@@ -107,9 +114,25 @@ def write_report(study: optuna.Study, path: str) -> None:
 td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head><body>
 <h1>Study {html.escape(study.study_name)}</h1><p>{best}</p>
 <img src="data:image/png;base64,{image}" style="max-width:100%">
-<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>value</th><th>params</th>
-<th>fail reason</th></tr>{rows}</table></body></html>"""
+<h2>Trials</h2>{trials_table(study)}</body></html>"""
     write_text(path, page)
+
+
+def trials_table(study: optuna.Study) -> str:
+    """The report's table of trials, as HTML: number, state, value, one column per
+    hyperparameter (sorted by name; blank where a trial has none) and the fail reason."""
+    trials = study.get_trials(deepcopy=False)
+    params = [trained_params(t) for t in trials]
+    names = sorted({k for p in params for k in p})
+    heads = "".join(f"<th>{html.escape(k)}</th>" for k in names)
+    rows = "".join(
+        f"<tr><td>{t.number}</td><td>{_state(t)}</td><td>{_fmt(t.value)}</td>"
+        + "".join(f"<td>{html.escape(_cell(p.get(k)))}</td>" for k in names)
+        + f"<td>{html.escape(str(t.user_attrs.get('fail_reason', '')))}</td></tr>"
+        for t, p in zip(trials, params)
+    )
+    return (f"<table><tr><th>#</th><th>state</th><th>value</th>{heads}<th>fail reason</th>"
+            f"</tr>{rows}</table>")  # fmt: skip
 
 
 def _figure(study: optuna.Study) -> Any:
@@ -172,5 +195,17 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, (int, float)) else "-"
 
 
+def _cell(v: Any) -> str:
+    """A hyperparameter's table cell: numbers to 4 significant digits, blank when the trial has
+    none (a conditional parameter, or a trial stopped before it was sampled)."""
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
 def _state(t: optuna.trial.FrozenTrial) -> str:
+    if is_put_back(t):
+        return "WAITING (interrupted: resumes on the next run)"
     return "INTERRUPTED (asked again)" if is_interrupted(t) else t.state.name

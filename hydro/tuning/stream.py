@@ -30,6 +30,7 @@ from hydro.tuning.slots import (
 )
 from hydro.tuning.space import check_names, sample
 from hydro.tuning.study import (
+    _after_tell,
     _ask,
     _counts,
     _fail_unfinished,
@@ -61,7 +62,7 @@ class _Stream:
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
                  start, timeout, occupancy, depth=(1, 1.0), first_group=0, checkpoints=None,
-                 every=0, fuse_memory=None) -> None:  # noqa: ANN001  # fmt: skip
+                 every=0, fuse_memory=None, catch=(), callbacks=()) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -81,7 +82,8 @@ class _Stream:
         self.fuse_memory = fuse_memory  # GiB per group for fuse="auto"; None: a share of free
         self.key_sizes: dict[tuple, int] = {}  # per key: sized by "auto", or halved after an OOM
         self.key_memory: dict[tuple, float] = {}  # per key, with "auto": GiB one trial adds
-        self.faults = Faults()  # user code that raised: stop once every trial failed alike
+        self.faults = Faults(catch)  # user code that raised: stop once every trial failed alike
+        self.callbacks = list(callbacks)  # Optuna's (study, frozen_trial), after each trial ends
 
     def run(self) -> None:
         self._guard(self._groups)
@@ -174,7 +176,7 @@ class _Stream:
                     what = describe(exc, self.task)
                     if what is None:
                         raise
-                    self.user_fault(key, what)
+                    self.user_fault(key, what, exc=exc)
                     continue
                 save_trials(g.group, self.checkpoints, self.every)
                 if not g.group.n:
@@ -235,14 +237,15 @@ class _Stream:
                 what = describe(exc, self.task)
                 if what is None:
                     raise
-                self.user_fault(key, what, fits)
+                self.user_fault(key, what, fits, exc=exc)
 
-    def user_fault(self, key: tuple, what: str,
-                   fits: list[tuple[optuna.Trial, dict]] = ()) -> None:  # fmt: skip
-        """User code raised (``what``, :func:`describe`) while ``key``'s live group trained or
-        took ``fits``: those trials fail with a one-line reason naming each, the group is
-        dropped, and the run stops if every trial it ended failed this way
-        (:class:`~hydro.tuning.faults.Faults`)."""
+    def user_fault(self, key: tuple, what: str, fits: list[tuple[optuna.Trial, dict]] = (),
+                   exc: BaseException | None = None) -> None:  # fmt: skip
+        """User code raised (``what``, :func:`describe`; ``exc`` where it raised here) while
+        ``key``'s live group trained or took ``fits``: those trials fail with a one-line reason
+        naming each, the group is dropped, and the run stops if every trial it ended failed
+        this way (:class:`~hydro.tuning.faults.Faults`), unless the run catches its type."""
+        caught = self.faults.caught(exc if exc is not None else what)
         g = self.live.pop(key, None)
         trials = {} if g is None else dict(g.trials)
         trials.update((t.number, t) for t, _ in fits)
@@ -254,7 +257,10 @@ class _Stream:
                 continue
             reason = f"trial {number} (group {gid}): {what}"
             first = first or reason
-            self.tell(t, Outcome("fail", None, steps.get(number, 0), reason), None, fault=True)
+            self.tell(t, Outcome("fail", None, steps.get(number, 0), reason), None,
+                      fault=not caught)  # fmt: skip
+        if caught:  # an expected failure: the trials end, the run goes on
+            return
         self.faults.failed(what, first or f"group {gid}: {what}", key)
         self.faults.check(training=self.key_of.values())
 
@@ -368,8 +374,9 @@ class _Stream:
 
     def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None,
              fault: bool = False) -> None:  # fmt: skip
-        """Tell ``trial``'s ``outcome`` (``fault``: it failed because user code raised)."""
-        _tell(self.study, trial, outcome, info)
+        """Tell ``trial``'s ``outcome`` (``fault``: it failed because user code raised), then
+        call the run's callbacks with the finished trial."""
+        told = _tell(self.study, trial, outcome, info)
         self.faults.told(fault)
         if self.checkpoints is not None:
             self.checkpoints.remove(trial.number)
@@ -378,6 +385,8 @@ class _Stream:
         self.heart.release([trial._trial_id])
         if self.bar is not None:
             self.bar.ended(trial.number)
+        if told:
+            _after_tell(self.study, trial, self.callbacks)
 
 
 def start_group(

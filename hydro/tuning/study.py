@@ -20,6 +20,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.samplers._lazy_random_state import LazyRandomState
+from optuna.storages import InMemoryStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
@@ -34,7 +35,12 @@ _INTERRUPTED = "interrupted: the process running it stopped; re-asked with the s
 
 def _tell(
     study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None
-) -> None:
+) -> bool:
+    """Record ``outcome`` for ``trial``; False when it is no longer this process's: another
+    process took it for dead meanwhile (put it back in the queue, or took it up again)."""
+    current = study._storage.get_trial(trial._trial_id)
+    if current.state != TrialState.RUNNING or current.user_attrs.get(_OWNER, _me()) != _me():
+        return False
     try:
         if info is not None:
             trial.set_user_attr("surrogate_widths", info.widths)
@@ -51,7 +57,28 @@ def _tell(
             trial.set_user_attr("fail_reason", outcome.reason or "no finite value")
             _tell_safely(study, trial, state=TrialState.FAIL)
     except UpdateFinishedTrialError:
-        pass  # failed as stale by another process meanwhile (and asked again there)
+        return False  # finished by another process meanwhile
+    return True
+
+
+def _after_tell(study: optuna.Study, trial: optuna.Trial, callbacks: Any) -> None:
+    """Call Optuna-style ``callbacks(study, frozen_trial)`` for a trial just told, as
+    ``study.optimize`` does after each trial. An exception in one propagates (as in Optuna);
+    the trials still training then are put back to resume, not failed for it."""
+    if not callbacks:
+        return
+    frozen = study._storage.get_trial(trial._trial_id)
+    if not frozen.state.is_finished():
+        return
+    for callback in callbacks:
+        try:
+            callback(study, frozen)
+        except BaseException as exc:
+            try:
+                exc._hydro_resume_others = True  # type: ignore[attr-defined]  # see _fail_unfinished
+            except AttributeError:
+                pass  # an exception with __slots__: its others fail with its reason
+            raise
 
 
 def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -96,6 +123,7 @@ HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0
 _POLL_SECONDS = 0.5
 _OWNER, _BEAT, _RETRY_OF = "hydro_owner", "hydro_heartbeat", "hydro_retry_of"
+_INTERRUPTIONS = "hydro_interrupted"  # times a trial was put back to WAITING
 _SURPLUS = "surplus: other processes sharing the study had already asked n_trials trials"
 _ACTIVE: set[int] = set()  # trial ids some optimize() call in this process is running
 _ACTIVE_LOCK = threading.Lock()
@@ -181,27 +209,67 @@ def _owner_alive(t: FrozenTrial, now: float) -> bool:
 
 
 def _reclaim_stale(study: optuna.Study) -> int:
-    """Fail the RUNNING trials whose owner is gone and ask their parameters again."""
+    """Put the RUNNING trials whose owner is gone back to WAITING: the next ask takes them up
+    again, same number and parameters. Returns how many this call put back."""
     now = time.time()
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not _owner_alive(t, now):
-            n += _fail(study, t._trial_id, t.number, t.params, _INTERRUPTED, requeue=True)
+            n += _put_back(study, t._trial_id, owner=t.user_attrs.get(_OWNER))
     return n
 
 
+def _put_back(study: optuna.Study, trial_id: int, *, owner: Any = None) -> bool:
+    """Set a RUNNING trial back to WAITING (Optuna's queue): it was only interrupted, so it
+    is no FAIL row; the next ``study.ask()`` of any process takes it up again with its
+    number, parameters, seed, reported values and checkpoint. ``owner``: only if the trial
+    still has that owner (another process may have put it back and taken it up meanwhile).
+    True if this call put it back."""
+    storage = study._storage
+    try:
+        t = storage.get_trial(trial_id)
+        if t.state != TrialState.RUNNING or (owner is not None
+                                             and t.user_attrs.get(_OWNER) != owner):  # fmt: skip
+            return False
+        storage.set_trial_user_attr(trial_id, _INTERRUPTIONS,
+                                    int(t.user_attrs.get(_INTERRUPTIONS, 0)) + 1)  # fmt: skip
+        if not storage.set_trial_state_values(trial_id, TrialState.WAITING):
+            return False
+    except UpdateFinishedTrialError:
+        return False
+    _rewind_queue(study, t.number)
+    return True
+
+
+def _rewind_queue(study: optuna.Study, number: int) -> None:
+    """Optuna's in-memory storage looks for WAITING trials from the first one it last saw on
+    (in Optuna a trial never goes back to WAITING): let it see trial ``number`` again. The
+    other storages read every WAITING trial at each ask."""
+    storage = study._storage
+    cursor = getattr(storage, "_prev_waiting_trial_number", None)
+    if isinstance(storage, InMemoryStorage) and isinstance(cursor, dict) \
+            and study._study_id in cursor:  # fmt: skip
+        with storage._lock:
+            cursor[study._study_id] = min(cursor[study._study_id], number)
+
+
 def _fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> None:
-    """Fail the RUNNING ``trials`` a run stopped by ``exc`` cannot finish: as interrupted (asked
-    again with the same parameters) after Ctrl-C or a storage failure, else with the error as
-    the reason. One the storage cannot fail now stays RUNNING, owned by this process: once it
-    has exited, the next run reclaims it as interrupted."""
-    again = isinstance(exc, (KeyboardInterrupt, StorageError))
+    """End the RUNNING ``trials`` a run stopped by ``exc`` cannot finish: back to WAITING
+    (:func:`_put_back`: resumed by the next run) after Ctrl-C, SIGTERM, a storage failure or a
+    callback's exception, else FAIL with the error as the reason. One the storage cannot
+    update now stays RUNNING, owned by this process: once it has exited, the next run
+    reclaims it."""
+    again = isinstance(exc, (KeyboardInterrupt, StorageError)) or \
+        getattr(exc, "_hydro_resume_others", False)  # fmt: skip
     # one line, never a traceback
     reason = _INTERRUPTED if again else \
         (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:500]  # fmt: skip
     for t in trials:
         try:
-            _fail(study, t._trial_id, t.number, t.params, reason, requeue=again)
+            if again:
+                _put_back(study, t._trial_id)
+            else:
+                _fail(study, t._trial_id, t.number, t.params, reason, requeue=False)
         except StorageError:
             pass  # still failing: the error on its way out says so, and the next run reclaims it
 
@@ -237,7 +305,14 @@ def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str,
     handed to the new number, its reported values are reported again (for the pruner) and
     ``hydro_resumed_at`` records its step. Returns the seed."""
     old = trial.user_attrs.get(_RETRY_OF)
-    seed = base + trial.number
+    seed = trial_seed(trial, base)  # a trial put back and taken up again keeps its own
+    if old is None:
+        trial.set_user_attr(_SEED, seed)
+    if old is None and trial.user_attrs.get(_INTERRUPTIONS) and checkpoints is not None:
+        state = checkpoints.load(trial.number, seed, params)  # its own file, if it saved one
+        if state is not None:
+            trial.set_user_attr(_RESUMED_AT, int(state["step"]))
+        return seed
     if old is not None:
         storage = study._storage
         before = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
@@ -261,6 +336,7 @@ def _sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     waiting = {t.user_attrs.get(_RETRY_OF) for t in trials.values()
                if t.state in (TrialState.WAITING, TrialState.RUNNING)}  # fmt: skip
+    waiting |= {n for n, t in trials.items() if t.state == TrialState.WAITING}  # put back
     removed = 0
     for number in checkpoints.numbers():
         t = trials.get(number)

@@ -7,7 +7,7 @@ import inspect
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,16 @@ import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
 from hydro.fx.floor import task_ratio
-from hydro.tuning.driver import check_depth, check_placement, optimize
+from hydro.tuning.driver import (
+    check_callbacks,
+    check_catch,
+    check_depth,
+    check_placement,
+    check_single_objective,
+    check_timeout,
+    optimize,
+    refuse_directions,
+)
 from hydro.tuning.fingerprint import check_study, fingerprint, recipe_for
 from hydro.tuning.group import check_device, group_key
 from hydro.tuning.lockstep import train_group
@@ -67,7 +76,8 @@ class TuneResult:
     @property
     def trials(self) -> list[dict[str, Any]]:
         """One row per trial: number, state, value, parameters, group and fail reason. A trial
-        that stopped with its process (and was asked again) has state ``INTERRUPTED``."""
+        that stopped with its process is ``WAITING`` until a run takes it up again (an older
+        study's FAIL row for it: ``INTERRUPTED``)."""
         return [
             {"number": t.number, "state": "INTERRUPTED" if is_interrupted(t) else t.state.name,
              "value": t.value, **trained_params(t), "group": t.user_attrs.get("group"),
@@ -248,6 +258,7 @@ def open_study(
     try:
         # a URL gets the guarded storage; a storage object (a journal file...) is used as given
         opened = open_storage(url) if isinstance(url, str) else url
+        _refuse_multi_objective(opened, study_name)
         return optuna.create_study(
             storage=opened, study_name=study_name, direction=direction,
             sampler=sampler, pruner=pruner, load_if_exists=True,
@@ -260,6 +271,17 @@ def open_study(
             "(e.g. sqlite:///path/to/hydro.db, postgresql://user@host/db) and that its "
             "directory or server is reachable."
         ) from exc
+
+
+def _refuse_multi_objective(storage: Any, study_name: str) -> None:
+    """An existing multi-objective study of that name: one ConfigError line, before Optuna's
+    own error about overwriting its directions."""
+    try:
+        storage = optuna.storages.get_storage(storage)
+        directions = storage.get_study_directions(storage.get_study_id_from_name(study_name))
+    except KeyError:
+        return  # no such study yet: it is created with one direction
+    refuse_directions(study_name, directions)
 
 
 def tune(
@@ -285,6 +307,9 @@ def tune(
     deadline: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     fuse_memory: float | None = None,
+    timeout: float | None = None,
+    callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], Any]] | None = None,
+    catch: Sequence[type[Exception]] | type[Exception] = (),
     force_resume: bool = False,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
@@ -343,11 +368,24 @@ def tune(
         deadline: seconds to the deadline, with ``policy="deadline"`` (required there, refused
             otherwise); no trial is asked after it.
         checkpoint_dir: where the study's trial checkpoints go, in a directory per study
-            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial re-asked after
-            its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
+            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial taken up again
+            after its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
         fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default half the
             RAM free at start on the CPU (split between an executor's workers), 90% of the
             free memory on a GPU.
+        timeout: stop asking new trials after this many seconds (``study.optimize``'s
+            ``timeout``). The trials already training run to the end of their fused group and
+            are told, so the run ends a group's length after ``timeout`` at most; the next
+            run with the same study goes on where it stopped. Default: no limit.
+        callbacks: ``f(study, frozen_trial)`` called after each trial ends (COMPLETE, PRUNED
+            or FAIL), in this process, with the trial as stored (``study.optimize``'s
+            ``callbacks``). An exception in one propagates; the trials still training are
+            put back and resume on the next run.
+        catch: exception types that the task's data, loss or metric may raise as expected
+            failures (``study.optimize``'s ``catch``): their trials fail and the run goes on.
+            Without it Hydro already fails such trials and goes on, but stops the run once
+            every trial failed the same way (a bug, not bad luck); ``catch`` lifts that stop
+            for its types. With an executor a worker's exception is matched by class name.
         force_resume: continue a study whose recorded definition differs from this one (a
             :class:`~hydro.errors.HydroWarning` names the change; the export of a trial trained
             before it keeps its own recipe). Prefer a new study name.
@@ -376,6 +414,11 @@ def tune(
     check_placement(policy, deadline)
     check_fuse(fuse)
     check_memory(fuse_memory)
+    timeout = check_timeout(timeout)
+    catch = check_catch(catch)
+    callbacks = check_callbacks(callbacks)
+    if isinstance(study, optuna.Study):
+        check_single_objective(study)
     progress = wanted(progress)  # None: on a terminal or in a notebook
     executor = make_executor(executor)
     check_space(space, task.model_args())
@@ -398,8 +441,8 @@ def tune(
         optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
                  progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
                  depth_alpha=depth_alpha, first_group=first_group, policy=policy,
-                 deadline=deadline, checkpoint_dir=checkpoint_dir,
-                 fuse_memory=fuse_memory)  # fmt: skip
+                 deadline=deadline, checkpoint_dir=checkpoint_dir, fuse_memory=fuse_memory,
+                 timeout=timeout, catch=catch, callbacks=callbacks)  # fmt: skip
         result = TuneResult(the_study, ratio)
         if verify_top_k:
             result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
