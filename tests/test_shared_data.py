@@ -148,8 +148,10 @@ def test_config_key_data_mode(tmp_path, monkeypatch, capsys):
         "    y = torch.randint(0, 2, (32,))\n"
         "    return {'train': (x, y), 'val': (x, y)}\n"
     )
-    config = ("task:\n  model: sharedmod:model\n  data: sharedmod:data\n  steps: 2\n"
-              "  data_mode: {mode}\nspace:\n  lr: {{type: float, low: 0.001, high: 0.1}}\n")  # fmt: skip
+    config = (
+        "task:\n  model: sharedmod:model\n  data: sharedmod:data\n  steps: 2\n"
+        "  data_mode: {mode}\nspace:\n  lr: {{type: float, low: 0.001, high: 0.1}}\n"
+    )
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tune.yaml").write_text(config.format(mode="shared"))
     assert load("tune.yaml").task.data_mode == "shared"

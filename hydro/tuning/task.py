@@ -46,11 +46,11 @@ class Task:
         model: the target model (an ``nn.Module`` initialized the way you train it), or a
             factory returning one. A factory's keyword arguments may be searched over
             (architecture choices); trials that differ in them are trained in separate groups.
-        train_data: ``(inputs, targets)`` tensors (batches are drawn at random); a dict of equal-length tensors, whose batches are
-            dicts passed to the model as keyword inputs (``input_ids=``, ``attention_mask=``,
-            ``labels=``, ``pixel_values=`` ...); a ``Dataset`` of ``(input, target)`` pairs or
-            of dicts; or a function ``batch_size -> iterable of batches`` (e.g. a
-            ``DataLoader`` factory).
+        train_data: ``(inputs, targets)`` tensors (batches are drawn at random); a dict of
+            equal-length tensors, whose batches are dicts passed to the model as keyword
+            inputs (``input_ids=``, ``attention_mask=``, ``labels=``, ``pixel_values=`` ...);
+            a ``Dataset`` of ``(input, target)`` pairs or of dicts; or a function
+            ``batch_size -> iterable of batches`` (e.g. a ``DataLoader`` factory).
         val_data: the same kinds; evaluated in full at every ``eval_every`` steps.
         loss: ``"cross_entropy"`` (sequence logits are flattened), ``"mse"``, a function
             ``(output, target) -> scalar`` for one model, or ``"model"`` for a model that
