@@ -117,20 +117,28 @@ def test_shared_stream_is_the_groups_and_a_restored_group_goes_on_with_it():
     torch.testing.assert_close(run(rebuilt, 3)[0], rest, rtol=0, atol=0)
 
 
-def test_data_mode_is_checked_and_recorded_with_each_trial(tmp_path):
+def test_data_mode_is_checked_recorded_with_each_trial_and_travels_to_executors(tmp_path):
+    from hydro_fluid import LocalExecutor
+
     with pytest.raises(ConfigError, match=r"^data_mode must be 'per_trial' .* got 'group'$"):
         tensor_task("group")
-    storage = f"sqlite:///{tmp_path / 'h.db'}"
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
-    result = hydro.tune(tensor_task("shared"), space, n_trials=2, ratio=2, fuse=2,
-                        storage=storage, seed=0)  # fmt: skip
-    trials = result.study.trials
+    kw = {"n_trials": 2, "ratio": 2, "fuse": 2, "seed": 0}
+    storage = f"sqlite:///{tmp_path / 'h.db'}"
+    trials = hydro.tune(tensor_task("shared"), space, storage=storage, **kw).study.trials
     assert [t.user_attrs.get("data_mode") for t in trials] == ["shared", "shared"]
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    # a worker process trains the group the same way: the mode travels with the task
+    ex = LocalExecutor(devices=[], num_workers=1)
+    remote = hydro.tune(tensor_task("shared"), space, executor=ex,
+                        storage=f"sqlite:///{tmp_path / 'ex.db'}", **kw).study.trials  # fmt: skip
+    assert [t.value for t in remote] == pytest.approx([t.value for t in trials], rel=1e-9)
+    per_trial = hydro.tune(tensor_task("per_trial"), space,
+                           storage=f"sqlite:///{tmp_path / 'p.db'}", **kw).study.trials  # fmt: skip
+    assert per_trial[1].value != pytest.approx(trials[1].value, rel=1e-6)  # other batches
     # a resume in the other mode would mix them: refused, naming the change
     with pytest.raises(ConfigError, match="changed: recipe data_mode shared→per_trial"):
-        hydro.tune(tensor_task("per_trial"), space, n_trials=3, ratio=2, fuse=2,
-                   storage=storage, seed=0)  # fmt: skip
+        hydro.tune(tensor_task("per_trial"), space, storage=storage, **{**kw, "n_trials": 3})
 
 
 def test_config_key_data_mode(tmp_path, monkeypatch, capsys):
