@@ -9,6 +9,9 @@ timed in interleaved rounds (medians):
 - ``per_trial`` (the default): each member reads its own stream: ``n`` batches loaded per step;
 - ``shared``: one stream for the group: one batch loaded per step, fed to every member.
 
+``--in-memory`` decodes the images once into tensors instead (no augmentation): a batch is an
+index into them, the case where loading costs little.
+
 Throughput is trial-steps per second (``n`` trial-steps per fused step), per second of this
 process's CPU time (one thread: the wall time on an idle core; a machine shared with other jobs
 stretches the wall time of both ways alike), and per wall-clock second.
@@ -76,8 +79,10 @@ class Images(Dataset):
         return torch.from_numpy(np.ascontiguousarray(x).reshape(-1)), int(self.labels[i])
 
 
-def make_task(data_mode: str, batch_size: int, width: int) -> hydro.Task:
+def make_task(data_mode: str, batch_size: int, width: int, in_memory: bool = False) -> hydro.Task:
     train, val = Images(4096, seed=0), Images(256, seed=1)
+    if in_memory:
+        train = tuple(torch.utils.data.default_collate([train[i] for i in range(len(train))]))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(SIDE * SIDE, width), torch.nn.ReLU(),
                                 torch.nn.Linear(width, width), torch.nn.ReLU(),
@@ -104,6 +109,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="fused steps per timed round")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--in-memory", action="store_true", help="tensors: no per-batch loading")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -121,7 +127,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for n in args.n:
         members = [(k, {"lr": 1e-3 * (k + 1)}, k) for k in range(n)]
-        groups = {mode: FusedGroup(make_task(mode, args.batch_size, args.width), members,
+        groups = {mode: FusedGroup(make_task(mode, args.batch_size, args.width, args.in_memory),
+                                   members,
                                    ratio=args.ratio, refill=False)  # fmt: skip
                   for mode in ("per_trial", "shared")}  # fmt: skip
         cpu: dict[str, list[float]] = {mode: [] for mode in groups}
