@@ -169,3 +169,30 @@ def test_config_key_data_mode(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("hydro tune: error: tune.yaml: task: data_mode must be 'per_trial'")
     assert "got 'per-trial'" in err
+
+
+def test_train_group_resumed_from_its_checkpoint_goes_on_with_the_shared_stream(tmp_path):
+    """``train_group`` stopped after a checkpoint at step 3 and run again ends exactly as
+    a run never stopped: the group's stream is read up to the checkpoint's step."""
+    from hydro.tuning.lockstep import train_group
+
+    task = tensor_task("shared")
+    params, seeds = [{"lr": 1e-2}, {"lr": 3e-2}], [4, 5]
+    full, _ = train_group(task, params, ratio=2, seeds=seeds)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_4(k: int, step: int, value: float) -> bool:
+        if step == 4:
+            raise Stop
+        return False
+
+    task = tensor_task("shared")  # evaluations every 2 steps (steps // 4)
+    with pytest.raises(Stop):
+        train_group(task, params, ratio=2, seeds=seeds, report=stop_at_4, checkpoint=tmp_path,
+                    checkpoint_every=3)  # fmt: skip
+    again, _ = train_group(task, params, ratio=2, seeds=seeds, checkpoint=tmp_path,
+                           checkpoint_every=3)  # fmt: skip
+    assert [(o.state, o.value, o.history) for o in again] == [
+        (o.state, o.value, o.history) for o in full]  # fmt: skip
