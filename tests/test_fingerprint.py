@@ -72,6 +72,7 @@ def tuned(tmp_path_factory) -> str:
         ({"the_task": task(rows=48)}, "data train_data.inputs float32[64, 8]→float32[48, 8]"),
         ({"the_task": task(loss=other_loss)}, "loss cross_entropy→tests.test_fingerprint:other"),
         ({"the_task": task(steps=3)}, "recipe steps 2→3"),
+        ({"the_task": task(data_mode="shared")}, "recipe data_mode per_trial→shared"),
         ({"space": {"lr": FloatDistribution(1e-4, 1e-1, log=True)}},
          "space lr float 0.001..0.1 log→float 0.0001..0.1 log"),
         ({"ratio": 4}, "ratio 2→4"),

@@ -29,7 +29,7 @@ TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "s
             "fuse_memory", "timeout"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
-             "target_key", "checkpoint_every", "dynamic"}  # fmt: skip
+             "target_key", "checkpoint_every", "dynamic", "data_mode"}  # fmt: skip
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -298,7 +298,8 @@ def _task(spec: Any, path: str) -> Task:
     # keyword arguments are the searchable architecture choices
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
-                                   "batch_size", "target_key", "checkpoint_every", "dynamic")
+                                   "batch_size", "target_key", "checkpoint_every", "dynamic",
+                                   "data_mode")
               if k in spec}  # fmt: skip
     try:
         return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),

@@ -13,7 +13,8 @@ with the first script's best. So the study keeps a *fingerprint* of its definiti
   random data must still resume), a ``Dataset``'s type and length, a callable's name; from a
   config also the data callable and its ``data_args``;
 - ``loss``, ``metric``: names and bound arguments;
-- ``recipe``: direction, optimizer, scheduler, steps, eval_every, batch_size, target_key;
+- ``recipe``: direction, optimizer, scheduler, steps, eval_every, batch_size, target_key,
+  and ``data_mode`` when it is ``"shared"`` (a trial's batches then come from its group);
 - ``space``: every distribution; for a space function, its name, the distributions and fixed
   values it gives a few probe trials of a throw-away in-memory study (seeded, so the same in
   every process);
@@ -88,7 +89,9 @@ def fingerprint(
         "recipe": {"direction": task.direction, "optimizer": task.optimizer,
                    "scheduler": task.scheduler, "steps": task.steps,
                    "eval_every": task.eval_every, "batch_size": task.batch_size,
-                   "target_key": task.target_key},
+                   "target_key": task.target_key,
+                   # shared data only: studies recorded before the option keep their fingerprint
+                   **({"data_mode": task.data_mode} if task.data_mode != "per_trial" else {})},
         "space": _space(space),
         "ratio": scale,
     }  # fmt: skip
@@ -173,6 +176,9 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
             out += _data_changes(a or {}, b or {})
         elif part == "space":
             out += _space_changes(a or {}, b or {})
+        elif part == "recipe":  # a recipe without data_mode reads per-trial streams
+            a, b = ({"data_mode": "per_trial", **(x or {})} for x in (a, b))
+            out += _leaves(a, b, "recipe ")
         elif part in ("loss", "metric"):
             a, b = a or {}, b or {}
             if a.get("name") != b.get("name"):

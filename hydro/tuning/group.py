@@ -218,7 +218,7 @@ class Member:
     id: Any  # the caller's name for it (a trial number, an index)
     params: dict[str, Any]
     seed: int
-    batches: Iterator[Any]
+    batches: Iterator[Any] | None  # None with shared data: the group's stream feeds it
     step: int = 0  # steps trained so far
     history: list[tuple[int, float]] = field(default_factory=list)
 
@@ -228,7 +228,9 @@ class FusedGroup:
 
     Every slot has its own initialization, data order (its trial seed's stream, fed to the
     fused model as per-trial batches), optimizer state and schedule position, so a trial's result
-    depends only on its parameters and seed, not on its slot or on the trials beside it. A slot
+    depends only on its parameters and seed, not on its slot or on the trials beside it. With
+    ``task.data_mode == "shared"`` the slots read one stream instead, the group's (from its first
+    member's seed, :attr:`data_seed`): one batch loaded and fed to every slot per step. A slot
     freed by pruning, divergence or completion takes a new trial with :meth:`put` (a fresh
     surrogate in that slot, its optimizer state and schedule restarted) or leaves the group with
     :meth:`drop`; :meth:`add` grows the group by a slot for one more trial.
@@ -282,6 +284,11 @@ class FusedGroup:
             self.builder = _Builder(task, ratio, example, target, first, readout,
                                     (depth_ratio, depth_alpha))  # fmt: skip
         self.recipe = same
+        self.shared = task.data_mode == "shared"
+        self.data_seed = int(members[0][2])
+        # shared data: one stream for the group, read once per fused step
+        self.batches = task.train_batches(self.batch_size, seed=self.data_seed) \
+            if self.shared else None  # fmt: skip
         self.members = [self._member(i, p, sd) for i, p, sd in members]
         modules = [self.builder.make(m.params, m.seed) for m in self.members]
         self.widths = _widths(modules[0])
@@ -313,7 +320,7 @@ class FusedGroup:
         if group_key(params, self.task) != self.key:
             raise ConfigError(f"trial {id!r} cannot join this fused group: its batch size or "
                               "architecture differs (group_key)")  # fmt: skip
-        batches = self.task.train_batches(self.batch_size, seed=int(seed))
+        batches = None if self.shared else self.task.train_batches(self.batch_size, seed=int(seed))
         return Member(id, params, int(seed), batches)
 
     @property
@@ -362,7 +369,8 @@ class FusedGroup:
 
     def resume(self, slot: int, state: dict[str, Any]) -> None:
         """Put the trial of :meth:`trial_state` in ``slot``, at its step: its data stream is
-        read up to there, so it draws the batches it would have drawn next.
+        read up to there, so it draws the batches it would have drawn next (with shared data it
+        goes on with this group's stream).
 
         Raises:
             ConfigError or FuseError: ``state`` does not fit this group (another architecture).
@@ -373,10 +381,26 @@ class FusedGroup:
         if self.sched is not None and state["scheduler"] is not None:
             self.sched.load_trial_state(slot, state["scheduler"])
         m = self.members[slot]
-        for _ in range(int(state["step"])):
-            next(m.batches)
+        self.skip(int(state["step"]), m)
         m.step = int(state["step"])
         m.history[:] = [(int(s), float(v)) for s, v in state["history"]]
+
+    def skip(self, steps: int, member: Member | None = None) -> None:
+        """Read ``steps`` batches of ``member``'s stream (per-trial data) or, without one, of the
+        group's (shared data), so a resumed stream draws next what it would have; a stream the
+        data mode does not have is left alone."""
+        stream = self.batches if member is None else member.batches
+        if stream is not None:
+            for _ in range(steps):
+                next(stream)
+
+    def restart_data(self, seed: int, steps: int) -> None:
+        """Shared data: the group's stream afresh from ``seed``, read up to ``steps`` batches
+        (a group rebuilt from a checkpoint goes on with the stream it had)."""
+        if self.shared:
+            self.data_seed = int(seed)
+            self.batches = self.task.train_batches(self.batch_size, seed=self.data_seed)
+            self.skip(steps)
 
     def add(self, id: Any, params: dict[str, Any], seed: int) -> int:  # noqa: A002
         """Start trial ``id`` in a new slot at the end (the group grows by one) and return that
@@ -437,15 +461,18 @@ class FusedGroup:
         self.rank, self.world_size = int(rank), int(world_size)
 
     def step(self) -> torch.Tensor:
-        """One training step of every slot, each on the next batch of its own stream; returns
-        the slots' losses ``[n]``, on the device (reading them waits for the step to finish).
-        A data parallel replica trains on its shard and returns the whole batch's losses."""
-        batches = [next(m.batches) for m in self.members]
+        """One training step of every slot, each on the next batch of its own stream (shared
+        data: all on the next batch of the group's); returns the slots' losses ``[n]``, on the
+        device (reading them waits for the step to finish). A data parallel replica trains on
+        its shard and returns the whole batch's losses."""
+        batches = [next(self.batches)] if self.shared else [next(m.batches) for m in self.members]
         reduce = None
         if self.world_size > 1:
             batches, reduce = self._replica(batches)
-        losses = _train_step(self.task, self.fused, self.opt, stack_batches(batches), self.clip,
-                             self.device, shared=False, reduce=reduce)  # fmt: skip
+        # shared: one batch, copied to the device once, fed to every slot
+        batch = batches[0] if self.shared else stack_batches(batches)
+        losses = _train_step(self.task, self.fused, self.opt, batch, self.clip, self.device,
+                             shared=self.shared, reduce=reduce)  # fmt: skip
         if self.sched is not None:
             self.sched.step()
         for m in self.members:

@@ -152,9 +152,9 @@ def _resume(saved, group, outcomes, history) -> int:  # noqa: ANN001
     if len(alive) < group.n:
         group.drop([pos for pos, m in enumerate(group.members) if m.id not in alive])
     for m in group.members:  # each data stream continues where it stopped
-        for _ in range(step):
-            next(m.batches)
+        group.skip(step, m)
         m.step = step
+    group.skip(step)  # the group's stream, with shared data
     load_model_state(group, saved["model"])
     group.opt.load_state_dict(saved["optimizer"])
     _checkpoint.set_rng_state(saved["rng"])

@@ -203,7 +203,7 @@ def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # no
     # the meta device, where a fused model cannot run (it reads values) but a surrogate can
     group = FusedGroup(task, members[:1], ratio=ratio, device="cpu", depth_ratio=depth[0],
                        depth_alpha=depth[1])  # fmt: skip
-    args, kwargs, _ = task.split(next(group.members[0].batches), "cpu")
+    args, kwargs, _ = task.split(next(group.batches or group.members[0].batches), "cpu")
 
     def surrogate(n: int) -> torch.nn.Module:
         return _Call(group.builder.make(dict(params), seed), len(args), list(kwargs))

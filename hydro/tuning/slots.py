@@ -449,17 +449,18 @@ def _group_state(group: FusedGroup) -> dict[str, Any]:
         "optimizer": group.opt.state_dict(),
         "scheduler": group.sched.state_dict(),
         "steps": [group.steps, group.live_steps],
+        "data_seed": group.data_seed,  # shared data: the group's stream, read once per step
     }
 
 
 def _restore_group(group: FusedGroup, saved: dict[str, Any]) -> None:
     """Put a group built from a checkpoint's members in that checkpoint's state."""
     for m, (_, _, _, step, history) in zip(group.members, saved["members"]):
-        for _ in range(int(step)):  # each data stream continues where it stopped
-            next(m.batches)
+        group.skip(int(step), m)  # each data stream continues where it stopped
         m.step = int(step)
         m.history[:] = [(int(s), float(v)) for s, v in history]
     load_model_state(group, saved["model"])
     group.opt.load_state_dict(saved["optimizer"])
     group.sched.load_state_dict(saved["scheduler"])
     group.steps, group.live_steps = (int(v) for v in saved["steps"])
+    group.restart_data(int(saved.get("data_seed", group.data_seed)), group.steps)

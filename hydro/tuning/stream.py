@@ -347,6 +347,8 @@ class _Stream:
         self.seeds[t.number] = _seed_and_resume(self.study, t, params, self.seed,
                                                 self.checkpoints)  # fmt: skip
         t.set_user_attr("ratio", self.ratio)
+        if self.task.data_mode == "shared":  # its result depends on its group's data stream
+            t.set_user_attr("data_mode", "shared")
         _set_depth(t, self.depth)
         t.set_user_attr("fused", self.fuse_for(group_key(params, self.task), params))
         return t, params

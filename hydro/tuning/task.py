@@ -35,6 +35,7 @@ MODEL_LOSS = "model"  # the model computes its own loss: read ``.loss`` or ``["l
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULERS = ("none", "cosine", "linear", "step")
 IGNORE_INDEX = -100  # F.cross_entropy's default: labels equal to it are skipped
+DATA_MODES = ("per_trial", "shared")
 
 
 @dataclass
@@ -45,12 +46,11 @@ class Task:
         model: the target model (an ``nn.Module`` initialized the way you train it), or a
             factory returning one. A factory's keyword arguments may be searched over
             (architecture choices); trials that differ in them are trained in separate groups.
-        train_data: ``(inputs, targets)`` tensors (batches are drawn at random, the same batch
-            for every trial of a group); a dict of equal-length tensors, whose batches are
-            dicts passed to the model as keyword inputs (``input_ids=``, ``attention_mask=``,
-            ``labels=``, ``pixel_values=`` ...); a ``Dataset`` of ``(input, target)`` pairs or
-            of dicts; or a function ``batch_size -> iterable of batches`` (e.g. a
-            ``DataLoader`` factory).
+        train_data: ``(inputs, targets)`` tensors (batches are drawn at random); a dict of
+            equal-length tensors, whose batches are dicts passed to the model as keyword
+            inputs (``input_ids=``, ``attention_mask=``, ``labels=``, ``pixel_values=`` ...);
+            a ``Dataset`` of ``(input, target)`` pairs or of dicts; or a function
+            ``batch_size -> iterable of batches`` (e.g. a ``DataLoader`` factory).
         val_data: the same kinds; evaluated in full at every ``eval_every`` steps.
         loss: ``"cross_entropy"`` (sequence logits are flattened), ``"mse"``, a function
             ``(output, target) -> scalar`` for one model, or ``"model"`` for a model that
@@ -80,6 +80,12 @@ class Task:
         dynamic: sizes besides the batch left dynamic at capture, for validation batches of
             another sequence length than the training batches: ``"auto"`` or ``{"seq": 1}``
             (``hydro.scale``'s ``dynamic``); ``None`` (default) fixes them to the example's.
+        data_mode: ``"per_trial"`` (default): every trial reads its own stream of training
+            batches (from its seed), so its result does not depend on its group.
+            ``"shared"``: the members of a fused group all train on one stream, the group's
+            (from its first trial's seed): each step loads and copies one batch for the group
+            instead of one per trial, at the cost of results that depend on the group.
+            Validation data is loaded once per group either way.
 
     Raises:
         ConfigError: an unknown loss, optimizer or scheduler, or a count that is not positive.
@@ -110,6 +116,7 @@ class Task:
     target_key: str = "labels"
     checkpoint_every: int = 50
     dynamic: Any = None
+    data_mode: Literal["per_trial", "shared"] = "per_trial"
 
     def __post_init__(self) -> None:
         self.loss_name = self.loss if isinstance(self.loss, str) else _name(self.loss)
@@ -130,6 +137,11 @@ class Task:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}: use one of {SCHEDULERS}")
         if self.direction not in ("minimize", "maximize"):
             raise ConfigError(f"direction must be 'minimize' or 'maximize', not {self.direction!r}")
+        if self.data_mode not in DATA_MODES:
+            raise ConfigError(
+                f"data_mode must be 'per_trial' (each trial its own batches, the default) or "
+                f"'shared' (one batch per step for the whole fused group), got {self.data_mode!r}"
+            )
         _positive(self.steps, "steps")
         _positive(self.batch_size, "batch_size")
         if self.eval_every is None:
