@@ -154,3 +154,21 @@ def test_auto_progress_is_off_off_a_terminal(capsys):
                        "got 'yes'$"):  # fmt: skip
         hydro.tune(make_task(4), SPACE, n_trials=3, storage="sqlite:///:memory:",
                    progress="yes")  # fmt: skip
+
+
+def test_a_long_first_cohort_shows_an_eta_before_its_first_evaluation():
+    """Without an evaluation the ETA appears once the measured rate covers 2% of the run (the
+    README's main job evaluates first at 12% of its run)."""
+    now = [0.0]
+    out = io.StringIO()
+    bar = Progress(optuna.create_study(), 10, lambda s: 0, steps=100, file=out,
+                   clock=lambda: now[0])  # fmt: skip
+    for step in range(1, 31):  # 10 trials fused: 10 trial-steps a second, no evaluation
+        now[0] += 1.0
+        for number in range(10):
+            bar.stepped(number, step)
+        bar.update()
+    lines = _lines(out.getvalue())
+    first = next(line for line in lines if line[3] != "?")
+    assert 30 <= first[0] <= 40, lines  # the rate measured over >= 20 trial-steps (2%)
+    assert first[3] == f"{(1000 - first[0]) // 10 // 60}:{(1000 - first[0]) // 10 % 60:02d}"

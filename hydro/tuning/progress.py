@@ -9,7 +9,9 @@ remaining steps thus count as done: the rate the ETA divides by is then the rate
 run gets through its planned budget, pruning included, so once pruning has started the ETA
 expects later trials to be pruned about as often as earlier ones (rather than expecting every
 later trial to train to the end, which overstates the time left whenever the pruner works).
-The ETA is shown from the run's first evaluation on, so that the rate includes its cost.
+The ETA is shown from the run's first evaluation on, so that the rate includes its cost, or
+once the rate covers :attr:`Progress.eta_fraction` (2%) of the run, whichever comes first (the
+README's main job evaluates first at 12% of its run).
 
 On a terminal (or in a notebook) a tqdm bar is redrawn in place; elsewhere (a pipe, a file, a
 CI log) one plain line is written per update, at most every :attr:`Progress.line_seconds`
@@ -113,6 +115,7 @@ class Progress:
 
     line_seconds = 30.0  # "lines": at most one line this often, unless the run moved on by ...
     line_fraction = 0.05  # ... this fraction of its trial-steps
+    eta_fraction = 0.02  # the ETA is shown once its rate covers this much (or at an evaluation)
 
     def __init__(
         self,
@@ -188,6 +191,12 @@ class Progress:
         else:
             print(line, file=self.file, flush=True)
 
+    def _rate_known(self) -> bool:
+        """Whether the step rate covers :attr:`eta_fraction` of the run (a long first cohort
+        would otherwise show no ETA until its first evaluation)."""
+        origin = self.eta.origin
+        return origin is not None and self.done - origin[1] >= self.eta_fraction * self.total
+
     # -- drawing ----------------------------------------------------------------------------
 
     def update(self, force: bool = False) -> None:
@@ -201,7 +210,7 @@ class Progress:
         done = self.done_trials * self.per_trial + sum(self.running.values())
         self.done = max(self.done, min(done, self.total))
         left = self.eta.observe(self.done)  # observed from the first advance on, ...
-        left = left if self.evaluated else None  # ... shown from the first evaluation on
+        left = left if self.evaluated or self._rate_known() else None  # ... shown once trusted
         if self.bar is not None:
             if not force and now - self._drawn_at < self.interval:
                 return
