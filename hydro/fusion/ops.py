@@ -155,6 +155,11 @@ def trial_linear(
         k, out_f, in_f = w.shape
         y = F.linear(x, w.reshape(k * out_f, in_f), None if bias is None else bias.reshape(-1))
         return settle(y.unflatten(-1, (k, out_f)).movedim(-2, 0), out)
+    if spec is not None and spec[0] == "F" and spec[1:] == (0, 1) and out == spec:
+        # the batch leads, trial-major: ``[n * B, ..., in]`` is ``[n, rows, in]`` as it lies,
+        # one view there and one back (``to_trials``/``settle`` would take four)
+        y = _BatchedLinear.apply(x.reshape(n, -1, x.shape[-1]), weight, bias, transposed)
+        return y.view(*x.shape[:-1], y.shape[-1])
     t = to_trials(x, n, spec)
     rows = t.reshape(n, -1, t.shape[-1])
     y = _BatchedLinear.apply(rows, weight, bias, transposed)
