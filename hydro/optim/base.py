@@ -260,9 +260,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
                 # converted once per bucket, viewed once per rank (a weight [n, out, in] and its
                 # bias [n, out] share one conversion)
-                typed = {
-                    k: v if v.dtype == torch.bool else v.to(dtype) for k, v in vectors.items()
-                }
+                typed = {k: v if v.dtype == torch.bool else v.to(dtype) for k, v in vectors.items()}
                 views: dict[int, dict[str, torch.Tensor]] = {}
                 for i in members:
                     rank = ps[i].dim()
