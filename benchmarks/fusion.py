@@ -212,19 +212,23 @@ def _module_at(
 
 
 def rewrite_at(rev: str) -> types.ModuleType:
-    """``hydro/fusion/rewrite.py`` with its ``ops.py`` (and ``handlers.py``, where the revision
-    has it) as of git revision ``rev``: the fused graphs as that revision built them (the rest
-    of ``hydro`` is this tree's)."""
+    """``hydro/fusion/rewrite.py`` with its ``ops.py`` (and ``handlers.py``, ``facts.py``, where
+    the revision has them) as of git revision ``rev``: the fused graphs as that revision built
+    them (the rest of ``hydro`` is this tree's)."""
     tag = rev.replace("/", "_").replace("-", "_").replace("~", "_").replace("^", "_")
     ops = _module_at(rev, "hydro/fusion/ops.py", f"hydro_fusion_ops_{tag}", {})
     replace = {}
+    if _source_at(rev, "hydro/fusion/facts.py") is not None:
+        facts = f"hydro_fusion_facts_{tag}"
+        _module_at(rev, "hydro/fusion/facts.py", facts, {})
+        replace["from hydro.fusion.facts import"] = f"from {facts} import"
     if _source_at(rev, "hydro/fusion/handlers.py") is not None:
         handlers = f"hydro_fusion_handlers_{tag}"
         own_ops = {
             "from hydro.fusion import factories, ops\n": "from hydro.fusion import factories\n"
         }
         _module_at(rev, "hydro/fusion/handlers.py", handlers, {"ops": ops}, own_ops)
-        replace = {"from hydro.fusion.handlers import": f"from {handlers} import"}
+        replace["from hydro.fusion.handlers import"] = f"from {handlers} import"
     return _module_at(
         rev, "hydro/fusion/rewrite.py", f"hydro_fusion_rewrite_{tag}", {"ops": ops}, replace
     )

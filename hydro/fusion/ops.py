@@ -136,6 +136,10 @@ class _BatchedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+# widest shared input that ``trial_linear`` reads through a view per trial rather than with one GEMM
+NARROW_SHARED = 64
+
+
 def trial_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -153,8 +157,20 @@ def trial_linear(
     if spec is not None and spec[0] in ("S", "SB"):
         w = weight if transposed else weight.transpose(1, 2)
         k, out_f, in_f = w.shape
+        if in_f <= NARROW_SHARED and spec[0] == "SB" and spec[1:] == (0, 1) and out == ("F", 0, 1):
+            # a narrow shared input: every trial reads it through a stride-0 view, and the
+            # result comes out trial-major as the folded layout wants it (the one GEMM below
+            # gives ``[B, n * out]``, a copy to fold and another in the backward)
+            rows = x.reshape(1, -1, in_f).expand(k, -1, in_f)
+            y = _BatchedLinear.apply(rows, weight, bias, transposed)
+            return y.view(k * x.shape[0], *x.shape[1:-1], out_f)
         y = F.linear(x, w.reshape(k * out_f, in_f), None if bias is None else bias.reshape(-1))
         return settle(y.unflatten(-1, (k, out_f)).movedim(-2, 0), out)
+    if spec is not None and spec[0] == "F" and spec[1:] == (0, 1) and out == spec:
+        # the batch leads, trial-major: ``[n * B, ..., in]`` is ``[n, rows, in]`` as it lies,
+        # one view there and one back (``to_trials``/``settle`` would take four)
+        y = _BatchedLinear.apply(x.reshape(n, -1, x.shape[-1]), weight, bias, transposed)
+        return y.view(*x.shape[:-1], y.shape[-1])
     t = to_trials(x, n, spec)
     rows = t.reshape(n, -1, t.shape[-1])
     y = _BatchedLinear.apply(rows, weight, bias, transposed)

@@ -2,10 +2,10 @@
 
 Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
 
-1. :func:`batch_facts` reads, from the symbolic shapes that capture recorded, where every value
-   carries the batch: ``Batch(dim, outer, inner)`` says that dimension ``dim`` is ``outer * B *
-   inner`` (a ``view`` may merge the batch with other dimensions, on either side). Values without
-   the batch symbol are batch-free.
+1. :func:`~hydro.fusion.facts.batch_facts` (:mod:`hydro.fusion.facts`) reads, from the symbolic
+   shapes that capture recorded, where every value carries the batch: ``Batch(dim, outer,
+   inner)`` says that dimension ``dim`` is ``outer * B * inner`` (a ``view`` may merge the batch
+   with other dimensions, on either side). Values without the batch symbol are batch-free.
 2. :func:`fuse_graph` rebuilds the graph for ``n`` trials in the layouts of ``ops.py``: batched
    values folded (trials stacked inside the batch), parameters and buffers stacked ``[n, ...]``,
    shared values kept once. Ops on folded values alone run unchanged; ops that meet a per-trial
@@ -14,7 +14,7 @@ Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
    normalizations stay channel-stacked (``[B, n * C, H, W]``) through the channel-wise ops that
    follow (:meth:`_Rewriter.stacked_op`) and are folded only where an op needs it (``_Env``).
 
-This module holds the walk: batch facts, layouts, the general rules (unchanged on folded values,
+This module holds the walk: layouts, the general rules (unchanged on folded values,
 broadcast over the trials, one result per trial for a reduction, the ``torch.func.vmap``
 fallback) and the dispatch. The fused form of each op kind (linear, embedding, norms,
 convolutions, dropout and random ops, attention) is its handler's, in :mod:`hydro.fusion.handlers`.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import sympy
 import torch
@@ -34,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from hydro.errors import FuseError
 from hydro.fusion import ops
+from hydro.fusion.facts import FREE, Batch, batch_facts, batch_symbols
 from hydro.fusion.handlers import HANDLERS as _HANDLERS
 from hydro.fusion.handlers import SAMPLERS as _SAMPLERS
 from hydro.fusion.handlers import arg as _arg
@@ -44,26 +44,6 @@ logger = logging.getLogger("hydro.fusion")
 Node = torch.fx.Node
 aten = torch.ops.aten
 
-
-@dataclass(frozen=True)
-class Batch:
-    """Dimension ``dim`` of the value is ``outer * B * inner``.
-
-    ``outer`` and ``inner`` are ints, or products of other dynamic sizes (a sequence length
-    ``T`` merged with the batch by ``view(B * T, C)``) as sympy expressions.
-    """
-
-    dim: int
-    outer: int | sympy.Expr
-    inner: int | sympy.Expr
-
-
-FREE = "free"  # a tensor without the batch
-
-_VIEWS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    aten.flatten.using_ints, aten.unflatten.int,
-}  # fmt: skip
 # ops that combine entries along their ``dim``: on the batch dimension they would mix trials
 _MIXING = {
     "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cat", "stack",
@@ -101,126 +81,6 @@ def _pointwise(target: object) -> bool:
 
 def _random(target: object) -> bool:
     return _is_aten(target) and torch.Tag.nondeterministic_seeded in target.tags
-
-
-# --- batch facts --------------------------------------------------------------------------------
-
-
-def batch_symbols(gm: torch.fx.GraphModule) -> set:
-    """The symbols of the batch: dimension 0 of every tensor input, as capture left it."""
-    syms: set = set()
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim():
-            size = val.shape[0]
-            if isinstance(size, torch.SymInt):
-                syms |= size.node.expr.free_symbols
-    return syms
-
-
-def _locate(node: Node, val: torch.Tensor, syms: set) -> tuple[int, sympy.Expr] | None:
-    found = []
-    for d, size in enumerate(val.shape):
-        if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & syms:
-            found.append((d, size.node.expr))
-    if len(found) > 1:
-        raise FuseError(
-            f"cannot fuse node '{node.name}' ({node.format_node()}): the batch appears in "
-            f"several dimensions {[d for d, _ in found]}; fusion stacks trials along the batch"
-        )
-    return found[0] if found else None
-
-
-def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> sympy.Expr:
-    sym = next(iter(expr.free_symbols & syms))
-    coeff = sympy.simplify(expr / sym)
-    if not _multiple(coeff, syms):
-        raise FuseError(
-            f"cannot fuse node '{node.name}' ({node.format_node()}): its size {expr} is not a "
-            "multiple of the batch (a concatenation along the batch?), which would mix trials"
-        )
-    return coeff
-
-
-def _multiple(e: sympy.Expr, syms: set) -> bool:
-    """Whether ``e`` is a positive whole factor: an int >= 1 times other dynamic sizes (a
-    sequence length), never the batch itself."""
-    e = sympy.expand(e)
-    coeff, rest = e.as_coeff_Mul()
-    if not coeff.is_Integer or coeff < 1 or rest.free_symbols & syms:
-        return False
-    factors = sympy.Mul.make_args(rest)
-    return all(f == 1 or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer
-                                         and f.exp > 0) for f in factors)  # fmt: skip
-
-
-def _size(size: object) -> sympy.Expr:
-    # the expression, never ``int(size)``: that would specialize a dynamic size in the shape
-    # environment the captured graph shares, fixing it for every later reader
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
-
-
-def _prod(sizes: object) -> sympy.Expr:
-    return sympy.Mul(*[_size(s) for s in sizes])
-
-
-def _plain(e: sympy.Expr) -> int | sympy.Expr:
-    """An int where the expression is a number (the common, static case)."""
-    return int(e) if e.is_Integer else e
-
-
-def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
-    if isinstance(val, (list, tuple)):
-        return [_fact(node, v, syms, facts) for v in val]
-    if not isinstance(val, torch.Tensor):
-        return None
-    loc = _locate(node, val, syms)
-    if loc is None:
-        return FREE
-    d, expr = loc
-    coeff = _coefficient(node, expr, syms)
-    inner = None
-    src = node.args[0] if node.args else None
-    if node.target in _VIEWS and isinstance(src, Node) and isinstance(facts.get(src), Batch):
-        b = facts[src]
-        shape = src.meta["val"].shape
-        flat = b.inner * _prod(shape[b.dim + 1 :])
-        inner = sympy.simplify(flat / _prod(val.shape[d + 1 :]))
-        if not _multiple(inner, syms) or not _multiple(sympy.simplify(coeff / inner), syms):
-            raise FuseError(
-                f"cannot fuse node '{node.name}' ({node.format_node()}): this view splits the "
-                "batch dimension, which would mix trials"
-            )
-    if inner is None:
-        for a in node.all_input_nodes:
-            b = facts.get(a)
-            if isinstance(b, Batch) and sympy.expand(b.outer * b.inner - coeff) == 0:
-                inner = b.inner
-                break
-    if inner is None:
-        inner = coeff
-    return Batch(d, _plain(sympy.simplify(coeff / inner)), _plain(sympy.expand(inner)))
-
-
-def batch_facts(gm: torch.fx.GraphModule) -> dict[Node, object]:
-    """Where every value of a captured graph carries the batch.
-
-    Returns:
-        For every node: a :class:`Batch`, ``FREE`` (a tensor without the batch), ``None`` (not a
-        tensor) or a list of these (ops returning several tensors).
-
-    Raises:
-        FuseError: a value whose batch fusion cannot follow, naming the node.
-    """
-    syms = batch_symbols(gm)
-    facts: dict[Node, object] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is operator.getitem:
-            src = facts.get(node.args[0])
-            facts[node] = src[node.args[1]] if isinstance(src, list) else None
-            continue
-        facts[node] = _fact(node, node.meta.get("val"), syms, facts)
-    return facts
 
 
 def mutated_targets(gm: torch.fx.GraphModule) -> set[str]:

@@ -258,15 +258,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 vectors = self._coefficients(
                     group, self.state[first], lr_mult, wd_mult, active, first
                 )
+                # converted once per bucket, viewed once per rank (a weight [n, out, in] and its
+                # bias [n, out] share one conversion)
+                typed = {k: v if v.dtype == torch.bool else v.to(dtype) for k, v in vectors.items()}
                 views: dict[int, dict[str, torch.Tensor]] = {}
                 for i in members:
                     rank = ps[i].dim()
                     if rank not in views:
                         shape = (-1,) + (1,) * (rank - 1)
-                        views[rank] = {
-                            k: v.view(shape) if v.dtype == torch.bool else v.to(dtype).view(shape)
-                            for k, v in vectors.items()
-                        }
+                        views[rank] = {k: v.view(shape) for k, v in typed.items()}
                     per_param[i] = views[rank]
             for d in per_param:
                 for k, v in d.items():

@@ -1,0 +1,79 @@
+"""Fused linear layers: few layout ops per layer, and the same numbers on both input paths.
+
+A fused ``Linear`` runs as one ``baddbmm`` over ``[n, rows, in]``; between consecutive layers the
+folded value ``[n * B, F]`` is that tensor as it lies, so a layer needs one view in and one out,
+and no copy. A shared input narrower than ``ops.NARROW_SHARED`` features is read by every trial
+through a stride-0 view; a wider one meets all trials' weights in one GEMM.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hydro.fusion import fuse, ops, trial_loss
+from tests.fusion.exactness import TOL, assert_close
+
+N = 3
+
+
+class _Count(TorchDispatchMode):
+    """The ATen ops dispatched inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp(d_in: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)
+    ).double()
+
+
+def test_fused_mlp_forward_and_backward_copy_nothing() -> None:
+    """Three fused linears: no copy, no permute, at most two views per layer, each way."""
+    fused = fuse([_mlp(4, k) for k in range(N)])
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fused(x)  # builds the graph
+    with _Count() as forward:
+        out = fused(x)
+    with _Count() as backward:
+        out.square().sum().backward()
+    for count in (forward, backward):
+        copies = {op: count.ops[op] for op in ("clone", "_unsafe_view", "permute", "copy_")}
+        assert not any(copies.values()), f"layout copies in the fused MLP: {dict(count.ops)}"
+        views = count.ops["view"] + count.ops["reshape"] + count.ops["unsqueeze"]
+        # one in and one out per layer, the bias's ``[n, 1, out]``, and the output's ``[n, ...]``
+        assert views <= 3 * 3 + 1, f"{views} views in three fused linears: {dict(count.ops)}"
+    assert forward.ops["baddbmm"] == 3
+
+
+@pytest.mark.parametrize("d_in", [ops.NARROW_SHARED // 8, ops.NARROW_SHARED + 16])
+def test_shared_input_paths_match_separate_models(d_in: int) -> None:
+    """A narrow shared input (a view per trial) and a wide one (one GEMM): each trial's loss,
+    output and gradients are those of its own model, in float64."""
+    models = [_mlp(d_in, k) for k in range(N)]
+    fused = fuse([copy.deepcopy(m) for m in models])
+    x = torch.randn(6, d_in, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    out = fused(x)
+    trial_loss(F.cross_entropy, out, y).sum().backward()
+    grads = dict(fused.named_parameters())
+    for k, m in enumerate(models):
+        mine = m(x)
+        F.cross_entropy(mine, y).backward()
+        assert_close(out[k], mine, **TOL[torch.float64], msg=f"trial {k}: output")
+        for name, p in m.named_parameters():
+            assert_close(grads[name].grad[k], p.grad, **TOL[torch.float64], msg=f"{k}: {name}")
