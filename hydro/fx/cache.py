@@ -253,9 +253,7 @@ class _Walk:
             owner = v.__self__
             return ["method", self.value(v.__func__, shallow, depth + 1),
                     ["self"] if id(owner) in self.stack else _qualname(type(owner))]  # fmt: skip
-        if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)) or callable(
-            v
-        ) and type(v).__module__.startswith("torch") and not isinstance(v, nn.Module):
+        if _builtin(v):
             return ["builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v))]
         if isinstance(v, functools.partial):
             return ["partial", self.value(v.func, shallow, depth + 1),
@@ -302,6 +300,14 @@ class _Walk:
         cells = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
         return [self.value(cells, depth=depth + 1), self.value(fn.__defaults__, depth=depth + 1),
                 self.value(fn.__kwdefaults__, depth=depth + 1)]  # fmt: skip
+
+
+def _builtin(v: Any) -> bool:
+    """A function in C, or a stateless callable of torch's (``torch.ops.aten.add``)."""
+    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        return True
+    torch_callable = callable(v) and type(v).__module__.startswith("torch")
+    return torch_callable and not isinstance(v, nn.Module)
 
 
 def _filled(cell: Any) -> bool:
@@ -447,7 +453,8 @@ def store(k: str, ep: Any, model: nn.Module) -> bool:
     tensors = dict(state)
     tensors.update({name: _meta(live[name]) for name in from_model})
     meta = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
-            "state": sorted(state), "live_constants": sorted(from_model), "tensors": tensors}  # fmt: skip
+            "state": sorted(state), "live_constants": sorted(from_model),
+            "tensors": tensors}  # fmt: skip
     from hydro.files import replacing
 
     folder = directory()
