@@ -110,7 +110,7 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any) 
         walk = _Walk()
         parts = [
             ("schema", SCHEMA, torch.__version__, sys.version_info[:3], _hydro_version()),
-            ("modes", torch.is_grad_enabled(), str(torch.get_default_dtype())),
+            ("modes", torch.is_grad_enabled(), str(torch.get_default_dtype()), _autocast()),
             ("model", walk.model(model)),
             ("code", walk.code_of_classes()),
             ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
@@ -122,6 +122,12 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any) 
         return None
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _autocast() -> list:
+    """Autocast in force around the capture (export records its casts)."""
+    return [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)))
+            for d in ("cpu", "cuda")]  # fmt: skip
 
 
 def _hydro_version() -> str:
