@@ -262,3 +262,34 @@ def test_models_capture_cannot_trust_are_not_cached(exports):
     capture(hooked, (torch.randn(4, 6),), modes=("eval",))
     assert len(exports) == 4
     assert not os.path.exists(cache.directory()) or not _entries()
+
+
+def test_writers_of_one_key_at_once_leave_one_whole_entry(exports):
+    import threading
+
+    from hydro.fx.capture import _quiet_torch_logs
+
+    model, x = Net().eval(), torch.randn(4, 6)
+    ep = torch.export.export(model, (x,), strict=False)
+    key = cache.key(model, (x,), {}, None)
+    assert cache.store(key, ep, model)
+    errors, loaded = [], []
+
+    def write() -> None:
+        try:
+            for _ in range(4):
+                assert cache.store(key, ep, model)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for t in threads:
+        t.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a reader never meets a half-written entry
+        while any(t.is_alive() for t in threads):
+            loaded.append(cache.load(key, model, _quiet_torch_logs))
+    for t in threads:
+        t.join()
+    assert not errors and all(e is not None for e in loaded)
+    assert os.listdir(cache.directory()) == [key + cache.SUFFIX]  # no temporary files left
