@@ -120,6 +120,8 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any) 
             raise _Uncacheable("a global forward hook")
     except _Uncacheable:
         return None
+    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+        return None
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
@@ -407,6 +409,8 @@ def load(k: str, model: nn.Module, quiet: Callable[[], Any]) -> Any:
         constants = torch.load(io.BytesIO(consts), weights_only=True) if consts else {}
         if not isinstance(constants, dict):
             raise ValueError("holds constants of the wrong kind")
+        for name, device in meta["devices"].items():  # stored from the CPU
+            constants[name] = constants[name].to(device)
         for name in meta["live_constants"]:  # non-persistent buffers: the model's own
             constants[name] = live[name]
         state = {name: live[name] for name in meta["state"]}
@@ -433,6 +437,13 @@ def _rebuilt(path: str, why: str) -> None:
 def store(k: str, ep: Any, model: nn.Module) -> bool:
     """Store ``ep`` (exported from ``model``) under key ``k``; ``False`` when it holds something
     that is not plain data (it is then not stored) or the directory cannot be written."""
+    try:
+        return _store(k, ep, model)
+    except Exception:  # noqa: BLE001 - the cache only ever saves time: a capture never fails here
+        return False
+
+
+def _store(k: str, ep: Any, model: nn.Module) -> bool:
     from torch._export.serde.serialize import serialize
 
     live = _live(model)
@@ -445,7 +456,7 @@ def store(k: str, ep: Any, model: nn.Module) -> bool:
     for name, c in ep.constants.items():
         if name in live and live[name] is c:
             from_model.append(name)
-        elif type(c) is torch.Tensor:
+        elif type(c) is torch.Tensor and not c.is_meta:
             own[name] = c.detach().cpu()
         else:
             return False  # a script object, a tensor subclass: pickled code, never stored
@@ -460,6 +471,7 @@ def store(k: str, ep: Any, model: nn.Module) -> bool:
     tensors.update({name: _meta(live[name]) for name in from_model})
     meta = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
             "state": sorted(state), "live_constants": sorted(from_model),
+            "devices": {name: str(c.device) for name, c in ep.constants.items() if name in own},
             "tensors": tensors}  # fmt: skip
     from hydro.files import replacing
 
