@@ -112,10 +112,10 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any) 
             ("schema", SCHEMA, torch.__version__, sys.version_info[:3], _hydro_version()),
             ("modes", torch.is_grad_enabled(), str(torch.get_default_dtype()), _autocast()),
             ("model", walk.model(model)),
-            ("code", walk.code_of_classes()),
             ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
             ("dynamic", walk.value(dynamic)),
         ]
+        parts.append(("code", walk.code_of_classes()))  # of every class the walk met
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             raise _Uncacheable("a global forward hook")
     except _Uncacheable:
