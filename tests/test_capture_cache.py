@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 import types
 import warnings
@@ -19,24 +20,7 @@ import hydro
 from hydro.errors import HydroWarning
 from hydro.fx import cache
 from hydro.fx.capture import capture
-
-
-class Net(nn.Module):
-    """Dropout (a literal of the train graph), LayerNorm, a no_grad region, a plain buffer."""
-
-    def __init__(self, width: int = 16, p: float = 0.25) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, width)
-        self.norm = nn.LayerNorm(width)
-        self.drop = nn.Dropout(p)
-        self.fc2 = nn.Linear(width, 3)
-        self.register_buffer("shift", torch.linspace(0, 1, width), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(torch.relu(self.norm(self.fc1(x)) + self.shift))
-        with torch.no_grad():
-            scale = h.abs().mean() + 1
-        return self.fc2(h) / scale
+from tests.cache_model import Net
 
 
 @pytest.fixture
@@ -293,3 +277,18 @@ def test_writers_of_one_key_at_once_leave_one_whole_entry(exports):
         t.join()
     assert not errors and all(e is not None for e in loaded)
     assert os.listdir(cache.directory()) == [key + cache.SUFFIX]  # no temporary files left
+
+
+def test_the_key_is_the_same_in_another_process():
+    # strings hash differently in every process: a key that followed it would never hit
+    code = (
+        "import torch; from hydro.fx import cache; from tests.cache_model import Net; "
+        "torch.manual_seed(0); print(cache.key(Net().eval(), (torch.zeros(4, 6),), {}, None))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, check=True, timeout=300)  # fmt: skip
+    torch.manual_seed(0)
+    here = cache.key(Net().eval(), (torch.zeros(4, 6),), {}, None)
+    assert here is not None and out.stdout.strip().splitlines()[-1] == here

@@ -100,6 +100,9 @@ _MODULE_STATE = frozenset(nn.Module().__dict__) - {"training"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
+# attributes that differ between processes and that no forward reads: HuggingFace's generation
+# config keeps the hash() of itself (strings hash differently in every process)
+_VOLATILE = frozenset({"_original_object_hash"})
 _MAX_ITEMS = 200_000  # a walk this long is not a model's configuration: not cached
 
 
@@ -195,13 +198,14 @@ class _Walk:
                 self.classes.setdefault(_qualname(c), c)
 
     def code_of_classes(self) -> list:
-        """Each user class's own code and its module's globals (one level: the functions,
-        classes and constants that module names)."""
+        """Each user class's own code, and the globals of the modules whose classes define a
+        ``forward`` (one level: the functions, classes and constants such a file names; a
+        library's other files hold state of their own, a session id, that no forward reads)."""
         out, modules = [], {}
         for name, cls in sorted(self.classes.items()):
             out.append((name, self._class_dict(cls)))
             mod = sys.modules.get(cls.__module__)
-            if mod is not None:
+            if mod is not None and "forward" in vars(cls):
                 modules[cls.__module__] = mod
         for name, mod in sorted(modules.items()):
             out.append((name, self._globals(mod)))
@@ -285,7 +289,7 @@ class _Walk:
             return [type(v).__name__, sorted(json.dumps(self.value(x, depth=d)) for x in v)]
         if isinstance(v, Mapping):
             items = [(json.dumps(self.value(k, depth=d)), self.value(x, depth=d))
-                     for k, x in v.items()]  # fmt: skip
+                     for k, x in v.items() if k not in _VOLATILE]  # fmt: skip
             return [_qualname(type(v)), sorted(items, key=lambda kv: kv[0])]
         if isinstance(v, nn.Module):  # held as a plain attribute, not a submodule
             self._class(type(v))
@@ -344,10 +348,20 @@ def _code(code: types.CodeType) -> str:
             if isinstance(const, types.CodeType):
                 feed(const)
             else:
-                h.update(repr(const).encode())
+                h.update(_const(const).encode())
 
     feed(code)
     return h.hexdigest()[:24]
+
+
+def _const(c: Any) -> str:
+    """A code constant's text, the same in every process (a frozenset's order follows string
+    hashing, which differs between processes)."""
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const(x) for x in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const(x) for x in c) + ")"
+    return repr(c)
 
 
 # --- entries ----------------------------------------------------------------------------------
