@@ -5,8 +5,8 @@ the same model many times: every ``hydro tune`` run and resume, and every execut
 program it returns depends only on what this module puts in the key:
 
 * the code the model runs: for each class of the model and of its submodules (outside torch),
-  the code of its methods and of the functions, classes and constants of the module (file) it
-  is defined in, read from memory (what runs, even if the file changed since);
+  the code of its methods, and the functions, classes and constants of each module (file)
+  defining a ``forward``, read from memory (what runs, even if the file changed since);
 * the model's state other than tensor values: every submodule's path, class and plain
   attributes (``n_head``, dropout ``p``, a config object, ``training``), the names, shapes,
   dtypes and devices of its parameters and buffers (values are never stored: the loaded
