@@ -40,6 +40,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import TraceError
+from hydro.fx import cache as _cache
 from hydro.fx import host_random, modules
 
 MODES = ("train", "eval")
@@ -462,6 +463,7 @@ def _rename_regions(gm: torch.fx.GraphModule, prefix: str) -> None:
             delattr(gm, node.target)
             gm.add_submodule(new, sub)
             node.target = new
+            node._rename(new)  # export numbers these nodes its own way; a loaded program too
     gm.recompile()
 
 
@@ -471,25 +473,27 @@ def capture_graph(
     kwargs: Mapping[str, Any] | None = None,
     prefix: str = "",
     dynamic: Dynamic = None,
+    cache: bool | None = None,
 ) -> torch.fx.GraphModule:
     """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode.
 
     ``dynamic`` says which dimensions besides the batch may stay dynamic
     (:func:`dynamic_shapes`). With ``"auto"`` a sequence length is tried, and the batch alone
     kept if export fails with it; a dimension asked for explicitly that the model fixes is an
-    error.
+    error. ``cache``: read and write the capture cache (:mod:`hydro.fx.cache`; ``None``: unless
+    ``HYDRO_CACHE=0``).
     """
     args, kwargs = _unalias(tuple(args), dict(kwargs or {}))
     names = [n for n, _ in _arg_names(model, len(args), args)]
     shapes, asked = dynamic_shapes(names, args, kwargs, dynamic)
     try:
-        gm = _export(model, args, kwargs, shapes, prefix)
+        gm = _export(model, args, kwargs, shapes, prefix, cache)
     except TraceError:
         if dynamic != "auto":
             raise
         # the sequence length was only a guess: a model may fail with it and pass without
         shapes, _ = dynamic_shapes(names, args, kwargs, None)
-        gm = _export(model, args, kwargs, shapes, prefix)
+        gm = _export(model, args, kwargs, shapes, prefix, cache)
     fixed = _fixed(gm, asked)
     if fixed:
         name, d, size = fixed[0]
@@ -502,8 +506,36 @@ def capture_graph(
 
 
 def _export(
-    model: nn.Module, args: tuple, kwargs: dict, dynamic: dict, prefix: str
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    dynamic: dict,
+    prefix: str,
+    cache: bool | None = None,
 ) -> torch.fx.GraphModule:
+    # keyed before export runs the forward (which may change the model's attributes)
+    key = _cache.key(model, args, kwargs, dynamic) if _cache.enabled(cache) else None
+    ep = _cache.load(key, model, _quiet_torch_logs) if key else None
+    if ep is None:
+        host = host_random._state()
+        ep = _export_program(model, args, kwargs, dynamic)
+        # a forward that drew from the host's generators is caught by host_random.watch around
+        # this capture; a cached program would skip that draw, and the error or warning with it
+        if key and host_random._state() == host:
+            _cache.store(key, ep, model)
+        gm = ep.module()
+    else:
+        gm = ep.module()
+        _cache.normalize(gm)
+    _rename_regions(gm, prefix)
+    plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
+    plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
+    _strip_guards(plain)
+    return plain
+
+
+def _export_program(model: nn.Module, args: tuple, kwargs: dict, dynamic: dict) -> Any:
+    """``torch.export`` of ``model`` (non-strict), its non-tensor outputs dropped."""
     forward = model.forward
 
     @functools.wraps(forward)
@@ -513,19 +545,13 @@ def _export(
     model.forward = tensors_only  # instance attribute: the class stays untouched
     try:
         with _quiet_torch_logs():
-            ep = torch.export.export(
+            return torch.export.export(
                 model, tuple(args), kwargs, dynamic_shapes=dynamic, strict=False
             )
     except Exception as exc:
         raise TraceError(explain(exc, model)) from exc
     finally:
         del model.forward
-    gm = ep.module()
-    _rename_regions(gm, prefix)
-    plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
-    plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
-    _strip_guards(plain)
-    return plain
 
 
 # Loggers through which torch.export reports a failing op (fake tensors, dynamo, export, fx's
@@ -668,6 +694,7 @@ def capture(
     *,
     modes: tuple[str, ...] = MODES,
     dynamic: Dynamic = None,
+    cache: bool | None = None,
 ) -> Captured:
     """Capture ``model`` by running it on ``example_inputs`` (and ``example_kwargs``).
 
@@ -683,6 +710,9 @@ def capture(
             ``{"seq": 1}``: dimension 1 of every tensor input of rank >= 2;
             ``{"input_ids": {1: "seq"}}``: per input. An explicitly named dimension that the
             model fixes (a positional table added whole) is an error.
+        cache: reuse the exported programs of an earlier capture of the same model (code,
+            configuration, tensor shapes) on inputs of the same shapes, kept on disk
+            (:mod:`hydro.fx.cache`). ``None`` (default): yes, unless ``HYDRO_CACHE=0``.
 
     Returns:
         A :class:`Captured` module with the model's parameters and buffers (the same tensors)
@@ -729,6 +759,7 @@ def capture(
                     example_kwargs,
                     prefix=f"{mode}_",
                     dynamic=dynamic,
+                    cache=cache,
                 )
     finally:
         model.train(was_training)

@@ -1,0 +1,526 @@
+"""A disk cache of exported programs, so that capturing a model again skips ``torch.export``.
+
+``torch.export`` takes seconds per mode (more on a process's first call), and a search captures
+the same model many times: every ``hydro tune`` run and resume, and every executor worker. The
+program it returns depends only on what this module puts in the key:
+
+* the code the model runs: for each class of the model and of its submodules (outside torch),
+  the code of its methods, and the functions, classes and constants of each module (file)
+  defining a ``forward``, read from memory (what runs, even if the file changed since);
+* the model's state other than tensor values: every submodule's path, class and plain
+  attributes (``n_head``, dropout ``p``, a config object, ``training``), the names, shapes,
+  dtypes and devices of its parameters and buffers (values are never stored: the loaded
+  program is given the live model's tensors);
+* the example inputs' structure, shapes and dtypes (and non-tensor values), the dynamic
+  dimensions, grad mode and default dtype;
+* the torch, Python and Hydro versions and this cache's schema.
+
+A model whose state cannot be read as data (a hook, an object without attributes) is not
+cached. An entry is one file, ``<key>.hydro-ep``, written whole (temporary file, then
+``os.replace``) by whichever process captured first; two writers of one key each write a
+complete file. It holds the serialized program (JSON), the constants the graph made (tensors
+only, read back with ``weights_only``) and the names and shapes of the tensors it expects;
+an entry that cannot be read, does not match its key or does not fit the live model is
+captured again and overwritten, with one warning.
+
+Location: ``$HYDRO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hydro/capture``, else
+``~/.cache/hydro/capture``. ``HYDRO_CACHE=0`` (or ``capture(..., cache=False)``) turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import hashlib
+import io
+import json
+import os
+import sys
+import types
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hydro.errors import HydroError, HydroWarning
+
+SCHEMA = 1  # bump when what an entry holds, or what the key covers, changes
+SUFFIX = ".hydro-ep"
+ENV_DIR, ENV_SWITCH = "HYDRO_CACHE_DIR", "HYDRO_CACHE"
+_OFF = ("0", "false", "no", "off")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+stats = {"hits": 0, "misses": 0, "writes": 0, "rebuilt": 0}
+"""Counts in this process: entries loaded, keys not found, entries written, entries rebuilt."""
+
+_warned: set[str] = set()
+
+
+def enabled(cache: bool | None = None) -> bool:
+    """Whether to use the cache: ``cache`` if given, else unless ``$HYDRO_CACHE`` is 0/off."""
+    if cache is not None:
+        return bool(cache)
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
+
+
+def directory() -> str:
+    """Where entries live (see the module docstring)."""
+    path = os.environ.get(ENV_DIR)
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "hydro", "capture")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def clear() -> int:
+    """Remove every entry (``hydro.fx.cache.clear()``); returns how many were removed."""
+    folder, n = directory(), 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(folder):
+            if name.endswith(SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
+                    n += 1
+    return n
+
+
+# --- the key ----------------------------------------------------------------------------------
+
+
+class _Uncacheable(Exception):
+    """Something the exported program may depend on that cannot be read as data."""
+
+
+_MODULE_STATE = frozenset(nn.Module().__dict__) - {"training"}
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+# attributes that differ between processes and that no forward reads: HuggingFace's generation
+# config keeps the hash() of itself (strings hash differently in every process)
+_VOLATILE = frozenset({"_original_object_hash"})
+_MAX_ITEMS = 200_000  # a walk this long is not a model's configuration: not cached
+
+
+def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any) -> str | None:
+    """The cache key of exporting ``model`` on ``(args, kwargs)`` with ``dynamic`` shapes in its
+    current mode, or ``None`` when the model cannot be keyed (then it is not cached)."""
+    try:
+        walk = _Walk()
+        parts = [
+            ("schema", SCHEMA, torch.__version__, sys.version_info[:3], _hydro_version()),
+            ("modes", torch.is_grad_enabled(), str(torch.get_default_dtype()), _autocast()),
+            ("model", walk.model(model)),
+            ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
+            ("dynamic", walk.value(dynamic)),
+        ]
+        parts.append(("code", walk.code_of_classes()))  # of every class the walk met
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            raise _Uncacheable("a global forward hook")
+    except _Uncacheable:
+        return None
+    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+        return None
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _autocast() -> list:
+    """Autocast in force around the capture (export records its casts)."""
+    return [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)))
+            for d in ("cpu", "cuda")]  # fmt: skip
+
+
+def _hydro_version() -> str:
+    from hydro import __version__
+
+    return __version__
+
+
+def _user_class(cls: type) -> bool:
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return cls.__module__ not in ("builtins",) and not os.path.abspath(file).startswith(_TORCH_DIR)
+
+
+class _Walk:
+    """One key's walk over a model, its inputs and the code they run."""
+
+    def __init__(self) -> None:
+        self.items = 0
+        self.classes: dict[str, type] = {}
+        self.stack: set[int] = set()
+
+    def _count(self) -> None:
+        self.items += 1
+        if self.items > _MAX_ITEMS:
+            raise _Uncacheable("too much state")
+
+    def model(self, model: nn.Module) -> list:
+        out = []
+        for path, mod in model.named_modules(remove_duplicate=False):
+            if any(getattr(mod, h, None) for h in _HOOKS):
+                raise _Uncacheable(f"a forward hook on {path or 'the model'}")
+            self._class(type(mod))
+            attrs = {
+                k: self.value(v)
+                for k, v in sorted(mod.__dict__.items())
+                if k not in _MODULE_STATE and k not in _HOOKS
+            }
+            tensors = [
+                (kind, name, self._tensor_meta(t))
+                for kind, items in (("p", mod._parameters), ("b", mod._buffers))
+                for name, t in items.items()
+            ]
+            extra = sorted(mod._non_persistent_buffers_set)
+            out.append((path, _qualname(type(mod)), attrs, tensors, extra))
+        return out
+
+    def inputs(self, value: Any) -> list:
+        leaves, spec = tree_flatten(value)
+        return [str(spec)] + [
+            self._tensor_meta(x) if isinstance(x, torch.Tensor) else self.value(x) for x in leaves
+        ]
+
+    @staticmethod
+    def _tensor_meta(t: torch.Tensor | None) -> Any:
+        if t is None:
+            return None
+        return (tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad,
+                str(t.layout), isinstance(t, nn.Parameter), type(t).__name__)  # fmt: skip
+
+    def _class(self, cls: type) -> None:
+        for c in cls.__mro__:
+            if _user_class(c):
+                self.classes.setdefault(_qualname(c), c)
+
+    def code_of_classes(self) -> list:
+        """Each user class's own code, and the globals of the modules whose classes define a
+        ``forward`` (one level: the functions, classes and constants such a file names; a
+        library's other files hold state of their own, a session id, that no forward reads)."""
+        out, modules = [], {}
+        for name, cls in sorted(self.classes.items()):
+            out.append((name, self._class_dict(cls)))
+            mod = sys.modules.get(cls.__module__)
+            if mod is not None and "forward" in vars(cls):
+                modules[cls.__module__] = mod
+        for name, mod in sorted(modules.items()):
+            out.append((name, self._globals(mod)))
+        return out
+
+    def _class_dict(self, cls: type) -> list:
+        out = []
+        for k, v in sorted(vars(cls).items()):
+            if k in ("__dict__", "__weakref__", "__doc__", "__module__", "__annotations__"):
+                continue
+            if isinstance(v, (staticmethod, classmethod)):
+                v = v.__func__
+            if isinstance(v, property):
+                v = (v.fget, v.fset)
+            with contextlib.suppress(_Uncacheable):  # a descriptor the forward does not read
+                out.append((k, self.value(v, shallow=True)))
+        return out
+
+    def _globals(self, mod: types.ModuleType) -> list:
+        out = []
+        for k, v in sorted(vars(mod).items()):
+            if k.startswith("__") and k.endswith("__"):
+                continue
+            if isinstance(v, types.ModuleType):
+                out.append((k, v.__name__))
+            elif isinstance(v, type):
+                out.append((k, _qualname(v), self._class_dict(v) if _user_class(v) else None))
+            else:
+                with contextlib.suppress(_Uncacheable):  # what a forward cannot use as data
+                    out.append((k, self.value(v, shallow=True)))
+        return out
+
+    def value(self, v: Any, shallow: bool = False, depth: int = 0) -> Any:
+        """A JSON-able fingerprint of a value a forward may read."""
+        self._count()
+        if depth > 12:
+            raise _Uncacheable("nested too deep")
+        if isinstance(v, _PLAIN):
+            return [type(v).__name__, repr(v)]
+        if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return ["torch", str(v)]
+        if isinstance(v, enum.Enum):
+            return ["enum", _qualname(type(v)), v.name]
+        if isinstance(v, torch.Tensor):  # a plain tensor attribute becomes a graph constant
+            if v.is_meta or type(v) not in (torch.Tensor, nn.Parameter):
+                raise _Uncacheable("a tensor of a subclass")
+            data = v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            return ["tensor", self._tensor_meta(v), hashlib.sha256(data).hexdigest()]
+        if isinstance(v, type):
+            if _user_class(v) and not shallow:
+                self._class(v)
+            return ["type", _qualname(v)]
+        if isinstance(v, types.FunctionType):
+            return ["fn", v.__module__, v.__qualname__, _code(v.__code__),
+                    None if shallow else self._closure(v, depth)]  # fmt: skip
+        if isinstance(v, types.MethodType):
+            owner = v.__self__
+            return ["method", self.value(v.__func__, shallow, depth + 1),
+                    ["self"] if id(owner) in self.stack else _qualname(type(owner))]  # fmt: skip
+        if _builtin(v):
+            return ["builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v))]
+        if isinstance(v, functools.partial):
+            return ["partial", self.value(v.func, shallow, depth + 1),
+                    self.value(v.args, shallow, depth + 1),
+                    self.value(v.keywords, shallow, depth + 1)]  # fmt: skip
+        if shallow:
+            raise _Uncacheable("an object")  # globals: plain data and code only
+        if id(v) in self.stack:
+            return ["cycle"]
+        self.stack.add(id(v))
+        try:
+            return self._container(v, depth)
+        finally:
+            self.stack.discard(id(v))
+
+    def _container(self, v: Any, depth: int) -> Any:
+        d = depth + 1
+        if isinstance(v, (tuple, list)):
+            return [type(v).__name__, [self.value(x, depth=d) for x in v]]
+        if isinstance(v, (set, frozenset)):
+            return [type(v).__name__, sorted(json.dumps(self.value(x, depth=d)) for x in v)]
+        if isinstance(v, Mapping):
+            items = [(json.dumps(self.value(k, depth=d)), self.value(x, depth=d))
+                     for k, x in v.items() if k not in _VOLATILE]  # fmt: skip
+            return [_qualname(type(v)), sorted(items, key=lambda kv: kv[0])]
+        if isinstance(v, nn.Module):  # held as a plain attribute, not a submodule
+            self._class(type(v))
+            state = {k: x for k, x in v.__dict__.items() if k not in _MODULE_STATE}
+            tensors = {k: self._tensor_meta(t) for k, t in v.named_parameters()}
+            return ["module", _qualname(type(v)), self.value(state, depth=d), tensors]
+        attrs = getattr(v, "__dict__", None)
+        slots = [s for c in type(v).__mro__ for s in getattr(c, "__slots__", ())]
+        if attrs is None and not slots:
+            raise _Uncacheable(f"a {type(v).__name__} object")
+        if _user_class(type(v)):
+            self._class(type(v))
+        state = dict(attrs or {})
+        for s in slots:
+            if isinstance(s, str) and hasattr(v, s):
+                state[s] = getattr(v, s)
+        return ["obj", _qualname(type(v)), self.value(state, depth=d)]
+
+    def _closure(self, fn: types.FunctionType, depth: int) -> Any:
+        cells = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
+        return [self.value(cells, depth=depth + 1), self.value(fn.__defaults__, depth=depth + 1),
+                self.value(fn.__kwdefaults__, depth=depth + 1)]  # fmt: skip
+
+
+def _builtin(v: Any) -> bool:
+    """A function in C, or a stateless callable of torch's (``torch.ops.aten.add``)."""
+    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        return True
+    torch_callable = callable(v) and type(v).__module__.startswith("torch")
+    return torch_callable and not isinstance(v, nn.Module)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _code(code: types.CodeType) -> str:
+    """A hash of what a code object does and where its lines are (stack traces name them)."""
+    h = hashlib.sha256()
+
+    def feed(c: types.CodeType) -> None:
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars,
+                       c.co_firstlineno, c.co_filename, c.co_argcount,
+                       c.co_kwonlyargcount, c.co_flags)).encode())  # fmt: skip
+        h.update(getattr(c, "co_linetable", b"") or b"")
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                feed(const)
+            else:
+                h.update(_const(const).encode())
+
+    feed(code)
+    return h.hexdigest()[:24]
+
+
+def _const(c: Any) -> str:
+    """A code constant's text, the same in every process (a frozenset's order follows string
+    hashing, which differs between processes)."""
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const(x) for x in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const(x) for x in c) + ")"
+    return repr(c)
+
+
+# --- entries ----------------------------------------------------------------------------------
+
+
+def _path(k: str) -> str:
+    return os.path.join(directory(), k + SUFFIX)
+
+
+def _warn(path: str, why: str) -> None:
+    if path in _warned:
+        return
+    _warned.add(path)
+    warnings.warn(HydroWarning(
+        f"capture cache entry {path} {why}; capturing the model again and rewriting it "
+        f"(remove {os.path.dirname(path)} to clear the cache)"
+    ), stacklevel=2)  # fmt: skip
+
+
+def _live(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(model.named_buffers(remove_duplicate=False))
+    return out
+
+
+def _meta(t: torch.Tensor) -> list:
+    return [list(t.shape), str(t.dtype)]
+
+
+def load(k: str, model: nn.Module, quiet: Callable[[], Any]) -> Any:
+    """The exported program stored under key ``k``, given ``model``'s live tensors, or ``None``
+    (not there, or not usable: then warned, and the caller exports and stores again).
+    ``quiet`` is a context manager factory silencing torch's loggers meanwhile."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
+
+    path = _path(k)
+    try:
+        archive = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        stats["misses"] += 1
+        return None
+    except (OSError, zipfile.BadZipFile) as exc:
+        _rebuilt(path, f"cannot be read ({type(exc).__name__})")
+        return None
+    try:
+        with archive:
+            meta = json.loads(archive.read("meta.json"))
+            if meta.get("key") != k or meta.get("schema") != SCHEMA:
+                raise ValueError("was written for another key or cache version")
+            if meta.get("torch") != torch.__version__ or meta.get("hydro") != _hydro_version():
+                raise ValueError("was written by another torch or Hydro version")
+            live = _live(model)
+            for name, want in meta["tensors"].items():  # the program reads these from the model
+                if name not in live or _meta(live[name]) != want:
+                    raise ValueError(f"does not fit the model's tensor {name!r}")
+            program = archive.read("program.json")
+            consts = archive.read("constants.pt")
+        constants = torch.load(io.BytesIO(consts), weights_only=True) if consts else {}
+        if not isinstance(constants, dict):
+            raise ValueError("holds constants of the wrong kind")
+        for name, device in meta["devices"].items():  # stored from the CPU
+            constants[name] = constants[name].to(device)
+        for name in meta["live_constants"]:  # non-persistent buffers: the model's own
+            constants[name] = live[name]
+        state = {name: live[name] for name in meta["state"]}
+        with quiet():
+            serialized = _bytes_to_dataclass(schema.ExportedProgram, program)
+            ep = ExportedProgramDeserializer().deserialize(serialized, state, constants, None)
+        sig = ep.graph_signature
+        if set(sig.parameters) | set(sig.buffers) != set(meta["state"]) | set(
+            meta["live_constants"]
+        ):
+            raise ValueError("reads other tensors than it lists")
+    except Exception as exc:  # noqa: BLE001 - any failure: never trusted, captured again
+        _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})")
+        return None
+    stats["hits"] += 1
+    return ep
+
+
+def _rebuilt(path: str, why: str) -> None:
+    stats["rebuilt"] += 1
+    _warn(path, why)
+
+
+def store(k: str, ep: Any, model: nn.Module) -> bool:
+    """Store ``ep`` (exported from ``model``) under key ``k``; ``False`` when it holds something
+    that is not plain data (it is then not stored) or the directory cannot be written."""
+    try:
+        return _store(k, ep, model)
+    except Exception:  # noqa: BLE001 - the cache only ever saves time: a capture never fails here
+        return False
+
+
+def _store(k: str, ep: Any, model: nn.Module) -> bool:
+    from torch._export.serde.serialize import serialize
+
+    live = _live(model)
+    state = {}
+    for name, t in ep.state_dict.items():
+        if live.get(name) is not t:  # re-attached from the model at load: it must be its own
+            return False
+        state[name] = _meta(t)
+    own, from_model = {}, []
+    for name, c in ep.constants.items():
+        if name in live and live[name] is c:
+            from_model.append(name)
+        elif type(c) is torch.Tensor and not c.is_meta:
+            own[name] = c.detach().cpu()
+        else:
+            return False  # a script object, a tensor subclass: pickled code, never stored
+    try:
+        art = serialize(ep, serialize_state_dict=False, serialize_constants=False,
+                        serialize_example_inputs=False)  # fmt: skip
+    except Exception:  # noqa: BLE001 - a program torch cannot serialize: just not cached
+        return False
+    consts = io.BytesIO()
+    torch.save(own, consts)
+    tensors = dict(state)
+    tensors.update({name: _meta(live[name]) for name in from_model})
+    meta = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
+            "state": sorted(state), "live_constants": sorted(from_model),
+            "devices": {name: str(c.device) for name, c in ep.constants.items() if name in own},
+            "tensors": tensors}  # fmt: skip
+    from hydro.files import replacing
+
+    folder = directory()
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with replacing(_path(k)) as tmp, zipfile.ZipFile(tmp, "w") as z:
+            z.writestr("meta.json", json.dumps(meta))
+            z.writestr("program.json", art.exported_program)
+            z.writestr("constants.pt", consts.getvalue())
+    except (OSError, HydroError) as exc:
+        if folder not in _warned:
+            _warned.add(folder)
+            warnings.warn(HydroWarning(
+                f"cannot write the capture cache in {folder} ({exc}); set {ENV_DIR} to a "
+                f"folder you can write, or {ENV_SWITCH}=0"
+            ), stacklevel=3)  # fmt: skip
+        return False
+    stats["writes"] += 1
+    return True
+
+
+def normalize(gm: torch.fx.GraphModule) -> None:
+    """Make a loaded program's module read as a freshly exported one does: the metadata that
+    serialization adds or writes another way (an output's value, a list of results read back
+    as a tuple)."""
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            node.meta.pop("val", None)
+        elif node.op == "get_attr":
+            node.meta.pop("torch_fn", None)
+        elif node.op == "call_function" and isinstance(node.meta.get("val"), tuple):
+            returns = getattr(getattr(node.target, "_schema", None), "returns", ())
+            if len(returns) == 1 and str(returns[0].type).endswith("[]"):
+                node.meta["val"] = list(node.meta["val"])
+
+
+__all__ = ["clear", "directory", "enabled", "key", "load", "normalize", "stats", "store"]
