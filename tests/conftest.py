@@ -1,10 +1,14 @@
-"""The whole suite captures models into one throwaway capture cache, never the user's."""
+"""The whole suite captures models into one throwaway capture cache, never the user's; and
+``one_thread``, for test modules of tiny tensors."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 _OWN = "_HYDRO_TEST_CACHE_OWNER"
 
@@ -21,3 +25,16 @@ def pytest_configure(config: object) -> None:
 def pytest_unconfigure(config: object) -> None:
     if os.environ.get(_OWN) == str(os.getpid()):
         shutil.rmtree(os.environ["HYDRO_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the test: its tensors are tiny, and on a busy 2-core machine
+    OpenMP threads waiting for each other cost more than they bring. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")`` (or a directory's autouse fixture)."""
+    import torch  # here, not at the top: conftest is read before any test asks for torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,12 +24,7 @@ from tests.zoo import GPT
 VOCAB = 65
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class SlicedPositions(nn.Module):

@@ -24,13 +24,7 @@ from examples.cnn.model import cnn, error_rate
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run on one thread: the models here are tiny, and on a busy CPU extra threads only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models
 
 
 def _train_losses(model, groups, x, y, steps: int) -> tuple[float, float]:

@@ -1,13 +1,8 @@
-"""Fusion tests run single-threaded: their tensors are tiny, and on a busy 2-core machine
-OpenMP threads waiting for each other cost more than they bring."""
+"""Fusion tests run single-threaded (``one_thread`` in tests/conftest.py)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test here on one torch thread."""
