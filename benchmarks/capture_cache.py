@@ -30,32 +30,76 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "charlm", "tune.yaml")
 
 
+# the phases of the first fused step, each the time spent in these functions (nested ones
+# counted in their own phase only): (phase, module, attribute path)
+PHASES = (
+    ("config", "hydro.tuning.config", "load"),
+    ("group key", "hydro.tuning.group", "group_key"),
+    ("target", "hydro.tuning.group", "_target"),
+    ("validate", "hydro.tuning.task", "Task.validate"),
+    ("capture", "hydro.fx.capture", "_export"),
+    ("scale", "hydro.tuning.group", "build"),
+    ("members", "hydro.tuning.group", "_Builder.make"),
+    ("fuse", "hydro.tuning.group", "fuse"),
+    ("graph rewrite", "hydro.fusion.model", "FusedModel._graph_for"),
+    ("step", "hydro.tuning.group", "FusedGroup.step"),
+)
+
+
+def _instrument(spent: dict[str, float]) -> None:
+    """Wrap each phase's function so that ``spent[phase]`` adds its own time (exclusive of the
+    phases it calls)."""
+    stack: list[list[float]] = []  # per open phase: [start, time in nested phases]
+
+    def wrap(phase, fn):  # noqa: ANN001, ANN202
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*a, **k)
+            finally:
+                begun, nested = stack.pop()
+                total = time.perf_counter() - begun
+                spent[phase] = spent.get(phase, 0.0) + total - nested
+                if stack:
+                    stack[-1][1] += total
+
+        return timed
+
+    for phase, module, path in PHASES:
+        owner = sys.modules[module]
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        setattr(owner, name, wrap(phase, getattr(owner, name)))
+
+
 def _child(what: str, start: float) -> dict:
     """One measurement in this (fresh) process."""
-    import optuna
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
     import torch
 
+    timings["import torch"] = time.perf_counter() - t
+    t = time.perf_counter()
+    import optuna
+
+    timings["import optuna"] = time.perf_counter() - t
+    t = time.perf_counter()
     import hydro
+    import hydro.fusion.model
+    import hydro.fx.capture
     from hydro.fx import cache
     from hydro.tuning import config
     from hydro.tuning.group import FusedGroup
 
-    timings: dict[str, float] = {"imports": time.perf_counter() - start}
-    spent = {"capture": 0.0}
-    module = sys.modules["hydro.fx.capture"]
-    real = module._export  # one mode's torch.export, or its load from the cache
-
-    def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        t = time.perf_counter()
-        try:
-            return real(*a, **k)
-        finally:
-            spent["capture"] += time.perf_counter() - t
-
-    module._export = timed
+    timings["import hydro"] = time.perf_counter() - t
+    timings["imports"] = time.perf_counter() - start
+    torch.set_num_threads(1)
+    spent: dict[str, float] = {}
+    _instrument(spent)
     torch.manual_seed(0)
-    cfg = config.load(CONFIG)
     t0 = time.perf_counter()
+    cfg = config.load(CONFIG)
     if what == "scale":
         model = cfg.task.build_model()
         x = next(cfg.task.train_batches(2, seed=0))[0]
@@ -69,8 +113,9 @@ def _child(what: str, start: float) -> dict:
             members.append((i, trial.params, i))
         group = FusedGroup(cfg.task, members, ratio=int(cfg.ratio))
         group.step()
-    timings[what] = time.perf_counter() - t0
-    timings["capture"] = spent["capture"]
+    timings.update(spent)
+    timings["total"] = time.perf_counter() - t0
+    timings["other"] = timings["total"] - sum(spent.values())
     timings["process"] = time.perf_counter() - start
     timings["hits"], timings["misses"] = cache.stats["hits"], cache.stats["misses"]
     return timings

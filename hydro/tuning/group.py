@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import fuse
@@ -128,7 +129,7 @@ def structure(task: Task, args: tuple) -> Any:
     key = (id(task.model), repr(args))
     if key not in _STRUCTURES:
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _SkipInit():
                 model = task.build_model(**dict(args))
         except Exception:
             return ("args", args)  # the factory does not build on meta: every argument counts
@@ -143,6 +144,29 @@ def structure(task: Task, args: tuple) -> Any:
             parts.append((name, type(m).__qualname__, settings))
         _STRUCTURES[key] = tuple(parts)
     return _STRUCTURES[key]
+
+
+# initializers and random fills: on the meta device they have no values to write
+_INIT_NAMES = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "zero_", "zeros_", "ones_", "fill_", "constant_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "eye_", "dirac_", "sparse_", "random_", "exponential_", "bernoulli_", "cauchy_",
+    "log_normal_", "geometric_",
+})  # fmt: skip
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skips initializing meta tensors (a factory's ``reset_parameters``, ``nn.init``): they hold
+    no values, and torch runs meta random fills through Python decompositions whose first call
+    imports ``torch._dynamo`` (over a second). Shapes, dtypes and modules are unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_NAMES:
+            first = args[0] if args else kwargs.get("tensor")  # nn.init passes it by name
+            if isinstance(first, torch.Tensor) and first.is_meta:
+                return first
+        return func(*args, **kwargs)
 
 
 def build_members(
