@@ -175,11 +175,13 @@ def build(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     dynamic: Dynamic = None,
+    cache: bool | None = None,
 ) -> Scaled:
     """:func:`scale`, returning the width plan and node map along with the surrogate.
 
     ``always_readout`` inserts the readout multiplier even where it is 1 (ratio 1), so that
-    its value can be set per trial (the ``output_mult`` hyperparameter).
+    its value can be set per trial (the ``output_mult`` hyperparameter). ``cache``: the
+    capture cache (:func:`hydro.fx.capture.capture`'s).
     """
     floor.check_ratio(ratio)
     if parametrization not in ("mup", "sp"):
@@ -201,7 +203,7 @@ def build(
         cap = model
     else:
         try:
-            cap = capture(model, run_inputs, run_kwargs, dynamic=dynamic)
+            cap = capture(model, run_inputs, run_kwargs, dynamic=dynamic, cache=cache)
         except TraceError as exc:
             if example_inputs is None and not kwargs:
                 raise ScaleError(

@@ -198,6 +198,11 @@ def build_members(
     return [builder.make(dict(p), int(sd)) for p, sd in zip(params, seeds)]
 
 
+def _cache(task: Task) -> bool | None:
+    """The capture cache for ``task``: off with ``cache=False``, else as ``$HYDRO_CACHE`` says."""
+    return None if getattr(task, "cache", True) else False
+
+
 def _lit(x: Any) -> Any:
     return torch.fx.node.map_arg(x, lambda n: ("node", n.name))
 
@@ -208,7 +213,7 @@ def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  #
 
     # training is where a literal like dropout acts; the eval graph keeps the first member's
     other = capture(task.build_model(**{**args0, name: value}), example[0], example[1],
-                    modes=("train",), dynamic=task.dynamic)  # fmt: skip
+                    modes=("train",), dynamic=task.dynamic, cache=_cache(task))  # fmt: skip
     sites = []
     for mode, gm in scaled.captured.graphs.items():
         if mode not in other.graphs:
@@ -560,7 +565,7 @@ class _Builder:
         self.args0 = {k: params0[k] for k in self.names}
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
-                            **self.depth)  # fmt: skip
+                            cache=_cache(task), **self.depth)  # fmt: skip
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -570,7 +575,8 @@ class _Builder:
         if any(v is None for v in sites.values()):
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
                         example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
-                        dynamic=task.dynamic, **self.depth).surrogate  # fmt: skip
+                        dynamic=task.dynamic, cache=_cache(task),
+                        **self.depth).surrogate  # fmt: skip
         else:
             sur = self.scaled.sample(int(seed))
             for n in differs:
