@@ -358,8 +358,8 @@ def test_task_cache_is_parsed_and_a_bad_value_refused(toy):
     with pytest.raises(ConfigError, match=r"task: cache must be true .* or false .*'sometimes'"):
         config.load(toy("d", "  cache: sometimes\n"))
     with pytest.raises(ConfigError, match="cache must be true"):
-        hydro.Task(model=nn.Linear(2, 2), train_data=(torch.randn(4, 2), torch.randn(4, 2)),
-                   val_data=(torch.randn(4, 2), torch.randn(4, 2)), loss="mse", cache=1)  # fmt: skip
+        data = (torch.randn(4, 2), torch.randn(4, 2))
+        hydro.Task(model=nn.Linear(2, 2), train_data=data, val_data=data, loss="mse", cache=1)
 
 
 def test_tune_without_cache_writes_nothing_and_with_it_writes_then_hits(toy, exports):
