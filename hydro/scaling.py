@@ -13,7 +13,7 @@ import copy
 import inspect as pyinspect
 import operator
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -147,12 +147,15 @@ class Scaled:
     _stats: dict = field(default_factory=dict, repr=False)
     depth: DepthPlan | None = None
 
-    def sample(self, seed: int | None = None) -> Captured:
+    def sample(
+        self, seed: int | None = None, edit: Callable[[str, torch.fx.Graph], None] | None = None
+    ) -> Captured:
         """Another surrogate with the same graphs, independently initialized from ``seed``.
 
-        Much cheaper than :func:`scale` again: no capture, analysis or shape check.
+        Much cheaper than :func:`scale` again: no capture, analysis or shape check. ``edit``
+        (``edit(mode, graph)``) changes the copied graphs before their code is generated.
         """
-        sur = copy.deepcopy(self.surrogate)
+        sur = self.surrogate.copy(edit=edit)
         originals = dict(self.surrogate.named_parameters())
         for name, p in sur.named_parameters():
             if hasattr(originals[name], "infshape"):

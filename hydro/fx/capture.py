@@ -28,7 +28,7 @@ import linecache
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -92,7 +92,17 @@ class Captured(nn.Module):
         return type(gm).forward(self, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Captured:
-        graphs = {mode: _copy_graph_module(gm) for mode, gm in self.graphs.items()}
+        return self.copy(memo)
+
+    def copy(
+        self,
+        memo: dict | None = None,
+        edit: Callable[[str, torch.fx.Graph], None] | None = None,
+    ) -> Captured:
+        """A deep copy; ``edit(mode, graph)`` changes each copied graph before its code is
+        generated (once per graph, not again after the edit)."""
+        memo = {} if memo is None else memo
+        graphs = {mode: _copy_graph_module(gm, mode, edit) for mode, gm in self.graphs.items()}
         new = Captured.__new__(Captured)
         memo[id(self)] = new
         nn.Module.__init__(new)
@@ -269,9 +279,13 @@ def _persistent(root: nn.Module, path: str) -> bool:
     return leaf not in owner._non_persistent_buffers_set
 
 
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _copy_graph_module(
+    gm: torch.fx.GraphModule, mode: str = "", edit: Callable | None = None
+) -> torch.fx.GraphModule:
     # the graph is copied (passes edit it in place); tensors stay with the owning Captured
     graph = copy.deepcopy(gm.graph)
+    if edit is not None:
+        edit(mode, graph)
     # an empty root: the code reads every attribute from the Captured it runs bound to
     new = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
     for name, sub in gm.named_children():  # subgraphs of `with` regions: code, kept along

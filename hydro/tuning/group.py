@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hydro.errors import ConfigError, HydroWarning
-from hydro.fusion import fuse
+from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
 from hydro.parametrize import READOUT
 from hydro.scaling import build
@@ -330,7 +330,8 @@ class FusedGroup:
                 "Hydro tunes the full model itself, fused. Use a model with hidden layers, or "
                 "ratio=1."
             ), stacklevel=3)  # fmt: skip
-        self.fused = fuse(modules).to(device)
+        # fuse's FusedModel, handed the fresh surrogates rather than copying them
+        self.fused = FusedModel(modules, own=True).to(device)
         for k, m in enumerate(self.members):  # dropout masks follow the trial's seed, not its slot
             self.fused.reseed_trial(k, m.seed)
         self.fused.train()
@@ -578,14 +579,16 @@ class _Builder:
                         dynamic=task.dynamic, cache=_cache(task),
                         **self.depth).surrogate  # fmt: skip
         else:
-            sur = self.scaled.sample(int(seed))
-            for n in differs:
-                for mode, node_name, index in sites[n]:
-                    node = next(x for x in sur.graphs[mode].graph.nodes if x.name == node_name)
-                    node.update_arg(index, args[n])
-            if differs:
-                for gm in sur.graphs.values():
-                    gm.recompile()
+
+            def edit(mode: str, graph: torch.fx.Graph) -> None:
+                # this member's literals, written before the copy's code is generated
+                for n in differs:
+                    for where, node_name, index in sites[n]:
+                        if where == mode:
+                            node = next(x for x in graph.nodes if x.name == node_name)
+                            node.update_arg(index, args[n])
+
+            sur = self.scaled.sample(int(seed), edit=edit if differs else None)
         _apply_model_params(sur, params, task.model_args())
         return sur
 
