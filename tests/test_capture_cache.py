@@ -186,7 +186,19 @@ def _rewrite(path: str, name: str, data: bytes) -> None:
             z.writestr(i, d)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_torch", "other_model"])
+class _Planted:
+    """A pickle payload that would call a function when loaded by a plain unpickler."""
+
+    def __reduce__(self):
+        return (os.makedirs, (PLANTED,))
+
+
+PLANTED = os.path.join(os.path.dirname(__file__), "__planted_by_a_cache_entry__")
+
+
+@pytest.mark.parametrize(
+    "damage", ["garbage", "truncated", "other_torch", "other_model", "planted_pickle"]
+)
 def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     x = torch.randn(4, 6, dtype=torch.float64)
     capture(_net(), (x,), modes=("eval",))
@@ -201,6 +213,10 @@ def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
         with zipfile.ZipFile(path) as z:
             meta = z.read("meta.json").replace(torch.__version__.encode(), b"1.0.0")
         _rewrite(path, "meta.json", meta)
+    elif damage == "planted_pickle":  # the program names a callable: refused, never called
+        import pickle
+
+        _rewrite(path, "program.pkl", pickle.dumps(_Planted()))
     else:  # an entry of a wider model under this key: its tensors do not fit
         capture(_net(width=24), (x,), modes=("eval",))
         other = next(f for f in _entries() if f != entry)
@@ -209,6 +225,7 @@ def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     with pytest.warns(HydroWarning, match="capture cache entry .* capturing the model again"):
         cap = capture(_net(), (x,), modes=("eval",))
     assert len(exports) == before + 1
+    assert not os.path.exists(PLANTED)
     assert torch.equal(cap.eval()(x), _net().eval()(x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
