@@ -24,7 +24,7 @@ from torch import nn
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor, indexing, modules, pins
-from hydro.fx.capture import Captured, Dynamic, capture
+from hydro.fx.capture import Captured, Dynamic, capture, copy_captured
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
@@ -155,7 +155,7 @@ class Scaled:
         Much cheaper than :func:`scale` again: no capture, analysis or shape check. ``edit``
         (``edit(mode, graph)``) changes the copied graphs before their code is generated.
         """
-        sur = self.surrogate.copy(edit=edit)
+        sur = copy_captured(self.surrogate, edit)
         originals = dict(self.surrogate.named_parameters())
         for name, p in sur.named_parameters():
             if hasattr(originals[name], "infshape"):
