@@ -1,18 +1,19 @@
-"""What the capture cache saves: capture and the first fused step of the README's main job.
+"""Start-up of the README's main job: time to its first fused step, phase by phase, with the
+capture cache cold (an empty folder) and warm (a folder filled by one untimed run before).
 
-Every figure is the median of fresh processes (``--runs``, 3 by default), each with the cache
-cold (an empty folder) or warm (a folder filled by one untimed run before):
+Each figure is the median of fresh processes (``--runs``, 3 by default, in interleaved rounds)
+that build the first fused group of ``examples/charlm/tune.yaml`` (16 trials, ratio 8) from the
+config and take one fused training step, as ``hydro tune examples/charlm/tune.yaml`` does first.
+A phase is the time spent in its functions (``PHASES``), nested phases counted in their own
+only: ``capture`` is ``torch.export`` or its load from the cache, ``scale`` the width analysis
+and surrogate rebuild around it, ``members`` the 16 surrogates drawn from it, ``graph rewrite``
+the fused graph built at the first forward, ``step`` the first step less that rewrite.
+``to the first step`` counts from the interpreter's start to the first step's compute,
+``total`` from after the imports to the end of the first step, ``next step`` is the second
+step (what a step costs once warm). ``--baseline DIR`` measures another checkout of Hydro in
+the same rounds (``git archive <commit> | tar -x -C DIR``).
 
-* ``scale``: ``hydro.scale`` of examples/charlm's model as ``examples/charlm/tune.yaml`` builds
-  it (4 layers, 256 wide, ratio 8), of which ``capture`` is the two ``torch.export`` calls or
-  their loads;
-* ``first step``: the first fused group of that job (16 trials, ratio 8) built from the config
-  and one fused training step taken, as ``hydro tune examples/charlm/tune.yaml`` does first.
-
-Seconds are counted from after the imports (``import torch`` alone takes seconds), and, for
-``process``, from the start of the interpreter.
-
-    python3 benchmarks/capture_cache.py [--runs 3]
+    python3 benchmarks/capture_cache.py [--runs 3] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -30,87 +31,142 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "charlm", "tune.yaml")
 
 
-def _child(what: str, start: float) -> dict:
+# the phases of the first fused step, each the time spent in these functions (nested ones
+# counted in their own phase only): (phase, module, attribute path)
+PHASES = (
+    ("config", "hydro.tuning.config", "load"),
+    ("group key", "hydro.tuning.group", "group_key"),
+    ("target", "hydro.tuning.group", "_target"),
+    ("validate", "hydro.tuning.task", "Task.validate"),
+    ("capture", "hydro.fx.capture", "_export"),
+    ("scale", "hydro.tuning.group", "build"),
+    ("members", "hydro.tuning.group", "_Builder.make"),
+    ("fuse", "hydro.tuning.group", "FusedModel|fuse"),  # the one the group calls
+    ("graph rewrite", "hydro.fusion.model", "FusedModel._graph_for"),
+    ("step", "hydro.tuning.group", "FusedGroup.step"),
+)
+
+
+def _instrument(spent: dict[str, float]) -> None:
+    """Wrap each phase's function so that ``spent[phase]`` adds its own time (exclusive of the
+    phases it calls)."""
+    stack: list[list[float]] = []  # per open phase: [start, time in nested phases]
+
+    def wrap(phase, fn):  # noqa: ANN001, ANN202
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*a, **k)
+            finally:
+                begun, nested = stack.pop()
+                total = time.perf_counter() - begun
+                spent[phase] = spent.get(phase, 0.0) + total - nested
+                if stack:
+                    stack[-1][1] += total
+
+        return timed
+
+    for phase, module, path in PHASES:
+        for alternative in path.split("|"):
+            owner = sys.modules[module]
+            *outer, name = alternative.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            if hasattr(owner, name):
+                setattr(owner, name, wrap(phase, getattr(owner, name)))
+                break
+
+
+def _child(start: float) -> dict:
     """One measurement in this (fresh) process."""
-    import optuna
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
     import torch
 
+    timings["import torch"] = time.perf_counter() - t
+    t = time.perf_counter()
+    import optuna
+
+    timings["import optuna"] = time.perf_counter() - t
+    t = time.perf_counter()
     import hydro
+    import hydro.fusion.model
+    import hydro.fx.capture  # noqa: F401 - phases patch it: its import is counted here
     from hydro.fx import cache
     from hydro.tuning import config
     from hydro.tuning.group import FusedGroup
 
-    timings: dict[str, float] = {"imports": time.perf_counter() - start}
-    spent = {"capture": 0.0}
-    module = sys.modules["hydro.fx.capture"]
-    real = module._export  # one mode's torch.export, or its load from the cache
-
-    def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        t = time.perf_counter()
-        try:
-            return real(*a, **k)
-        finally:
-            spent["capture"] += time.perf_counter() - t
-
-    module._export = timed
+    timings["import hydro"] = time.perf_counter() - t
+    timings["imports"] = time.perf_counter() - start
+    torch.set_num_threads(1)
+    spent: dict[str, float] = {}
+    _instrument(spent)
     torch.manual_seed(0)
-    cfg = config.load(CONFIG)
     t0 = time.perf_counter()
-    if what == "scale":
-        model = cfg.task.build_model()
-        x = next(cfg.task.train_batches(2, seed=0))[0]
-        hydro.scale(model, ratio=8, example_inputs=(x,))
-    else:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-        members = []
-        for i in range(int(cfg.fuse)):
-            trial = study.ask(cfg.space)
-            members.append((i, trial.params, i))
-        group = FusedGroup(cfg.task, members, ratio=int(cfg.ratio))
-        group.step()
-    timings[what] = time.perf_counter() - t0
-    timings["capture"] = spent["capture"]
+    cfg = config.load(CONFIG)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    members = []
+    for i in range(int(cfg.fuse)):
+        trial = study.ask(cfg.space)
+        members.append((i, trial.params, i))
+    group = FusedGroup(cfg.task, members, ratio=int(cfg.ratio))
+    group.step()
+    timings.update(spent)
+    timings["total"] = time.perf_counter() - t0
+    timings["other"] = timings["total"] - sum(spent.values())
     timings["process"] = time.perf_counter() - start
+    timings["to the first step"] = timings["process"] - spent.get("step", 0.0)
+    t = time.perf_counter()
+    group.step()  # a step once warmed up: what the first one costs at least
+    timings["next step"] = time.perf_counter() - t
     timings["hits"], timings["misses"] = cache.stats["hits"], cache.stats["misses"]
     return timings
 
 
-def _run(what: str, folder: str) -> dict:
-    env = dict(os.environ, HYDRO_CACHE_DIR=folder, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+def _run(folder: str, code: str) -> dict:
+    env = dict(os.environ, HYDRO_CACHE_DIR=folder, PYTHONPATH=code, OMP_NUM_THREADS="1")
     env.pop("HYDRO_CACHE", None)
     out = subprocess.run(
-        [sys.executable, __file__, "--child", what],
+        [sys.executable, __file__, "--child"],
         env=env, capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+ROWS = ("import torch", "import optuna", "import hydro", *(p[0] for p in PHASES), "other",
+        "to the first step", "total", "process", "next step", "hits")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--child", choices=["scale", "step"])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", help="another checkout of hydro (e.g. `git archive` of "
+                        "an earlier commit): measured in the same rounds, interleaved")  # fmt: skip
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, START)))
+        print(json.dumps(_child(START)))
         return
-    rows = []
-    for what, label in (("scale", "scale (capture)"), ("step", "first fused step")):
-        for state in ("cold", "warm"):
-            runs = []
-            for _ in range(args.runs):
-                with tempfile.TemporaryDirectory() as folder:
-                    if state == "warm":
-                        _run(what, folder)  # fills the cache
-                    runs.append(_run(what, folder))
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            rows.append((label, state, med[what], med["capture"], med["process"], med["hits"]))
-            print(f"  {label:18} {state}: {[round(r[what], 2) for r in runs]}", flush=True)
-    print(f"\n| {'what':18} | cache | seconds | of which capture | process | cache hits |")
-    print(f"|{'-' * 20}|-------|---------|------------------|---------|------------|")
-    for label, state, total, cap, proc, hits in rows:
-        print(f"| {label:18} | {state:5} | {total:7.2f} | {cap:16.2f} | {proc:7.2f} | "
-              f"{int(hits):10d} |")  # fmt: skip
+    codes = {"now": ROOT}
+    if args.baseline:
+        codes = {"before": os.path.abspath(args.baseline), **codes}
+    runs: dict[tuple[str, str], list[dict]] = {(c, s): [] for c in codes for s in ("cold", "warm")}
+    for r in range(args.runs):  # rounds: every version and state once per round
+        for (code, state), found in runs.items():
+            with tempfile.TemporaryDirectory() as folder:
+                if state == "warm":
+                    _run(folder, codes[code])  # fills the cache
+                found.append(_run(folder, codes[code]))
+            print(f"  round {r + 1} {code:6} {state}: total {found[-1]['total']:.2f} s, "
+                  f"process {found[-1]['process']:.2f} s", flush=True)  # fmt: skip
+    cols = list(runs)
+    print("\n| phase (s) | " + " | ".join(f"{c} {s}" for c, s in cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    for row in ROWS:
+        meds = [statistics.median(r.get(row, 0.0) for r in runs[c]) for c in cols]
+        cells = [f"{int(m)}" if row == "hits" else f"{m:.2f}" for m in meds]
+        print(f"| {row} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -194,6 +194,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         fuse_memory=args.fuse_memory, sampler=args.sampler, pruner=args.pruner,
         first_group=args.first_group, steps=args.steps, timeout=args.timeout,
+        cache=args.cache,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "and to the end, so the pruner has complete trials to compare with")  # fmt: skip
     p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
                    "config's task.steps)")  # fmt: skip
+    p.add_argument("--no-cache", dest="cache", action="store_const", const=False,
+                   help="capture the model afresh and write nothing to the capture cache "
+                   "(overrides the config's task.cache; HYDRO_CACHE=0 does the same)")  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or lines, no table of the best trials")  # fmt: skip
     p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "

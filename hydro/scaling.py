@@ -13,7 +13,7 @@ import copy
 import inspect as pyinspect
 import operator
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ from torch import nn
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import depth, floor, indexing, modules, pins
-from hydro.fx.capture import Captured, Dynamic, capture
+from hydro.fx.capture import Captured, Dynamic, capture, copy_captured
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
@@ -147,12 +147,15 @@ class Scaled:
     _stats: dict = field(default_factory=dict, repr=False)
     depth: DepthPlan | None = None
 
-    def sample(self, seed: int | None = None) -> Captured:
+    def sample(
+        self, seed: int | None = None, edit: Callable[[str, torch.fx.Graph], None] | None = None
+    ) -> Captured:
         """Another surrogate with the same graphs, independently initialized from ``seed``.
 
-        Much cheaper than :func:`scale` again: no capture, analysis or shape check.
+        Much cheaper than :func:`scale` again: no capture, analysis or shape check. ``edit``
+        (``edit(mode, graph)``) changes the copied graphs before their code is generated.
         """
-        sur = copy.deepcopy(self.surrogate)
+        sur = copy_captured(self.surrogate, edit)
         originals = dict(self.surrogate.named_parameters())
         for name, p in sur.named_parameters():
             if hasattr(originals[name], "infshape"):
@@ -175,11 +178,13 @@ def build(
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
     dynamic: Dynamic = None,
+    cache: bool | None = None,
 ) -> Scaled:
     """:func:`scale`, returning the width plan and node map along with the surrogate.
 
     ``always_readout`` inserts the readout multiplier even where it is 1 (ratio 1), so that
-    its value can be set per trial (the ``output_mult`` hyperparameter).
+    its value can be set per trial (the ``output_mult`` hyperparameter). ``cache``: the
+    capture cache (:func:`hydro.fx.capture.capture`'s).
     """
     floor.check_ratio(ratio)
     if parametrization not in ("mup", "sp"):
@@ -201,7 +206,7 @@ def build(
         cap = model
     else:
         try:
-            cap = capture(model, run_inputs, run_kwargs, dynamic=dynamic)
+            cap = capture(model, run_inputs, run_kwargs, dynamic=dynamic, cache=cache)
         except TraceError as exc:
             if example_inputs is None and not kwargs:
                 raise ScaleError(

@@ -186,7 +186,19 @@ def _rewrite(path: str, name: str, data: bytes) -> None:
             z.writestr(i, d)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_torch", "other_model"])
+class _Planted:
+    """A pickle payload that would call a function when loaded by a plain unpickler."""
+
+    def __reduce__(self):
+        return (os.makedirs, (PLANTED,))
+
+
+PLANTED = os.path.join(os.path.dirname(__file__), "__planted_by_a_cache_entry__")
+
+
+@pytest.mark.parametrize(
+    "damage", ["garbage", "truncated", "other_torch", "other_model", "planted_pickle"]
+)
 def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     x = torch.randn(4, 6, dtype=torch.float64)
     capture(_net(), (x,), modes=("eval",))
@@ -201,6 +213,10 @@ def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
         with zipfile.ZipFile(path) as z:
             meta = z.read("meta.json").replace(torch.__version__.encode(), b"1.0.0")
         _rewrite(path, "meta.json", meta)
+    elif damage == "planted_pickle":  # the program names a callable: refused, never called
+        import pickle
+
+        _rewrite(path, "program.pkl", pickle.dumps(_Planted()))
     else:  # an entry of a wider model under this key: its tensors do not fit
         capture(_net(width=24), (x,), modes=("eval",))
         other = next(f for f in _entries() if f != entry)
@@ -209,6 +225,7 @@ def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     with pytest.warns(HydroWarning, match="capture cache entry .* capturing the model again"):
         cap = capture(_net(), (x,), modes=("eval",))
     assert len(exports) == before + 1
+    assert not os.path.exists(PLANTED)
     assert torch.equal(cap.eval()(x), _net().eval()(x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -295,3 +312,84 @@ def test_the_key_is_the_same_in_another_process():
         keys.append(out.stdout.strip().splitlines()[-1])
     keys.append(cache.key(Net().eval(), (torch.zeros(4, 6),), {}, None))
     assert keys[0] != "None" and len(set(keys)) == 1, keys
+
+
+# --- Task(cache=), the config's task.cache and `hydro tune --no-cache` --------------------------
+
+TOY = """
+import torch
+
+def data(n=96):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
+    return {"train": (x[:64], y[:64]), "val": (x[64:], y[64:])}
+
+def model(width=64):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 3))
+"""
+
+CONFIG = """
+study: {study}
+storage: sqlite:///toy.db
+trials: 2
+ratio: 2
+fuse: 2
+task:
+  model: toymod:model
+  data: toymod:data
+  steps: 2
+  eval_every: 2
+  batch_size: 16
+{cache}space:
+  lr: {{type: float, low: 1.0e-3, high: 1.0e-1, log: true}}
+"""
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch, exports):
+    """A toy ``hydro tune`` project in ``tmp_path``; ``toy(study, cache_line)`` writes its
+    config and returns the path."""
+    (tmp_path / "toymod.py").write_text(TOY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "toymod", raising=False)
+
+    def write(study: str, cache_line: str = "") -> str:
+        path = tmp_path / f"{study}.yaml"
+        path.write_text(CONFIG.format(study=study, cache=cache_line))
+        return str(path)
+
+    return write
+
+
+def test_task_cache_is_parsed_and_a_bad_value_refused(toy):
+    from hydro.errors import ConfigError
+    from hydro.tuning import config
+
+    assert config.load(toy("a")).task.cache is True  # the default
+    assert config.load(toy("b", "  cache: false\n")).task.cache is False
+    assert config.load(toy("c", "  cache: true\n"), cache=False).task.cache is False  # --no-cache
+    with pytest.raises(ConfigError, match=r"task: cache must be true .* or false .*'sometimes'"):
+        config.load(toy("d", "  cache: sometimes\n"))
+    with pytest.raises(ConfigError, match="cache must be true"):
+        data = (torch.randn(4, 2), torch.randn(4, 2))
+        hydro.Task(model=nn.Linear(2, 2), train_data=data, val_data=data, loss="mse", cache=1)
+
+
+def test_tune_without_cache_writes_nothing_and_with_it_writes_then_hits(toy, exports):
+    from hydro.cli import main
+
+    stats0 = dict(cache.stats)
+    assert main(["tune", toy("off", "  cache: false\n"), "--no-progress"]) == 0
+    assert main(["tune", toy("flag"), "--no-cache", "--no-progress"]) == 0
+    assert not os.path.exists(cache.directory())  # nothing written, not even the folder
+    assert cache.stats == stats0 and len(exports) == 4  # train and eval, twice, exported
+    assert main(["tune", toy("first"), "--no-progress"]) == 0  # the default: written
+    written = _entries()
+    assert len(written) == 2 and cache.stats["writes"] == stats0["writes"] + 2
+    assert main(["tune", toy("second"), "--no-progress"]) == 0  # a second run: loaded
+    assert _entries() == written and len(exports) == 6
+    assert cache.stats["hits"] == stats0["hits"] + 2

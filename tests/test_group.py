@@ -76,3 +76,28 @@ def test_model_params_act_on_the_built_surrogate():
     assert set(_dropouts(sur)) == {0.0}  # dropout is the factory's: not rewritten here
     _apply_model_params(sur, {"dropout": 0.3}, set())  # a model without a dropout argument
     assert set(_dropouts(sur)) == {0.3}
+
+
+def test_meta_builds_skip_initialization_and_torch_dynamo():
+    from torch import nn
+
+    from hydro.tuning.group import _SkipInit
+
+    with torch.device("meta"), _SkipInit():
+        layer = nn.Linear(4, 3)
+        nn.init.trunc_normal_(layer.weight)  # by keyword inside: tensor=
+    assert layer.weight.is_meta and layer.weight.shape == (3, 4)
+    with _SkipInit():  # real tensors are initialized as ever
+        w = torch.zeros(3, 4)
+        nn.init.normal_(w)
+    assert w.abs().sum() > 0
+    # the README job's group key imports no torch._dynamo (its first meta random fill did:
+    # 1.5 s of the start-up), in a fresh process
+    code = ("import sys, torch; from hydro.tuning.config import load; "
+            "from hydro.tuning.group import group_key; "
+            "task = load('examples/charlm/tune.yaml').task; group_key({'dropout': 0.1}, task); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")  # fmt: skip
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -80,7 +80,8 @@ class FusedModel(nn.Module):
     The model's graph is captured (:func:`hydro.fx.capture.capture`) at the first call, from that
     call's inputs, unless it was captured before (a :class:`~hydro.fx.capture.Captured` model, or
     ``example_inputs=`` given to :func:`fuse`); parameters exist from the start, so an optimizer
-    can be built before the first call.
+    can be built before the first call. ``own=True`` takes the given models over instead of
+    copying them (the caller must not use them afterwards: the fused model edits their graphs).
 
     Example:
         >>> import torch
@@ -93,7 +94,12 @@ class FusedModel(nn.Module):
     """
 
     def __init__(
-        self, models: Sequence[nn.Module], share_frozen: bool = True, seed: int = 0
+        self,
+        models: Sequence[nn.Module],
+        share_frozen: bool = True,
+        seed: int = 0,
+        *,
+        own: bool = False,
     ) -> None:
         super().__init__()
         if not models:
@@ -108,7 +114,9 @@ class FusedModel(nn.Module):
             key = _signature(m)
             if key not in seen:
                 seen[key] = len(sources)
-                sources.append(_clone(m))
+                # a caller handing its models over (``own``: a fused group's fresh surrogates)
+                # saves a deep copy of each
+                sources.append(m if own else _clone(m))
             index.append(seen[key])
         object.__setattr__(self, "_sources", sources)
         object.__setattr__(self, "_member", index)  # trial k -> its source
@@ -240,8 +248,8 @@ class FusedModel(nn.Module):
             self._recent[(flat, mode, shared)] = cache
         if cache not in self._graphs:
             for g in graphs:
-                _drop_dead_nodes(g[mode].graph)
-                g[mode].recompile()
+                if _drop_dead_nodes(g[mode].graph):
+                    g[mode].recompile()
             members = [graphs[i][mode] for i in self._member]
             template = _template(members)
             literals = _literals(template, members)
@@ -757,16 +765,20 @@ def fuse(
     return fused
 
 
-def _drop_dead_nodes(graph: torch.fx.Graph) -> None:
-    """Remove nodes whose values nothing uses (an unused loss, say), keeping side effects.
+def _drop_dead_nodes(graph: torch.fx.Graph) -> bool:
+    """Remove nodes whose values nothing uses (an unused loss, say), keeping side effects;
+    whether any was removed.
 
     Like ``Graph.eliminate_dead_code`` without its lint, which would look for the parameters
     on the graph's own module: a captured graph reads them from the :class:`Captured` it runs
     with.
     """
+    dropped = False
     for node in reversed(graph.nodes):
         if node.op not in ("placeholder", "output") and not node.users and not node.is_impure():
             graph.erase_node(node)
+            dropped = True
+    return dropped
 
 
 __all__ = ["FusedModel", "fuse", "trial_loss"]

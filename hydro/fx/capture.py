@@ -28,7 +28,7 @@ import linecache
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -92,25 +92,37 @@ class Captured(nn.Module):
         return type(gm).forward(self, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Captured:
-        graphs = {mode: _copy_graph_module(gm) for mode, gm in self.graphs.items()}
-        new = Captured.__new__(Captured)
-        memo[id(self)] = new
-        nn.Module.__init__(new)
-        modules.copy_tree(self, new)  # the user's classes at the user's paths
-        for key, value in self.named_parameters(remove_duplicate=False):
-            register_at(new, key, copy.deepcopy(value, memo), "param")
-        for key, value in self.named_buffers(remove_duplicate=False):
-            keep = _persistent(self, key)
-            register_at(new, key, copy.deepcopy(value, memo), "buffer", persistent=keep)
-        for key, value in self.__dict__.items():
-            if key not in new.__dict__ and not key.startswith("_") and key != "graphs":
-                object.__setattr__(new, key, copy.deepcopy(value, memo))
-        object.__setattr__(new, "graphs", graphs)
-        new.train(self.training)
-        return new
+        return copy_captured(self, memo=memo)
 
     def extra_repr(self) -> str:
         return f"captured {self.captured_name}, graphs: {', '.join(self.graphs)}"
+
+
+def copy_captured(
+    cap: Captured,
+    edit: Callable[[str, torch.fx.Graph], None] | None = None,
+    memo: dict | None = None,
+) -> Captured:
+    """A deep copy of ``cap``; ``edit(mode, graph)`` changes each copied graph before its code
+    is generated (once per graph, not again after the edit). A function, not a method: a
+    captured model's attributes are the user's submodule names."""
+    memo = {} if memo is None else memo
+    graphs = {mode: _copy_graph_module(gm, mode, edit) for mode, gm in cap.graphs.items()}
+    new = Captured.__new__(Captured)
+    memo[id(cap)] = new
+    nn.Module.__init__(new)
+    modules.copy_tree(cap, new)  # the user's classes at the user's paths
+    for key, value in cap.named_parameters(remove_duplicate=False):
+        register_at(new, key, copy.deepcopy(value, memo), "param")
+    for key, value in cap.named_buffers(remove_duplicate=False):
+        keep = _persistent(cap, key)
+        register_at(new, key, copy.deepcopy(value, memo), "buffer", persistent=keep)
+    for key, value in cap.__dict__.items():
+        if key not in new.__dict__ and not key.startswith("_") and key != "graphs":
+            object.__setattr__(new, key, copy.deepcopy(value, memo))
+    object.__setattr__(new, "graphs", graphs)
+    new.train(cap.training)
+    return new
 
 
 def _captured_shapes(gm: torch.fx.GraphModule) -> list[tuple[str, tuple] | None]:
@@ -269,9 +281,13 @@ def _persistent(root: nn.Module, path: str) -> bool:
     return leaf not in owner._non_persistent_buffers_set
 
 
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _copy_graph_module(
+    gm: torch.fx.GraphModule, mode: str = "", edit: Callable | None = None
+) -> torch.fx.GraphModule:
     # the graph is copied (passes edit it in place); tensors stay with the owning Captured
     graph = copy.deepcopy(gm.graph)
+    if edit is not None:
+        edit(mode, graph)
     # an empty root: the code reads every attribute from the Captured it runs bound to
     new = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
     for name, sub in gm.named_children():  # subgraphs of `with` regions: code, kept along

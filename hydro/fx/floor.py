@@ -221,7 +221,8 @@ def task_ratio(task: Any, ratio: Any) -> int:
         args, kwargs = tuple(task.example_inputs), {}
     else:
         args, kwargs, _ = task.split(next(task.train_batches(2, seed=0)))
-    choice, _ = choose(capture(model, args, kwargs), args, kwargs)
+    cache = None if getattr(task, "cache", True) else False  # Task(cache=False): off
+    choice, _ = choose(capture(model, args, kwargs, cache=cache), args, kwargs)
     warn_if_full(choice, type(model).__name__)
     return choice.ratio
 

@@ -29,7 +29,7 @@ TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "s
             "fuse_memory", "timeout"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
-             "target_key", "checkpoint_every", "dynamic", "data_mode"}  # fmt: skip
+             "target_key", "checkpoint_every", "dynamic", "data_mode", "cache"}  # fmt: skip
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -211,6 +211,11 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         if not isinstance(raw["task"], Mapping):
             raise ConfigError(f"{path}: task must be a mapping")
         raw = {**raw, "task": {**raw["task"], "steps": steps}}
+    cache = given.pop("cache", None)
+    if cache is not None:  # --no-cache: the task's capture cache
+        if not isinstance(raw["task"], Mapping):
+            raise ConfigError(f"{path}: task must be a mapping")
+        raw = {**raw, "task": {**raw["task"], "cache": cache}}
     for key in ("sampler", "pruner"):  # a sampler named on the command line: not the
         if key in given and given[key] != raw.get(key):  # config's sampler's arguments
             raw = {k: v for k, v in raw.items() if k != f"{key}_args"}
@@ -299,7 +304,7 @@ def _task(spec: Any, path: str) -> Task:
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
                                    "batch_size", "target_key", "checkpoint_every", "dynamic",
-                                   "data_mode")
+                                   "data_mode", "cache")
               if k in spec}  # fmt: skip
     try:
         return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),

@@ -19,9 +19,10 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hydro.errors import ConfigError, HydroWarning
-from hydro.fusion import fuse
+from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
 from hydro.parametrize import READOUT
 from hydro.scaling import build
@@ -128,7 +129,7 @@ def structure(task: Task, args: tuple) -> Any:
     key = (id(task.model), repr(args))
     if key not in _STRUCTURES:
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _SkipInit():
                 model = task.build_model(**dict(args))
         except Exception:
             return ("args", args)  # the factory does not build on meta: every argument counts
@@ -143,6 +144,29 @@ def structure(task: Task, args: tuple) -> Any:
             parts.append((name, type(m).__qualname__, settings))
         _STRUCTURES[key] = tuple(parts)
     return _STRUCTURES[key]
+
+
+# initializers and random fills: on the meta device they have no values to write
+_INIT_NAMES = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "zero_", "zeros_", "ones_", "fill_", "constant_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "eye_", "dirac_", "sparse_", "random_", "exponential_", "bernoulli_", "cauchy_",
+    "log_normal_", "geometric_",
+})  # fmt: skip
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skips initializing meta tensors (a factory's ``reset_parameters``, ``nn.init``): they hold
+    no values, and torch runs meta random fills through Python decompositions whose first call
+    imports ``torch._dynamo`` (over a second). Shapes, dtypes and modules are unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_NAMES:
+            first = args[0] if args else kwargs.get("tensor")  # nn.init passes it by name
+            if isinstance(first, torch.Tensor) and first.is_meta:
+                return first
+        return func(*args, **kwargs)
 
 
 def build_members(
@@ -174,6 +198,11 @@ def build_members(
     return [builder.make(dict(p), int(sd)) for p, sd in zip(params, seeds)]
 
 
+def _cache(task: Task) -> bool | None:
+    """The capture cache for ``task``: off with ``cache=False``, else as ``$HYDRO_CACHE`` says."""
+    return None if getattr(task, "cache", True) else False
+
+
 def _lit(x: Any) -> Any:
     return torch.fx.node.map_arg(x, lambda n: ("node", n.name))
 
@@ -184,7 +213,7 @@ def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  #
 
     # training is where a literal like dropout acts; the eval graph keeps the first member's
     other = capture(task.build_model(**{**args0, name: value}), example[0], example[1],
-                    modes=("train",), dynamic=task.dynamic)  # fmt: skip
+                    modes=("train",), dynamic=task.dynamic, cache=_cache(task))  # fmt: skip
     sites = []
     for mode, gm in scaled.captured.graphs.items():
         if mode not in other.graphs:
@@ -301,7 +330,8 @@ class FusedGroup:
                 "Hydro tunes the full model itself, fused. Use a model with hidden layers, or "
                 "ratio=1."
             ), stacklevel=3)  # fmt: skip
-        self.fused = fuse(modules).to(device)
+        # fuse's FusedModel, handed the fresh surrogates rather than copying them
+        self.fused = FusedModel(modules, own=True).to(device)
         for k, m in enumerate(self.members):  # dropout masks follow the trial's seed, not its slot
             self.fused.reseed_trial(k, m.seed)
         self.fused.train()
@@ -536,7 +566,7 @@ class _Builder:
         self.args0 = {k: params0[k] for k in self.names}
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
-                            **self.depth)  # fmt: skip
+                            cache=_cache(task), **self.depth)  # fmt: skip
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -546,16 +576,19 @@ class _Builder:
         if any(v is None for v in sites.values()):
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
                         example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
-                        dynamic=task.dynamic, **self.depth).surrogate  # fmt: skip
+                        dynamic=task.dynamic, cache=_cache(task),
+                        **self.depth).surrogate  # fmt: skip
         else:
-            sur = self.scaled.sample(int(seed))
-            for n in differs:
-                for mode, node_name, index in sites[n]:
-                    node = next(x for x in sur.graphs[mode].graph.nodes if x.name == node_name)
-                    node.update_arg(index, args[n])
-            if differs:
-                for gm in sur.graphs.values():
-                    gm.recompile()
+
+            def edit(mode: str, graph: torch.fx.Graph) -> None:
+                # this member's literals, written before the copy's code is generated
+                for n in differs:
+                    for where, node_name, index in sites[n]:
+                        if where == mode:
+                            node = next(x for x in graph.nodes if x.name == node_name)
+                            node.update_arg(index, args[n])
+
+            sur = self.scaled.sample(int(seed), edit=edit if differs else None)
         _apply_model_params(sur, params, task.model_args())
         return sur
 

@@ -86,6 +86,10 @@ class Task:
             (from its first trial's seed): each step loads and copies one batch for the group
             instead of one per trial, at the cost of results that depend on the group.
             Validation data is loaded once per group either way.
+        cache: read and write the on-disk capture cache (:mod:`hydro.fx.cache`), so that a
+            second run, a resume and every executor worker skip ``torch.export`` (``True``,
+            default; ``HYDRO_CACHE=0`` turns it off too). ``False``: capture afresh and write
+            nothing.
 
     Raises:
         ConfigError: an unknown loss, optimizer or scheduler, or a count that is not positive.
@@ -117,6 +121,7 @@ class Task:
     checkpoint_every: int = 50
     dynamic: Any = None
     data_mode: Literal["per_trial", "shared"] = "per_trial"
+    cache: bool = True
 
     def __post_init__(self) -> None:
         self.loss_name = self.loss if isinstance(self.loss, str) else _name(self.loss)
@@ -142,6 +147,10 @@ class Task:
                 f"data_mode must be 'per_trial' (each trial its own batches, the default) or "
                 f"'shared' (one batch per step for the whole fused group), got {self.data_mode!r}"
             )
+        if not isinstance(self.cache, bool):
+            raise ConfigError(f"cache must be true (the on-disk capture cache, the default) "
+                              f"or false (capture afresh, write nothing), got "
+                              f"{self.cache!r}")  # fmt: skip
         _positive(self.steps, "steps")
         _positive(self.batch_size, "batch_size")
         if self.eval_every is None:
