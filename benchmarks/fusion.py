@@ -16,6 +16,7 @@ and by this process's CPU time (``cpu``), and the ATen ops each step dispatches 
     python benchmarks/fusion.py --anchors    # MLP/CNN/GPT at n 16, 32 and 1, 2 threads
     python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
     python benchmarks/fusion.py --convs      # one convolution: n separate vs one grouped
+    python benchmarks/fusion.py --loss       # trial_loss cross-entropy: rows vs [n, C, B]
     python benchmarks/fusion.py --anchors --before-rev REV  # also REV's fusion rewrite, beside
 """
 
@@ -248,8 +249,8 @@ def _module_at(
 
 def rewrite_at(rev: str) -> types.ModuleType:
     """``hydro/fusion/rewrite.py`` with its ``ops.py`` (and ``handlers.py``, ``facts.py``,
-    ``kinds.py``, ``stacked.py``, where the revision has them) as of git revision ``rev``: the fused graphs as that revision built
-    them (the rest of ``hydro`` is this tree's)."""
+    ``kinds.py``, ``stacked.py``, where the revision has them) as of git revision ``rev``: the
+    fused graphs as that revision built them (the rest of ``hydro`` is this tree's)."""
     tag = rev.replace("/", "_").replace("-", "_").replace("~", "_").replace("^", "_")
     ops = _module_at(rev, "hydro/fusion/ops.py", f"hydro_fusion_ops_{tag}", {})
     replace = {}
@@ -612,6 +613,41 @@ def conv_table(args: argparse.Namespace) -> None:
             )
 
 
+def loss_table(args: argparse.Namespace) -> None:
+    """``trial_loss(F.cross_entropy)`` forward + backward on ``[n, B, C]`` logits: log_softmax
+    over rows of C classes against over dimension 1 of ``[n, C, B]`` (what the fast path runs
+    below ``hydro.fusion.loss.FEW_CLASSES``), timed side by side."""
+    import hydro.fusion.loss as loss_module
+
+    print(f"\ntrial_loss(F.cross_entropy) forward + backward, us (median of {args.repeats}):")
+    print("| n | B | classes | threads | rows | dim 1 of [n, C, B] | rows/dim 1 | fast path runs |")
+    print("|---|---|---|---|---|---|---|---|")
+    saved = loss_module.FEW_CLASSES
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for n, b, c in ((16, 64, 4), (16, 64, 10), (16, 64, 15), (16, 64, 16), (16, 64, 32),
+                        (32, 64, 10), (16, 256, 10), (16, 64, 100)):  # fmt: skip
+            out = torch.randn(n, b, c, requires_grad=True)
+            y = torch.randint(0, c, (b,))
+
+            def run(few: int, out: torch.Tensor = out, y: torch.Tensor = y) -> None:
+                loss_module.FEW_CLASSES = few
+                out.grad = None
+                trial_loss(F.cross_entropy, out, y).sum().backward()
+
+            try:
+                t = timed({"rows": lambda: run(0), "dim1": lambda: run(1 << 30)},
+                          args.repeats, args.min_time)  # fmt: skip
+            finally:
+                loss_module.FEW_CLASSES = saved
+            runs = "dim 1" if c < saved else "rows"
+            print(
+                f"| {n} | {b} | {c} | {threads} | {1e6 * t['rows']:.0f} | {1e6 * t['dim1']:.0f} | "
+                f"{t['rows'] / t['dim1']:.2f}x | {runs} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
@@ -627,6 +663,10 @@ def main() -> None:
     parser.add_argument(
         "--convs", action="store_true",
         help="only single convolutions (resnet18/convnext shapes): n separate vs one grouped",
+    )  # fmt: skip
+    parser.add_argument(
+        "--loss", action="store_true",
+        help="only trial_loss(F.cross_entropy): log_softmax over rows vs over dim 1 of [n, C, B]",
     )  # fmt: skip
     parser.add_argument("--conv-n", type=int, default=8)
     parser.add_argument("--conv-batch", type=int, default=4)
@@ -663,6 +703,10 @@ def main() -> None:
     if args.convs:
         print(f"torch {torch.__version__}")
         conv_table(args)
+        return
+    if args.loss:
+        print(f"torch {torch.__version__}")
+        loss_table(args)
         return
 
     torch.set_num_threads(args.threads[0])

@@ -93,7 +93,11 @@ def test_trial_cross_entropy_is_each_trials_own(classes: int, shared: bool) -> N
     target[..., 2] = -100
     if not shared:
         target[1, 4] = -100  # trials count different numbers of targets
-    losses = trial_loss(F.cross_entropy, out, target, shared=shared)
+    with _Count() as count:
+        losses = trial_loss(F.cross_entropy, out, target, shared=shared)
+    # below FEW_CLASSES the classes lie along dim 1 (the spatial kernel), else along rows
+    kernel = "nll_loss2d_forward" if classes < loss.FEW_CLASSES else "nll_loss_forward"
+    assert count.ops[kernel] == 1, dict(count.ops)
     (losses * torch.arange(1.0, N + 1, dtype=torch.float64)).sum().backward()
     for k in range(N):
         mine = out.detach()[k].requires_grad_()
