@@ -17,6 +17,7 @@ and by this process's CPU time (``cpu``), and the ATen ops each step dispatches 
     python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
     python benchmarks/fusion.py --convs      # one convolution: n separate vs one grouped
     python benchmarks/fusion.py --loss       # trial_loss cross-entropy: rows vs [n, C, B]
+    python benchmarks/fusion.py --phases     # MLP step by phase: hydro.fuse vs baddbmm
     python benchmarks/fusion.py --anchors --before-rev REV  # also REV's fusion rewrite, beside
 """
 
@@ -613,6 +614,73 @@ def conv_table(args: argparse.Namespace) -> None:
             )
 
 
+def _phases(forward: Callable, loss: Callable, opt: torch.optim.Optimizer) -> list[float]:
+    """CPU seconds of one step's forward, loss, backward and optimizer step."""
+    opt.zero_grad(set_to_none=True)
+    t0 = time.process_time()
+    out = forward()
+    t1 = time.process_time()
+    value = loss(out)
+    t2 = time.process_time()
+    value.backward()
+    t3 = time.process_time()
+    opt.step()
+    return [t1 - t0, t2 - t1, t3 - t2, time.process_time() - t3]
+
+
+def _phase_sides(n: int) -> dict[str, tuple]:
+    """``(forward, loss, optimizer)`` of ``hydro.fuse`` and of the hand-written ``baddbmm`` MLP."""
+    built = [MODELS["MLP w64"]() for _ in range(n)]
+    _, (x,), y, _ = built[0]
+    fused = fuse([m for m, *_ in built])
+    ws = [_stack([m[i].weight.t() for m, *_ in built]) for i in (0, 2, 4)]
+    bs = [_stack([m[i].bias[None] for m, *_ in built]) for i in (0, 2, 4)]
+    xs, targets = x.expand(n, *x.shape), y.repeat(n)
+
+    def hand() -> torch.Tensor:
+        h = torch.relu(torch.baddbmm(bs[0], xs, ws[0]))
+        h = torch.relu(torch.baddbmm(bs[1], h, ws[1]))
+        return torch.baddbmm(bs[2], h, ws[2])
+
+    def hand_loss(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.view(targets.numel(), -1), targets) * n
+
+    return {
+        "fuse": (
+            lambda: fused(x),
+            lambda out: trial_loss(F.cross_entropy, out, y).sum(),
+            hydro.optim.Adam(fused.parameters(), lr=LRS(n)),
+        ),
+        "hand": (hand, hand_loss, hydro.optim.Adam([*ws, *bs], lr=LRS(n))),
+    }
+
+
+def phase_table(args: argparse.Namespace) -> None:
+    """One MLP w64 training step by phase: ``hydro.fuse`` against the hand-written ``baddbmm``
+    MLP (CPU time, medians of interleaved rounds of 100 steps)."""
+    names = ("forward", "loss", "backward", "optimizer", "step")
+    print(f"\nMLP w64 step by phase, CPU ms (medians of {args.repeats} rounds of 100 steps):")
+    print("| n | threads | phase | hydro.fuse | baddbmm | fuse - baddbmm |")
+    print("|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for n in args.ns or [16, 32]:
+            sides = _phase_sides(n)
+            for side in sides.values():
+                for _ in range(20):
+                    _phases(*side)
+            samples: dict[str, list[list[float]]] = {k: [] for k in sides}
+            for _ in range(args.repeats):
+                for key, side in sides.items():
+                    total = [0.0] * 4
+                    for _ in range(100):
+                        total = [a + b for a, b in zip(total, _phases(*side))]
+                    samples[key].append([t / 100 for t in total] + [sum(total) / 100])
+            for i, name in enumerate(names):
+                f, h = (1e3 * statistics.median(r[i] for r in samples[k]) for k in sides)
+                print(f"| {n} | {threads} | {name} | {f:.3f} | {h:.3f} | {f - h:+.3f} |")
+
+
 def loss_table(args: argparse.Namespace) -> None:
     """``trial_loss(F.cross_entropy)`` forward + backward on ``[n, B, C]`` logits: log_softmax
     over rows of C classes against over dimension 1 of ``[n, C, B]`` (what the fast path runs
@@ -668,6 +736,10 @@ def main() -> None:
         "--loss", action="store_true",
         help="only trial_loss(F.cross_entropy): log_softmax over rows vs over dim 1 of [n, C, B]",
     )  # fmt: skip
+    parser.add_argument(
+        "--phases", action="store_true",
+        help="only the MLP w64 step by phase: hydro.fuse vs the hand-written baddbmm MLP",
+    )  # fmt: skip
     parser.add_argument("--conv-n", type=int, default=8)
     parser.add_argument("--conv-batch", type=int, default=4)
     parser.add_argument("--optimizer-n", type=int, default=64)
@@ -707,6 +779,10 @@ def main() -> None:
     if args.loss:
         print(f"torch {torch.__version__}")
         loss_table(args)
+        return
+    if args.phases:
+        print(f"torch {torch.__version__}")
+        phase_table(args)
         return
 
     torch.set_num_threads(args.threads[0])
