@@ -5,7 +5,10 @@ for n in 1, 4, 16, 32, 64 on a few models, all measured side by side in this run
 several interleaved rounds), plus the fused model's achieved GFLOP/s against a large-matmul peak
 measured in the same run. The HFTA-style column is a hand-written fused model in the manner of
 the HFTA paper (``baddbmm`` linears, grouped convolutions with the trials' channels kept stacked
-between layers, per-trial hyperparameters as broadcast tensors) trained with ``hydro.optim.Adam``.
+between layers, per-trial hyperparameters as broadcast tensors) trained with ``hydro.optim.Adam``;
+the baddbmm column (MLPs only) is the MLP written by hand as directly as it goes (three
+``baddbmm`` on ``[n, B, F]``, one cross-entropy over all trials). Ratios are given by wall time
+and by this process's CPU time (``cpu``), and the ATen ops each step dispatches are counted.
 
     python benchmarks/fusion.py              # the full table
     python benchmarks/fusion.py --quick      # fewer models and n, for a smoke run
@@ -13,6 +16,8 @@ between layers, per-trial hyperparameters as broadcast tensors) trained with ``h
     python benchmarks/fusion.py --anchors    # MLP/CNN/GPT at n 16, 32 and 1, 2 threads
     python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
     python benchmarks/fusion.py --convs      # one convolution: n separate vs one grouped
+    python benchmarks/fusion.py --loss       # trial_loss cross-entropy: rows vs [n, C, B]
+    python benchmarks/fusion.py --phases     # MLP step by phase: hydro.fuse vs baddbmm
     python benchmarks/fusion.py --anchors --before-rev REV  # also REV's fusion rewrite, beside
 """
 
@@ -33,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,21 +104,52 @@ def calibrate(step: Callable[[], None], min_time: float) -> int:
     return max(1, calls)
 
 
-def timed(steps: dict[str, Callable[[], None]], repeats: int, min_time: float) -> dict[str, float]:
-    """Median seconds per call of each step, measured in interleaved rounds.
+def timed(
+    steps: dict[str, Callable[[], None]],
+    repeats: int,
+    min_time: float,
+    cpu: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Median seconds per call of each step (wall), measured in interleaved rounds; ``cpu``,
+    where given, receives the medians of this process's CPU time per call
+    (``time.process_time``: what other processes' load inflates least).
 
     Round r times every method once, so a burst of load from other processes hits all methods
     alike instead of one of them.
     """
     calls = {name: calibrate(step, min_time) for name, step in steps.items()}
     samples: dict[str, list[float]] = {name: [] for name in steps}
+    cpu_samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(calls[name]):
                 step()
             samples[name].append((time.perf_counter() - start) / calls[name])
+            cpu_samples[name].append((time.process_time() - start_cpu) / calls[name])
+    if cpu is not None:
+        cpu.update({name: statistics.median(values) for name, values in cpu_samples.items()})
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside the block (views included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_ops(step: Callable[[], None]) -> int:
+    """ATen ops one call of ``step`` dispatches (after a warm-up call)."""
+    step()
+    with OpCount() as counter:
+        step()
+    return counter.count
 
 
 def sequential_step(make, n: int) -> Callable[[], None]:
@@ -212,9 +249,9 @@ def _module_at(
 
 
 def rewrite_at(rev: str) -> types.ModuleType:
-    """``hydro/fusion/rewrite.py`` with its ``ops.py`` (and ``handlers.py``, ``facts.py``, where
-    the revision has them) as of git revision ``rev``: the fused graphs as that revision built
-    them (the rest of ``hydro`` is this tree's)."""
+    """``hydro/fusion/rewrite.py`` with its ``ops.py`` (and ``handlers.py``, ``facts.py``,
+    ``kinds.py``, ``stacked.py``, where the revision has them) as of git revision ``rev``: the
+    fused graphs as that revision built them (the rest of ``hydro`` is this tree's)."""
     tag = rev.replace("/", "_").replace("-", "_").replace("~", "_").replace("^", "_")
     ops = _module_at(rev, "hydro/fusion/ops.py", f"hydro_fusion_ops_{tag}", {})
     replace = {}
@@ -229,6 +266,11 @@ def rewrite_at(rev: str) -> types.ModuleType:
         }
         _module_at(rev, "hydro/fusion/handlers.py", handlers, {"ops": ops}, own_ops)
         replace["from hydro.fusion.handlers import"] = f"from {handlers} import"
+    for part in ("kinds", "stacked"):  # split out of rewrite.py (2026-11-26)
+        if _source_at(rev, f"hydro/fusion/{part}.py") is not None:
+            name = f"hydro_fusion_{part}_{tag}"
+            _module_at(rev, f"hydro/fusion/{part}.py", name, {"ops": ops}, dict(replace))
+            replace[f"from hydro.fusion.{part} import"] = f"from {name} import"
     return _module_at(
         rev, "hydro/fusion/rewrite.py", f"hydro_fusion_rewrite_{tag}", {"ops": ops}, replace
     )
@@ -361,6 +403,37 @@ class HftaGPT(nn.Module):
             x = x + self._lin(h, f"h_{i}_mlp_c_proj")
         x = self._ln(x, "ln_f") * self.readout
         return torch.bmm(x, self.wte.transpose(1, 2)).view(n, b, t, self.vocab)
+
+
+def baddbmm_step(name: str, make, n: int) -> Callable[[], None]:
+    """The MLP written by hand as directly as it goes: weights ``[n, in, out]``, biases ``[n, 1,
+    out]``, one ``baddbmm`` per layer on ``[n, B, F]`` (the shared input a stride-0 view), one
+    ``F.cross_entropy`` over all trials, ``hydro.optim.Adam``."""
+    if not name.startswith("MLP"):
+        raise ValueError(f"no hand-written baddbmm model for {name}")
+    built = [make() for _ in range(n)]
+    _, (x,), y, _ = built[0]
+    w1, w2, w3 = (_stack([m[i].weight.t() for m, *_ in built]) for i in (0, 2, 4))
+    b1, b2, b3 = (_stack([m[i].bias[None] for m, *_ in built]) for i in (0, 2, 4))
+    opt = hydro.optim.Adam([w1, b1, w2, b2, w3, b3], lr=LRS(n))
+    xs = x.expand(n, *x.shape)
+    targets = y.repeat(n)
+
+    def forward() -> torch.Tensor:
+        h = torch.relu(torch.baddbmm(b1, xs, w1))
+        h = torch.relu(torch.baddbmm(b2, h, w2))
+        return torch.baddbmm(b3, h, w3)
+
+    with torch.no_grad():
+        torch.testing.assert_close(forward()[n - 1], built[n - 1][0](x), rtol=1e-4, atol=1e-5)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = forward()
+        (F.cross_entropy(out.view(targets.numel(), -1), targets) * n).backward()
+        opt.step()
+
+    return step
 
 
 def hfta_model(name: str, models: list[nn.Module]) -> nn.Module:
@@ -541,6 +614,108 @@ def conv_table(args: argparse.Namespace) -> None:
             )
 
 
+def _phases(forward: Callable, loss: Callable, opt: torch.optim.Optimizer) -> list[float]:
+    """CPU seconds of one step's forward, loss, backward and optimizer step."""
+    opt.zero_grad(set_to_none=True)
+    t0 = time.process_time()
+    out = forward()
+    t1 = time.process_time()
+    value = loss(out)
+    t2 = time.process_time()
+    value.backward()
+    t3 = time.process_time()
+    opt.step()
+    return [t1 - t0, t2 - t1, t3 - t2, time.process_time() - t3]
+
+
+def _phase_sides(n: int) -> dict[str, tuple]:
+    """``(forward, loss, optimizer)`` of ``hydro.fuse`` and of the hand-written ``baddbmm`` MLP."""
+    built = [MODELS["MLP w64"]() for _ in range(n)]
+    _, (x,), y, _ = built[0]
+    fused = fuse([m for m, *_ in built])
+    ws = [_stack([m[i].weight.t() for m, *_ in built]) for i in (0, 2, 4)]
+    bs = [_stack([m[i].bias[None] for m, *_ in built]) for i in (0, 2, 4)]
+    xs, targets = x.expand(n, *x.shape), y.repeat(n)
+
+    def hand() -> torch.Tensor:
+        h = torch.relu(torch.baddbmm(bs[0], xs, ws[0]))
+        h = torch.relu(torch.baddbmm(bs[1], h, ws[1]))
+        return torch.baddbmm(bs[2], h, ws[2])
+
+    def hand_loss(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.view(targets.numel(), -1), targets) * n
+
+    return {
+        "fuse": (
+            lambda: fused(x),
+            lambda out: trial_loss(F.cross_entropy, out, y).sum(),
+            hydro.optim.Adam(fused.parameters(), lr=LRS(n)),
+        ),
+        "hand": (hand, hand_loss, hydro.optim.Adam([*ws, *bs], lr=LRS(n))),
+    }
+
+
+def phase_table(args: argparse.Namespace) -> None:
+    """One MLP w64 training step by phase: ``hydro.fuse`` against the hand-written ``baddbmm``
+    MLP (CPU time, medians of interleaved rounds of 100 steps)."""
+    names = ("forward", "loss", "backward", "optimizer", "step")
+    print(f"\nMLP w64 step by phase, CPU ms (medians of {args.repeats} rounds of 100 steps):")
+    print("| n | threads | phase | hydro.fuse | baddbmm | fuse - baddbmm |")
+    print("|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for n in args.ns or [16, 32]:
+            sides = _phase_sides(n)
+            for side in sides.values():
+                for _ in range(20):
+                    _phases(*side)
+            samples: dict[str, list[list[float]]] = {k: [] for k in sides}
+            for _ in range(args.repeats):
+                for key, side in sides.items():
+                    total = [0.0] * 4
+                    for _ in range(100):
+                        total = [a + b for a, b in zip(total, _phases(*side))]
+                    samples[key].append([t / 100 for t in total] + [sum(total) / 100])
+            for i, name in enumerate(names):
+                f, h = (1e3 * statistics.median(r[i] for r in samples[k]) for k in sides)
+                print(f"| {n} | {threads} | {name} | {f:.3f} | {h:.3f} | {f - h:+.3f} |")
+
+
+def loss_table(args: argparse.Namespace) -> None:
+    """``trial_loss(F.cross_entropy)`` forward + backward on ``[n, B, C]`` logits: log_softmax
+    over rows of C classes against over dimension 1 of ``[n, C, B]`` (what the fast path runs
+    below ``hydro.fusion.loss.FEW_CLASSES``), timed side by side."""
+    import hydro.fusion.loss as loss_module
+
+    print(f"\ntrial_loss(F.cross_entropy) forward + backward, us (median of {args.repeats}):")
+    print("| n | B | classes | threads | rows | dim 1 of [n, C, B] | rows/dim 1 | fast path runs |")
+    print("|---|---|---|---|---|---|---|---|")
+    saved = loss_module.FEW_CLASSES
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for n, b, c in ((16, 64, 4), (16, 64, 10), (16, 64, 15), (16, 64, 16), (16, 64, 32),
+                        (32, 64, 10), (16, 256, 10), (16, 64, 100)):  # fmt: skip
+            out = torch.randn(n, b, c, requires_grad=True)
+            y = torch.randint(0, c, (b,))
+
+            def run(few: int, out: torch.Tensor = out, y: torch.Tensor = y) -> None:
+                loss_module.FEW_CLASSES = few
+                out.grad = None
+                trial_loss(F.cross_entropy, out, y).sum().backward()
+
+            try:
+                t = timed({"rows": lambda: run(0), "dim1": lambda: run(1 << 30)},
+                          args.repeats, args.min_time)  # fmt: skip
+            finally:
+                loss_module.FEW_CLASSES = saved
+            runs = "dim 1" if c < saved else "rows"
+            print(
+                f"| {n} | {b} | {c} | {threads} | {1e6 * t['rows']:.0f} | {1e6 * t['dim1']:.0f} | "
+                f"{t['rows'] / t['dim1']:.2f}x | {runs} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
@@ -556,6 +731,14 @@ def main() -> None:
     parser.add_argument(
         "--convs", action="store_true",
         help="only single convolutions (resnet18/convnext shapes): n separate vs one grouped",
+    )  # fmt: skip
+    parser.add_argument(
+        "--loss", action="store_true",
+        help="only trial_loss(F.cross_entropy): log_softmax over rows vs over dim 1 of [n, C, B]",
+    )  # fmt: skip
+    parser.add_argument(
+        "--phases", action="store_true",
+        help="only the MLP w64 step by phase: hydro.fuse vs the hand-written baddbmm MLP",
     )  # fmt: skip
     parser.add_argument("--conv-n", type=int, default=8)
     parser.add_argument("--conv-batch", type=int, default=4)
@@ -593,14 +776,23 @@ def main() -> None:
         print(f"torch {torch.__version__}")
         conv_table(args)
         return
+    if args.loss:
+        print(f"torch {torch.__version__}")
+        loss_table(args)
+        return
+    if args.phases:
+        print(f"torch {torch.__version__}")
+        phase_table(args)
+        return
 
     torch.set_num_threads(args.threads[0])
     peak = matmul_peak()
     print(f"torch {torch.__version__}, threads {args.threads}")
     print(f"matmul peak (2048x2048 float32 mm, {args.threads[0]} threads): {peak:.1f} GFLOP/s\n")
     header = (
-        "| model | n | threads | sequential | vmap | HFTA-style | hydro.fuse | fuse/HFTA | "
-        "fuse/seq | fuse/vmap | HFTA/seq | GFLOP/s | % peak |"
+        "| model | n | threads | sequential | vmap | HFTA-style | baddbmm | hydro.fuse | "
+        "fuse/HFTA | fuse/baddbmm | fuse/HFTA cpu | fuse/baddbmm cpu | ATen ops fuse/HFTA/baddbmm "
+        "| fuse/seq | fuse/vmap | HFTA/seq | GFLOP/s | % peak |"
     )
     before = rewrite_at(args.before_rev) if args.before_rev else None
     if args.compile:
@@ -619,6 +811,7 @@ def main() -> None:
                 for key, build, extra in (
                     ("vmap", vmap_step, ()),
                     ("hfta", hfta_step, (name,)),
+                    ("hand", baddbmm_step, (name,)),
                     ("fuse", fused_step, ()),
                 ):
                     try:
@@ -626,19 +819,27 @@ def main() -> None:
                         steps[key]()
                     except Exception as exc:  # noqa: BLE001 - report, keep going
                         steps.pop(key, None)
-                        why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                        notes.append(f"{key} cannot run {name} (n={n}): {why}")
+                        if key != "hand":  # written for the MLP only
+                            why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                            notes.append(f"{key} cannot run {name} (n={n}): {why}")
                 if args.compile:
                     steps["compiled"] = fused_step(make, n, compiled=True)
                 if before is not None:
                     steps["before"] = fused_step(make, n, rewrite=before)
-                t = timed(steps, args.repeats, args.min_time)
+                counts = {k: aten_ops(steps[k]) for k in ("fuse", "hfta", "hand") if k in steps}
+                cpu: dict[str, float] = {}
+                t = timed(steps, args.repeats, args.min_time, cpu)
                 nan = float("nan")
                 t_vmap, t_hfta, t_fuse = (t.get(k, nan) for k in ("vmap", "hfta", "fuse"))
+                t_hand = t.get("hand", nan)
+                c_hfta, c_hand, c_fuse = (cpu.get(k, nan) for k in ("hfta", "hand", "fuse"))
+                ops = "/".join(str(counts.get(k, "-")) for k in ("fuse", "hfta", "hand"))
                 gflops = n * flops_per_trial(make) / t_fuse / 1e9
                 row = (
                     f"| {name} | {n} | {threads} | {n / t['seq']:.0f} | {n / t_vmap:.0f} | "
-                    f"{n / t_hfta:.0f} | {n / t_fuse:.0f} | {t_hfta / t_fuse:.2f}x | "
+                    f"{n / t_hfta:.0f} | {n / t_hand:.0f} | {n / t_fuse:.0f} | "
+                    f"{t_hfta / t_fuse:.2f}x | {t_hand / t_fuse:.2f}x | {c_hfta / c_fuse:.2f}x | "
+                    f"{c_hand / c_fuse:.2f}x | {ops} | "
                     f"{t['seq'] / t_fuse:.1f}x | {t_vmap / t_fuse:.2f}x | "
                     f"{t['seq'] / t_hfta:.1f}x | {gflops:.1f} | {100 * gflops / peak:.0f}% |"
                 )

@@ -116,9 +116,26 @@ def _batch_mismatch(output: torch.Tensor, target: Any, shared: bool) -> str | No
     )
 
 
+# On the CPU, log_softmax over rows narrower than a vector register (16 floats) runs elementwise;
+# over dim 1 of ``[n, C, B]`` it vectorizes across the batch instead: 1.4-3.8x faster forward and
+# backward below 16 classes, slower from 16 on (measured, torch 2.14, this repository's VM)
+FEW_CLASSES = 16
+
+
 def _cross_entropy(output: torch.Tensor, target: torch.Tensor, shared: bool) -> torch.Tensor:
     """Per-trial mean cross-entropy in one call over the folded batch (no vmap)."""
     n = output.shape[0]
+    if (
+        output.dim() == 3
+        and output.shape[2] < FEW_CLASSES
+        and output.device.type == "cpu"
+        and not target.is_floating_point()
+    ):
+        # classes as dim 1 of [n, C, B] (a view), the shared target a stride-0 view [n, B]
+        per = target.expand(n, *target.shape) if shared else target
+        losses = F.cross_entropy(output.transpose(1, 2), per, reduction="none")
+        counted = target != -100  # a shared target counts the same for every trial
+        return losses.sum(dim=1) / (counted.sum() if shared else counted.sum(dim=1))
     if shared:
         target = target.unsqueeze(0).expand(n, *target.shape)
     losses = F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1), reduction="none")

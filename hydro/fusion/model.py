@@ -61,6 +61,24 @@ def _flat_signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
     return tuple(out)
 
 
+def _flat_shapes(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
+    """The input shapes of a flat call (tensors and plain scalars; ``None`` otherwise): a call of
+    the same graph with the same shapes passes :func:`_check_shapes` as the last one did."""
+    out = []
+    for name, v in (*((None, a) for a in args), *kwargs.items()):
+        if isinstance(v, torch.Tensor):
+            out.append((name, v.shape))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out.append((name, v))
+        else:
+            return None
+    return tuple(out)
+
+
+# distinct input shapes remembered as checked, per graph (a run sees a few: its batch sizes)
+_CHECKED_SHAPES = 64
+
+
 class FusedModel(nn.Module):
     """``n`` trials of one model, trained together as one module.
 
@@ -287,9 +305,15 @@ class FusedModel(nn.Module):
                         f"{self.n}, got shape {tuple(a.shape)}"
                     )
         gm = self._graph_for(args, kwargs, shared)
-        # the sizes a surrogate checks (only the batch is dynamic), with the surrogate's error
-        one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
-        _check_shapes(self._sources[self._member[0]], gm.hydro_source, *one)
+        # the sizes a surrogate checks (only the batch is dynamic), with the surrogate's error;
+        # flat inputs of shapes this graph already passed skip the walk
+        shapes = _flat_shapes(args, kwargs)
+        checked = gm.__dict__.setdefault("hydro_checked", set())
+        if shapes is None or shapes not in checked:
+            one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))
+            _check_shapes(self._sources[self._member[0]], gm.hydro_source, *one)
+            if shapes is not None and len(checked) < _CHECKED_SHAPES:
+                checked.add(shapes)
         mutated = [self.get_buffer(name) for name in gm.hydro_mutated]
         saved = [b.clone() for b in mutated]
         out = gm(*args, **kwargs)

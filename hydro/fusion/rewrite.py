@@ -12,12 +12,14 @@ Two small passes over one trial's captured ATen graph (:mod:`hydro.fx.capture`):
    value become the fused functions of ``ops.py``; any full reduction of a folded value (a loss
    computed inside the model) becomes one result per trial. Values from convolutions and
    normalizations stay channel-stacked (``[B, n * C, H, W]``) through the channel-wise ops that
-   follow (:meth:`_Rewriter.stacked_op`) and are folded only where an op needs it (``_Env``).
+   follow and are folded only where an op needs it (:mod:`hydro.fusion.stacked`).
 
 This module holds the walk: layouts, the general rules (unchanged on folded values,
 broadcast over the trials, one result per trial for a reduction, the ``torch.func.vmap``
 fallback) and the dispatch. The fused form of each op kind (linear, embedding, norms,
-convolutions, dropout and random ops, attention) is its handler's, in :mod:`hydro.fusion.handlers`.
+convolutions, dropout and random ops, attention) is its handler's, in :mod:`hydro.fusion.handlers`;
+the channel-stacked layout's rules are in :mod:`hydro.fusion.stacked`, the kinds of ops both
+tell apart in :mod:`hydro.fusion.kinds`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from hydro.fusion.handlers import HANDLERS as _HANDLERS
 from hydro.fusion.handlers import SAMPLERS as _SAMPLERS
 from hydro.fusion.handlers import arg as _arg
 from hydro.fusion.handlers import draws as _draws
+from hydro.fusion.kinds import _is_aten, _literal_dtype, _pointwise
+from hydro.fusion.stacked import _Env, _StackedLayout
 
 logger = logging.getLogger("hydro.fusion")
 
@@ -64,19 +68,6 @@ _LOSSES = {
     aten.binary_cross_entropy_with_logits.default: (4, 1, None, None),
     aten.binary_cross_entropy.default: (3, 1, None, None),
 }
-_ELEMENTWISE = {
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
-    aten.contiguous.default, aten.detach.default, aten.alias.default, aten.type_as.default,
-    aten.lift_fresh_copy.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-}  # fmt: skip
-
-
-def _is_aten(target: object) -> bool:
-    return isinstance(target, torch._ops.OpOverload)
-
-
-def _pointwise(target: object) -> bool:
-    return _is_aten(target) and (torch.Tag.pointwise in target.tags or target in _ELEMENTWISE)
 
 
 def _random(target: object) -> bool:
@@ -138,7 +129,7 @@ def fuse_graph(
     return gm
 
 
-class _Rewriter:
+class _Rewriter(_StackedLayout):
     """The state of one :func:`fuse_graph` run: ``env`` maps old nodes to new ones, ``spec`` old
     nodes to the layout spec of their new value (``ops.Spec``, or a list for several tensors)."""
 
@@ -240,176 +231,6 @@ class _Rewriter:
             if isinstance(s, tuple):
                 out.add(s[0])
         return out
-
-    # --- the channel-stacked layout ---------------------------------------------------------
-
-    def held(self, a: Node) -> bool:
-        """``a`` was computed channel-stacked (its folded form, if any, is a converted copy)."""
-        return a in self.stacked and a not in self.derived_c
-
-    def stacked_value(self, a: Node, cdim: int) -> Node:
-        """``a``'s value channel-stacked on ``cdim``: as computed, or converted once from its
-        folded (or shared) form."""
-        st = self.stacked.get(a)
-        if st is not None and st[1] == cdim:
-            return st[0]
-        to = ops.shared_to_channels if self.spec[a][0] == "SB" else ops.to_channels
-        new = self.fn(to, self.env[a], self.n, cdim)
-        if st is None:
-            self.stacked[a] = (new, cdim)
-            self.derived_c.add(a)
-        return new
-
-    def set_stacked(self, node: Node, new: Node, cdim: int) -> None:
-        self.stacked[node] = (new, cdim)
-        self.spec[node] = ("F", 0, 1)
-
-    def stacked_op(self, node: Node, found: list[Node]) -> bool:
-        """Run ``node`` on channel-stacked operands, its result staying stacked, when an operand
-        is held stacked and the op works within each sample's channels: pointwise ops (per-trial
-        and shared operands broadcast on the stacked channels), pooling, padding, upsampling,
-        spatial reductions, dropout, permutes that keep the batch first, and a ``layer_norm`` over
-        stacked channels in the last dimension. Anything else reads the folded form."""
-        held = [a for a in found if self.held(a)]
-        val = node.meta.get("val")
-        fact = self.facts.get(node)
-        if not held or not isinstance(val, torch.Tensor) or not _leading_batch(fact):
-            return False
-        target = node.target
-        if _pointwise(target) or _packet(target) in _ACTIVATIONS:
-            return self._stacked_pointwise(node, held, val)
-        if target is aten.cat.default:
-            return self._stacked_cat(node, held, val)
-        x = node.args[0]
-        if x not in held:
-            return False
-        cdim = self.stacked[x][1]
-        rank = x.meta["val"].dim()
-        if rank != val.dim() and target not in _REDUCTIONS:
-            return False
-        if target is aten.layer_norm.default:
-            return self._stacked_layer_norm(node, x, cdim, rank)
-        if any(a is not x and self.spec.get(a) is not None for a in found):
-            return False
-        name = _packet(target)
-        if target is aten.dropout.default:
-            if node.name in self.literals:
-                return False  # per-trial rates: ``trial_dropout`` on the folded value
-        elif target is aten.permute.default:
-            dims = [d % rank for d in node.args[1]]
-            if dims[0] != 0:
-                return False
-            cdim = dims.index(cdim)
-        elif name in _SPATIAL:
-            if cdim != 1 or rank != _SPATIAL[name] + 2:
-                return False
-        elif name in ("constant_pad_nd", "pad"):
-            if rank - len(node.args[1]) // 2 <= cdim:
-                return False
-        elif target in _REDUCTIONS:
-            dims = _arg(node, 1, "dim", None)
-            dims = {d % rank for d in dims} if dims else set()
-            if not dims or dims & {0, cdim}:
-                return False
-            if not _arg(node, 2, "keepdim", False):
-                cdim -= sum(d < cdim for d in dims)
-        else:
-            return False
-        args = (self.stacked[x][0], *torch.fx.node.map_arg(node.args[1:], self.env.__getitem__))
-        kwargs = torch.fx.node.map_arg(dict(node.kwargs), self.env.__getitem__)
-        self.set_stacked(node, self.graph.call_function(target, args, kwargs), cdim)
-        return True
-
-    def _stacked_cat(self, node: Node, held: list[Node], val: torch.Tensor) -> bool:
-        """``cat`` of batched values (a U-Net's skip connection, a DenseNet's features), one of
-        them held stacked: along the stacked channels each trial's parts are joined within its
-        own block of channels; along another dimension the stacked values join as they are."""
-        parts, rank = node.args[0], val.dim()
-        if not all(isinstance(a, Node) and self.spec.get(a) is not None
-                   and self.spec[a][0] in ("F", "SB") and tuple(self.spec[a][1:]) == (0, 1)
-                   and a.meta["val"].dim() == rank for a in parts):  # fmt: skip
-            return False
-        cdim = self.stacked[held[0]][1]
-        dim = _arg(node, 1, "dim", 0) % rank
-        if dim == 0:
-            return False
-        stacked = [self.stacked_value(a, cdim) for a in parts]
-        if dim == cdim:
-            new = self.fn(ops.stacked_cat, stacked, self.n, cdim)
-        else:
-            new = self.graph.call_function(aten.cat.default, (stacked, dim))
-        self.set_stacked(node, new, cdim)
-        return True
-
-    def _stacked_pointwise(self, node: Node, held: list[Node], val: torch.Tensor) -> bool:
-        rank = val.dim()
-        cdim = self.stacked[held[0]][1]
-        if any(isinstance(v, Node) for v in tree_flatten(dict(node.kwargs))[0]):
-            return False
-        x = node.args[0]
-        if node.target._schema.is_mutable and not (x in held and self.stacked[x][1] == cdim):
-            return False  # written in place: only where it is held stacked
-        plan = []  # (kind, operand): validate every operand before adding conversions
-        for i, a in enumerate(node.args):
-            if self.literals.get(node.name, {}).get(i) is not None:
-                plan.append(("literal", i))
-            elif isinstance(a, (list, tuple)) and any(isinstance(v, Node) for v in a):
-                return False
-            elif not isinstance(a, Node):
-                plan.append(("as is", a))
-            else:
-                s = self.spec.get(a)
-                if isinstance(s, tuple) and s[0] in ("F", "SB"):
-                    if s[1] != 0 or s[2] != 1 or a.meta["val"].dim() != rank:
-                        return False
-                    plan.append(("stacked", a))
-                elif isinstance(s, tuple) and s[0] in ("T", "S"):
-                    plan.append(("lift", a))
-                else:
-                    plan.append(("env", a))
-        args: list = []
-        specs: list = []
-        for kind, a in plan:
-            if kind == "literal":
-                lit = self.literal(node, a)
-                args.append(self.graph.call_method("to", (lit, _literal_dtype(node, val))))
-                specs.append(("T",))
-            elif kind == "stacked":
-                args.append(self.stacked_value(a, cdim))
-                specs.append("stacked")
-            elif kind == "lift":
-                args.append(self.env[a])
-                specs.append(self.spec[a])
-            else:
-                args.append(self.env[a] if kind == "env" else a)
-                specs.append(None)
-        if all(s is None or s == "stacked" for s in specs):
-            new = self.graph.call_function(node.target, tuple(args), dict(node.kwargs))
-        else:
-            new = self.graph.call_function(
-                ops.stacked_pointwise,
-                (node.target, self.n, cdim, rank, specs, *args),
-                dict(node.kwargs),
-            )
-        self.set_stacked(node, new, cdim)
-        return True
-
-    def _stacked_layer_norm(self, node: Node, x: Node, cdim: int, rank: int) -> bool:
-        shape = node.args[1]
-        w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
-        eps = _arg(node, 4, "eps", 1e-5)
-        if cdim != rank - 1 or len(shape) != 1 or not isinstance(shape[0], int):
-            return False
-        specs = {self.spec.get(a) for a in (w, b) if a is not None}
-        if not specs <= {("T",), ("S",)}:
-            return False
-        per_trial = ("T",) in specs
-        w_new = None if w is None else (self.as_trial(w) if per_trial else self.env[w])
-        b_new = None if b is None else (self.as_trial(b) if per_trial else self.env[b])
-        new = self.fn(ops.stacked_layer_norm, self.stacked[x][0], shape[0], w_new, b_new, eps,
-                      self.n, per_trial)  # fmt: skip
-        self.set_stacked(node, new, cdim)
-        return True
 
     # --- nodes ------------------------------------------------------------------------------
 
@@ -789,65 +610,6 @@ class _Rewriter:
         new = [self.env[a] if isinstance(a, Node) else a for a in leaves]
         self.env[node] = self.graph.call_module(name, tuple(new))
         self.spec[node] = outs if isinstance(out, list) else outs[0]
-
-
-class _Env(dict):
-    """A rewrite's ``env``: a value held only channel-stacked gets its folded form the first
-    time an op reads it that way (one conversion, placed before that op)."""
-
-    def __init__(self, rw: _Rewriter) -> None:
-        super().__init__()
-        self.rw = rw
-
-    def __missing__(self, node: Node) -> Node:
-        rw = self.rw
-        if node not in rw.stacked:
-            raise KeyError(node)
-        new, cdim = rw.stacked[node]
-        folded = rw.fn(ops.from_channels, new, rw.n, cdim)
-        self[node] = folded
-        rw.derived_f.add(node)
-        return folded
-
-
-def _literal_dtype(node: Node, val: torch.Tensor) -> torch.dtype:
-    """The dtype a per-trial float literal takes as a tensor operand: the result's, except for a
-    comparison (a boolean result), which compares in the floating operand's dtype (as a Python
-    float does) or, beside integers only, in the default float dtype."""
-    if val.dtype != torch.bool:
-        return val.dtype
-    for a in node.args:
-        v = a.meta.get("val") if isinstance(a, Node) else None
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v.dtype
-    return torch.get_default_dtype()
-
-
-def _leading_batch(fact: object) -> bool:
-    return isinstance(fact, Batch) and fact.dim == 0 and fact.outer == 1
-
-
-def _packet(target: object) -> str:
-    return target._overloadpacket.__name__ if _is_aten(target) else ""
-
-
-# per-sample, per-channel ops over the spatial dimensions: name -> number of spatial dimensions
-_SPATIAL = {
-    **{f"{p}pool{k}d": k for p in ("max_", "avg_", "adaptive_avg_") for k in (1, 2, 3)},
-    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
-    **{f"{p}_pad{k}d": k for p in ("reflection", "replication") for k in (1, 2, 3)},
-    "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
-    "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2,
-    "_upsample_nearest_exact3d": 3, "upsample_linear1d": 1, "upsample_bilinear2d": 2,
-    "upsample_bicubic2d": 2, "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2,
-}  # fmt: skip
-_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
-# element-wise activations without the pointwise tag
-_ACTIVATIONS = {
-    "hardswish", "hardswish_", "hardtanh", "hardtanh_", "relu6", "mish", "mish_", "elu", "elu_",
-    "leaky_relu", "leaky_relu_", "silu", "silu_", "gelu", "gelu_", "celu", "selu", "softplus",
-    "hardsigmoid", "hardsigmoid_",
-}  # fmt: skip
 
 
 class _VmapOp(torch.nn.Module):

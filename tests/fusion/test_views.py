@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hydro.fusion import fuse, ops, trial_loss
+import hydro.fusion.model as model_module
+from hydro import TraceError
+from hydro.fusion import fuse, loss, ops, trial_loss
 from tests.fusion.exactness import TOL, assert_close
 
 N = 3
@@ -77,3 +79,49 @@ def test_shared_input_paths_match_separate_models(d_in: int) -> None:
         assert_close(out[k], mine, **TOL[torch.float64], msg=f"trial {k}: output")
         for name, p in m.named_parameters():
             assert_close(grads[name].grad[k], p.grad, **TOL[torch.float64], msg=f"{k}: {name}")
+
+
+@pytest.mark.parametrize("classes", [loss.FEW_CLASSES - 6, loss.FEW_CLASSES + 4])
+@pytest.mark.parametrize("shared", [True, False])
+def test_trial_cross_entropy_is_each_trials_own(classes: int, shared: bool) -> None:
+    """``trial_loss(F.cross_entropy)`` on ``[n, B, C]`` logits, below ``FEW_CLASSES`` (classes
+    along dim 1 of ``[n, C, B]``) and from it on (rows): each trial's loss and gradient are its
+    own mean cross-entropy's, ignored targets (-100) left out of the mean, in float64."""
+    torch.manual_seed(0)
+    out = torch.randn(N, 7, classes, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, classes, (N, 7) if not shared else (7,))
+    target[..., 2] = -100
+    if not shared:
+        target[1, 4] = -100  # trials count different numbers of targets
+    with _Count() as count:
+        losses = trial_loss(F.cross_entropy, out, target, shared=shared)
+    # below FEW_CLASSES the classes lie along dim 1 (the spatial kernel), else along rows
+    kernel = "nll_loss2d_forward" if classes < loss.FEW_CLASSES else "nll_loss_forward"
+    assert count.ops[kernel] == 1, dict(count.ops)
+    (losses * torch.arange(1.0, N + 1, dtype=torch.float64)).sum().backward()
+    for k in range(N):
+        mine = out.detach()[k].requires_grad_()
+        want = F.cross_entropy(mine, target if shared else target[k])
+        ((k + 1) * want).backward()
+        assert_close(losses[k], want, **TOL[torch.float64], msg=f"trial {k}: loss")
+        assert_close(out.grad[k], mine.grad, **TOL[torch.float64], msg=f"trial {k}: gradient")
+
+
+def test_forward_checks_each_input_shape_once_and_still_refuses_a_wrong_one(monkeypatch) -> None:  # noqa: ANN001
+    """The input-shape check runs at the first call of a graph with given shapes, not at every
+    step; a batch not seen yet is checked, and a wrong feature size still gets its clear error
+    after the graph has run many times."""
+    checks = []
+    real = model_module._check_shapes
+    monkeypatch.setattr(
+        model_module, "_check_shapes", lambda *a: checks.append(a[2][0].shape) or real(*a)
+    )
+    fused = fuse([_mlp(4, k) for k in range(N)])
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for _ in range(3):
+        fused(x)
+    fused(torch.randn(7, 4, dtype=torch.float64))
+    fused(x)
+    assert checks == [(5, 4), (7, 4)]
+    with pytest.raises(TraceError, match=r"called with \(5, 6\)"):
+        fused(torch.randn(5, 6, dtype=torch.float64))
