@@ -1,4 +1,4 @@
-"""The compiled fused step: a fused graph run through ``torch.compile``, compiled once per structure.
+"""The compiled fused step: fused graphs through ``torch.compile``, compiled once per structure.
 
 :class:`~hydro.fusion.model.FusedModel` rebuilds its fused ``GraphModule`` after every refill
 (``load_trial``) and every change of fusion size (``select``). Compiling each rebuilt module
@@ -63,7 +63,8 @@ def compile_options(value: CompileSpec) -> dict[str, Any] | None:
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
-            raise FuseError(f"compile: unknown torch.compile argument(s) {unknown}; expected {FORMS}")
+            raise FuseError(f"compile: unknown torch.compile argument(s) {unknown}; "
+                            f"expected {FORMS}")  # fmt: skip
         out = dict(value)
         if out.get("mode") is not None and out["mode"] not in MODES:
             raise FuseError(f"compile: mode {out['mode']!r} is not a torch.compile mode ({MODES})")
@@ -223,6 +224,11 @@ class Compiler:
         return torch.compile(module, backend=counting, **options)
 
     def _fail(self, exc: BaseException) -> None:
+        while True:  # dynamo wraps the backend's own error
+            inner = getattr(exc, "inner_exception", None) or exc.__cause__
+            if inner is None:
+                break
+            exc = inner
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         self.failed = f"{type(exc).__name__}: {first}"
         self._cache.clear()
@@ -241,7 +247,8 @@ class Compiler:
 
 def _from_compiler(exc: BaseException) -> bool:
     """Whether ``exc`` came from dynamo or a backend (not from running the model)."""
-    names = {"BackendCompilerFailed", "Unsupported", "TorchRuntimeError", "InternalTorchDynamoError"}
+    names = {"BackendCompilerFailed", "Unsupported", "TorchRuntimeError",
+             "InternalTorchDynamoError"}  # fmt: skip
     return type(exc).__name__ in names or type(exc).__module__.startswith("torch._dynamo")
 
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
 from hydro.fusion import random as _random
-from hydro.fusion.compiled import CompileSpec, Compiler, compile_options
+from hydro.fusion.compiled import Compiler, CompileSpec, compile_options
 from hydro.fusion.loss import trial_loss
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
 from hydro.fx.capture import Captured, _check_shapes, capture_graph, register_at
