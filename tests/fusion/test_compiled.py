@@ -41,8 +41,8 @@ def gpt(p: float) -> nn.Module:
 
 def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g,
-                                                                              dtype=torch.float64)  # fmt: skip
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    return x, torch.randn(8, 3, generator=g, dtype=torch.float64)
 
 
 def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +101,9 @@ def assert_same(a: list, b: list, trials: list[int] | None = None) -> None:
                 x, y = ra[kind][name], rb[kind][name]
                 if trials is not None:
                     x, y = x[trials], y[trials]
+                where = f"step {step} {kind} {name}"
                 torch.testing.assert_close(
-                    x, y, **TOL, equal_nan=True, msg=lambda m: f"step {step} {kind} {name}: {m}"
+                    x, y, **TOL, equal_nan=True, msg=lambda m, where=where: f"{where}: {m}"
                 )
 
 
