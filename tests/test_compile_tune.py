@@ -82,7 +82,8 @@ def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(stream_module, "start_group", recording)
     result = hydro.tune(toy_task(), SPACE, n_trials=4, ratio=2, fuse=2, compile=True,
-                        storage="sqlite:///:memory:", seed=0, pruner=optuna.pruners.NopPruner())  # fmt: skip
+                        storage="sqlite:///:memory:", seed=0,
+                        pruner=optuna.pruners.NopPruner())  # fmt: skip
     trials = result.study.trials
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
     assert len(groups) == 1 and {t.user_attrs["group"] for t in trials} == {0}  # refilled

@@ -243,3 +243,13 @@ def test_reduce_overhead_on_cpu_maps_to_default() -> None:
     with pytest.warns(RuntimeWarning, match="CUDA graphs need a CUDA device"):
         out = fused(x)
     torch.testing.assert_close(out, eager(x), **TOL)
+
+
+def test_equal_dropout_rates_compile_as_one_graph() -> None:
+    """A rate equal in every trial is a constant of the graph: its scale (read on the host) must
+    not split the compiled graph (one compile, not one per dropout site)."""
+    lrs = [1e-2, 2e-2]
+    eager = train("gpt", *build("gpt", False, lrs, rates=(0.1, 0.1)), 2)
+    fused, opt = build("gpt", True, lrs, rates=(0.1, 0.1))
+    assert_same(eager, train("gpt", fused, opt, 2))
+    assert fused.compile_stats["compiles"] == 1
