@@ -166,3 +166,22 @@ def test_cli_flag(project, capsys) -> None:  # noqa: ANN001
     with pytest.raises(SystemExit):
         main(["tune", "tune.yaml", "--compile", "sometimes"])
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
+def test_a_keys_later_group_reuses_the_compiled_graph() -> None:
+    """A second group of one key (built ``like`` the first) runs the first's compiled graph."""
+    from hydro.tuning.group import FusedGroup
+
+    task = toy_task()
+    members = [(k, {"lr": 1e-2 * (k + 1)}, k) for k in range(2)]
+    first = FusedGroup(task, members, ratio=2, compile=True)
+    first.step()
+    compiles = first.fused.compile_stats["compiles"]
+    assert compiles == 1
+    second = FusedGroup(task, [(k + 2, p, s + 2) for k, p, s in members], ratio=2,
+                        compile=True, like=first)  # fmt: skip
+    second.step()
+    second.step()
+    assert second.fused._compiler is first.fused._compiler  # one count for the key
+    assert second.fused.compile_stats["compiles"] == compiles  # nothing compiled again
+    assert torch.isfinite(second.step()).all()

@@ -198,6 +198,13 @@ class FusedModel(nn.Module):
         object.__setattr__(self, "_compiler", None if options is None else Compiler(options))
         return self
 
+    def share_compiled(self, other: FusedModel) -> None:
+        """Use ``other``'s compiled graphs (same :meth:`compile` options, same structure): a
+        later group of one tuning key compiles nothing. Counts are shared too."""
+        mine, theirs = self._compiler, other._compiler
+        if mine is not None and theirs is not None and mine.options == theirs.options:
+            object.__setattr__(self, "_compiler", theirs)
+
     @property
     def compile_stats(self) -> dict[str, float]:
         """``{"compiles": graphs compiled, "seconds": their compile time}`` since :meth:`compile`

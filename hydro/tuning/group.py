@@ -322,6 +322,8 @@ class FusedGroup:
         self._timings: list[float] | None = [] if self.compile == "auto" else None
         model_compile = self.compile if self.compile != "auto" else False
         self.fused = fuse(modules, compile=model_compile).to(device)
+        if model_compile and like is not None:  # a key's later group: its graphs, compiled
+            self.fused.share_compiled(like.fused)
         for k, m in enumerate(self.members):  # dropout masks follow the trial's seed, not its slot
             self.fused.reseed_trial(k, m.seed)
         self.fused.train()
