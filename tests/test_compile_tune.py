@@ -185,3 +185,19 @@ def test_a_keys_later_group_reuses_the_compiled_graph() -> None:
     assert second.fused._compiler is first.fused._compiler  # one count for the key
     assert second.fused.compile_stats["compiles"] == compiles  # nothing compiled again
     assert torch.isfinite(second.step()).all()
+
+
+def test_no_compiler_means_eager_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch.compile cannot run (here: the check reports no C++ compiler), a group asked
+    to compile trains eagerly and says why."""
+    from hydro.tuning.group import FusedGroup
+
+    why = "torch.compile cannot run here (CalledProcessError: no C++ compiler)"
+    monkeypatch.setattr(compiling, "unavailable", lambda: why)
+    said: list[str] = []
+    group = FusedGroup(
+        toy_task(), [(0, {"lr": 1e-2}, 0)], ratio=2, compile="auto", note=said.append
+    )
+    group.step()
+    assert said == [f"compile: auto -> off ({why})"]
+    assert group.compile is False and group.fused._compiler is None
