@@ -165,6 +165,18 @@ class Compiler:
         self._noted: set[str] = set()
         self._inside = threading.local()
 
+    def same(self, other: Compiler | None) -> bool:
+        """Whether ``other`` compiles with these options (its graphs can serve this model)."""
+        return other is not None and other.options == self.options
+
+    @staticmethod
+    def summary(compiler: Compiler | None) -> dict[str, Any]:
+        """``stats`` (zeros without a compiler), with ``"failed"`` naming the error after a
+        fallback to eager."""
+        if compiler is None:
+            return {"compiles": 0, "seconds": 0.0}
+        return dict(compiler.stats, **({"failed": compiler.failed} if compiler.failed else {}))
+
     def __call__(self, gm: torch.fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         """Run ``gm`` on ``(args, kwargs)`` through its compiled form (eagerly after a failure)."""
         if self.failed is not None:

@@ -199,20 +199,14 @@ class FusedModel(nn.Module):
         return self
 
     def share_compiled(self, other: FusedModel) -> None:
-        """Use ``other``'s compiled graphs (same :meth:`compile` options, same structure): a
-        later group of one tuning key compiles nothing. Counts are shared too."""
-        mine, theirs = self._compiler, other._compiler
-        if mine is not None and theirs is not None and mine.options == theirs.options:
-            object.__setattr__(self, "_compiler", theirs)
+        """Run ``other``'s compiled graphs (same options; counts shared): nothing compiles."""
+        if self._compiler is not None and self._compiler.same(other._compiler):
+            object.__setattr__(self, "_compiler", other._compiler)
 
     @property
     def compile_stats(self) -> dict[str, float]:
-        """``{"compiles": graphs compiled, "seconds": their compile time}`` since :meth:`compile`
-        (zeros when eager); ``"failed"`` names the error after a fallback to eager."""
-        c = self._compiler
-        if c is None:
-            return {"compiles": 0, "seconds": 0.0}
-        return dict(c.stats, **({"failed": c.failed} if c.failed else {}))
+        """``{"compiles": graphs compiled, "seconds": their compile time}`` (:meth:`compile`)."""
+        return Compiler.summary(self._compiler)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
