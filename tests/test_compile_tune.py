@@ -201,3 +201,21 @@ def test_no_compiler_means_eager_and_says_why(monkeypatch: pytest.MonkeyPatch) -
     group.step()
     assert said == [f"compile: auto -> off ({why})"]
     assert group.compile is False and group.fused._compiler is None
+
+
+def test_executor_workers_take_the_setting() -> None:
+    """``compile`` reaches a local executor's worker: with it on, the study completes with the
+    values of the eager in-process run (float32; inductor may reorder sums). (That the worker
+    compiled is not observable from here: its groups' counts stay in its process.)"""
+    from hydro.integrations.optuna import optimize
+    from hydro_fluid import LocalExecutor
+
+    values = {}
+    for compile, executor in ((True, LocalExecutor(devices=[], num_workers=1)), (False, None)):
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner(),
+                                    sampler=optuna.samplers.RandomSampler(seed=0))  # fmt: skip
+        optimize(study, toy_task(), SPACE, n_trials=2, ratio=2, fuse=2, seed=0,
+                 executor=executor, compile=compile)  # fmt: skip
+        assert all(t.state.name == "COMPLETE" for t in study.trials)
+        values[compile] = [t.value for t in study.trials]
+    assert values[True] == pytest.approx(values[False], rel=1e-4)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from hydro.errors import ConfigError, HydroWarning
+from hydro.errors import ConfigError
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.compiling import check_compile
 from hydro.tuning.fleet import _Fleet
@@ -191,8 +190,8 @@ def optimize(
             the run and propagates (the trials still training resume on the next run).
         compile: train the fused groups through ``torch.compile``: ``True`` (or a mode),
             ``False`` (default) or ``"auto"`` (per key, where it pays back:
-            :mod:`hydro.tuning.compiling`). In this process only: an executor's workers train
-            eagerly (a warning says so).
+            :mod:`hydro.tuning.compiling`). An executor's workers get it too; there "auto"
+            decides per key and worker from that worker's own trials, and says nothing.
     """
     check_single_objective(study)
     catch = check_catch(catch)
@@ -222,10 +221,6 @@ def optimize(
     depth = (depth_ratio, float(depth_alpha))
     device = check_device(device)
     compile = check_compile(compile)
-    if compile is not False and executor is not None:
-        warnings.warn(HydroWarning(
-            f"compile={compile!r} applies to groups trained in this process; an executor's "
-            "workers train eagerly (not wired to them yet)"), stacklevel=2)  # fmt: skip
     is_task = isinstance(task_or_callback, Task)
     if executor is not None and not is_task:
         raise ConfigError("an executor runs Hydro's training loop: pass a Task, not a callback")
@@ -289,7 +284,8 @@ def optimize(
                             compile=compile, **keep).run()  # fmt: skip
                 elif is_task:
                     _Fleet(*args, executor=executor, world_size=world_size, policy=policy,
-                           deadline=deadline, fuse_memory=fuse_memory, **keep).run()  # fmt: skip
+                           deadline=deadline, fuse_memory=fuse_memory, compile=compile,
+                           **keep).run()  # fmt: skip
                 else:
                     if fuse == "auto":
                         raise ConfigError("fuse='auto' sizes Hydro's fused groups: with a group "

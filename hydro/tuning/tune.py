@@ -396,7 +396,8 @@ def tune(
             such as ``"max-autotune"``), ``False`` (default), or ``"auto"``: per group key,
             time the first eager steps and compile only where the time saved over the steps
             left exceeds twice the estimated compile time, saying so in one line
-            (``docs/tuning.md``, "Compiling"). Groups trained by an executor stay eager.
+            (``docs/tuning.md``, "Compiling"). An executor's workers compile as told ("auto":
+            each worker decides from its own trials, silently).
 
     Returns:
         A :class:`TuneResult`.
