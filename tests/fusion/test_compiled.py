@@ -253,3 +253,18 @@ def test_equal_dropout_rates_compile_as_one_graph() -> None:
     fused, opt = build("gpt", True, lrs, rates=(0.1, 0.1))
     assert_same(eager, train("gpt", fused, opt, 2))
     assert fused.compile_stats["compiles"] == 1
+
+
+def test_per_trial_inputs_compiled_equal_eager() -> None:
+    """``shared=False`` (each trial its own batch) runs compiled too, with eager's outputs and
+    gradients."""
+    runs = []
+    for compile in (False, True):
+        fused = hydro.fuse([mlp(p) for p in (0.1, 0.2)], compile=compile).double().train()
+        xs = torch.randn(2, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        out = fused(xs, shared=False)
+        out.square().sum().backward()
+        runs.append((out.detach(), {k: p.grad for k, p in fused.named_parameters()}))
+    torch.testing.assert_close(runs[0][0], runs[1][0], **TOL)
+    for name, grad in runs[0][1].items():
+        torch.testing.assert_close(grad, runs[1][1][name], **TOL)
