@@ -71,7 +71,8 @@ SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
 
 
 def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.MonkeyPatch) -> None:
-    """4 trials in slots of 2: the slots are refilled; each (mode, fusion size) compiled once."""
+    """4 trials in slots of 2: the slots are refilled with no compilation; each mode compiled
+    once."""
     groups = []
     start = stream_module.start_group
 
@@ -87,13 +88,12 @@ def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.Monke
     trials = result.study.trials
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
     assert len(groups) == 1 and {t.user_attrs["group"] for t in trials} == {0}  # refilled
-    compiler = groups[0].fused._compiler
-    assert compiler is not None and compiler.failed is None
-    # one compile per cached (graph, shapes): nothing recompiled at a refill
-    assert compiler.stats["compiles"] == len(compiler._cache)
-    sizes = {meta[0][0] for _, metas in compiler._cache for meta in metas[:1]}
-    assert compiler.stats["compiles"] <= 2 * len(sizes)  # train and eval, per fusion size
-    assert groups[0].opt.compile  # the optimizer's compiled update
+    group = groups[0]
+    compiler = group.compiled_graphs or group.fused._compiler
+    assert compiler is not None and compiler.failed is None and group.compile is True
+    # train and eval graphs at size 2, each compiled once: nothing recompiled at a refill
+    assert compiler.stats["compiles"] == len(compiler._cache) == 2
+    assert {metas[0][0][0] for _, metas in compiler._cache} == {2}
 
 
 def test_tune_auto_decides_once_per_key_and_says_so() -> None:
@@ -219,3 +219,23 @@ def test_executor_workers_take_the_setting() -> None:
         assert all(t.state.name == "COMPLETE" for t in study.trials)
         values[compile] = [t.value for t in study.trials]
     assert values[True] == pytest.approx(values[False], rel=1e-4)
+
+
+def test_a_resized_group_goes_eager_and_keeps_its_graphs() -> None:
+    """A compiled group that shrinks (a freed slot no trial refills) trains eagerly from then
+    on rather than compile the new size; the key's next group still reuses its graphs."""
+    from hydro.tuning.group import FusedGroup
+
+    task = toy_task()
+    group = FusedGroup(task, [(k, {"lr": 1e-2}, k) for k in range(2)], ratio=2, compile=True)
+    group.step()
+    compiler = group.fused._compiler
+    assert compiler.stats["compiles"] == 1
+    group.drop([1])
+    assert group.fused._compiler is None and not group.opt.compile
+    assert torch.isfinite(group.step()).all()  # eager, size 1
+    assert compiler.stats["compiles"] == 1
+    later = FusedGroup(task, [(k + 2, {"lr": 1e-2}, k) for k in range(2)], ratio=2,
+                       compile=group.compile, like=group)  # fmt: skip
+    later.step()
+    assert later.fused._compiler is compiler and compiler.stats["compiles"] == 1

@@ -198,10 +198,11 @@ class FusedModel(nn.Module):
         object.__setattr__(self, "_compiler", None if options is None else Compiler(options))
         return self
 
-    def share_compiled(self, other: FusedModel) -> None:
+    def share_compiled(self, other: FusedModel | Compiler) -> None:
         """Run ``other``'s compiled graphs (same options; counts shared): nothing compiles."""
-        if self._compiler is not None and self._compiler.same(other._compiler):
-            object.__setattr__(self, "_compiler", other._compiler)
+        theirs = other if isinstance(other, Compiler) else other._compiler
+        if self._compiler is not None and self._compiler.same(theirs):
+            object.__setattr__(self, "_compiler", theirs)
 
     @property
     def compile_stats(self) -> dict[str, float]:

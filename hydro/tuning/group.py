@@ -322,8 +322,9 @@ class FusedGroup:
         self._timings: list[float] | None = [] if self.compile == "auto" else None
         model_compile = self.compile if self.compile != "auto" else False
         self.fused = fuse(modules, compile=model_compile).to(device)
+        self.compiled_graphs = None  # set when a resize turned compiling off
         if model_compile and like is not None:  # a key's later group: its graphs, compiled
-            self.fused.share_compiled(like.fused)
+            self.fused.share_compiled(like.compiled_graphs or like.fused)
         for k, m in enumerate(self.members):  # dropout masks follow the trial's seed, not its slot
             self.fused.reseed_trial(k, m.seed)
         self.fused.train()
@@ -434,6 +435,7 @@ class FusedGroup:
             raise ConfigError("add: this group has no slot left to copy; build a new FusedGroup")
         self._member(id, params, seed)  # a trial of another key is refused before any change
         grown = [*range(self.n), 0]  # slot 0 copied to the end, then overwritten by put
+        self._resized()
         self.fused.select(grown, repeat=True)
         self.opt.select(grown)
         self.members.append(self.members[0])
@@ -446,6 +448,7 @@ class FusedGroup:
         """Remove ``slots`` from the group (they stop costing compute)."""
         keep = [k for k in range(self.n) if k not in set(slots)]
         if keep:
+            self._resized()
             self.fused.select(keep)
             self.opt.select(keep)
         self.members = [self.members[k] for k in keep]
@@ -507,6 +510,17 @@ class FusedGroup:
         if self._timings is not None and self.steps > 1:  # the first step builds the graphs
             self._time_auto(start)
         return losses
+
+    def _resized(self) -> None:
+        """A compiled group changes size: it trains eagerly from here, since every new size is
+        a new graph to compile (a draining group would compile once per trial that ends). Its
+        compiled graphs stay for the key's next group (:meth:`FusedModel.share_compiled`)."""
+        if self.fused._compiler is not None:  # self.compile stays: the key's later groups
+            self.compiled_graphs = self.fused._compiler
+            self.fused.compile(False)
+            self.opt.compile, self.opt._math = False, None
+        elif self._timings is not None:  # "auto" still measuring: a new size, a new graph
+            self._timings = []
 
     def _time_auto(self, start: float) -> None:
         """``compile="auto"``: time an eager step; after a few, decide and say so."""
