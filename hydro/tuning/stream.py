@@ -10,6 +10,7 @@ whatever happens.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -87,10 +88,12 @@ class _Stream:
         self.compile = compile  # the tuner's setting; "auto": decided per key by its first group
 
     def say_compile(self, line: str) -> None:
-        """Say a group's compile decision: on the progress display, and in the study's
-        ``hydro_compile`` user attribute (one line per key)."""
+        """Say a group's compile decision: on the progress display (else to the ``hydro``
+        logger) and in the study's ``hydro_compile`` user attribute (one line per key)."""
         if self.bar is not None:
             self.bar.note(line)
+        else:
+            logging.getLogger("hydro").info(line)
         lines = list(self.study.user_attrs.get("hydro_compile") or [])
         self.study.set_user_attr("hydro_compile", [*lines, line])
 
