@@ -85,7 +85,7 @@ def decide(
 
     Example:
         >>> decide(0.74, 400, 45.0, speedup=1.5)[1]
-        'compile: auto -> on (eager step 0.74 s x ~400 fused steps left = 296 s; compile est. 45 s, pays back after ~182 steps)'
+        'compile: auto -> on (eager step 0.74 s x ~400 fused steps left = 296 s; compile est. 45 s, pays back after ~183 steps)'
     """  # noqa: E501
     saved_per_step = eager_step_s * (1.0 - 1.0 / speedup)
     on = fused_steps_left * saved_per_step > 2.0 * compile_s
