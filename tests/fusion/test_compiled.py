@@ -268,3 +268,29 @@ def test_per_trial_inputs_compiled_equal_eager() -> None:
     torch.testing.assert_close(runs[0][0], runs[1][0], **TOL)
     for name, grad in runs[0][1].items():
         torch.testing.assert_close(grad, runs[1][1][name], **TOL)
+
+
+class Keyed(nn.Module):
+    """Inputs by keyword, as a HuggingFace model takes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+        out = self.proj(x)
+        return {"out": out * mask.unsqueeze(-1) if mask is not None else out}
+
+
+def test_keyword_inputs_and_dict_outputs_compiled() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    mask = (torch.arange(5) % 2).double()
+    outs = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        fused = hydro.fuse(Keyed().double(), n=2, compile=compile)
+        outs.append(fused(x=x, mask=mask)["out"])
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    assert outs[1].shape == (2, 5, 3)
+    assert fused.compile_stats["compiles"] == 1 and "failed" not in fused.compile_stats
