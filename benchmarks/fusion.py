@@ -12,7 +12,7 @@ and by this process's CPU time (``cpu``), and the ATen ops each step dispatches 
 
     python benchmarks/fusion.py              # the full table
     python benchmarks/fusion.py --quick      # fewer models and n, for a smoke run
-    python benchmarks/fusion.py --compile    # also time torch.compile(fused model)
+    python benchmarks/fusion.py --compile    # compiled fused step (fuse(compile=True)) vs eager
     python benchmarks/fusion.py --anchors    # MLP/CNN/GPT at n 16, 32 and 1, 2 threads
     python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
     python benchmarks/fusion.py --convs      # one convolution: n separate vs one grouped
@@ -202,16 +202,14 @@ def vmap_step(make, n: int) -> Callable[[], None]:
     return step
 
 
-def fused_step(
-    make, n: int, compiled: bool = False, rewrite: types.ModuleType | None = None
-) -> Callable[[], None]:  # noqa: ANN001
+def fused_step(make, n: int, rewrite: types.ModuleType | None = None) -> Callable[[], None]:  # noqa: ANN001
     """``hydro.fuse`` + ``hydro.optim.Adam``; ``rewrite``: the graph built by another revision's
     rewrite (:func:`rewrite_at`), for a before/after comparison in one process."""
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
     fused = fuse([m for m, *_ in built])
     opt = hydro.optim.Adam(fused.parameters(), lr=LRS(n))
-    forward = torch.compile(fused) if compiled else fused
+    forward = fused
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -222,6 +220,70 @@ def fused_step(
         with building_with(rewrite):
             step()  # captures and builds (and caches) the graph with that revision's rewrite
     return step
+
+
+def charlm_surrogate():
+    """The charlm GPT of examples/charlm/tune.yaml (4 layers, 256 wide, block 64) at ratio 8
+    (32 wide, muP), batch 32."""
+    idx = torch.randint(0, 96, (32, 64))
+    target = GPT(n_layer=4, n_head=4, n_embd=256, block_size=64, dropout=0.1)
+    model = scale(target, ratio=8, example_inputs=(idx,))
+    return model, (idx,), torch.randint(0, 96, (32, 64)), gpt_loss
+
+
+def compiled_pair(make, n: int, compile: object) -> tuple[Callable[[], None], object]:
+    """One fused training step (forward, per-trial losses, backward, AdamW) built with
+    ``fuse(compile=compile)`` and the optimizer's matching ``compile``; and the fused model."""
+    torch.manual_seed(0)
+    built = [make() for _ in range(n)]
+    _, x, y, loss_fn = built[0]
+    fused = fuse([m for m, *_ in built], compile=compile)
+    opt = hydro.optim.AdamW(fused.parameters(), lr=LRS(n), compile=bool(compile))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        trial_loss(loss_fn, fused(*x), y).sum().backward()
+        opt.step()
+
+    return step, fused
+
+
+COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16)}
+
+
+def compile_table(args: argparse.Namespace) -> None:
+    """Compiled fused step vs eager, medians of interleaved rounds; compile seconds cold (an
+    empty inductor cache) and warm (a second model of the same structure: inductor's on-disk
+    FX graph cache hit), each the first step's wall time less an eager step."""
+    import os
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hydro-bench-inductor-")
+    print("| model | n | threads | nodes | eager ms | compiled ms | speed-up | compile s cold "
+          "| compile s warm | model compiles |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.models or list(COMPILED):
+            make, n = COMPILED[name]
+            eager, _ = compiled_pair(make, n, False)
+            eager()
+            start = time.perf_counter()
+            eager()
+            t_eager = time.perf_counter() - start
+            first = {}
+            for run in ("cold", "warm"):
+                compiled, fused = compiled_pair(make, n, True)
+                start = time.perf_counter()
+                compiled()
+                compiled()  # the optimizer's compiled path settles after its first step
+                first[run] = time.perf_counter() - start - 2 * t_eager
+            t = timed({"eager": eager, "compiled": compiled}, args.repeats, args.min_time)
+            nodes = sum(len(gm.graph.nodes) for gm in fused._graphs.values())
+            print(f"| {name} | {n} | {threads} | {nodes} | {1e3 * t['eager']:.1f} | "
+                  f"{1e3 * t['compiled']:.1f} | {t['eager'] / t['compiled']:.2f}x | "
+                  f"{first['cold']:.0f} | {first['warm']:.0f} | "
+                  f"{fused.compile_stats['compiles']} |", flush=True)  # fmt: skip
 
 
 def _source_at(rev: str, path: str) -> str | None:
@@ -719,7 +781,10 @@ def loss_table(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, n in 1 and 32")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile(fused)")
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="only the compiled fused step (MLP w64 n=32, charlm GPT ratio 8 n=16) vs eager",
+    )  # fmt: skip
     parser.add_argument(
         "--anchors", action="store_true",
         help="MLP w64, CNN+BN, GPT surrogate at n 16 and 32, 1 and 2 threads",
@@ -744,7 +809,8 @@ def main() -> None:
     parser.add_argument("--conv-batch", type=int, default=4)
     parser.add_argument("--optimizer-n", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), help="a subset of models")
+    parser.add_argument("--models", nargs="*", choices=list(MODELS) + list(COMPILED),
+                        help="a subset of models")  # fmt: skip
     parser.add_argument(
         "--ns", nargs="*", type=int, help="numbers of trials (default 1 4 16 32 64)"
     )
@@ -784,6 +850,11 @@ def main() -> None:
         print(f"torch {torch.__version__}")
         phase_table(args)
         return
+    if args.compile:
+        print(f"torch {torch.__version__}")
+        args.models = [m for m in (args.models or []) if m in COMPILED] or None
+        compile_table(args)
+        return
 
     torch.set_num_threads(args.threads[0])
     peak = matmul_peak()
@@ -795,8 +866,6 @@ def main() -> None:
         "| fuse/seq | fuse/vmap | HFTA/seq | GFLOP/s | % peak |"
     )
     before = rewrite_at(args.before_rev) if args.before_rev else None
-    if args.compile:
-        header += " fuse+compile |"
     if before is not None:
         header += f" fuse@{args.before_rev} | fuse/before |"
     print(header)
@@ -822,8 +891,6 @@ def main() -> None:
                         if key != "hand":  # written for the MLP only
                             why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                             notes.append(f"{key} cannot run {name} (n={n}): {why}")
-                if args.compile:
-                    steps["compiled"] = fused_step(make, n, compiled=True)
                 if before is not None:
                     steps["before"] = fused_step(make, n, rewrite=before)
                 counts = {k: aten_ops(steps[k]) for k in ("fuse", "hfta", "hand") if k in steps}
@@ -843,8 +910,6 @@ def main() -> None:
                     f"{t['seq'] / t_fuse:.1f}x | {t_vmap / t_fuse:.2f}x | "
                     f"{t['seq'] / t_hfta:.1f}x | {gflops:.1f} | {100 * gflops / peak:.0f}% |"
                 )
-                if args.compile:
-                    row += f" {n / t['compiled']:.0f} |"
                 if before is not None:
                     row += f" {n / t['before']:.0f} | {t['before'] / t_fuse:.2f}x |"
                 print(row, flush=True)

@@ -195,6 +195,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         fuse_memory=args.fuse_memory, sampler=args.sampler, pruner=args.pruner,
         first_group=args.first_group, steps=args.steps, timeout=args.timeout,
         cache=args.cache,
+        compile=args.compile,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     executor = make_executor(args.executor)
@@ -231,7 +232,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
              depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
              first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline,
              checkpoint_dir=cfg.checkpoint_dir, fuse_memory=cfg.fuse_memory,
-             timeout=cfg.timeout)  # fmt: skip
+             timeout=cfg.timeout, compile=cfg.compile)  # fmt: skip
     result = TuneResult(study, cfg.ratio)
     if cfg.verify_top_k:
         result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
@@ -413,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force-resume", action="store_true", help="continue the study even though "
                    "its model, data, loss, recipe, space or ratio changed (default: refused; "
                    "prefer a new --study)")  # fmt: skip
+    p.add_argument("--compile", choices=["auto", "on", "off"], default=None,
+                   help="train the fused groups through torch.compile: on, off, or auto "
+                   "(where its measured pay-back fits the study; default: the config's, "
+                   "else off)")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hydro.errors import FuseError
 from hydro.fusion import random as _random
+from hydro.fusion.compiled import Compiler, CompileSpec, compile_options
 from hydro.fusion.loss import trial_loss
 from hydro.fusion.rewrite import fuse_graph, mutated_targets
 from hydro.fx.capture import Captured, _check_shapes, capture_graph, register_at
@@ -141,6 +142,7 @@ class FusedModel(nn.Module):
         object.__setattr__(self, "_captures", {})  # example key -> [per source {mode: gm}]
         object.__setattr__(self, "_graphs", {})  # (key, mode, shared) -> fused GraphModule
         object.__setattr__(self, "_recent", {})  # flat call signature -> its key in _graphs
+        object.__setattr__(self, "_compiler", None)  # hydro.fusion.compiled, when compiled
 
         first = models[0]
         canonical: dict[int, nn.Parameter] = {}
@@ -208,6 +210,30 @@ class FusedModel(nn.Module):
         and run under ``torch.func.vmap`` instead (slower; a warning is logged for each), as
         ``"name (op)"``. Empty when every op took its fused path."""
         return sorted({f for gm in self._graphs.values() for f in gm.hydro_fallbacks})
+
+    def compile(self, mode: CompileSpec = True) -> FusedModel:  # type: ignore[override]
+        """Run the fused graphs through ``torch.compile`` (:mod:`hydro.fusion.compiled`):
+        ``True`` (inductor, default mode), a mode string, a dict of ``torch.compile`` keyword
+        arguments, or ``False`` (eager again). Each graph structure and fusion size compiles
+        once; refills (:meth:`load_trial`) reuse it. Returns ``self``.
+
+        Raises:
+            FuseError: ``mode`` is none of those forms.
+        """
+        options = compile_options(mode)
+        object.__setattr__(self, "_compiler", None if options is None else Compiler(options))
+        return self
+
+    def share_compiled(self, other: FusedModel | Compiler) -> None:
+        """Run ``other``'s compiled graphs (same options; counts shared): nothing compiles."""
+        theirs = other if isinstance(other, Compiler) else other._compiler
+        if self._compiler is not None and self._compiler.same(theirs):
+            object.__setattr__(self, "_compiler", theirs)
+
+    @property
+    def compile_stats(self) -> dict[str, float]:
+        """``{"compiles": graphs compiled, "seconds": their compile time}`` (:meth:`compile`)."""
+        return Compiler.summary(self._compiler)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
         out = super()._apply(fn, recurse)
@@ -316,7 +342,7 @@ class FusedModel(nn.Module):
                 checked.add(shapes)
         mutated = [self.get_buffer(name) for name in gm.hydro_mutated]
         saved = [b.clone() for b in mutated]
-        out = gm(*args, **kwargs)
+        out = gm(*args, **kwargs) if self._compiler is None else self._compiler(gm, args, kwargs)
         with torch.no_grad():
             if self.training:  # the next forward draws the next numbers (a diverged trial: frozen)
                 self.trial_step.add_(self.diverged.logical_not())
@@ -729,6 +755,7 @@ def fuse(
     example_inputs: tuple | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     share_frozen: bool = True,
+    compile: CompileSpec = False,
 ) -> FusedModel:
     """Fuse trials of one model into a :class:`FusedModel`.
 
@@ -751,13 +778,17 @@ def fuse(
             every member once, and run the layers that read only them and shared inputs once
             for the group (:attr:`FusedModel.frozen_shared`). ``False`` keeps one copy per
             trial.
+        compile: run the fused forward and backward through ``torch.compile``
+            (:meth:`FusedModel.compile`): ``False`` (default, eager), ``True`` (inductor), a
+            mode string or a dict of ``torch.compile`` arguments.
 
     Returns:
         The fused model. Float literals may differ between the given models (dropout rates, a
         multiplier): each trial keeps its own.
 
     Raises:
-        FuseError: the models differ in architecture, or an op has no fused form (naming it).
+        FuseError: the models differ in architecture, an op has no fused form (naming it), or
+            ``compile`` is none of its forms.
 
     Example:
         >>> import torch
@@ -784,6 +815,7 @@ def fuse(
         if n is not None and n != len(members):
             raise FuseError(f"fuse got {len(members)} models but n={n}")
     fused = FusedModel(members, share_frozen=share_frozen, seed=seed)
+    fused.compile(compile)
     if example_inputs is not None or example_kwargs is not None:
         fused.capture(tuple(example_inputs or ()), example_kwargs)
     return fused

@@ -144,10 +144,15 @@ def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> tor
     return t * (keep * scale)
 
 
-@functools.lru_cache(maxsize=256)
+@torch.compiler.assume_constant_result  # torch.compile: a constant of the graph, no break
 def _keep_scale(p: float, dtype: torch.dtype) -> float:
-    """``1 / (1 - p)`` as torch's dropout scales, in ``dtype`` (0 for ``p = 1``); computed once
-    per rate, since it reads a (host) value."""
+    """``1 / (1 - p)`` as torch's dropout scales, in ``dtype`` (0 for ``p = 1``)."""
+    return _keep_scale_cached(p, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _keep_scale_cached(p: float, dtype: torch.dtype) -> float:
+    # computed once per rate, since it reads a (host) value
     q = torch.tensor(1.0 - p, dtype=torch.float64).to(dtype)
     return float(1.0 / q) if q > 0 else 0.0
 

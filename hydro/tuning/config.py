@@ -26,7 +26,7 @@ from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
             "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
             "depth_alpha", "first_group", "policy", "deadline", "checkpoint_dir",
-            "fuse_memory", "timeout"}  # fmt: skip
+            "fuse_memory", "timeout", "compile"}  # fmt: skip
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every", "dynamic", "data_mode", "cache"}  # fmt: skip
@@ -74,6 +74,7 @@ class TuneConfig:
     checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
     fuse_memory: float | None = None  # GiB per fused group for fuse 'auto'
     timeout: float | None = None  # seconds after which no new trial is asked
+    compile: bool | str = False  # torch.compile the fused groups: True, False, 'auto' or a mode
     data_source: dict | None = None  # task.data and its data_args: part of the study's fingerprint
 
 
@@ -254,12 +255,19 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
         fuse_memory=_fuse_memory(raw.get("fuse_memory"), path),
         timeout=_timeout(raw.get("timeout"), path),
+        compile=_compile(raw.get("compile", False), path),
         data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
     )
     if isinstance(cfg.fuse, int) and cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
                           f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
     return cfg
+
+
+def _compile(value: Any, path: str) -> bool | str:
+    from hydro.tuning.compiling import check_compile
+
+    return check_compile(value, where=f"{path}: compile")
 
 
 def _directory(value: Any, key: str, path: str) -> str | None:

@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning import checkpoint as _checkpoint
+from hydro.tuning.compiling import check_compile
 from hydro.tuning.fleet import _Fleet
 from hydro.tuning.group import check_device
 from hydro.tuning.progress import Progress, wanted
@@ -87,6 +88,7 @@ def optimize(
     fuse_memory: float | None = None,
     catch: Sequence[type[BaseException]] | type[BaseException] = (),
     callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], Any]] | None = None,
+    compile: bool | str = False,
 ) -> None:
     """Run trials of ``study`` in fused groups until it has ``n_trials`` finished trials.
 
@@ -186,6 +188,10 @@ def optimize(
         callbacks: ``f(study, frozen_trial)`` called in this process after each trial ends
             (COMPLETE, PRUNED or FAIL), as ``study.optimize``'s; an exception in one stops
             the run and propagates (the trials still training resume on the next run).
+        compile: train the fused groups through ``torch.compile``: ``True`` (or a mode),
+            ``False`` (default) or ``"auto"`` (per key, where it pays back:
+            :mod:`hydro.tuning.compiling`). An executor's workers get it too; there "auto"
+            decides per key and worker from that worker's own trials, and says nothing.
     """
     check_single_objective(study)
     catch = check_catch(catch)
@@ -214,6 +220,7 @@ def optimize(
         timeout = deadline if timeout is None else min(timeout, deadline)
     depth = (depth_ratio, float(depth_alpha))
     device = check_device(device)
+    compile = check_compile(compile)
     is_task = isinstance(task_or_callback, Task)
     if executor is not None and not is_task:
         raise ConfigError("an executor runs Hydro's training loop: pass a Task, not a callback")
@@ -274,10 +281,11 @@ def optimize(
                         "callbacks": callbacks}  # fmt: skip
                 if is_task and executor is None:
                     _Stream(*args, first_group=first_group, fuse_memory=fuse_memory,
-                            **keep).run()  # fmt: skip
+                            compile=compile, **keep).run()  # fmt: skip
                 elif is_task:
                     _Fleet(*args, executor=executor, world_size=world_size, policy=policy,
-                           deadline=deadline, fuse_memory=fuse_memory, **keep).run()  # fmt: skip
+                           deadline=deadline, fuse_memory=fuse_memory, compile=compile,
+                           **keep).run()  # fmt: skip
                 else:
                     if fuse == "auto":
                         raise ConfigError("fuse='auto' sizes Hydro's fused groups: with a group "

@@ -47,9 +47,9 @@ class _Fleet(_Stream):
     def __init__(self, *args: Any, executor: Any, every: int, checkpoints: Any = None,
                  world_size: int = 1, policy: str = "fifo", deadline: float | None = None,
                  fuse_memory: float | None = None, catch: tuple = (),
-                 callbacks: Sequence = ()) -> None:  # fmt: skip
+                 callbacks: Sequence = (), compile: bool | str = False) -> None:  # fmt: skip
         super().__init__(*args, checkpoints=checkpoints, every=every, fuse_memory=fuse_memory,
-                         catch=catch, callbacks=callbacks)  # fmt: skip
+                         catch=catch, callbacks=callbacks, compile=compile)  # fmt: skip
         self.executor = executor
         self.policy, self.deadline = policy, deadline
         self.world_size = world_size
@@ -74,7 +74,8 @@ class _Fleet(_Stream):
         fuse = MAX_FUSE if self.fuse == "auto" else self.fuse
         fn = functools.partial(_stream_in_worker, self.task, self.ratio, fuse, self.depth,
                                self.every, checkpoints=self.checkpoints,
-                               study=_checkpoint.study_id(self.study))  # fmt: skip
+                               study=_checkpoint.study_id(self.study),
+                               compile=self.compile)  # fmt: skip
         placement = {}
         if self.world_size == 1 and "policy" in inspect.signature(self.executor.run).parameters:
             # the policy decides each group's devices (data parallel when it widens one); a

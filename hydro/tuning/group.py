@@ -12,6 +12,8 @@ fixed group to the end is :func:`hydro.tuning.lockstep.train_group`.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
 from hydro.parametrize import READOUT
 from hydro.scaling import build
-from hydro.tuning import parallel
+from hydro.tuning import compiling, parallel
 
 # DEFAULTS and _schedule are re-exported for the tuner and benchmarks that import them from here
 from hydro.tuning.recipe import (  # noqa: F401
@@ -275,6 +277,13 @@ class FusedGroup:
         like: an earlier group of the same task, key, ratio and depth (empty or not): its
             capture and width analysis are reused, so the group is built without capturing
             the model again (anything else: captured afresh).
+        compile: train through ``torch.compile`` (:mod:`hydro.tuning.compiling`): ``True`` or
+            a mode, ``False`` (default), or ``"auto"``: time the first eager steps and compile
+            if it pays back over ``trials_left`` trials' steps; ``note(line)`` hears the
+            decision (or why compiling is off).
+        trials_left: the trials the study still has to train (for ``"auto"``; default: this
+            group's own).
+        note: where the compile decision is said (default: nowhere).
     """
 
     def __init__(
@@ -288,6 +297,9 @@ class FusedGroup:
         depth_ratio: int = 1,
         depth_alpha: float = 1.0,
         like: FusedGroup | None = None,
+        compile: bool | str = False,
+        trials_left: int | None = None,
+        note: Callable[[str], None] | None = None,
     ) -> None:
         self.task, self.ratio, self.device = task, ratio, device
         self.depth_ratio, self.depth_alpha = depth_ratio, depth_alpha
@@ -330,13 +342,26 @@ class FusedGroup:
                 "Hydro tunes the full model itself, fused. Use a model with hidden layers, or "
                 "ratio=1."
             ), stacklevel=3)  # fmt: skip
+        self.compile = compiling.check_compile(compile)
+        self._note = note or (lambda line: None)
+        self._trials_left = len(members) if trials_left is None else int(trials_left)
+        if self.compile is not False and compiling.unavailable():
+            self._note(f"compile: {self.compile} -> off ({compiling.unavailable()})")
+            self.compile = False
+        self._timings: list[float] | None = [] if self.compile == "auto" else None
+        model_compile = self.compile if self.compile != "auto" else False
         # fuse's FusedModel, handed the fresh surrogates rather than copying them
-        self.fused = FusedModel(modules, own=True).to(device)
+        self.fused = FusedModel(modules, own=True).compile(model_compile).to(device)
+        self.compiled_graphs = None  # set when a resize turned compiling off
+        if model_compile and like is not None:  # a key's later group: its graphs, compiled
+            self.fused.share_compiled(like.compiled_graphs or like.fused)
         for k, m in enumerate(self.members):  # dropout masks follow the trial's seed, not its slot
             self.fused.reseed_trial(k, m.seed)
         self.fused.train()
         self.slot_params = [m.params for m in self.members]  # what slot k's schedule reads
-        self.opt = _optimizer(task, self.fused, self.slot_params)
+        # a compiled model steps the optimizer's compiled update too; eager: its own default
+        self.opt = _optimizer(task, self.fused, self.slot_params,
+                              compile=True if model_compile else "auto")  # fmt: skip
         self.sched = _scheduler(task, self.opt, self.slot_params, always=refill)
         self.clip = [p.get("grad_clip") for p in self.slot_params]
         self.steps = 0  # fused steps taken
@@ -440,6 +465,7 @@ class FusedGroup:
             raise ConfigError("add: this group has no slot left to copy; build a new FusedGroup")
         self._member(id, params, seed)  # a trial of another key is refused before any change
         grown = [*range(self.n), 0]  # slot 0 copied to the end, then overwritten by put
+        self._resized()
         self.fused.select(grown, repeat=True)
         self.opt.select(grown)
         self.members.append(self.members[0])
@@ -452,6 +478,7 @@ class FusedGroup:
         """Remove ``slots`` from the group (they stop costing compute)."""
         keep = [k for k in range(self.n) if k not in set(slots)]
         if keep:
+            self._resized()
             self.fused.select(keep)
             self.opt.select(keep)
         self.members = [self.members[k] for k in keep]
@@ -495,6 +522,7 @@ class FusedGroup:
         data: all on the next batch of the group's); returns the slots' losses ``[n]``, on the
         device (reading them waits for the step to finish). A data parallel replica trains on
         its shard and returns the whole batch's losses."""
+        start = time.perf_counter() if self._timings is not None else 0.0
         batches = [next(self.batches)] if self.shared else [next(m.batches) for m in self.members]
         reduce = None
         if self.world_size > 1:
@@ -509,7 +537,38 @@ class FusedGroup:
             m.step += 1
         self.steps += 1
         self.live_steps += self.n
+        if self._timings is not None and self.steps > 1:  # the first step builds the graphs
+            self._time_auto(start)
         return losses
+
+    def _resized(self) -> None:
+        """A compiled group changes size: it trains eagerly from here, since every new size is
+        a new graph to compile (a draining group would compile once per trial that ends). Its
+        compiled graphs stay for the key's next group (:meth:`FusedModel.share_compiled`)."""
+        if self.fused._compiler is not None:  # self.compile stays: the key's later groups
+            self.compiled_graphs = self.fused._compiler
+            self.fused.compile(False)
+            self.opt.compile, self.opt._math = False, None
+        elif self._timings is not None:  # "auto" still measuring: a new size, a new graph
+            self._timings = []
+
+    def _time_auto(self, start: float) -> None:
+        """``compile="auto"``: time an eager step; after a few, decide and say so."""
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        self._timings.append(time.perf_counter() - start)
+        if len(self._timings) < compiling.MEASURED_STEPS:
+            return
+        step_s = statistics.median(self._timings)
+        self._timings = None
+        left = max(self._trials_left * self.task.steps / max(self.n, 1) - self.steps, 0.0)
+        nodes = sum(len(gm.graph.nodes) for gm in self.fused._graphs.values())
+        on, line = compiling.decide(step_s, left, compiling.estimate_compile_seconds(nodes))
+        self._note(line)
+        self.compile = on
+        if on:
+            self.fused.compile(True)
+            self.opt.compile, self.opt._math = True, None  # its compiled update, from now on
 
     def _replica(self, batches: list[Any]) -> tuple[list[Any], Callable]:
         """This replica's shards of ``batches``, and the reduction of its losses and gradients

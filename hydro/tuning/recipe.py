@@ -60,7 +60,11 @@ def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list
     return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
 
 
-def _optimizer(task: Task, fused: nn.Module, params: Sequence[dict]) -> fused_optim.FusedOptimizer:
+def _optimizer(
+    task: Task, fused: nn.Module, params: Sequence[dict], compile: bool | str = "auto"
+) -> fused_optim.FusedOptimizer:
+    """The fused optimizer of ``params``' hyperparameters; ``compile``: its update's
+    (:class:`hydro.optim.base.FusedOptimizer`; ``True`` where the model is compiled)."""
     defaults = DEFAULTS[task.optimizer]
 
     def column(name: str, default: float) -> list[float]:
@@ -70,10 +74,10 @@ def _optimizer(task: Task, fused: nn.Module, params: Sequence[dict]) -> fused_op
     wd = column("weight_decay", defaults["weight_decay"])
     if task.optimizer == "sgd":
         return fused_optim.SGD(fused.parameters(), lr=lr, momentum=column("momentum", 0.0),
-                               weight_decay=wd)  # fmt: skip
+                               weight_decay=wd, compile=compile)  # fmt: skip
     cls = fused_optim.AdamW if task.optimizer == "adamw" else fused_optim.Adam
     return cls(fused.parameters(), lr=lr, betas=(column("beta1", 0.9), column("beta2", 0.999)),
-               eps=column("eps", 1e-8), weight_decay=wd)  # fmt: skip
+               eps=column("eps", 1e-8), weight_decay=wd, compile=compile)  # fmt: skip
 
 
 def _hyper(task: Task, p: dict[str, Any]) -> dict[str, Any]:

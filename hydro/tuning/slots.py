@@ -232,8 +232,9 @@ class _Hosted:
 
     def __init__(self, task: Any, ratio: int, depth: tuple, device: Any, fuse: int,
                  source: _Remote, checkpoints: TrialCheckpoints | None,
-                 every: int) -> None:  # fmt: skip
+                 every: int, compile: bool | str = False) -> None:  # fmt: skip
         self.task, self.ratio, self.depth, self.device = task, ratio, depth, device
+        self.compile = compile  # "auto": each key's first group here decides (not said)
         self.fuse, self.source, self.checkpoints, self.every = fuse, source, checkpoints, every
         self.groups: dict[tuple, FusedGroup] = {}
         self.joined: dict[tuple, dict[int, float]] = {}
@@ -250,9 +251,11 @@ class _Hosted:
         for m in members:
             by_key.setdefault(group_key(m[1], self.task), []).append(tuple(m))
         for key, ms in by_key.items():
+            like = self.built.get(key)
             self.groups[key] = self.built[key] = FusedGroup(
                 self.task, ms, ratio=self.ratio, device=self.device, depth_ratio=self.depth[0],
-                depth_alpha=self.depth[1], like=self.built.get(key))  # fmt: skip
+                depth_alpha=self.depth[1], like=like,
+                compile=like.compile if like is not None else self.compile)  # fmt: skip
             self.joined[key] = {m[0]: time.perf_counter() for m in ms}
         return [self.groups[k] for k in by_key]
 
@@ -319,7 +322,7 @@ class _Hosted:
 
 
 def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
-                      study=""):  # noqa: ANN001, ANN202  # fmt: skip
+                      study="", compile=False):  # noqa: ANN001, ANN202  # fmt: skip
     """:func:`_train_in_worker`, where an exception the user's code raised (data, loss, metric)
     becomes a one-line :class:`~hydro.errors.UserCodeError`, which the executor does not retry
     (it would raise again) and whose message the driver gives the group's trials."""
@@ -327,7 +330,7 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
 
     try:
         return _train_in_worker(task, ratio, fuse, depth, every, group, ctx,
-                                checkpoints=checkpoints, study=study)  # fmt: skip
+                                checkpoints=checkpoints, study=study, compile=compile)  # fmt: skip
     except Exception as exc:
         what = describe(exc, task)
         if what is None:
@@ -336,7 +339,7 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
 
 
 def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
-                     study=""):  # noqa: ANN001, ANN202  # fmt: skip
+                     study="", compile=False):  # noqa: ANN001, ANN202  # fmt: skip
     """Fused groups with continuous batching in an executor's worker, at most one per key
     (:class:`_Hosted`). Its trials come from the driver; a freed slot takes the driver's next
     trial of any key (one data parallel group: of its own key). With ``every`` it
@@ -375,7 +378,7 @@ def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints
         cursor, asking = 1, got["asking"]
     # data parallel ranks step one group of one key alike; one process hosts every key
     source = _Remote(ctx, occupancy, cursor, asking, task, any_key=ctx.world_size == 1)
-    hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every)
+    hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every, compile)
     if saved is not None:
         try:
             hosted.restore(saved)
@@ -391,7 +394,8 @@ def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints
             saved = None
             occupancy = Occupancy(fuse)  # from step 0, as a first attempt
             source = _Remote(ctx, occupancy, 1, got["asking"], task, any_key=ctx.world_size == 1)
-            hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every)
+            hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every,
+                             compile)  # fmt: skip
     if saved is None:
         for g in hosted.build([tuple(m) for m in got["members"]]):
             for slot in range(g.n):

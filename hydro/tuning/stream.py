@@ -10,6 +10,7 @@ whatever happens.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -62,7 +63,7 @@ class _Stream:
 
     def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
                  start, timeout, occupancy, depth=(1, 1.0), first_group=0, checkpoints=None,
-                 every=0, fuse_memory=None, catch=(), callbacks=()) -> None:  # noqa: ANN001  # fmt: skip
+                 every=0, fuse_memory=None, catch=(), callbacks=(), compile=False) -> None:  # noqa: ANN001  # fmt: skip
         self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
         self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
         self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
@@ -84,6 +85,17 @@ class _Stream:
         self.key_memory: dict[tuple, float] = {}  # per key, with "auto": GiB one trial adds
         self.faults = Faults(catch)  # user code that raised: stop once every trial failed alike
         self.callbacks = list(callbacks)  # Optuna's (study, frozen_trial), after each trial ends
+        self.compile = compile  # the tuner's setting; "auto": decided per key by its first group
+
+    def say_compile(self, line: str) -> None:
+        """Say a group's compile decision: on the progress display (else to the ``hydro``
+        logger) and in the study's ``hydro_compile`` user attribute (one line per key)."""
+        if self.bar is not None:
+            self.bar.note(line)
+        else:
+            logging.getLogger("hydro").info(line)
+        lines = list(self.study.user_attrs.get("hydro_compile") or [])
+        self.study.set_user_attr("hydro_compile", [*lines, line])
 
     def run(self) -> None:
         self._guard(self._groups)
@@ -403,9 +415,14 @@ def start_group(
         t.set_user_attr("group", gid)
         t.set_user_attr("slot", slot)
         t.set_user_attr("fused", stream.fuse_for(key))  # the key's size now (after an OOM)
+    like = stream.built.get(key)
+    # "auto" is decided by a key's first group; its later groups follow (or decide, if pending)
     group = FusedGroup(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
-                       depth_alpha=stream.depth[1], like=stream.built.get(key))  # fmt: skip
+                       depth_alpha=stream.depth[1], like=like,
+                       compile=like.compile if like is not None else stream.compile,
+                       trials_left=stream.n_trials - _counts(stream.study)[0],
+                       note=stream.say_compile)  # fmt: skip
     stream.built[key] = group  # a key's next group reuses its capture (seconds per group)
     for slot in range(group.n):  # a trial re-asked after its tuner died goes on from there
         resume_slot(group, slot, stream.checkpoints)

@@ -20,6 +20,7 @@ import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
 from hydro.fx.floor import task_ratio
+from hydro.tuning.compiling import check_compile
 from hydro.tuning.driver import (
     check_callbacks,
     check_catch,
@@ -311,6 +312,7 @@ def tune(
     callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], Any]] | None = None,
     catch: Sequence[type[Exception]] | type[Exception] = (),
     force_resume: bool = False,
+    compile: bool | str = False,
 ) -> TuneResult:
     """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
 
@@ -389,6 +391,13 @@ def tune(
         force_resume: continue a study whose recorded definition differs from this one (a
             :class:`~hydro.errors.HydroWarning` names the change; the export of a trial trained
             before it keeps its own recipe). Prefer a new study name.
+        compile: train the fused groups through ``torch.compile`` (forward, backward and the
+            optimizer's update; docs/fusion.md, "Compiled fused step"): ``True`` (or a mode
+            such as ``"max-autotune"``), ``False`` (default), or ``"auto"``: per group key,
+            time the first eager steps and compile only where the time saved over the steps
+            left exceeds twice the estimated compile time, saying so in one line
+            (``docs/tuning.md``, "Compiling"). An executor's workers compile as told ("auto":
+            each worker decides from its own trials, silently).
 
     Returns:
         A :class:`TuneResult`.
@@ -414,6 +423,7 @@ def tune(
     check_placement(policy, deadline)
     check_fuse(fuse)
     check_memory(fuse_memory)
+    compile = check_compile(compile)
     timeout = check_timeout(timeout)
     catch = check_catch(catch)
     callbacks = check_callbacks(callbacks)
@@ -442,7 +452,8 @@ def tune(
                  progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
                  depth_alpha=depth_alpha, first_group=first_group, policy=policy,
                  deadline=deadline, checkpoint_dir=checkpoint_dir, fuse_memory=fuse_memory,
-                 timeout=timeout, catch=catch, callbacks=callbacks)  # fmt: skip
+                 timeout=timeout, catch=catch, callbacks=callbacks,
+                 compile=compile)  # fmt: skip
         result = TuneResult(the_study, ratio)
         if verify_top_k:
             result.verification = verify(task, the_study, verify_top_k, seed=base_seed,

@@ -1,0 +1,97 @@
+"""The tuner's ``compile`` setting: whether a fused group trains through ``torch.compile``.
+
+``compile=True`` (or a mode such as ``"max-autotune"``) compiles every group's fused model
+(:meth:`hydro.fusion.FusedModel.compile`) and its optimizer's update; ``False`` trains eagerly;
+``"auto"`` decides per group key at its first group, from measurements: the group's first
+eager steps are timed, the compile time is estimated from the fused graph's size, and the
+group compiles only where the time it would save over the fused steps left is more than twice
+the compile estimate (:func:`decide`). The decision is said once per key, as one line.
+
+The constants below were measured with ``python benchmarks/fusion.py --compile`` on a 2-core
+CPU under load (docs/fusion.md, "Compiled fused step"): inductor's compile of a fused training
+graph (forward, backward) and of the optimizer's update is dominated by a fixed cost (tracing,
+C++ compilation) plus a cost per graph node. Inductor's on-disk FX graph cache makes a warm
+compile (a rerun, a later group of the same structure) several times cheaper; the estimate is
+the cold one, so "auto" errs towards eager.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from hydro.errors import ConfigError
+
+# compile seconds ~ BASE + PER_NODE * nodes of the fused graphs (cold inductor cache), fitted to
+# the MLP anchor (14 nodes: 69 s) and the charlm GPT surrogate (175 nodes: 248 s), forward,
+# backward and optimizer, on 2 cores under a load of ~8 (2026-11-26); warm: 1 s and 17 s
+COMPILE_BASE_S = 50.0
+COMPILE_PER_NODE_S = 1.1
+# compiled/eager fused step, below the GPT surrogate's 1.18x (the MLP anchor's is 0.57x)
+SPEEDUP = 1.15
+MEASURED_STEPS = 3  # eager steps timed after the first (which builds the graphs)
+FORMS = "True/'on', False/'off', 'auto', or a torch.compile mode ('default', 'max-autotune', ...)"
+
+
+def check_compile(value: Any, where: str = "compile") -> bool | str:
+    """``value`` as the tuner takes it: ``True``, ``False``, ``"auto"`` or a mode string.
+
+    Raises:
+        ConfigError: anything else, naming the accepted values.
+    """
+    from hydro.fusion.compiled import MODES
+
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        low = value.lower()
+        if low in ("on", "true"):
+            return True
+        if low in ("off", "false"):
+            return False
+        if low == "auto" or low in MODES:
+            return low
+    raise ConfigError(f"{where} must be {FORMS}; got {value!r}")
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why ``torch.compile`` cannot compile here (``None``: it can): inductor on a CPU needs a
+    C++ compiler, checked once by compiling a one-op function."""
+    import torch
+
+    try:
+        fn = torch.compile(lambda x: x * 2 + 1, backend="inductor", fullgraph=True)
+        if not torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0)):
+            return "torch.compile gave a wrong result on a one-op check"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not compile
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"torch.compile cannot run here ({type(exc).__name__}: {first})"
+    return None
+
+
+def estimate_compile_seconds(nodes: int) -> float:
+    """Cold compile seconds of a fused training graph of ``nodes`` nodes and its optimizer."""
+    return COMPILE_BASE_S + COMPILE_PER_NODE_S * nodes
+
+
+def decide(
+    eager_step_s: float, fused_steps_left: float, compile_s: float, speedup: float = SPEEDUP
+) -> tuple[bool, str]:
+    """Whether compiling pays: the seconds it saves over the steps left, ``steps_left x
+    eager_step x (1 - 1/speedup)``, must exceed twice the compile estimate. Returns the
+    decision and the line that says it.
+
+    Example:
+        >>> decide(0.74, 400, 45.0, speedup=1.5)[1]
+        'compile: auto -> on (eager step 0.74 s x ~400 fused steps left = 296 s; compile est. 45 s, pays back after ~183 steps)'
+    """  # noqa: E501
+    saved_per_step = eager_step_s * (1.0 - 1.0 / speedup)
+    on = fused_steps_left * saved_per_step > 2.0 * compile_s
+    payback = math.ceil(compile_s / saved_per_step) if saved_per_step > 0 else math.inf
+    return on, (
+        f"compile: auto -> {'on' if on else 'off'} (eager step {eager_step_s:.2f} s x "
+        f"~{fused_steps_left:.0f} fused steps left = {eager_step_s * fused_steps_left:.0f} s; "
+        f"compile est. {compile_s:.0f} s, pays back after ~{payback} steps)"
+    )
