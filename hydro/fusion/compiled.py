@@ -201,6 +201,9 @@ class Compiler:
         return lifted.unflatten(out)
 
     def _compile(self, module: torch.fx.GraphModule, like: torch.Tensor | None) -> Callable:
+        from hydro.fusion import random as _random
+
+        torch.compiler.assume_constant_result(_random._keep_scale)  # marks it, in place
         options = dict(self.options)
         backend = options.pop("backend", None)
         mode = options.pop("mode", None)
