@@ -185,7 +185,11 @@ def search_plain(args: argparse.Namespace) -> dict:
         params = {name: suggest(trial, name, d) for name, d in dists.items()}
         return full_model_run(args, params, args.seed + trial.number, trial)
 
-    study.optimize(objective, n_trials=args.trials)
+    def note(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:  # progress, to stderr
+        print(f"plain trial {t.number} {t.state.name} at step {max(t.intermediate_values or [0])},"
+              f" {time.process_time() - cpu:.0f} cpu s", file=sys.stderr, flush=True)  # fmt: skip
+
+    study.optimize(objective, n_trials=args.trials, callbacks=[note])
     return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
             "first_eval": clock.get("first_eval"), "best": study.best_params,
             "states": states(study), "occupancy": None}  # fmt: skip
@@ -260,10 +264,10 @@ def run_worker(args: argparse.Namespace, method: str, root: str, seed: int, env:
             "--seed", str(seed)] + shared_argv(args, override)  # fmt: skip
     env = {**os.environ, **env, "PYTHONPATH": root, "OMP_NUM_THREADS": str(args.threads)}
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=root)
+    proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, cwd=root)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise RuntimeError(f"{method} search failed:\n{proc.stderr[-4000:]}")
+    if proc.returncode:  # its stderr went to ours
+        raise RuntimeError(f"{method} search failed (exit {proc.returncode})")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["process_wall"] = time.perf_counter() - start
     out["process_cpu"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -375,8 +379,12 @@ def main() -> None:
                 if "cache" in m.split("+"):  # warm the caches: the same search, 4 steps, untimed
                     warm = run_worker(args, m, root, r, {**env, **method_env(m, tmp, r)},
                                       steps=4, eval_every=4)  # fmt: skip
-                    print(f"  repeat {r} warmed {m}: {warm.get('cache', warm.get('na'))}")
+                    print(f"  repeat {r} warmed {m}: {warm.get('cache', warm.get('na'))}, "
+                          f"{warm['process_cpu']:.1f} cpu s", flush=True)  # fmt: skip
                 row[m] = run_worker(args, m, root, r, {**env, **method_env(m, tmp, r)})
+                if "cache" in m.split("+"):
+                    row[m]["warm"] = {k: warm.get(k) for k in ("process_wall", "process_cpu",
+                                      "cache", "na")}  # fmt: skip
                 row[m]["load"] = uptime()
                 print(f"  repeat {r} {m}: " + (row[m].get("na") or f"{row[m]['wall']:.1f} s, "
                       f"{row[m]['cpu']:.1f} cpu s, {row[m]['states']}, cache "
