@@ -332,6 +332,7 @@ def main() -> None:
     p.add_argument("--hydro-path", default=str(ROOT), help="the tree the hydro methods import")
     p.add_argument("--methods", default="plain,hydro,hydro+cache")
     p.add_argument("--json", default=None, help="also write every repeat's numbers here")
+    p.add_argument("--report", nargs="+", help="print saved JSON files as Markdown tables")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -341,6 +342,8 @@ def main() -> None:
             setattr(args, k, v)
     if args.worker:
         return worker(args)
+    if args.report:
+        return report(args.report)
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         parts = m.split("+")
@@ -467,6 +470,60 @@ def print_summary(rows: list[dict], methods: list[str]) -> None:
                      f"full-model loss gap "
                      f"{med([gap(r['plain'], r[m]) for r in done], '%', '+.2f')}")  # fmt: skip
         print(line)
+
+
+def report(paths: list[str]) -> None:
+    """``--report A.json [B.json ...]``: the saved repeats as Markdown tables, merged by repeat
+    (a method from another tree than plain's is named ``method@tree``; plain, same seed, is
+    the same search in every file)."""
+    rows: dict[int, dict] = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        tree_ = saved["config"]["hydro"].split()[0]
+        suffix = "" if tree_ == saved["config"]["plain"].split()[0] else "@" + Path(tree_).name
+        for row in saved["repeats"]:
+            into = rows.setdefault(row["repeat"], {})
+            for m, x in row.items():
+                if isinstance(x, dict) and "wall" in x and "full_loss" in x:
+                    into.setdefault(m if m == "plain" else m + suffix, x)
+    methods = list(dict.fromkeys(m for row in rows.values() for m in row))
+    print("| repeat | method | wall s | CPU s | process CPU s | first eval s | plain/method wall "
+          "(CPU) | complete / pruned | trial-steps | full-model loss | gap vs plain | load after "
+          "|")  # fmt: skip
+    print("|---" * 12 + "|")
+    for r, row in sorted(rows.items()):
+        base = row.get("plain")
+        for m in methods:
+            if m not in row:
+                continue
+            x, g = row[m], gap(base, row[m])
+            speed = f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})" if m != "plain" else ""
+            st = x["states"]
+            print(f"| {r} | {m} | {x['wall']:.1f} | {x['cpu']:.1f} | {x['process_cpu']:.1f} | "
+                  f"{x['first_eval'] or math.nan:.1f} | {speed} | {st.get('COMPLETE', 0)} / "
+                  f"{st.get('PRUNED', 0)} | {st['trial_steps']} | {x['full_loss']:.4f} | "
+                  f"{'' if m == 'plain' or g is None else f'{g:+.2f}%'} | "
+                  f"{x['load'].split()[2].rstrip(',')} |")  # fmt: skip
+    print("\n| method | CPU s | wall s | plain/method CPU | plain/method wall | gap vs plain | "
+          "CPU per trial-step |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for m in methods:
+        done = [row for row in rows.values() if m in row and "plain" in row]
+        if not done:
+            continue
+
+        def med(xs: list[float], fmt: str = ".1f", unit: str = "") -> str:
+            return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}}-{max(xs):{fmt}}"
+                    f"{unit})" if len(xs) > 1 else f"{xs[0]:{fmt}}{unit}")  # fmt: skip
+
+        per_step = [1000 * r[m]["cpu"] / r[m]["states"]["trial_steps"] for r in done]
+        cells = [med([r[m]["cpu"] for r in done]), med([r[m]["wall"] for r in done])]
+        if m == "plain":
+            cells += ["", "", ""]
+        else:
+            cells += [med([r["plain"]["cpu"] / r[m]["cpu"] for r in done], ".1f", "x"),
+                      med([r["plain"]["wall"] / r[m]["wall"] for r in done], ".1f", "x"),
+                      med([gap(r["plain"], r[m]) for r in done], "+.2f", "%")]  # fmt: skip
+        print(f"| {m} | " + " | ".join(cells) + f" | {med(per_step, '.0f', ' ms')} |")
 
 
 if __name__ == "__main__":
