@@ -512,7 +512,7 @@ def report(paths: list[str]) -> None:
             continue
 
         def med(xs: list[float], fmt: str = ".1f", unit: str = "") -> str:
-            return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}}-{max(xs):{fmt}}"
+            return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}} to {max(xs):{fmt}}"
                     f"{unit})" if len(xs) > 1 else f"{xs[0]:{fmt}}{unit}")  # fmt: skip
 
         per_step = [1000 * r[m]["cpu"] / r[m]["states"]["trial_steps"] for r in done]
