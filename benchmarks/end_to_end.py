@@ -497,7 +497,7 @@ def report(paths: list[str]) -> None:
             if m not in row:
                 continue
             x, g = row[m], gap(base, row[m])
-            speed = f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})" if m != "plain" else ""
+            speed = f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})" if base else ""
             st = x["states"]
             print(f"| {r} | {m} | {x['wall']:.1f} | {x['cpu']:.1f} | {x['process_cpu']:.1f} | "
                   f"{x['first_eval'] or math.nan:.1f} | {speed} | {st.get('COMPLETE', 0)} / "
