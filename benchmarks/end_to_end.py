@@ -487,6 +487,7 @@ def report(paths: list[str]) -> None:
                 if isinstance(x, dict) and "wall" in x and "full_loss" in x:
                     into.setdefault(m if m == "plain" else m + suffix, x)
     methods = list(dict.fromkeys(m for row in rows.values() for m in row))
+    methods.sort(key=lambda m: m != "plain")  # plain first, the others as they came
     print("| repeat | method | wall s | CPU s | process CPU s | first eval s | plain/method wall "
           "(CPU) | complete / pruned | trial-steps | full-model loss | gap vs plain | load after "
           "|")  # fmt: skip
@@ -497,7 +498,8 @@ def report(paths: list[str]) -> None:
             if m not in row:
                 continue
             x, g = row[m], gap(base, row[m])
-            speed = f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})" if base else ""
+            speed = "" if base is None or x is base else \
+                f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})"  # fmt: skip
             st = x["states"]
             print(f"| {r} | {m} | {x['wall']:.1f} | {x['cpu']:.1f} | {x['process_cpu']:.1f} | "
                   f"{x['first_eval'] or math.nan:.1f} | {speed} | {st.get('COMPLETE', 0)} / "
