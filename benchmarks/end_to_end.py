@@ -1,38 +1,51 @@
-"""End to end: plain Optuna on the full model versus ``hydro.tune`` before and after continuous
-batching.
+"""End to end: plain Optuna on the full model against ``hydro.tune``, with Hydro's capture cache
+and ``torch.compile`` switched on and off.
 
 The same search (the same space, TPE sampler, median pruner and number of configurations) on
 the character-level GPT of ``examples/charlm`` (its ``tune.yaml``: 4 layers, width 256, 4
-heads, blocks of 64 characters; space lr, weight decay, warm-up, dropout, beta2), three ways:
+heads, blocks of 64 characters; space lr, weight decay, warm-up, dropout, beta2). Methods:
 
-* **plain**: Optuna's ``study.optimize`` with an objective that trains the full model with
+* ``plain``: Optuna's ``study.optimize`` with an objective that trains the full model with
   ``torch.optim.AdamW`` and reports its validation loss (pruned by the same pruner);
-* **before**: ``hydro.tune`` (ratio 8, 16 trials per fused group) of ``--before-rev``, the tree
-  before continuous batching (fixed groups; pruned members leave and are not replaced), read
-  from git into a temporary directory (``git archive``) and imported from there;
-* **after**: ``hydro.tune`` of this tree (continuous batching: freed slots take new trials).
+* ``hydro``, ``hydro+cache``, ``hydro+compile``, ``hydro+auto``, ``hydro+cache+compile``, ...:
+  ``hydro.tune`` (ratio 8, 16 trials per fused group), named by its switches. Without
+  ``+cache`` a search starts cold: ``HYDRO_CACHE=0`` and an empty ``TORCHINDUCTOR_CACHE_DIR``
+  of its own. With ``+cache`` both are on, in a directory of the search's own, warmed by the same
+  search (same seed) shortened to 4 steps and not timed, just before it. ``+compile`` and
+  ``+auto`` pass ``compile=True`` / ``"auto"`` to ``hydro.tune`` (``n/a`` where the hydro under
+  test has no such argument); otherwise ``compile=False`` where it has one.
 
-Each search runs in a fresh Python process (so each pays its own start-up, e.g. the first
-``torch.export``), one after another, with the same thread count; the wall time is that of the
-search call. Then each method's chosen configuration trains the full model (the same loop as
-plain's objective, the schedule ``docs/tuning.md`` gives for the full model) from ``--check-seeds``
-seeds, and the mean final validation losses are compared. One table per repeat, then medians.
+``--hydro-path DIR`` makes the hydro methods import ``hydro`` (and ``examples``) from another
+tree, e.g. a worktree with work not merged yet; ``plain`` and the full-model checks always use
+this tree. Each search runs in a fresh Python process, one after another, with one thread; its
+wall and CPU time are those of the search call (data, task and ``tune`` or ``optimize``), and
+the process's own (start-up and imports included) are recorded too. ``first eval`` is the time
+from the search's start to the pruner's first call: start-up, capture, build (and compile)
+plus ``eval_every`` steps. Then each method's chosen configuration trains the full model (the
+same loop as plain's objective, the schedule ``docs/tuning.md`` gives for the full model) from
+``--check-seeds`` seeds, and the mean final validation losses are compared. One table per
+repeat, then medians and ranges.
 
-    python benchmarks/end_to_end.py --repeats 3                  # the yaml's own scale (hours)
-    # the run in docs/tuning.md (shortened to fit a 2-core machine):
-    python benchmarks/end_to_end.py --repeats 3 --steps 32 --eval-every 8 --batch 8 --chars 50000
-    # one repeat (seed 2) on its own, e.g. in parallel with others: --first-repeat 2 --repeats 1
-    # hydro.tune's first_group (the median pruner's start-up trials alone first), against plain:
-    python benchmarks/end_to_end.py --repeats 3 --steps 32 --eval-every 8 --batch 8 \
-        --chars 50000 --methods plain,after --first-group 5
+    python benchmarks/end_to_end.py --budget short --repeats 3 --json out.json
+    python benchmarks/end_to_end.py --budget long --repeats 1 --methods plain,hydro+cache
+    # another tree's hydro (here a worktree with hydro.tune(compile=)), against plain:
+    python benchmarks/end_to_end.py --budget short --hydro-path ../i21-compile \
+        --methods plain,hydro+cache,hydro+cache+compile,hydro+cache+auto
+    # one repeat (seed 2) on its own: --first-repeat 2 --repeats 1
+
+Budgets: ``short`` is the run of ``docs/tuning.md`` (32 steps, batch 8, evaluation every 8, the
+first 50,000 characters); ``long`` is the example's own (200 steps, batch 32, evaluation every
+50, the whole text). Any of ``--steps --batch --eval-every --chars`` overrides the budget's.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +54,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("plain", "before", "after")
+SWITCHES = ("cache", "compile", "auto")  # what may follow "hydro+" in a method's name
+BUDGETS = {
+    "short": {"steps": 32, "eval_every": 8, "batch": 8, "chars": 50_000},
+    "long": {"steps": 200, "eval_every": 50, "batch": 32, "chars": None},
+}
 
 
 def space(steps: int) -> dict:
@@ -141,37 +158,59 @@ def evaluate(model, val: tuple) -> float:  # noqa: ANN001
 # --- one search, in its own process ------------------------------------------------------------
 
 
+def timed_pruner(clock: dict):  # noqa: ANN201
+    """Optuna's ``MedianPruner`` that notes when it is first asked (the first evaluation)."""
+    import optuna
+
+    class Timed(optuna.pruners.MedianPruner):
+        def prune(self, study, trial) -> bool:  # noqa: ANN001
+            clock.setdefault("first_eval", time.perf_counter() - clock["start"])
+            return super().prune(study, trial)
+
+    return Timed()
+
+
 def search_plain(args: argparse.Namespace) -> dict:
     import optuna
 
     from hydro.tuning.space import suggest
 
+    clock = {"start": time.perf_counter()}
+    cpu = time.process_time()
     sampler = optuna.samplers.TPESampler(seed=args.seed, constant_liar=True)
-    study = optuna.create_study(sampler=sampler, pruner=optuna.pruners.MedianPruner())
+    study = optuna.create_study(sampler=sampler, pruner=timed_pruner(clock))
     dists = space(args.steps)
 
     def objective(trial: optuna.Trial) -> float:
         params = {name: suggest(trial, name, d) for name, d in dists.items()}
         return full_model_run(args, params, args.seed + trial.number, trial)
 
-    start, cpu = time.perf_counter(), time.process_time()
-    study.optimize(objective, n_trials=args.trials)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"wall": wall, "cpu": cpu, "best": study.best_params, "states": states(study),
-            "occupancy": None}  # fmt: skip
+    def note(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:  # progress, to stderr
+        print(f"plain trial {t.number} {t.state.name} at step {max(t.intermediate_values or [0])},"
+              f" {time.process_time() - cpu:.0f} cpu s", file=sys.stderr, flush=True)  # fmt: skip
+
+    study.optimize(objective, n_trials=args.trials, callbacks=[note])
+    return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
+            "first_eval": clock.get("first_eval"), "best": study.best_params,
+            "states": states(study), "occupancy": None}  # fmt: skip
 
 
-def search_hydro(args: argparse.Namespace) -> dict:
+def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
     import functools
 
     import optuna
-    import torch
 
     import hydro
     from examples.charlm.data import load
     from examples.charlm.model import gpt
+    from hydro.fx import cache
 
-    start, cpu = time.perf_counter(), time.process_time()
+    has_compile = "compile" in inspect.signature(hydro.tune).parameters
+    compile_ = True if "compile" in switches else "auto" if "auto" in switches else False
+    if compile_ and not has_compile:
+        return {"na": f"{hydro.__file__}: hydro.tune has no compile argument"}
+    clock = {"start": time.perf_counter()}
+    cpu = time.process_time()
     data = load(block_size=args.block, max_chars=args.chars)
     task = hydro.Task(model=functools.partial(gpt, **model_args(args)), train_data=data["train"],
                       val_data=data["val"], loss="cross_entropy", optimizer="adamw",
@@ -181,15 +220,14 @@ def search_hydro(args: argparse.Namespace) -> dict:
         task, space(args.steps), n_trials=args.trials, ratio=args.ratio, fuse=args.fuse,
         storage="sqlite:///:memory:", seed=args.seed,
         sampler=optuna.samplers.TPESampler(seed=args.seed, constant_liar=True),
-        pruner=optuna.pruners.MedianPruner(),
-        **({"first_group": args.first_group} if args.first_group and args.worker == "after"
-           else {}),
+        pruner=timed_pruner(clock), first_group=args.first_group,
+        **({"compile": compile_} if has_compile else {}),
     )  # fmt: skip
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    occupancy = getattr(result, "occupancy", None)
-    return {"wall": wall, "cpu": cpu, "best": result.best_params, "states": states(result.study),
-            "occupancy": occupancy, "hydro": hydro.__file__,
-            "threads": torch.get_num_threads()}  # fmt: skip
+    return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
+            "first_eval": clock.get("first_eval"), "best": result.best_params,
+            "states": states(result.study), "occupancy": getattr(result, "occupancy", None),
+            "hydro": hydro.__file__, "compile": compile_ if has_compile else None,
+            "cache": dict(cache.stats)}  # fmt: skip
 
 
 def states(study) -> dict:  # noqa: ANN001
@@ -210,43 +248,70 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    out = search_plain(args) if args.worker == "plain" else search_hydro(args)
-    if args.worker != "plain" and not out["hydro"].startswith(args.root):
-        raise RuntimeError(f"imported {out['hydro']}, not the hydro of {args.root}")
+    if args.worker == "plain":
+        out = search_plain(args)
+    else:
+        out = search_hydro(args, set(args.worker.split("+")[1:]))
+        if "hydro" in out and not out["hydro"].startswith(args.root):
+            raise RuntimeError(f"imported {out['hydro']}, not the hydro of {args.root}")
     print(json.dumps(out))
 
 
-def run_worker(args: argparse.Namespace, method: str, root: str, seed: int) -> dict:
+def run_worker(args: argparse.Namespace, method: str, root: str, seed: int, env: dict,
+               **override: int) -> dict:  # fmt: skip
+    """One search in a fresh process; adds the process's own wall and CPU seconds."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--root", root,
-            "--seed", str(seed)] + shared_argv(args)  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=root)
-    if proc.returncode:
-        raise RuntimeError(f"{method} search failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+            "--seed", str(seed)] + shared_argv(args, override)  # fmt: skip
+    env = {**os.environ, **env, "PYTHONPATH": root, "OMP_NUM_THREADS": str(args.threads)}
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, cwd=root)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:  # its stderr went to ours
+        raise RuntimeError(f"{method} search failed (exit {proc.returncode})")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["process_wall"] = time.perf_counter() - start
+    out["process_cpu"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return out
 
 
-def shared_argv(args: argparse.Namespace) -> list[str]:
+def method_env(method: str, tmp: str, repeat: int | str) -> dict:
+    """The caches a method's search sees, in a directory of its own per repeat: empty, with
+    Hydro's switched off, or (``+cache``) warmed by its untimed short run of the same search
+    (the capture key holds the first trial's model, dropout included: another seed misses)."""
+    d = os.path.join(tmp, f"{method}-{repeat}")
+    return {"HYDRO_CACHE": "1" if "cache" in method.split("+") else "0",
+            "HYDRO_CACHE_DIR": os.path.join(d, "hydro"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(d, "inductor")}  # fmt: skip
+
+
+def shared_argv(args: argparse.Namespace, override: dict) -> list[str]:
     keys = ("trials", "ratio", "fuse", "width", "layers", "heads", "block", "batch", "steps",
             "eval_every", "chars", "threads", "first_group")  # fmt: skip
     out = []
     for k in keys:
-        v = getattr(args, k)
+        v = override.get(k, getattr(args, k))
         if v is not None:
             out += [f"--{k.replace('_', '-')}", str(v)]
     return out
 
 
-def checkout(rev: str, into: str) -> str:
-    """The files of git revision ``rev`` (hydro, hydro_fluid, examples) under ``into``."""
-    archive = subprocess.run(["git", "archive", rev, "hydro", "hydro_fluid", "examples"], cwd=ROOT,
-                             capture_output=True, check=True).stdout  # fmt: skip
-    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
-    return into
+def tree(path: str) -> str:
+    """A tree's commit, and ``+dirty`` when its working tree differs from it."""
+    git = ["git", "-C", path]
+    rev = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return f"{path} {rev}{'+dirty' if dirty else ''}"
+
+
+def uptime() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", choices=tuple(BUDGETS), default="short")
     p.add_argument("--trials", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--first-repeat", type=int, default=0, help="repeat r uses seed r")
@@ -256,109 +321,211 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--chars", type=int, default=None, help="use the first N characters of text")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--first-group", type=int, default=0,
-                   help="hydro.tune's first_group (this tree's 'after' only; 5: MedianPruner's "
-                        "n_startup_trials)")  # fmt: skip
+                   help="hydro.tune's first_group (5: the median pruner's start-up)")  # fmt: skip
     p.add_argument("--check-seeds", type=int, default=2, help="full-model runs per choice")
-    p.add_argument("--before-rev", default="4f3d3c1", help="the tree before continuous batching")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--hydro-path", default=str(ROOT), help="the tree the hydro methods import")
+    p.add_argument("--methods", default="plain,hydro,hydro+cache")
     p.add_argument("--json", default=None, help="also write every repeat's numbers here")
-    p.add_argument(
-        "--worker", choices=("plain", "hydro", "before", "after"), help=argparse.SUPPRESS
-    )
+    p.add_argument("--report", nargs="+", help="print saved JSON files as Markdown tables")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    for k, v in BUDGETS[args.budget].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.worker:
         return worker(args)
+    if args.report:
+        return report(args.report)
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        parts = m.split("+")
+        if m != "plain" and (parts[0] != "hydro" or not set(parts[1:]) <= set(SWITCHES)):
+            p.error(f"unknown method {m!r}: plain, or hydro followed by +cache, +compile, +auto")
     sys.path.insert(0, str(ROOT))
     import torch
 
     torch.set_num_threads(args.threads)
-    methods = [m for m in args.methods.split(",") if m]
-    rev = subprocess.run(["git", "rev-parse", "--short", args.before_rev], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    now = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip()  # fmt: skip
+    hydro_path = str(Path(args.hydro_path).resolve())
+    config = {k: getattr(args, k) for k in ("budget", "trials", "ratio", "fuse", "width", "layers",
+              "heads", "block", "batch", "steps", "eval_every", "chars", "threads", "first_group",
+              "check_seeds")}  # fmt: skip
+    config.update(plain=tree(str(ROOT)), hydro=tree(hydro_path), torch=torch.__version__)
     print(f"charlm GPT: {args.layers} layers, width {args.width}, {args.heads} heads, block "
           f"{args.block}, batch {args.batch}, {args.steps} steps (evaluation every "
           f"{args.eval_every}), text {args.chars or 'all'} characters; {args.trials} "
-          f"configurations, TPE + median pruner; hydro ratio {args.ratio}, {args.fuse} fused; "
-          f"before = {rev}, after = {now} (+ working tree); {args.threads} thread(s); full-model "
-          f"check: mean of {args.check_seeds} seed(s)")  # fmt: skip
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="hydro-before-") as tmp:
-        roots = {"plain": str(ROOT), "before": checkout(args.before_rev, tmp), "after": str(ROOT)}
+          f"configurations, TPE + median pruner; hydro ratio {args.ratio}, {args.fuse} fused, "
+          f"from {config['hydro']}; plain from {config['plain']}; {args.threads} thread(s); "
+          f"full-model check: mean of {args.check_seeds} seed(s)", flush=True)  # fmt: skip
+    rows: list[dict] = []
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": config, "repeats": rows}, indent=1))
+
+    with tempfile.TemporaryDirectory(prefix="hydro-e2e-") as tmp:
+        env = {"PYTHONPYCACHEPREFIX": os.path.join(tmp, "pycache")}  # leave --hydro-path's tree be
+        if hydro_path == str(ROOT):
+            env = {}
         for r in range(args.first_repeat, args.first_repeat + args.repeats):
-            row: dict = {"repeat": r}
+            row: dict = {"repeat": r, "load": {"before": uptime()}}
+            rows.append(row)
             for m in methods:
-                row[m] = run_worker(args, "plain" if m == "plain" else m, roots[m], seed=r)
-                print(f"  repeat {r} {m}: {row[m]['wall']:.1f} s, {row[m]['states']}", flush=True)
+                root = str(ROOT) if m == "plain" else hydro_path
+                if "cache" in m.split("+"):  # warm the caches: the same search, 4 steps, untimed
+                    warm = run_worker(args, m, root, r, {**env, **method_env(m, tmp, r)},
+                                      steps=4, eval_every=4)  # fmt: skip
+                    print(f"  repeat {r} warmed {m}: {warm.get('cache', warm.get('na'))}, "
+                          f"{warm['process_cpu']:.1f} cpu s", flush=True)  # fmt: skip
+                row[m] = run_worker(args, m, root, r, {**env, **method_env(m, tmp, r)})
+                if "cache" in m.split("+"):
+                    row[m]["warm"] = {k: warm.get(k) for k in ("process_wall", "process_cpu",
+                                      "cache", "na")}  # fmt: skip
+                row[m]["load"] = uptime()
+                print(f"  repeat {r} {m}: " + (row[m].get("na") or f"{row[m]['wall']:.1f} s, "
+                      f"{row[m]['cpu']:.1f} cpu s, {row[m]['states']}, cache "
+                      f"{row[m].get('cache')}, {row[m]['load']}"),
+                      flush=True)  # fmt: skip
+                save()
             checked: dict[str, float] = {}
             for m in methods:
+                if "na" in row[m]:
+                    continue
                 key = json.dumps(row[m]["best"], sort_keys=True)
                 if key not in checked:
                     losses = [full_model_run(args, row[m]["best"], seed=1000 * (s + 1) + r)
                               for s in range(args.check_seeds)]  # fmt: skip
                     checked[key] = statistics.fmean(losses)
                 row[m]["full_loss"] = checked[key]
-            rows.append(row)
+            row["load"]["after"] = uptime()
+            save()
             print_repeat(row, methods)
-            if args.json:
-                Path(args.json).write_text(json.dumps(rows, indent=1))
     print_summary(rows, methods)
+
+
+def ratio(base: dict | None, x: dict, key: str) -> str:
+    return f"{base[key] / x[key]:.1f}x" if base else ""
+
+
+def gap(base: dict | None, x: dict) -> float | None:
+    if not base:
+        return None
+    return 100 * (x["full_loss"] - base["full_loss"]) / base["full_loss"]
 
 
 def print_repeat(row: dict, methods: list[str]) -> None:
     r = row["repeat"]
-    print(f"\nrepeat {r} (seed {r}):")
+    print(f"\nrepeat {r} (seed {r}; {row['load']['before']} before, {row['load']['after']} "
+          "after):")  # fmt: skip
+    w = max(len(m) for m in methods)
     for m in methods:
-        best = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row[m]["best"].items()}
-        print(f"  {m:7} choice {best}")
+        if "na" not in row[m]:
+            best = {k: round(v, 5) if isinstance(v, float) else v
+                    for k, v in row[m]["best"].items()}  # fmt: skip
+            print(f"  {m:{w}} choice {best}")
     base = row.get("plain")
-    print(f"  {'method':7} {'wall s':>8} {'cpu s':>8} {'speed-up wall/cpu':>18} "
-          f"{'full-model loss':>16} {'gap':>8} {'trials':>22} {'occupancy':>10}")  # fmt: skip
+    print(f"  {'method':{w}} {'wall s':>7} {'cpu s':>7} {'process':>7} {'1st eval':>8} "
+          f"{'plain/x wall':>12} {'cpu':>5} {'full loss':>9} {'gap':>7} {'done/pruned':>11} "
+          f"{'trial-steps':>11}")  # fmt: skip
     for m in methods:
         x = row[m]
-        speed = f"{base['wall'] / x['wall']:.1f}x/{base['cpu'] / x['cpu']:.1f}x" if base else ""
-        gap = f"{100 * (x['full_loss'] - base['full_loss']) / base['full_loss']:+.2f}%" \
-            if base else ""  # fmt: skip
-        occ = x.get("occupancy") or {}
-        occ_s = f"{100 * occ['while_asking']:.0f}%" if occ.get("while_asking") else ""
+        if "na" in x:
+            print(f"  {m:{w}} n/a ({x['na']})")
+            continue
+        g = gap(base, x)
         st = x["states"]
-        trials = (
-            f"{st.get('COMPLETE', 0)} done {st.get('PRUNED', 0)} pruned {st.get('FAIL', 0)} failed"
-        )
-        print(f"  {m:7} {x['wall']:8.1f} {x['cpu']:8.1f} {speed:>18} {x['full_loss']:16.4f} "
-              f"{gap:>8} {trials:>22} {occ_s:>10}")  # fmt: skip
+        print(f"  {m:{w}} {x['wall']:7.1f} {x['cpu']:7.1f} {x['process_wall']:7.1f} "
+              f"{x['first_eval'] or math.nan:8.1f} {ratio(base, x, 'wall'):>12} "
+              f"{ratio(base, x, 'cpu'):>5} {x['full_loss']:9.4f} "
+              f"{'' if g is None else f'{g:+.2f}%':>7} "
+              f"{st.get('COMPLETE', 0):>5}/{st.get('PRUNED', 0):<5} "
+              f"{st['trial_steps']:>11}")  # fmt: skip
 
 
 def print_summary(rows: list[dict], methods: list[str]) -> None:
-    if "plain" not in methods:
-        return
+    def med(xs: list[float], unit: str, fmt: str = ".1f") -> str:
+        return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}}{unit} to "
+                f"{max(xs):{fmt}}{unit})")  # fmt: skip
+
     print(f"\nover {len(rows)} repeat(s), medians (range):")
     for m in methods:
-        if m == "plain":
+        done = [row for row in rows if "full_loss" in row.get(m, {})]
+        if not done:
+            print(f"  {m}: n/a")
             continue
-        speed = [row["plain"]["wall"] / row[m]["wall"] for row in rows]
-        cpu = [row["plain"]["cpu"] / row[m]["cpu"] for row in rows]
-        gaps = [100 * (row[m]["full_loss"] - row["plain"]["full_loss"]) / row["plain"]["full_loss"]
-                for row in rows]  # fmt: skip
-        print(f"  {m:7} speed-up wall {statistics.median(speed):.1f}x ({min(speed):.1f}-"
-              f"{max(speed):.1f}x), cpu {statistics.median(cpu):.1f}x ({min(cpu):.1f}-"
-              f"{max(cpu):.1f}x); full-model loss vs plain's {statistics.median(gaps):+.2f}% "
-              f"({min(gaps):+.2f}% to {max(gaps):+.2f}%)")  # fmt: skip
-    if {"before", "after"} <= set(methods):
-        ratio = [row["before"]["wall"] / row["after"]["wall"] for row in rows]
-        cpu = [row["before"]["cpu"] / row["after"]["cpu"] for row in rows]
-        print(f"  after vs before: {statistics.median(ratio):.2f}x less wall time "
-              f"({min(ratio):.2f}-{max(ratio):.2f}x), {statistics.median(cpu):.2f}x less cpu "
-              f"({min(cpu):.2f}-{max(cpu):.2f}x)")  # fmt: skip
+        line = (f"  {m}: wall {med([r[m]['wall'] for r in done], ' s')}, cpu "
+                f"{med([r[m]['cpu'] for r in done], ' s')}, first eval "
+                f"{med([r[m]['first_eval'] for r in done], ' s')}")  # fmt: skip
+        if m != "plain" and "plain" in methods:
+            line += (f"; plain/{m}: wall "
+                     f"{med([r['plain']['wall'] / r[m]['wall'] for r in done], 'x')}, cpu "
+                     f"{med([r['plain']['cpu'] / r[m]['cpu'] for r in done], 'x')}; "
+                     f"full-model loss gap "
+                     f"{med([gap(r['plain'], r[m]) for r in done], '%', '+.2f')}")  # fmt: skip
+        print(line)
+
+
+def report(paths: list[str]) -> None:
+    """``--report A.json [B.json ...]``: the saved repeats as Markdown tables, merged by repeat
+    (a method from another tree than plain's is named ``method@tree``; plain, same seed, is
+    the same search in every file)."""
+    rows: dict[int, dict] = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        tree_ = saved["config"]["hydro"].split()[0]
+        suffix = "" if tree_ == saved["config"]["plain"].split()[0] else "@" + Path(tree_).name
+        for row in saved["repeats"]:
+            into = rows.setdefault(row["repeat"], {})
+            for m, x in row.items():
+                if isinstance(x, dict) and "wall" in x and "full_loss" in x:
+                    into.setdefault(m if m == "plain" else m + suffix, x)
+    methods = list(dict.fromkeys(m for row in rows.values() for m in row))
+    methods.sort(key=lambda m: m != "plain")  # plain first, the others as they came
+    print("| repeat | method | wall s | CPU s | process CPU s | first eval s | plain/method wall "
+          "(CPU) | complete / pruned | trial-steps | full-model loss | gap vs plain | load after "
+          "|")  # fmt: skip
+    print("|---" * 12 + "|")
+    for r, row in sorted(rows.items()):
+        base = row.get("plain")
+        for m in methods:
+            if m not in row:
+                continue
+            x, g = row[m], gap(base, row[m])
+            speed = "" if base is None or x is base else \
+                f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})"  # fmt: skip
+            st = x["states"]
+            print(f"| {r} | {m} | {x['wall']:.1f} | {x['cpu']:.1f} | {x['process_cpu']:.1f} | "
+                  f"{x['first_eval'] or math.nan:.1f} | {speed} | {st.get('COMPLETE', 0)} / "
+                  f"{st.get('PRUNED', 0)} | {st['trial_steps']} | {x['full_loss']:.4f} | "
+                  f"{'' if m == 'plain' or g is None else f'{g:+.2f}%'} | "
+                  f"{x['load'].split()[2].rstrip(',')} |")  # fmt: skip
+    print("\n| method | CPU s | wall s | plain/method CPU | plain/method wall | gap vs plain | "
+          "CPU per trial-step |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for m in methods:
+        done = [row for row in rows.values() if m in row and "plain" in row]
+        if not done:
+            continue
+
+        def med(xs: list[float], fmt: str = ".1f", unit: str = "") -> str:
+            return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}} to {max(xs):{fmt}}"
+                    f"{unit})" if len(xs) > 1 else f"{xs[0]:{fmt}}{unit}")  # fmt: skip
+
+        per_step = [1000 * r[m]["cpu"] / r[m]["states"]["trial_steps"] for r in done]
+        cells = [med([r[m]["cpu"] for r in done]), med([r[m]["wall"] for r in done])]
+        if m == "plain":
+            cells += ["", "", ""]
+        else:
+            cells += [med([r["plain"]["cpu"] / r[m]["cpu"] for r in done], ".1f", "x"),
+                      med([r["plain"]["wall"] / r[m]["wall"] for r in done], ".1f", "x"),
+                      med([gap(r["plain"], r[m]) for r in done], "+.2f", "%")]  # fmt: skip
+        print(f"| {m} | " + " | ".join(cells) + f" | {med(per_step, '.0f', ' ms')} |")
 
 
 if __name__ == "__main__":
