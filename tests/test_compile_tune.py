@@ -195,10 +195,17 @@ def test_no_compiler_means_eager_and_says_why(monkeypatch: pytest.MonkeyPatch) -
     why = "torch.compile cannot run here (CalledProcessError: no C++ compiler)"
     monkeypatch.setattr(compiling, "unavailable", lambda: why)
     said: list[str] = []
-    group = FusedGroup(
-        toy_task(), [(0, {"lr": 1e-2}, 0)], ratio=2, compile="auto", note=said.append
-    )
+    group = FusedGroup(toy_task(), [(0, {"lr": 1e-2}, 0)], ratio=2, compile=True, note=said.append)
     group.step()
+    assert said == [f"compile: True -> off ({why})"]
+    assert group.compile is False and group.fused._compiler is None
+    # "auto" checks only once it would compile (the check itself compiles: seconds, cold)
+    monkeypatch.setattr(compiling, "decide", lambda *a, **k: (True, "compile: auto -> on (...)"))
+    said.clear()
+    group = FusedGroup(toy_task(), [(0, {"lr": 1e-2}, 0)], ratio=2, compile="auto",
+                       note=said.append)  # fmt: skip
+    for _ in range(compiling.MEASURED_STEPS + 1):
+        group.step()
     assert said == [f"compile: auto -> off ({why})"]
     assert group.compile is False and group.fused._compiler is None
 

@@ -17,6 +17,7 @@ from then on (same results).
 from __future__ import annotations
 
 import inspect
+import logging
 import operator
 import threading
 import time
@@ -140,6 +141,13 @@ class Lifted:
         return tree_unflatten(list(out), info.out_spec)
 
 
+def quiet_cuda_home() -> None:
+    """Silence torch's "No CUDA runtime is found, using CUDA_HOME=..." at the first compile on
+    a host without a GPU (a CUDA build of torch on a CPU machine): it asks nothing of the user."""
+    if not torch.cuda.is_available():
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
 def _meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
@@ -204,6 +212,7 @@ class Compiler:
         from hydro.fusion import random as _random
 
         torch.compiler.assume_constant_result(_random._keep_scale)  # marks it, in place
+        quiet_cuda_home()
         options = dict(self.options)
         backend = options.pop("backend", None)
         mode = options.pop("mode", None)

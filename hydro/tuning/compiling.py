@@ -61,6 +61,9 @@ def unavailable() -> str | None:
     C++ compiler, checked once by compiling a one-op function."""
     import torch
 
+    from hydro.fusion.compiled import quiet_cuda_home
+
+    quiet_cuda_home()
     try:
         fn = torch.compile(lambda x: x * 2 + 1, backend="inductor", fullgraph=True)
         if not torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0)):

@@ -345,7 +345,8 @@ class FusedGroup:
         self.compile = compiling.check_compile(compile)
         self._note = note or (lambda line: None)
         self._trials_left = len(members) if trials_left is None else int(trials_left)
-        if self.compile is not False and compiling.unavailable():
+        # "auto" checks once it would compile: the check is itself a compile (seconds, cold)
+        if self.compile not in (False, "auto") and compiling.unavailable():
             self._note(f"compile: {self.compile} -> off ({compiling.unavailable()})")
             self.compile = False
         self._timings: list[float] | None = [] if self.compile == "auto" else None
@@ -564,6 +565,8 @@ class FusedGroup:
         left = max(self._trials_left * self.task.steps / max(self.n, 1) - self.steps, 0.0)
         nodes = sum(len(gm.graph.nodes) for gm in self.fused._graphs.values())
         on, line = compiling.decide(step_s, left, compiling.estimate_compile_seconds(nodes))
+        if on and compiling.unavailable():
+            on, line = False, f"compile: auto -> off ({compiling.unavailable()})"
         self._note(line)
         self.compile = on
         if on:
