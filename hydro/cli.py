@@ -169,6 +169,21 @@ def _synthetic_task(out: Any) -> tuple[torch.Tensor, Callable]:
     return torch.randn_like(out), mse
 
 
+def _say_hydro_lines() -> None:
+    """Lines the tuner says to the ``hydro`` logger when no progress display takes them (the
+    ``compile: auto`` decision) reach stderr, as the command's own lines do."""
+    import logging
+
+    class Stderr(logging.Handler):  # the stderr of the moment (a test may swap it)
+        def emit(self, record: logging.LogRecord) -> None:
+            print(record.getMessage(), file=sys.stderr)
+
+    log = logging.getLogger("hydro")
+    if not log.handlers:
+        log.addHandler(Stderr())
+        log.setLevel(logging.INFO)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
@@ -198,6 +213,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         compile=args.compile,
     )  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    _say_hydro_lines()
     executor = make_executor(args.executor)
     from hydro.fx.floor import task_ratio
     from hydro.tuning.driver import optimize

@@ -163,6 +163,8 @@ def test_cli_flag(project, capsys) -> None:  # noqa: ANN001
     assert main(["tune", "tune.yaml", "--compile", "auto", "--no-progress"]) == 0
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
     assert study.user_attrs["hydro_compile"][0].startswith("compile: auto -> off")
+    # without a progress display the decision still reaches the terminal
+    assert "compile: auto -> off (eager step" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "tune.yaml", "--compile", "sometimes"])
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
