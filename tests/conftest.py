@@ -1,5 +1,5 @@
-"""The whole suite captures models into one throwaway capture cache, never the user's; and
-``one_thread``, for test modules of tiny tensors."""
+"""The whole suite captures models into one throwaway capture cache, never the user's; inductor
+compiles in-process; and ``one_thread``, for test modules of tiny tensors."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ _OWN = "_HYDRO_TEST_CACHE_OWNER"
 
 
 def pytest_configure(config: object) -> None:
+    # inductor compiles in the test's own process: its default pool of compile workers (one
+    # process per core, each importing torch) would compete with the other xdist worker
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     # xdist workers inherit the controller's environment: they share its folder (writes of one
     # key by two workers are atomic replaces of whole files)
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_OWN):
