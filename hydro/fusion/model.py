@@ -48,13 +48,14 @@ def _example_key(args: tuple, kwargs: Mapping[str, Any]) -> str:
     return f"{spec}|{kinds}"
 
 
-def _flat_signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
-    """A cheap key for calls whose inputs are tensors and plain scalars (``None`` otherwise):
-    the same key means the same :func:`_example_key`."""
+def _flat_inputs(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
+    """A call's inputs when they are tensors and plain scalars (``None`` otherwise): each
+    tensor's shape, each scalar's type and value. Calls with equal results have the same
+    :func:`_example_key` and, on one graph, the same :func:`_check_shapes` verdict."""
     out = []
     for name, v in (*((None, a) for a in args), *kwargs.items()):
         if isinstance(v, torch.Tensor):
-            out.append((name, v.dim()))
+            out.append((name, v.shape))
         elif v is None or isinstance(v, (bool, int, float, str)):
             out.append((name, type(v), v))
         else:
@@ -62,18 +63,10 @@ def _flat_signature(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
     return tuple(out)
 
 
-def _flat_shapes(args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
-    """The input shapes of a flat call (tensors and plain scalars; ``None`` otherwise): a call of
-    the same graph with the same shapes passes :func:`_check_shapes` as the last one did."""
-    out = []
-    for name, v in (*((None, a) for a in args), *kwargs.items()):
-        if isinstance(v, torch.Tensor):
-            out.append((name, v.shape))
-        elif v is None or isinstance(v, (bool, int, float, str)):
-            out.append((name, v))
-        else:
-            return None
-    return tuple(out)
+def _ranks(flat: tuple) -> tuple:
+    """:func:`_flat_inputs` with each shape reduced to its rank: a key with one entry per call
+    structure, however many batch sizes and lengths the calls have."""
+    return tuple((e[0], len(e[1])) if len(e) == 2 else e for e in flat)
 
 
 # distinct input shapes remembered as checked, per graph (a run sees a few: its batch sizes)
@@ -278,10 +271,12 @@ class FusedModel(nn.Module):
                     found[mode] = _capture_mode(src, example, mode)
         return key, graphs
 
-    def _graph_for(self, args: tuple, kwargs: dict, shared: bool) -> torch.fx.GraphModule:
+    def _graph_for(
+        self, args: tuple, kwargs: dict, shared: bool, inputs: tuple | None = None
+    ) -> torch.fx.GraphModule:
         mode = "train" if self.training else "eval"
         # the common call (flat tensor inputs, seen before) skips the full structure key
-        flat = _flat_signature(args, kwargs)
+        flat = _ranks(inputs) if inputs is not None else None
         cache = self._recent.get((flat, mode, shared)) if flat is not None else None
         if cache is not None and cache in self._graphs:
             return self._graphs[cache]
@@ -316,7 +311,7 @@ class FusedModel(nn.Module):
         """Whether a forward on these inputs, in the current mode, draws random numbers
         (dropout, drop-path, sampling). Builds the graph that call would run (kept for it)
         but runs nothing, so no trial's random stream moves."""
-        gm = self._graph_for(args, kwargs, shared)
+        gm = self._graph_for(args, kwargs, shared, _flat_inputs(args, kwargs))
         return any(n.op == "call_function" and n.target is _random.stream_keys
                    for n in gm.graph.nodes)  # fmt: skip
 
@@ -330,10 +325,10 @@ class FusedModel(nn.Module):
                         "shared=False expects inputs with a leading trial dimension of "
                         f"{self.n}, got shape {tuple(a.shape)}"
                     )
-        gm = self._graph_for(args, kwargs, shared)
+        shapes = _flat_inputs(args, kwargs)
+        gm = self._graph_for(args, kwargs, shared, shapes)
         # the sizes a surrogate checks (only the batch is dynamic), with the surrogate's error;
         # flat inputs of shapes this graph already passed skip the walk
-        shapes = _flat_shapes(args, kwargs)
         checked = gm.__dict__.setdefault("hydro_checked", set())
         if shapes is None or shapes not in checked:
             one = (args, kwargs) if shared else tree_map(_first_trial, (args, kwargs))

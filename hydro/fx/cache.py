@@ -70,6 +70,12 @@ def enabled(cache: bool | None = None) -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
 
 
+def for_task(task: Any) -> bool | None:
+    """``capture(..., cache=)`` for a task (:class:`hydro.Task`): ``False`` where its ``cache``
+    is off (whatever ``$HYDRO_CACHE`` says), else ``None`` (as ``$HYDRO_CACHE`` says)."""
+    return None if getattr(task, "cache", True) else False
+
+
 def directory() -> str:
     """Where entries live (see the module docstring)."""
     path = os.environ.get(ENV_DIR)

@@ -211,6 +211,7 @@ def task_ratio(task: Any, ratio: Any) -> int:
     An integer is returned as is; ``"auto"`` is chosen (:func:`choose`) on the model the task
     builds with its default arguments, captured on the same example inputs as a group would be.
     """
+    from hydro.fx import cache as _cache
     from hydro.fx.capture import capture
 
     check_ratio(ratio)
@@ -221,8 +222,7 @@ def task_ratio(task: Any, ratio: Any) -> int:
         args, kwargs = tuple(task.example_inputs), {}
     else:
         args, kwargs, _ = task.split(next(task.train_batches(2, seed=0)))
-    cache = None if getattr(task, "cache", True) else False  # Task(cache=False): off
-    choice, _ = choose(capture(model, args, kwargs, cache=cache), args, kwargs)
+    choice, _ = choose(capture(model, args, kwargs, cache=_cache.for_task(task)), args, kwargs)
     warn_if_full(choice, type(model).__name__)
     return choice.ratio
 

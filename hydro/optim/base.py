@@ -185,6 +185,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._scratch_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def set_compile(self, compile: bool | str | Callable) -> None:
+        """Switch how the update runs from the next step on (``compile`` as in the
+        constructor); an update compiled before is dropped."""
+        self.compile, self._math = compile, None
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters become float64 tensors ``[n]``."""
         super().add_param_group(param_group)

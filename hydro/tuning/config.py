@@ -207,16 +207,12 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         if key not in raw:
             raise ConfigError(f"{path}: missing key '{key}'")
     given = {k: v for k, v in overrides.items() if v is not None}
-    steps = given.pop("steps", None)
-    if steps is not None:  # --steps: the task's training steps
+    # --steps and --no-cache set keys of the task: its training steps, its capture cache
+    in_task = {k: given.pop(k) for k in ("steps", "cache") if k in given}
+    if in_task:
         if not isinstance(raw["task"], Mapping):
             raise ConfigError(f"{path}: task must be a mapping")
-        raw = {**raw, "task": {**raw["task"], "steps": steps}}
-    cache = given.pop("cache", None)
-    if cache is not None:  # --no-cache: the task's capture cache
-        if not isinstance(raw["task"], Mapping):
-            raise ConfigError(f"{path}: task must be a mapping")
-        raw = {**raw, "task": {**raw["task"], "cache": cache}}
+        raw = {**raw, "task": {**raw["task"], **in_task}}
     for key in ("sampler", "pruner"):  # a sampler named on the command line: not the
         if key in given and given[key] != raw.get(key):  # config's sampler's arguments
             raw = {k: v for k, v in raw.items() if k != f"{key}_args"}

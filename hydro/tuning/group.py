@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
+from hydro.fx import cache as _capture_cache
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import compiling, parallel
@@ -200,11 +201,6 @@ def build_members(
     return [builder.make(dict(p), int(sd)) for p, sd in zip(params, seeds)]
 
 
-def _cache(task: Task) -> bool | None:
-    """The capture cache for ``task``: off with ``cache=False``, else as ``$HYDRO_CACHE`` says."""
-    return None if getattr(task, "cache", True) else False
-
-
 def _lit(x: Any) -> Any:
     return torch.fx.node.map_arg(x, lambda n: ("node", n.name))
 
@@ -215,7 +211,8 @@ def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  #
 
     # training is where a literal like dropout acts; the eval graph keeps the first member's
     other = capture(task.build_model(**{**args0, name: value}), example[0], example[1],
-                    modes=("train",), dynamic=task.dynamic, cache=_cache(task))  # fmt: skip
+                    modes=("train",), dynamic=task.dynamic,
+                    cache=_capture_cache.for_task(task))  # fmt: skip
     sites = []
     for mode, gm in scaled.captured.graphs.items():
         if mode not in other.graphs:
@@ -549,7 +546,7 @@ class FusedGroup:
         if self.fused._compiler is not None:  # self.compile stays: the key's later groups
             self.compiled_graphs = self.fused._compiler
             self.fused.compile(False)
-            self.opt.compile, self.opt._math = False, None
+            self.opt.set_compile(False)
         elif self._timings is not None:  # "auto" still measuring: a new size, a new graph
             self._timings = []
 
@@ -571,7 +568,7 @@ class FusedGroup:
         self.compile = on
         if on:
             self.fused.compile(True)
-            self.opt.compile, self.opt._math = True, None  # its compiled update, from now on
+            self.opt.set_compile(True)  # its compiled update, from now on
 
     def _replica(self, batches: list[Any]) -> tuple[list[Any], Callable]:
         """This replica's shards of ``batches``, and the reduction of its losses and gradients
@@ -628,7 +625,7 @@ class _Builder:
         self.args0 = {k: params0[k] for k in self.names}
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
-                            cache=_cache(task), **self.depth)  # fmt: skip
+                            cache=_capture_cache.for_task(task), **self.depth)  # fmt: skip
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -638,7 +635,7 @@ class _Builder:
         if any(v is None for v in sites.values()):
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
                         example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
-                        dynamic=task.dynamic, cache=_cache(task),
+                        dynamic=task.dynamic, cache=_capture_cache.for_task(task),
                         **self.depth).surrogate  # fmt: skip
         else:
 
