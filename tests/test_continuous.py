@@ -106,7 +106,9 @@ def test_pruned_study_keeps_groups_full_and_trials_reproducible():
         sampler=optuna.samplers.TPESampler(seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0),
     )
-    optimize(study, task, space, n_trials=16, ratio=2, fuse=4, seed=5)
+    # first_group=0: groups of 4 from the start (else the pruner's start-up of 3 trains
+    # alone first, leaving a slot empty)
+    optimize(study, task, space, n_trials=16, ratio=2, fuse=4, seed=5, first_group=0)
     trials = study.trials
     assert len(trials) == 16 and all(t.state.is_finished() for t in trials)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]

@@ -68,7 +68,7 @@ class TuneConfig:
     device: str = "cpu"
     depth_ratio: int = 1
     depth_alpha: float = 1.0
-    first_group: int = 0
+    first_group: int | str = "auto"  # 'auto': the pruner's start-up on the CPU (driver)
     policy: str = "dynamic"
     deadline: float | None = None
     checkpoint_dir: str | None = None  # trial checkpoints (default: beside the SQLite file)
@@ -245,7 +245,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         device=_device(raw.get("device", "cpu"), path),
         depth_ratio=_int(raw.get("depth_ratio", 1), "depth_ratio", path),
         depth_alpha=_alpha(raw.get("depth_alpha", 1.0), path),
-        first_group=_int(raw.get("first_group", 0), "first_group", path, minimum=0),
+        first_group=_first_group(raw.get("first_group", "auto"), path),
         policy=raw.get("policy", "dynamic"),
         deadline=raw.get("deadline"),
         checkpoint_dir=_directory(raw.get("checkpoint_dir"), "checkpoint_dir", path),
@@ -254,7 +254,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         compile=_compile(raw.get("compile", False), path),
         data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
     )
-    if isinstance(cfg.fuse, int) and cfg.first_group > cfg.fuse:
+    if isinstance(cfg.fuse, int) and isinstance(cfg.first_group, int) \
+            and cfg.first_group > cfg.fuse:  # fmt: skip
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
                           f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
     return cfg
@@ -431,6 +432,10 @@ def _device(value: Any, path: str) -> str:
         return check_device(value)
     except ConfigError as exc:
         raise ConfigError(f"{path}: device: {exc}") from exc
+
+
+def _first_group(value: Any, path: str) -> int | str:
+    return "auto" if value == "auto" else _int(value, "first_group", path, minimum=0)
 
 
 def _int(value: Any, key: str, path: str, minimum: int = 1) -> int:

@@ -303,7 +303,7 @@ def tune(
     device: str = "cpu",
     depth_ratio: int = 1,
     depth_alpha: float = 1.0,
-    first_group: int = 0,
+    first_group: int | str = "auto",
     policy: str = "dynamic",
     deadline: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -363,7 +363,9 @@ def tune(
         first_group: train this many trials first, as a group of their own and to the end,
             before groups of ``fuse`` (in this process only): the default ``MedianPruner``
             compares against completed trials, so otherwise it cannot prune any of the first
-            ``fuse`` (:func:`hydro.integrations.optuna.optimize`). 0 (default): off.
+            ``fuse`` (:func:`hydro.integrations.optuna.optimize`). ``"auto"`` (default): the
+            pruner's ``n_startup_trials`` on the CPU, 0 on a GPU, with an executor or another
+            pruner (:func:`hydro.tuning.driver.auto_first_group`). 0: off.
         policy: how an executor places groups on its devices: ``"dynamic"`` (default),
             ``"static"``, ``"fifo"`` (one group per device, the baseline) or ``"deadline"``
             (docs/placement.md). No effect in this process (``executor=None``).
