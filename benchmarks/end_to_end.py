@@ -216,11 +216,15 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
                       val_data=data["val"], loss="cross_entropy", optimizer="adamw",
                       scheduler="cosine", steps=args.steps, eval_every=args.eval_every,
                       batch_size=args.batch)  # fmt: skip
+    # plain's storage (Optuna's in-memory one), unless --storage sqlite
+    storage = "sqlite:///:memory:" if args.storage == "sqlite" else \
+        optuna.storages.InMemoryStorage()  # fmt: skip
     result = hydro.tune(
         task, space(args.steps), n_trials=args.trials, ratio=args.ratio, fuse=args.fuse,
-        storage="sqlite:///:memory:", seed=args.seed,
+        storage=storage, seed=args.seed,
         sampler=optuna.samplers.TPESampler(seed=args.seed, constant_liar=True),
-        pruner=timed_pruner(clock), first_group=args.first_group,
+        pruner=timed_pruner(clock),
+        **({} if args.first_group == "auto" else {"first_group": int(args.first_group)}),
         **({"compile": compile_} if has_compile else {}),
     )  # fmt: skip
     return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
@@ -286,7 +290,7 @@ def method_env(method: str, tmp: str, repeat: int | str) -> dict:
 
 def shared_argv(args: argparse.Namespace, override: dict) -> list[str]:
     keys = ("trials", "ratio", "fuse", "width", "layers", "heads", "block", "batch", "steps",
-            "eval_every", "chars", "threads", "first_group")  # fmt: skip
+            "eval_every", "chars", "threads", "first_group", "storage")  # fmt: skip
     out = []
     for k in keys:
         v = override.get(k, getattr(args, k))
@@ -326,8 +330,12 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--chars", type=int, default=None, help="use the first N characters of text")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--first-group", type=int, default=0,
-                   help="hydro.tune's first_group (5: the median pruner's start-up)")  # fmt: skip
+    p.add_argument("--first-group", default="auto",
+                   help="hydro.tune's first_group: auto (its default: the median pruner's "
+                   "start-up, 5), or a number (0: off)")  # fmt: skip
+    p.add_argument("--storage", choices=("memory", "sqlite"), default="memory",
+                   help="the hydro methods' Optuna storage: memory (plain's: Optuna's "
+                   "InMemoryStorage) or sqlite (an SQLite database in memory)")  # fmt: skip
     p.add_argument("--check-seeds", type=int, default=2, help="full-model runs per choice")
     p.add_argument("--hydro-path", default=str(ROOT), help="the tree the hydro methods import")
     p.add_argument("--methods", default="plain,hydro,hydro+cache")
@@ -356,7 +364,7 @@ def main() -> None:
     hydro_path = str(Path(args.hydro_path).resolve())
     config = {k: getattr(args, k) for k in ("budget", "trials", "ratio", "fuse", "width", "layers",
               "heads", "block", "batch", "steps", "eval_every", "chars", "threads", "first_group",
-              "check_seeds")}  # fmt: skip
+              "check_seeds", "storage")}  # fmt: skip
     config.update(plain=tree(str(ROOT)), hydro=tree(hydro_path), torch=torch.__version__)
     print(f"charlm GPT: {args.layers} layers, width {args.width}, {args.heads} heads, block "
           f"{args.block}, batch {args.batch}, {args.steps} steps (evaluation every "

@@ -195,6 +195,19 @@ def test_cli_timeout_and_first_group(project, capsys, monkeypatch):
         "3 to go" in err  # fmt: skip
 
 
+def test_config_first_group_is_auto_unless_given(project):
+    from hydro.tuning import config
+
+    text = (project / "tune.yaml").read_text()
+    assert config.load("tune.yaml").first_group == "auto"  # no key: the pruner's start-up
+    for value, want in (("auto", "auto"), ("0", 0), ("2", 2)):
+        (project / "tune.yaml").write_text(f"{text}\nfirst_group: {value}\n")
+        assert config.load("tune.yaml").first_group == want
+    (project / "tune.yaml").write_text(f"{text}\nfirst_group: some\n")
+    with pytest.raises(ConfigError, match="first_group"):
+        config.load("tune.yaml")
+
+
 @pytest.mark.parametrize(
     "flags, said",
     [

@@ -328,13 +328,14 @@ def test_first_group_trains_alone_so_the_median_pruner_can_act():
     can prune in them. Without it, the first fused group has no trial to compare against."""
     task = make_task(steps=20, eval_every=5)
     space = {"lr": FloatDistribution(1e-4, 1e-1, log=True)}
-    pruned = {}
-    for first in (0, 3):
+    pruned, runs = {}, {}
+    for first in (0, 3, "auto"):  # "auto", the default: the pruner's n_startup_trials, 3
         study = optuna.create_study(
             sampler=optuna.samplers.RandomSampler(seed=0),
             pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0),
         )
-        optimize(study, task, space, 10, ratio=2, fuse=5, first_group=first)
+        kw = {} if first == "auto" else {"first_group": first}
+        optimize(study, task, space, 10, ratio=2, fuse=5, **kw)
         trials = sorted(study.trials, key=lambda t: t.number)
         groups = [t.user_attrs["group"] for t in trials]
         if first:
@@ -343,14 +344,36 @@ def test_first_group_trains_alone_so_the_median_pruner_can_act():
             done = max(t.datetime_complete for t in trials[:3])
             assert all(t.datetime_start >= done for t in trials[3:])
         pruned[first] = [t.number for t in trials if t.state == TrialState.PRUNED]
+        runs[first] = [(t.state, t.value, t.intermediate_values, t.user_attrs["group"])
+                       for t in trials]  # fmt: skip
     assert not any(n < 5 for n in pruned[0])  # the first fused group of 5: nothing to compare
     assert pruned[3], "with a first group of 3 the pruner acts on later trials"
+    assert runs["auto"] == runs[3]  # the default is that first group, trial for trial
+
+
+def test_auto_first_group_follows_the_pruners_start_up():
+    """``first_group="auto"``: a pruner that waits for completed trials gets its start-up as
+    a first group when that is below ``fuse``, on the CPU only; other pruners get none."""
+    from hydro.tuning.driver import auto_first_group
+
+    P = optuna.pruners
+    assert auto_first_group(P.MedianPruner(), 16) == 5
+    assert auto_first_group(P.PercentilePruner(25.0, n_startup_trials=3), 16) == 3
+    assert auto_first_group(P.PatientPruner(P.MedianPruner(n_startup_trials=2), 1), 16) == 2
+    assert auto_first_group(P.MedianPruner(n_startup_trials=0), 16) == 1  # needs one complete
+    assert auto_first_group(P.MedianPruner(), 5) == 0  # the first cohort is the first group
+    assert auto_first_group(P.MedianPruner(), 16, device="cuda") == 0  # empty slots cost there
+    for other in (P.SuccessiveHalvingPruner(), P.HyperbandPruner(), P.NopPruner(),
+                  P.ThresholdPruner(upper=1.0), P.PatientPruner(None, 1)):  # fmt: skip
+        assert auto_first_group(other, 16) == 0, other
 
 
 def test_first_group_is_checked_and_refused_with_an_executor():
     task, study = make_task(steps=4), optuna.create_study()
     with pytest.raises(hydro.errors.ConfigError, match="first_group must be an integer from 0"):
         optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group=3)
+    with pytest.raises(hydro.errors.ConfigError, match="or 'auto', got 'all'"):
+        optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group="all")
     with pytest.raises(hydro.errors.ConfigError, match="with an executor every other slot"):
         optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group=1,
                  executor=object())  # fmt: skip

@@ -209,7 +209,7 @@ def optimize(
     if first_group != "auto" and (isinstance(first_group, bool)
                                   or not isinstance(first_group, int)
                                   or not 0 <= first_group <= most):  # fmt: skip
-        raise ConfigError(f"first_group must be 'auto' or an integer from 0 to fuse ({most}), "
+        raise ConfigError(f"first_group must be an integer from 0 to fuse ({most}) or 'auto', "
                           f"got {first_group!r}")  # fmt: skip
     check_depth(depth_ratio, depth_alpha)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
