@@ -13,7 +13,11 @@ heads, blocks of 64 characters; space lr, weight decay, warm-up, dropout, beta2)
   of its own. With ``+cache`` both are on, in a directory of the search's own, warmed by the same
   search (same seed) shortened to 4 steps and not timed, just before it. ``+compile`` and
   ``+auto`` pass ``compile=True`` / ``"auto"`` to ``hydro.tune`` (``n/a`` where the hydro under
-  test has no such argument); otherwise ``compile=False`` where it has one.
+  test has no such argument); otherwise ``compile=False`` where it has one. Every hydro
+  search uses plain's storage, Optuna's ``InMemoryStorage`` (``--storage sqlite``: an SQLite
+  database in memory, as before 2026-11-26, which costs hydro's asks and tells a few
+  milliseconds each), and ``hydro.tune``'s default ``first_group`` ("auto": the median
+  pruner's 5 start-up trials train alone first; ``--first-group N`` sets it, 0 turns it off).
 
 ``--hydro-path DIR`` makes the hydro methods import ``hydro`` (and ``examples``) from another
 tree, e.g. a worktree with work not merged yet; ``plain`` and the full-model checks always use
