@@ -203,9 +203,10 @@ def test_config_first_group_is_auto_unless_given(project):
     for value, want in (("auto", "auto"), ("0", 0), ("2", 2)):
         (project / "tune.yaml").write_text(f"{text}\nfirst_group: {value}\n")
         assert config.load("tune.yaml").first_group == want
-    (project / "tune.yaml").write_text(f"{text}\nfirst_group: some\n")
-    with pytest.raises(ConfigError, match="first_group"):
-        config.load("tune.yaml")
+    for bad in ("some", "-1", "true"):
+        (project / "tune.yaml").write_text(f"{text}\nfirst_group: {bad}\n")
+        with pytest.raises(ConfigError, match="first_group must be auto or an integer >= 0"):
+            config.load("tune.yaml")
 
 
 @pytest.mark.parametrize(

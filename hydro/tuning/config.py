@@ -435,7 +435,9 @@ def _device(value: Any, path: str) -> str:
 
 
 def _first_group(value: Any, path: str) -> int | str:
-    return "auto" if value == "auto" else _int(value, "first_group", path, minimum=0)
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ConfigError(f"{path}: first_group must be auto or an integer >= 0, got {value!r}")
 
 
 def _int(value: Any, key: str, path: str, minimum: int = 1) -> int:
