@@ -1,0 +1,107 @@
+"""A graph read back from the capture cache (hydro.fx.serial, without torch's deserializer) is the
+graph a fresh capture makes: the same nodes and the metadata Hydro's passes read, and in float64
+bit-identical outputs, gradients and fused training steps (the README's char-level GPT, with
+dropout and a sequence length left dynamic, and a CNN with batch norm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hydro.optim
+from hydro.fusion import fuse
+from hydro.fusion.facts import batch_facts
+from hydro.fx import cache
+from hydro.fx.capture import Captured, _captured_shapes, capture
+from tests.zoo import ResNet
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HYDRO_CACHE", raising=False)
+
+
+def _gpt() -> tuple[nn.Module, tuple, dict]:
+    from examples.charlm.model import gpt
+
+    torch.manual_seed(0)
+    model = gpt(n_layer=2, n_head=2, n_embd=16, block_size=16, dropout=0.1).double()
+    return model, (torch.randint(0, 60, (3, 16)),), {"dynamic": "auto"}
+
+
+def _cnn() -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    return ResNet(width=4).double(), (torch.randn(3, 3, 8, 8, dtype=torch.float64),), {}
+
+
+def _stack(node: torch.fx.Node) -> dict:
+    # a fresh capture names the module classes, a loaded one their qualified names
+    stack = node.meta.get("nn_module_stack") or {}
+    return {k: (p, t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}")
+            for k, (p, t) in stack.items()}  # fmt: skip
+
+
+def _val(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return ("T", str(tuple(v.shape)), str(v.stride()), str(v.storage_offset()), v.dtype,
+                v.device, v.requires_grad, isinstance(v, torch.Tensor))  # fmt: skip
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__, *map(_val, v)]
+    return (type(v).__name__, str(v))
+
+
+def _same_graphs(loaded: Captured, fresh: Captured) -> None:
+    for mode in ("train", "eval"):
+        a, b = loaded.graphs[mode], fresh.graphs[mode]
+        assert a.code == b.code, mode
+        assert a._in_spec == b._in_spec and a._out_spec == b._out_spec
+        for x, y in zip(a.graph.nodes, b.graph.nodes, strict=True):
+            assert (x.op, x.name, x.target, str(x.args), str(x.kwargs)) == (
+                y.op, y.name, y.target, str(y.args), str(y.kwargs))  # fmt: skip
+            assert _val(x.meta.get("val")) == _val(y.meta.get("val")), x.name
+            assert _stack(x) == _stack(y) and x.meta.get("stack_trace") == y.meta.get(
+                "stack_trace"
+            ), x.name
+        assert _captured_shapes(a) == _captured_shapes(b)  # ranges of the dynamic sizes
+        fa, fb = batch_facts(a), batch_facts(b)
+        assert [str(fa[n]) for n in a.graph.nodes] == [str(fb[n]) for n in b.graph.nodes]
+
+
+def _forward_backward(cap: Captured, x: tuple, train: bool) -> tuple:
+    cap.train(train)
+    cap.zero_grad()
+    torch.manual_seed(5)  # the same dropout masks
+    out = cap(*x)
+    (out**2).sum().backward()
+    return out.detach(), [p.grad.clone() for p in cap.parameters()]
+
+
+def _fused_step(cap: Captured, x: tuple) -> list[torch.Tensor]:
+    fused = fuse([cap, cap], seed=3).train()
+    opt = hydro.optim.AdamW(fused.parameters(), lr=[1e-2, 3e-2], weight_decay=[0.0, 0.1])
+    for _ in range(2):
+        opt.zero_grad()
+        (fused(*x) ** 2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in fused.parameters()]
+
+
+@pytest.mark.parametrize("make", [_gpt, _cnn], ids=["charlm_gpt", "cnn"])
+def test_a_loaded_graph_is_the_fresh_capture(folder, make, one_thread):
+    model, x, kw = make()
+    capture(model, x, **kw)  # writes both modes
+    hits = cache.stats["hits"]
+    loaded = capture(model, x, **kw)
+    assert cache.stats["hits"] == hits + 2
+    model2, _, _ = make()  # the same weights, captured without the cache
+    fresh = capture(model2, x, cache=False, **kw)
+    _same_graphs(loaded, fresh)
+    for train in (True, False):
+        out_l, grads_l = _forward_backward(loaded, x, train)
+        out_f, grads_f = _forward_backward(fresh, x, train)
+        assert torch.equal(out_l, out_f)
+        assert all(torch.equal(g, h) for g, h in zip(grads_l, grads_f, strict=True))
+    steps_l, steps_f = _fused_step(loaded, x), _fused_step(fresh, x)
+    assert all(torch.equal(p, q) for p, q in zip(steps_l, steps_f, strict=True))
