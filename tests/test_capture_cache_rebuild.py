@@ -105,3 +105,43 @@ def test_a_loaded_graph_is_the_fresh_capture(folder, make, one_thread):
         assert all(torch.equal(g, h) for g, h in zip(grads_l, grads_f, strict=True))
     steps_l, steps_f = _fused_step(loaded, x), _fused_step(fresh, x)
     assert all(torch.equal(p, q) for p, q in zip(steps_l, steps_f, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:ratio 2 takes")
+def test_another_study_with_other_dropouts_hits_the_cache(folder, monkeypatch, one_thread):
+    import functools
+
+    from examples.charlm.model import gpt
+    from hydro.scaling import build
+    from hydro.tuning import group
+    from hydro.tuning.task import Task
+
+    factory = functools.partial(gpt, n_layer=1, n_head=2, n_embd=32, block_size=16)
+    x = torch.randint(0, 60, (32, 16))
+    task = Task(model=factory, train_data=(x, x), val_data=(x[:8], x[:8]), steps=2)
+    example = ((torch.randint(0, 60, (2, 16)),), {})
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    group.build_members(task, [{"dropout": 0.1}, {"dropout": 0.05}], 2, [0, 1], example)
+    assert len(exports) == 3  # train and eval, and train at the second rate
+    group._SITES.clear()  # what a new process (a resume, another seed) starts from
+    hits = cache.stats["hits"]
+    params = [{"dropout": 0.17}, {"dropout": 0.0}, {"dropout": 0.125}]
+    members = group.build_members(task, params, 2, [7, 8, 9], example)
+    assert len(exports) == 3 and cache.stats["hits"] == hits + 3
+    for sur, p in zip(members, params):
+        nodes = sur.graphs["train"].graph.nodes
+        rates = {n.args[1] for n in nodes if n.target is torch.ops.aten.dropout.default}
+        assert rates == {p["dropout"]}
+    # a member drawn from the canonical capture is the member captured at its own rate
+    sur, p, seed = members[0], params[0], 7
+    own = build(group._target(task, p), 2, example_inputs=example[0], seed=seed, cache=False)
+    own = own.surrogate
+    pairs = zip(sur.state_dict().values(), own.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    sur.train(), own.train()
+    torch.manual_seed(3)
+    out = sur(*example[0])
+    torch.manual_seed(3)
+    assert torch.equal(out, own(*example[0]))  # the same dropout masks at the same rate
