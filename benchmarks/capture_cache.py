@@ -138,6 +138,10 @@ ROWS = ("import torch", "import optuna", "import hydro", *(p[0] for p in PHASES)
         "to the first step", "total", "process", "next step", "hits")  # fmt: skip
 
 
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -152,6 +156,7 @@ def main() -> None:
     if args.baseline:
         codes = {"before": os.path.abspath(args.baseline), **codes}
     runs: dict[tuple[str, str], list[dict]] = {(c, s): [] for c in codes for s in ("cold", "warm")}
+    print(f"load average at the start (1, 5, 15 min): {_load()}")
     for r in range(args.runs):  # rounds: every version and state once per round
         for (code, state), found in runs.items():
             with tempfile.TemporaryDirectory() as folder:
@@ -161,6 +166,7 @@ def main() -> None:
             print(f"  round {r + 1} {code:6} {state}: total {found[-1]['total']:.2f} s, "
                   f"process {found[-1]['process']:.2f} s", flush=True)  # fmt: skip
     cols = list(runs)
+    print(f"\nload average at the end (1, 5, 15 min): {_load()}")
     print("\n| phase (s) | " + " | ".join(f"{c} {s}" for c, s in cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for row in ROWS:
