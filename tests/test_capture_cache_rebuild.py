@@ -1,7 +1,8 @@
 """A graph read back from the capture cache (hydro.fx.serial, without torch's deserializer) is the
 graph a fresh capture makes: the same nodes and the metadata Hydro's passes read, and in float64
 bit-identical outputs, gradients and fused training steps (the README's char-level GPT, with
-dropout and a sequence length left dynamic, and a CNN with batch norm)."""
+dropout and a sequence length left dynamic, a CNN with batch norm, autocast and no-grad
+regions)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,27 @@ def _cnn() -> tuple[nn.Module, tuple, dict]:
     return ResNet(width=4).double(), (torch.randn(3, 3, 8, 8, dtype=torch.float64),), {}
 
 
+class Regions(nn.Module):
+    """``with`` regions: export keeps them as higher-order ops over subgraphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fusion: no parameters inside
+            y = (h * h).relu()
+        with torch.no_grad():
+            z = y * 2
+        return self.fc2(z + y)
+
+
+def _regions() -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    return Regions().double(), (torch.randn(3, 4, dtype=torch.float64),), {}
+
+
 def _stack(node: torch.fx.Node) -> dict:
     # a fresh capture names the module classes, a loaded one their qualified names
     stack = node.meta.get("nn_module_stack") or {}
@@ -56,6 +78,7 @@ def _same_graphs(loaded: Captured, fresh: Captured) -> None:
     for mode in ("train", "eval"):
         a, b = loaded.graphs[mode], fresh.graphs[mode]
         assert a.code == b.code, mode
+        assert _subgraphs(a) == _subgraphs(b)
         assert a._in_spec == b._in_spec and a._out_spec == b._out_spec
         for x, y in zip(a.graph.nodes, b.graph.nodes, strict=True):
             assert (x.op, x.name, x.target, str(x.args), str(x.kwargs)) == (
@@ -67,6 +90,10 @@ def _same_graphs(loaded: Captured, fresh: Captured) -> None:
         assert _captured_shapes(a) == _captured_shapes(b)  # ranges of the dynamic sizes
         fa, fb = batch_facts(a), batch_facts(b)
         assert [str(fa[n]) for n in a.graph.nodes] == [str(fb[n]) for n in b.graph.nodes]
+
+
+def _subgraphs(gm: torch.fx.GraphModule) -> dict[str, str]:
+    return {k: v.code for k, v in gm.named_children() if isinstance(v, torch.fx.GraphModule)}
 
 
 def _forward_backward(cap: Captured, x: tuple, train: bool) -> tuple:
@@ -88,7 +115,7 @@ def _fused_step(cap: Captured, x: tuple) -> list[torch.Tensor]:
     return [p.detach().clone() for p in fused.parameters()]
 
 
-@pytest.mark.parametrize("make", [_gpt, _cnn], ids=["charlm_gpt", "cnn"])
+@pytest.mark.parametrize("make", [_gpt, _cnn, _regions], ids=["charlm_gpt", "cnn", "regions"])
 def test_a_loaded_graph_is_the_fresh_capture(folder, make, one_thread):
     model, x, kw = make()
     capture(model, x, **kw)  # writes both modes

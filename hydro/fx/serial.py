@@ -116,6 +116,8 @@ class _Writer:
         out = {"nodes": nodes, "pytree": pytree, "subgraphs": subs, "attrs": attrs}
         if top:
             out["symbols"] = self.symbols
+        elif attrs:  # a `with` region's subgraph takes its tensors as operands
+            raise Unsupported("a subgraph that reads tensors of its own")
         return out
 
     def target(self, node: torch.fx.Node) -> Any:
