@@ -240,7 +240,7 @@ def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     elif damage == "planted_constant":  # a pickle that calls a function: refused, never run
         import pickle
 
-        _rewrite(path, "constants.pt", pickle.dumps(_Planted()))
+        _rewrite(path, "constants.pt", pickle.dumps(_Planted(), protocol=2))
     elif damage.startswith("planted"):
         _plant(path, damage)
     else:  # an entry of a wider model under this key: its tensors do not fit
