@@ -172,3 +172,34 @@ def test_another_study_with_other_dropouts_hits_the_cache(folder, monkeypatch, o
     out = sur(*example[0])
     torch.manual_seed(3)
     assert torch.equal(out, own(*example[0]))  # the same dropout masks at the same rate
+
+
+@torch.library.custom_op("hydrotest::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class CustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _twice(self.fc(x))
+
+
+def test_a_graph_with_an_op_outside_aten_is_not_cached(folder, recwarn):
+    # an entry names its ops, looked up in aten and prims only: another namespace (a custom
+    # op, whose code could be anything) is captured every time, without a warning
+    x = torch.randn(3, 4)
+    writes = cache.stats["writes"]
+    for _ in range(2):
+        cap = capture(CustomOp(), (x,), modes=("eval",))
+        assert torch.equal(cap.eval()(x), cap.fc(x) * 2)
+    assert cache.stats["writes"] == writes
+    assert not [w for w in recwarn if "capture cache" in str(w.message)]
