@@ -64,6 +64,11 @@ def identifier(name: Any) -> bool:
     return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
 
 
+def _public(name: Any) -> bool:
+    """A name looked up on a torch namespace: an identifier, not a dunder."""
+    return identifier(name) and not name.startswith("__")
+
+
 def attr_path(path: Any) -> bool:
     """A dotted attribute path of identifiers or digits (``h.0.attn``, ``0.weight``)."""
     if not isinstance(path, str) or not path:
@@ -325,8 +330,8 @@ class _Reader:
         kind = t[0]
         if kind == "op":
             _, ns, op, overload = t
-            ok = ns in _NAMESPACES and identifier(op) and isinstance(overload, str)
-            _check(ok and (overload == "default" or identifier(overload)), f"a bad op {t!r}")
+            ok = ns in _NAMESPACES and _public(op) and _public(overload)
+            _check(ok, f"a bad op {t!r}")
             packet = getattr(getattr(torch.ops, ns), op)
             found = getattr(packet, overload)
             _check(isinstance(found, torch._ops.OpOverload), f"not an op: {t!r}")
@@ -446,7 +451,7 @@ def _torch_value(kind: str, v: Any) -> Any:
     if kind == "device":
         return torch.device(v)
     types = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
-    _check(kind in types and identifier(v), f"a bad argument kind {kind!r}")
+    _check(kind in types and _public(v), f"a bad argument kind {kind!r}")
     found = getattr(torch, v, None)
     _check(isinstance(found, types[kind]), f"not a {kind}: {v!r}")
     return found
