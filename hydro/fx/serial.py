@@ -21,6 +21,7 @@ evaluates text). Anything else makes :class:`Unsupported` (at writing: not cache
 
 from __future__ import annotations
 
+import json
 import keyword
 import math
 import operator
@@ -275,7 +276,7 @@ class _Reader:
                                                      int_oo if hi is None else hi)  # fmt: skip
             hints[sym] = sympy.Integer(hint)
             self.symbols[sym_name], self.hints[sym] = sym, hint
-        self.exprs: dict[str, Any] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
 
     def module(self, data: Any, attrs: Mapping[str, Any], name: str) -> torch.fx.GraphModule:
         _check(isinstance(data, dict), "not a graph")
@@ -380,27 +381,18 @@ class _Reader:
         return out
 
     def value(self, v: Any) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensor
 
         if v is None or isinstance(v, bool) or type(v) is int:
             return v
         _check(isinstance(v, dict) and len(v) == 1, f"a bad value {v!r}")
         (kind, x), = v.items()  # fmt: skip
         if kind == "T":
-            shape, stride, offset, dtype, device, grad = x
-            sizes = [self.size(s) for s in shape]
-            strides = [self.size(s) for s in stride]
-            _check(len(sizes) == len(strides) and type(grad) is bool, "a bad tensor")
-            dev = _torch_value("device", device)
-            elem = torch.empty_strided(sizes, strides, dtype=_torch_value("dtype", dtype),
-                                       device="meta")  # fmt: skip
-            off = self.size(offset)
-            if not (type(off) is int and off == 0):
-                elem = elem.as_strided(sizes, strides, off)
-            t = FakeTensor(self.mode, elem, dev)
-            if grad:
-                t.requires_grad_(True)
-            return t
+            # one fake tensor per distinct description (most nodes repeat a few shapes: making
+            # each one's symbolic sizes is most of a load); Hydro's passes share values too
+            memo = json.dumps(x, separators=(",", ":"))
+            if memo not in self.tensors:
+                self.tensors[memo] = self.tensor(x)
+            return self.tensors[memo]
         if kind == "S":
             s = self.size(x)
             return s
@@ -410,6 +402,24 @@ class _Reader:
             items = [self.value(y) for y in x]
             return items if kind == "l" else tuple(items)
         raise Invalid(f"a bad value kind {kind!r}")
+
+    def tensor(self, x: Any) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        shape, stride, offset, dtype, device, grad = x
+        sizes = [self.size(s) for s in shape]
+        strides = [self.size(s) for s in stride]
+        _check(len(sizes) == len(strides) and type(grad) is bool, "a bad tensor")
+        dev = _torch_value("device", device)
+        elem = torch.empty_strided(sizes, strides, dtype=_torch_value("dtype", dtype),
+                                   device="meta")  # fmt: skip
+        off = self.size(offset)
+        if not (type(off) is int and off == 0):
+            elem = elem.as_strided(sizes, strides, off)
+        t = FakeTensor(self.mode, elem, dev)
+        if grad:
+            t.requires_grad_(True)
+        return t
 
     def size(self, s: Any) -> Any:
         from torch.fx.experimental.sym_node import SymNode
