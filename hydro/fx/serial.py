@@ -1,14 +1,14 @@
 """A captured graph as plain JSON data, and back, for the capture cache.
 
-torch's own serializer (``torch.export.save``) rebuilds a whole ``ExportedProgram``: its import
-pulls in ``torch._dynamo``, and rebuilding each node's symbolic shapes through the fake-tensor
-dispatcher costs about 0.35 s per program. What Hydro reads downstream is less: the
-``GraphModule`` that ``ep.module()`` returns (its nodes, their ops and arguments, the pytree
-calling convention) and three entries of each node's ``meta``: ``val`` (a fake tensor whose
-sizes are ints or symbolic sizes, or a ``SymInt``), ``nn_module_stack`` and ``stack_trace``.
+torch's own serializer (``torch.export.save``) rebuilds a whole ``ExportedProgram``, each node's
+symbolic shapes through the fake-tensor dispatcher: about 0.35 s per program on an idle core.
+What Hydro reads downstream is less: the ``GraphModule`` that ``ep.module()`` returns (its
+nodes, their ops and arguments, the pytree calling convention) and three entries of each
+node's ``meta``: ``val`` (a fake tensor whose sizes are ints or symbolic sizes, or a
+``SymInt``), ``nn_module_stack`` and ``stack_trace``.
 :func:`encode` writes exactly that as JSON-able data; :func:`decode` rebuilds the graph with
 ``torch.fx.Graph.create_node`` and the values as fake tensors over a fresh ``ShapeEnv`` holding
-the captured symbols and their ranges.
+the captured symbols and their ranges, one fake tensor per distinct description.
 
 Nothing read back is run as code of its own: ops are looked up by name in ``torch.ops.aten``
 and ``torch.ops.prims`` (OpOverloads only), a few higher-order ops and a fixed table of Python
