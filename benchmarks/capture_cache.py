@@ -8,6 +8,8 @@ A phase is the time spent in its functions (``PHASES``), nested phases counted i
 only: ``capture`` is ``torch.export`` or its load from the cache, ``scale`` the width analysis
 and surrogate rebuild around it, ``members`` the 16 surrogates drawn from it, ``graph rewrite``
 the fused graph built at the first forward, ``step`` the first step less that rewrite.
+``import torch._dynamo`` is timed on its own (the first fake tensor, ``ShapeEnv`` or optimizer
+step imports it, whichever comes first), so that no phase carries it.
 ``to the first step`` counts from the interpreter's start to the first step's compute,
 ``total`` from after the imports to the end of the first step, ``next step`` is the second
 step (what a step costs once warm). ``--baseline DIR`` measures another checkout of Hydro in
@@ -97,6 +99,12 @@ def _child(start: float) -> dict:
     from hydro.tuning.group import FusedGroup
 
     timings["import hydro"] = time.perf_counter() - t
+    t = time.perf_counter()
+    # imported by the first fake tensor, ShapeEnv or optimizer step (zero_grad), whichever
+    # comes first: timed on its own so that no phase carries it
+    import torch._dynamo  # noqa: F401
+
+    timings["import torch._dynamo"] = time.perf_counter() - t
     timings["imports"] = time.perf_counter() - start
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
@@ -134,8 +142,13 @@ def _run(folder: str, code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-ROWS = ("import torch", "import optuna", "import hydro", *(p[0] for p in PHASES), "other",
+ROWS = ("import torch", "import optuna", "import hydro", "import torch._dynamo",
+        *(p[0] for p in PHASES), "other",
         "to the first step", "total", "process", "next step", "hits")  # fmt: skip
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -152,6 +165,7 @@ def main() -> None:
     if args.baseline:
         codes = {"before": os.path.abspath(args.baseline), **codes}
     runs: dict[tuple[str, str], list[dict]] = {(c, s): [] for c in codes for s in ("cold", "warm")}
+    print(f"load average at the start (1, 5, 15 min): {_load()}")
     for r in range(args.runs):  # rounds: every version and state once per round
         for (code, state), found in runs.items():
             with tempfile.TemporaryDirectory() as folder:
@@ -161,6 +175,7 @@ def main() -> None:
             print(f"  round {r + 1} {code:6} {state}: total {found[-1]['total']:.2f} s, "
                   f"process {found[-1]['process']:.2f} s", flush=True)  # fmt: skip
     cols = list(runs)
+    print(f"\nload average at the end (1, 5, 15 min): {_load()}")
     print("\n| phase (s) | " + " | ".join(f"{c} {s}" for c, s in cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for row in ROWS:

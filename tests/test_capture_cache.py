@@ -196,9 +196,33 @@ class _Planted:
 PLANTED = os.path.join(os.path.dirname(__file__), "__planted_by_a_cache_entry__")
 
 
+def _plant(path: str, damage: str) -> None:
+    """Rewrite the entry's graph so that, were its text run as code or its names looked up
+    anywhere, it would create PLANTED."""
+    import json
+
+    with zipfile.ZipFile(path) as z:
+        graph = json.loads(z.read("graph.json"))
+    evil = f"__import__('os').makedirs({PLANTED!r})"
+    call = next(n for n in graph["nodes"] if n[0] == "call_function")
+    if damage == "planted_function":  # a call of a function outside the table
+        call[2] = ["fn", "os.makedirs"]
+    elif damage == "planted_op":  # an op of a namespace other than aten's
+        call[2] = ["op", "hydro_planted", "makedirs", "default"]
+    elif damage == "planted_trace":  # a stack trace reaches the code, in a comment
+        call[5]["stack_trace"] = f'File "m.py", line 1, in f\r{evil}\rx\n  y'
+    elif damage == "planted_name":  # a node's name is the code's variable
+        call[1] = f"x = {evil}; y"
+    else:  # a get_attr path is code too
+        graph["attrs"].append(f"x; {evil}")
+    _rewrite(path, "graph.json", json.dumps(graph).encode())
+
+
 @pytest.mark.parametrize(
-    "damage", ["garbage", "truncated", "other_torch", "other_model", "planted_pickle"]
-)
+    "damage",
+    ["garbage", "truncated", "other_torch", "other_model", "planted_constant",
+     "planted_function", "planted_op", "planted_trace", "planted_name", "planted_attr"],
+)  # fmt: skip
 def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     x = torch.randn(4, 6, dtype=torch.float64)
     capture(_net(), (x,), modes=("eval",))
@@ -213,10 +237,12 @@ def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
         with zipfile.ZipFile(path) as z:
             meta = z.read("meta.json").replace(torch.__version__.encode(), b"1.0.0")
         _rewrite(path, "meta.json", meta)
-    elif damage == "planted_pickle":  # the program names a callable: refused, never called
+    elif damage == "planted_constant":  # a pickle that calls a function: refused, never run
         import pickle
 
-        _rewrite(path, "program.pkl", pickle.dumps(_Planted()))
+        _rewrite(path, "constants.pt", pickle.dumps(_Planted(), protocol=2))
+    elif damage.startswith("planted"):
+        _plant(path, damage)
     else:  # an entry of a wider model under this key: its tensors do not fit
         capture(_net(width=24), (x,), modes=("eval",))
         other = next(f for f in _entries() if f != entry)
@@ -268,18 +294,19 @@ def test_models_capture_cannot_trust_are_not_cached(exports):
 def test_writers_of_one_key_at_once_leave_one_whole_entry(exports):
     import threading
 
-    from hydro.fx.capture import _quiet_torch_logs
+    from hydro.fx.capture import _strip_guards
 
     model, x = Net().eval(), torch.randn(4, 6)
-    ep = torch.export.export(model, (x,), strict=False)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    _strip_guards(gm)
     key = cache.key(model, (x,), {}, None)
-    assert cache.store(key, ep, model)
+    assert cache.store(key, gm, model)
     errors, loaded = [], []
 
     def write() -> None:
         try:
             for _ in range(4):
-                assert cache.store(key, ep, model)
+                assert cache.store(key, gm, model)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -289,7 +316,7 @@ def test_writers_of_one_key_at_once_leave_one_whole_entry(exports):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a reader never meets a half-written entry
         while any(t.is_alive() for t in threads):
-            loaded.append(cache.load(key, model, _quiet_torch_logs))
+            loaded.append(cache.load(key, model))
     for t in threads:
         t.join()
     assert not errors and all(e is not None for e in loaded)

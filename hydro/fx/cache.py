@@ -18,11 +18,12 @@ program it returns depends only on what this module puts in the key:
 A model whose state cannot be read as data (a hook, an object without attributes) is not
 cached. An entry is one file, ``<key>.hydro-ep``, written whole (temporary file, then
 ``os.replace``) by whichever process captured first; two writers of one key each write a
-complete file. It holds the serialized program (torch's schema dataclasses, pickled: read back
-ten times faster than their JSON, by an unpickler that admits those classes only), the
-constants the graph made (tensors only, read back with ``weights_only``) and the names and
-shapes of the tensors it expects; an entry that cannot be read, does not match its key or does
-not fit the live model is captured again and overwritten, with one warning.
+complete file. It holds the exported graph module as JSON (:mod:`hydro.fx.serial`: its nodes,
+ops named in ``torch.ops.aten``, their arguments and the shapes Hydro's passes read; rebuilt
+without torch's deserializer, no pickle), the constants the graph made (tensors only, read back
+with ``weights_only``) and the names and shapes of the model's tensors it reads; an entry that
+cannot be read, does not match its key or does not fit the live model is captured again and
+overwritten, with one warning.
 
 Location: ``$HYDRO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hydro/capture``, else
 ``~/.cache/hydro/capture``. ``HYDRO_CACHE=0`` (or ``capture(..., cache=False)``) turns it off.
@@ -37,12 +38,11 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import sys
 import types
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,8 +50,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hydro.errors import HydroError, HydroWarning
+from hydro.fx import serial
 
-SCHEMA = 2  # bump when what an entry holds, or what the key covers, changes
+SCHEMA = 3  # bump when what an entry holds, or what the key covers, changes
 SUFFIX = ".hydro-ep"
 ENV_DIR, ENV_SWITCH = "HYDRO_CACHE_DIR", "HYDRO_CACHE"
 _OFF = ("0", "false", "no", "off")
@@ -399,13 +400,10 @@ def _meta(t: torch.Tensor) -> list:
     return [list(t.shape), str(t.dtype)]
 
 
-def load(k: str, model: nn.Module, quiet: Callable[[], Any]) -> Any:
-    """The exported program stored under key ``k``, given ``model``'s live tensors, or ``None``
-    (not there, or not usable: then warned, and the caller exports and stores again).
-    ``quiet`` is a context manager factory silencing torch's loggers meanwhile."""
-    from torch._export.serde import schema
-    from torch._export.serde.serialize import ExportedProgramDeserializer
-
+def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphModule | None:
+    """The graph module stored under key ``k`` (as :func:`store` got it), reading ``model``'s
+    live tensors, or ``None`` (not there, or not usable: then warned, and the caller exports and
+    stores again)."""
     path = _path(k)
     try:
         archive = zipfile.ZipFile(path)
@@ -422,35 +420,29 @@ def load(k: str, model: nn.Module, quiet: Callable[[], Any]) -> Any:
                 raise ValueError("was written for another key or cache version")
             if meta.get("torch") != torch.__version__ or meta.get("hydro") != _hydro_version():
                 raise ValueError("was written by another torch or Hydro version")
-            live = _live(model)
-            for name, want in meta["tensors"].items():  # the program reads these from the model
-                if name not in live or _meta(live[name]) != want:
-                    raise ValueError(f"does not fit the model's tensor {name!r}")
-            program = archive.read("program.pkl")
+            graph = json.loads(archive.read("graph.json"))
             consts = archive.read("constants.pt")
+        live = _live(model)
+        attrs: dict[str, torch.Tensor] = {}
+        for target, want in meta["tensors"].items():  # the graph reads these from the model
+            if target not in live or _meta(live[target]) != want:
+                raise ValueError(f"does not fit the model's tensor {target!r}")
+            attrs[target] = live[target]
         constants = torch.load(io.BytesIO(consts), weights_only=True) if consts else {}
-        if not isinstance(constants, dict):
+        if not isinstance(constants, dict) or set(constants) != set(meta["devices"]):
             raise ValueError("holds constants of the wrong kind")
-        for name, device in meta["devices"].items():  # stored from the CPU
-            constants[name] = constants[name].to(device)
-        for name in meta["live_constants"]:  # non-persistent buffers: the model's own
-            constants[name] = live[name]
-        state = {name: live[name] for name in meta["state"]}
-        with quiet():
-            serialized = _ProgramUnpickler(io.BytesIO(program)).load()
-            if not isinstance(serialized, schema.ExportedProgram):
-                raise ValueError("holds something other than an exported program")
-            ep = ExportedProgramDeserializer().deserialize(serialized, state, constants, None)
-        sig = ep.graph_signature
-        if set(sig.parameters) | set(sig.buffers) != set(meta["state"]) | set(
-            meta["live_constants"]
-        ):
+        for target, device in meta["devices"].items():  # stored from the CPU
+            if target in attrs or not isinstance(constants[target], torch.Tensor):
+                raise ValueError(f"holds a bad constant {target!r}")
+            attrs[target] = constants[target].to(device)
+        if not isinstance(graph, dict) or sorted(graph.get("attrs", ())) != sorted(attrs):
             raise ValueError("reads other tensors than it lists")
+        gm = serial.decode(graph, attrs, name)
     except Exception as exc:  # noqa: BLE001 - any failure: never trusted, captured again
         _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})")
         return None
     stats["hits"] += 1
-    return ep
+    return gm
 
 
 def _rebuilt(path: str, why: str) -> None:
@@ -458,65 +450,36 @@ def _rebuilt(path: str, why: str) -> None:
     _warn(path, why)
 
 
-def store(k: str, ep: Any, model: nn.Module) -> bool:
-    """Store ``ep`` (exported from ``model``) under key ``k``; ``False`` when it holds something
-    that is not plain data (it is then not stored) or the directory cannot be written."""
+def store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
+    """Store ``gm`` (``model``'s exported program as a module, guards stripped) under key
+    ``k``; ``False`` when it holds what the entry cannot (an op outside aten, a tensor that is
+    not plain data: it is then not stored) or the directory cannot be written."""
     try:
-        return _store(k, ep, model)
+        return _store(k, gm, model)
     except Exception:  # noqa: BLE001 - the cache only ever saves time: a capture never fails here
         return False
 
 
-class _ProgramUnpickler(pickle.Unpickler):
-    """Reads back torch's schema dataclasses of a serialized program and nothing else: a file
-    naming any other class or function is refused (and the entry captured again)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        from torch._export.serde import schema, union
-
-        found = getattr(schema, name, None) if module == schema.__name__ else None
-        if isinstance(found, type) and found.__module__ == schema.__name__:
-            return found
-        if (module, name) == (union.__name__, "_UnionTag"):
-            return union._UnionTag
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of an exported program")
-
-
-def _store(k: str, ep: Any, model: nn.Module) -> bool:
-    from torch._export.serde import schema
-    from torch._export.serde.serialize import _bytes_to_dataclass, serialize
-
-    live = _live(model)
-    state = {}
-    for name, t in ep.state_dict.items():
-        if live.get(name) is not t:  # re-attached from the model at load: it must be its own
-            return False
-        state[name] = _meta(t)
-    own, from_model = {}, []
-    for name, c in ep.constants.items():
-        if name in live and live[name] is c:
-            from_model.append(name)
-        elif type(c) is torch.Tensor and not c.is_meta:
-            own[name] = c.detach().cpu()
-        else:
-            return False  # a script object, a tensor subclass: pickled code, never stored
+def _store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
     try:
-        art = serialize(ep, serialize_state_dict=False, serialize_constants=False,
-                        serialize_example_inputs=False)  # fmt: skip
-        # stored as the dataclasses torch.export.load reads from this JSON (plain values
-        # only), pickled: loading them skips the slow JSON-to-dataclass step
-        program = pickle.dumps(_bytes_to_dataclass(schema.ExportedProgram,
-                                                   art.exported_program), protocol=4)  # fmt: skip
-    except Exception:  # noqa: BLE001 - a program torch cannot serialize: just not cached
+        graph = serial.encode(gm)
+    except serial.Unsupported:
         return False
+    live = _live(model)
+    tensors, own = {}, {}
+    for target in graph["attrs"]:
+        value = _attr(gm, target)
+        if target in live and live[target] is value:  # the model's own: re-attached at load
+            tensors[target] = _meta(value)
+        elif type(value) is torch.Tensor and not value.is_meta and target not in live:
+            own[target] = value.detach().cpu()  # a constant the graph made
+        else:
+            return False  # a tensor subclass, a copy of the model's: not plain data
     consts = io.BytesIO()
     torch.save(own, consts)
-    tensors = dict(state)
-    tensors.update({name: _meta(live[name]) for name in from_model})
     meta = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
-            "state": sorted(state), "live_constants": sorted(from_model),
-            "devices": {name: str(c.device) for name, c in ep.constants.items() if name in own},
-            "tensors": tensors}  # fmt: skip
+            "tensors": tensors,
+            "devices": {t: str(_attr(gm, t).device) for t in own}}  # fmt: skip
     from hydro.files import replacing
 
     folder = directory()
@@ -524,7 +487,7 @@ def _store(k: str, ep: Any, model: nn.Module) -> bool:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         with replacing(_path(k)) as tmp, zipfile.ZipFile(tmp, "w") as z:
             z.writestr("meta.json", json.dumps(meta))
-            z.writestr("program.pkl", program)
+            z.writestr("graph.json", json.dumps(graph, separators=(",", ":")))
             z.writestr("constants.pt", consts.getvalue())
     except (OSError, HydroError) as exc:
         if folder not in _warned:
@@ -538,19 +501,10 @@ def _store(k: str, ep: Any, model: nn.Module) -> bool:
     return True
 
 
-def normalize(gm: torch.fx.GraphModule) -> None:
-    """Make a loaded program's module read as a freshly exported one does: the metadata that
-    serialization adds or writes another way (an output's value, a list of results read back
-    as a tuple)."""
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            node.meta.pop("val", None)
-        elif node.op == "get_attr":
-            node.meta.pop("torch_fn", None)
-        elif node.op == "call_function" and isinstance(node.meta.get("val"), tuple):
-            returns = getattr(getattr(node.target, "_schema", None), "returns", ())
-            if len(returns) == 1 and str(returns[0].type).endswith("[]"):
-                node.meta["val"] = list(node.meta["val"])
+def _attr(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
 
 
-__all__ = ["clear", "directory", "enabled", "key", "load", "normalize", "stats", "store"]
+__all__ = ["clear", "directory", "enabled", "key", "load", "stats", "store"]

@@ -470,6 +470,7 @@ def _rename_regions(gm: torch.fx.GraphModule, prefix: str) -> None:
     (``submod_1``); the train and eval graphs both have them, and both are read from one
     :class:`Captured`.
     """
+    renamed = False
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -480,7 +481,9 @@ def _rename_regions(gm: torch.fx.GraphModule, prefix: str) -> None:
             gm.add_submodule(new, sub)
             node.target = new
             node._rename(new)  # export numbers these nodes its own way; a loaded program too
-    gm.recompile()
+            renamed = True
+    if renamed:
+        gm.recompile()
 
 
 def capture_graph(
@@ -531,22 +534,18 @@ def _export(
 ) -> torch.fx.GraphModule:
     # keyed before export runs the forward (which may change the model's attributes)
     key = _cache.key(model, args, kwargs, dynamic) if _cache.enabled(cache) else None
-    ep = _cache.load(key, model, _quiet_torch_logs) if key else None
-    if ep is None:
+    gm = _cache.load(key, model, type(model).__name__) if key else None
+    if gm is None:
         host = host_random._state()
-        ep = _export_program(model, args, kwargs, dynamic)
+        gm = _export_program(model, args, kwargs, dynamic).module()
+        _strip_guards(gm)
         # a forward that drew from the host's generators is caught by host_random.watch around
         # this capture; a cached program would skip that draw, and the error or warning with it
         if key and host_random._state() == host:
-            _cache.store(key, ep, model)
-        gm = ep.module()
-    else:
-        gm = ep.module()
-        _cache.normalize(gm)
+            _cache.store(key, gm, model)
     _rename_regions(gm, prefix)
     plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
     plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
-    _strip_guards(plain)
     return plain
 
 

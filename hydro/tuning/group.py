@@ -614,6 +614,34 @@ def _target(task: Task, params: dict[str, Any]) -> nn.Module:
         return task.build_model(**args)
 
 
+# float factory arguments (a dropout rate) are captured at two rates of Hydro's, not at the
+# first trials': the captures' cache keys are then the same for every study, seed and resume
+_CANONICAL = (0.125, 0.0625)
+
+
+def _canonical(task, target, params0, names):  # noqa: ANN001, ANN202
+    """``(target, args0, probe)`` for a group: the target built with its float factory
+    arguments at ``_CANONICAL[0]`` (where that leaves its tensors as they are: they only act in
+    forward), and the rate each literal site is located with; else the first trial's."""
+    args0 = {k: params0[k] for k in names}
+    floats = [k for k in names if type(params0[k]) is float]
+    if not floats or isinstance(task.model, nn.Module):
+        return target, args0, {}
+    rates = dict.fromkeys(floats, _CANONICAL[0])
+    try:
+        canon = _target(task, {**params0, **rates})
+    except Exception:  # noqa: BLE001 - a factory that refuses the rate: the first trial's
+        return target, args0, {}
+    a, b = ({**dict(m.named_parameters()), **dict(m.named_buffers())} for m in (target, canon))
+    same = a.keys() == b.keys() and all(
+        not x.is_meta and x.shape == b[k].shape and x.dtype == b[k].dtype and torch.equal(x, b[k])
+        for k, x in a.items()
+    )
+    if not same:
+        return target, args0, {}
+    return canon, {**args0, **rates}, dict.fromkeys(floats, _CANONICAL[1])
+
+
 class _Builder:
     """Surrogates for one group: one capture and width analysis, then each member an
     independent draw from its seed with its own factory arguments (see :func:`build_members`)."""
@@ -622,7 +650,7 @@ class _Builder:
         self.task, self.ratio, self.example, self.readout = task, ratio, example, readout
         self.depth = {"depth_ratio": int(depth[0]), "depth_alpha": float(depth[1])}
         self.names = sorted(k for k in task.model_args() if k in params0)
-        self.args0 = {k: params0[k] for k in self.names}
+        target, self.args0, self.probe = _canonical(task, target, params0, self.names)
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
                             cache=_capture_cache.for_task(task), **self.depth)  # fmt: skip
@@ -631,7 +659,7 @@ class _Builder:
         task, ex_args, ex_kwargs = self.task, *self.example
         args = {k: params[k] for k in self.names}
         differs = [n for n in self.names if args[n] != self.args0[n]]
-        sites = {n: self._sites(n, args[n]) for n in differs}
+        sites = {n: self._sites(n, self.probe.get(n, args[n])) for n in differs}
         if any(v is None for v in sites.values()):
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
                         example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
