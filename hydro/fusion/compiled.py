@@ -239,7 +239,12 @@ class Compiler:
             start = time.perf_counter()
             self._inside.active = True
             try:
-                return inner(graph, example)
+                # Views recomputable in the backward: otherwise AOTAutograd saves a view of an
+                # activation for a matmul's gradient and, the activation itself unsaved, a bool
+                # mask for ReLU's (``le``) that inductor's vectorized CPU kernels store with
+                # masked byte stores, ~15x slower than eager on AVX-512 AMD (docs/fusion.md)
+                with torch._functorch.config.patch(recompute_views=True):
+                    return inner(graph, example)
             finally:
                 self._inside.active = False
                 self.stats["compiles"] += 1
