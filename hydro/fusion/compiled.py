@@ -16,6 +16,7 @@ from then on (same results).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import operator
@@ -150,8 +151,9 @@ def quiet_cuda_home() -> None:
 
 def _meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
-    return type(x).__name__
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    # a Python value is a constant of the traced graph: another value needs another graph
+    return (type(x), x if isinstance(x, (int, float, bool, str, type(None))) else repr(x))
 
 
 class Compiler:
@@ -170,6 +172,8 @@ class Compiler:
         self.stats: dict[str, float] = {"compiles": 0, "seconds": 0.0}
         self.failed: str | None = None
         self._cache: dict[tuple, Callable] = {}
+        self._shaped: set[tuple] = set()  # codes compiled for one input shape
+        self._dynamic: dict[tuple, Callable] = {}  # codes compiled for every input shape
         self._noted: set[str] = set()
         self._inside = threading.local()
 
@@ -192,15 +196,23 @@ class Compiler:
         lifted = getattr(gm, "hydro_lifted", None)
         if lifted is None:  # once per rebuilt graph (milliseconds): no compilation
             lifted = gm.hydro_lifted = Lifted(gm)
-        tensors = lifted.tensors(gm)
-        flat = lifted.flatten(args, kwargs)
-        key = (lifted.code, tuple(_meta(t) for t in tensors))
+        inputs = lifted.tensors(gm)
+        count = len(inputs)
+        inputs += lifted.flatten(args, kwargs)
+        grad = torch.is_grad_enabled()
+        # this key is the only guard: the compiled callable runs without dynamo's
+        code = (lifted.code, grad, tuple(_meta(t) for t in inputs[:count]))
+        key = (code, tuple(_meta(t) for t in inputs[count:]))
         fn = self._cache.get(key)
         first = fn is None
         if first:
-            fn = self._cache[key] = self._compile(lifted.module, tensors[0] if tensors else None)
+            try:
+                fn = self._cache[key] = self._compile(lifted.module, inputs, code)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+                self._fail(exc)
+                return gm(*args, **kwargs)
         try:
-            out = fn(*tensors, *flat)
+            out = fn(*inputs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
             if not first and not _from_compiler(exc):
                 raise
@@ -208,7 +220,11 @@ class Compiler:
             return gm(*args, **kwargs)
         return lifted.unflatten(out)
 
-    def _compile(self, module: torch.fx.GraphModule, like: torch.Tensor | None) -> Callable:
+    def _compile(self, module: torch.fx.GraphModule, inputs: list, code: tuple) -> Callable:
+        """The compiled form of ``module`` for ``inputs``: the backend called directly (no
+        dynamo: no guards, no frame evaluation per call; the caller's key guards), or, at a
+        second input shape of one code (a dynamic sequence length, a last short batch), one
+        graph with dynamic shapes through ``torch.compile``, which then serves every shape."""
         from hydro.fusion import random as _random
 
         torch.compiler.assume_constant_result(_random._keep_scale)  # marks it, in place
@@ -217,7 +233,9 @@ class Compiler:
         backend = options.pop("backend", None)
         mode = options.pop("mode", None)
         inductor = options.pop("options", None)
-        dynamic = options.get("dynamic")
+        dynamic = options.pop("dynamic", None)
+        options.pop("fullgraph", None)  # a lifted graph is one graph, whole
+        like = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
         cpu = like is None or like.device.type != "cuda"
         if cpu and mode in ("reduce-overhead", "max-autotune"):
             # CUDA graphs capture device kernels: a CPU graph has none (inductor would skip them)
@@ -250,7 +268,18 @@ class Compiler:
                 self.stats["compiles"] += 1
                 self.stats["seconds"] += time.perf_counter() - start
 
-        return torch.compile(module, backend=counting, **options)
+        if dynamic or code in self._dynamic:
+            if code not in self._dynamic:
+                self._dynamic[code] = torch.compile(module, backend=counting, dynamic=dynamic)
+            return self._dynamic[code]
+        if code in self._shaped:  # a second shape: one dynamic graph for this and the next
+            self._dynamic[code] = torch.compile(module, backend=counting, dynamic=True)
+            return self._dynamic[code]
+        self._shaped.add(code)
+        # a copy: the backend's passes rewrite the graph in place, and others of this code
+        # (other shapes) compile from the lifted module
+        graph = torch.fx.GraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
+        return counting(graph, list(inputs))
 
     def _fail(self, exc: BaseException) -> None:
         while True:  # dynamo wraps the backend's own error
@@ -261,6 +290,7 @@ class Compiler:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         self.failed = f"{type(exc).__name__}: {first}"
         self._cache.clear()
+        self._dynamic.clear()
         warnings.warn(
             f"hydro.fuse(compile=...): torch.compile failed ({self.failed}); this fused model runs "
             "eagerly from now on (same results, slower)",
