@@ -315,7 +315,8 @@ def test_relu_saves_its_activation_not_a_bool_mask() -> None:
     eager = hydro.fuse(model, n=2)
     x = torch.randn(8, 6)
     saved: list[torch.dtype] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t)
+    with hooks:
         out = compiled(x)
     assert saved and torch.bool not in saved, saved
     out.square().sum().backward()
