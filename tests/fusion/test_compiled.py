@@ -315,8 +315,11 @@ def test_relu_saves_its_activation_not_a_bool_mask() -> None:
     eager = hydro.fuse(model, n=2)
     x = torch.randn(8, 6)
     saved: list[torch.dtype] = []
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t)
-    with hooks:
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = compiled(x)
     assert saved and torch.bool not in saved, saved
     out.square().sum().backward()
