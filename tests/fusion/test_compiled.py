@@ -315,6 +315,7 @@ def test_relu_saves_its_activation_not_a_bool_mask() -> None:
     eager = hydro.fuse(model, n=2)
     x = torch.randn(8, 6)
     saved: list[torch.dtype] = []
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.append(t.dtype)
         return t
