@@ -221,10 +221,11 @@ class Compiler:
         return lifted.unflatten(out)
 
     def _compile(self, module: torch.fx.GraphModule, inputs: list, code: tuple) -> Callable:
-        """The compiled form of ``module`` for ``inputs``: the backend called directly (no
-        dynamo: no guards, no frame evaluation per call; the caller's key guards), or, at a
-        second input shape of one code (a dynamic sequence length, a last short batch), one
-        graph with dynamic shapes through ``torch.compile``, which then serves every shape."""
+        """The compiled form of ``module`` for ``inputs``. On a CPU, the backend called
+        directly (no dynamo: no guards, no frame evaluation per call; the caller's key guards),
+        and at a second input shape of one code (a dynamic sequence length, a last short batch)
+        one graph with dynamic shapes through ``torch.compile``, which then serves every shape.
+        On CUDA, or with ``dynamic`` given, ``torch.compile`` (dynamo) throughout."""
         from hydro.fusion import random as _random
 
         torch.compiler.assume_constant_result(_random._keep_scale)  # marks it, in place
@@ -268,7 +269,9 @@ class Compiler:
                 self.stats["compiles"] += 1
                 self.stats["seconds"] += time.perf_counter() - start
 
-        if dynamic or code in self._dynamic:
+        if dynamic or not cpu or code in self._dynamic:
+            # dynamo on CUDA: its CUDA graphs (reduce-overhead) take their static inputs from
+            # dynamo's tracing context; the direct call is measured on CPUs only
             if code not in self._dynamic:
                 self._dynamic[code] = torch.compile(module, backend=counting, dynamic=dynamic)
             return self._dynamic[code]

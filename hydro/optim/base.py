@@ -182,6 +182,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._trial_optimizers: list[torch.optim.Optimizer] | None = None
         self.compile = compile
         self._math: Callable | None = None
+        # the compiled step (:meth:`_compiled_step`): its structure per parameter list, and the
+        # state _on and _any read from while dynamo traces it
+        self._plans: dict[tuple, tuple] = {}
+        self._tracing = False
+        self._traced_any: dict[str, bool] = {}
         self._scratch_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -189,6 +194,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Switch how the update runs from the next step on (``compile`` as in the
         constructor); an update compiled before is dropped."""
         self.compile, self._math = compile, None
+        self._plans.clear()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters become float64 tensors ``[n]``."""
@@ -222,6 +228,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _on(self, group: dict, name: str, like: torch.Tensor) -> torch.Tensor:
         """``group[name]`` on ``like``'s device, cached until it is replaced or written to."""
         t = group[name] if isinstance(name, str) else group["betas"][name]
+        if self._tracing:  # group: the device tensors the compiled step was given
+            return t
         key = (id(group), name, like.device)
         hit = self._device_cache.get(key)
         if hit is not None and hit[0] is t and hit[1] == t._version:
@@ -240,6 +248,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         per_group = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
         params = [p for ps in per_group for p in ps]
         if not params:
+            return loss
+        if self.compile == "auto":
+            # CPU: the eager step below is memory-bound and as fast as torch's fused kernel
+            # per trial; compiling (20-90 s) pays back only after thousands of steps. CUDA:
+            # the eager step launches a few kernels per parameter tensor, the compiled one a
+            # handful in all.
+            self.compile = "inductor" if params[0].device.type == "cuda" else False
+        if self.compile and self._compiled_step(per_group, params):
             return loss
         frozen = ~torch.isfinite(_trial_sums([p.grad for p in params])).all(dim=0)
         flags = self._diverged()
@@ -290,30 +306,102 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._run(params, grads, state, coeffs)
         return loss
 
-    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
-        if self.compile == "auto":
-            # CPU: the eager step below is memory-bound and as fast as torch's fused kernel
-            # per trial; compiling (20-90 s) pays back only after thousands of steps. CUDA:
-            # the eager step launches a few kernels per parameter tensor, the compiled one a
-            # handful in all.
-            self.compile = "inductor" if params[0].device.type == "cuda" else False
-        if self.compile and self._math is None:
+    def _compiled_step(self, per_group: list[list[torch.Tensor]], params: list) -> bool:
+        """The step through ``torch.compile`` as one graph: the isolation flags, every
+        coefficient and the update (what the eager step runs as a few dozen small ops and
+        Python per step); the step counts advance after it. ``False`` after a compiler
+        failure (warned once; the eager step runs instead)."""
+        self._prepare_state(per_group)
+        like = params[0]
+        key = tuple(map(id, params)) + tuple(id(self.state[p][self.cohort_key]) for p in params)
+        plan = self._plans.get(key)
+        if plan is None:  # once per parameter list: its buckets (see step)
+            plan = []
+            for ps in per_group:
+                buckets: dict[tuple, list[int]] = {}
+                for i, p in enumerate(ps):
+                    mults = optimizer_multipliers(p, self.kind)
+                    buckets.setdefault((mults, id(self.state[p][self.cohort_key]), p.dtype),
+                                       []).append(i)  # fmt: skip
+                plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
+            plan = self._plans[key] = tuple(plan)
+        hypers = []
+        for group in self.param_groups:
+            hyper = {k: self._on(group, k, like) for k in self.per_trial_keys if k != "betas"}
+            if "betas" in self.per_trial_keys:
+                hyper["betas"] = (self._on(group, 0, like), self._on(group, 1, like))
+            hypers.append(hyper)
+        for k in ("weight_decay", "momentum", "amsgrad"):
+            if k in self.per_trial_keys:
+                self._traced_any[k] = self._any(k)
+        keys = [k for k in self._state_keys() if all(k in self.state[p] for p in params)]
+        states = [{k: self.state[p][k] for k in (*keys, self.cohort_key)} for p in params]
+        flags = self._diverged()
+        if self._math is None:
+            # two graphs: in one, inductor would recompute each trial's coefficients (powers,
+            # square roots in float64) in every vector of the update's loops
             backend = "inductor" if self.compile is True else self.compile
-            self._math = torch.compile(type(self)._elementwise, backend=backend, fullgraph=True)
-        if self._math is not None:
-            try:
-                self._math(params, grads, state, coeffs)
-                return
-            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
-                warnings.warn(
-                    f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
-                    f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                    "running the eager step instead (same results, more kernel launches)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                self._math = None
-                self.compile = False
+            self._math = (
+                torch.compile(self._traced_coefficients, backend=backend, fullgraph=True),
+                torch.compile(type(self)._elementwise, backend=backend, fullgraph=True),
+            )
+        grads = [p.grad for p in params]
+        self._tracing = True
+        try:
+            active, vectors = self._math[0](grads, states, plan, hypers, flags, like)
+            # each parameter's [n, 1, ...] views of its bucket's vectors, in parameter order
+            coeffs: dict[str, list[torch.Tensor]] = {k: [] for k in vectors[0]}
+            index = iter(vectors)
+            for ps, buckets in zip(per_group, plan):
+                per_param: list[dict[str, torch.Tensor]] = [{}] * len(ps)
+                for _, _, members in buckets:
+                    typed = next(index)
+                    for i in members:
+                        shape = (-1,) + (1,) * (ps[i].dim() - 1)
+                        per_param[i] = {k: v.view(shape) for k, v in typed.items()}
+                for d in per_param:
+                    for k, v in d.items():
+                        coeffs[k].append(v)
+            state = {k: [s[k] for s in states] for k in self._state_keys() if k in states[0]}
+            self._math[1](params, grads, state, coeffs)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+            warnings.warn(
+                f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
+                f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                "running the eager step instead (same results, more kernel launches)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._math = None
+            self.compile = False
+            return False
+        finally:
+            self._tracing = False
+        self._advance_cohorts(per_group, active)
+        return True
+
+    def _traced_coefficients(self, grads, states, plan, hypers, flags, like):  # noqa: ANN001, ANN202
+        """The first graph of :meth:`_compiled_step`: the isolation flags and every bucket's
+        coefficient vectors ``[n]`` (``step``'s arithmetic; the trials are masked whether or not
+        any is frozen, an identity then); returns the active trials and the vectors."""
+        frozen = ~torch.isfinite(_trial_sums(grads)).all(dim=0)
+        if flags is not None:
+            flags |= frozen.to(flags.device)
+            frozen = flags
+        active = ~frozen.to(like.device)
+        out = []
+        offset = 0
+        for buckets, hyper in zip(plan, hypers):
+            for (lr_mult, wd_mult), dtype, members in buckets:
+                state = states[offset + members[0]]
+                vectors = self._coefficients(hyper, state, lr_mult, wd_mult, active, like)
+                out.append({k: v if v.dtype == torch.bool else v.to(dtype)
+                            for k, v in vectors.items()})  # fmt: skip
+            offset += sum(len(members) for _, _, members in buckets)
+        return active, out
+
+    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
+        """The eager update, parameter by parameter (:meth:`_update`)."""
         for i, p in enumerate(params):
             self._update(
                 p,
@@ -355,6 +443,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _any(self, key: str) -> bool:
         """Whether any trial of any group has a nonzero ``key`` (host tensors: no device sync);
         every parameter then gets the same state and coefficients, so one update covers all."""
+        if self._tracing:  # read before the compiled step: a constant of its graph
+            return self._traced_any[key]
         return any(any(g[key].tolist()) for g in self.param_groups)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
