@@ -275,6 +275,12 @@ class Compiler:
             if code not in self._dynamic:
                 self._dynamic[code] = torch.compile(module, backend=counting, dynamic=dynamic)
             return self._dynamic[code]
+        if not _direct_cached(module):
+            # inductor's on-disk FX graph cache refuses what AOTAutograd makes of such a graph
+            # called directly (a warm start would compile it all again); from dynamo's trace
+            # through hydro's functions it does not
+            self._dynamic[code] = torch.compile(module, backend=counting, dynamic=dynamic)
+            return self._dynamic[code]
         if code in self._shaped:  # a second shape: one dynamic graph for this and the next
             self._dynamic[code] = torch.compile(module, backend=counting, dynamic=True)
             return self._dynamic[code]
@@ -305,6 +311,23 @@ class Compiler:
         if key not in self._noted:
             self._noted.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+
+# hydro's functions with which a directly compiled graph still hits inductor's on-disk cache
+# (measured: the MLP's graph; a random stream or an embedding made it bypass the cache)
+_DIRECT_CACHED = {"to_trials", "trial_linear"}
+
+
+def _direct_cached(module: torch.fx.GraphModule) -> bool:
+    """Whether ``module`` calls only torch's functions and those of :data:`_DIRECT_CACHED`."""
+    for node in module.graph.nodes:
+        if node.op == "call_module":
+            return False
+        if node.op == "call_function":
+            where = getattr(node.target, "__module__", None) or ""
+            if where.startswith("hydro") and node.target.__name__ not in _DIRECT_CACHED:
+                return False
+    return True
 
 
 def _from_compiler(exc: BaseException) -> bool:

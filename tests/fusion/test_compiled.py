@@ -330,12 +330,19 @@ def test_relu_saves_its_activation_not_a_bool_mask() -> None:
 
 
 def test_new_batch_size_compiles_one_graph_for_all_sizes() -> None:
-    """The first input shape compiles a static graph (called without dynamo); a second one
-    compiles one graph with dynamic shapes that serves it and every later size."""
-    fused = hydro.fuse([mlp(p) for p in (0.1, 0.2)], compile=AOT).double().train()
-    eager = hydro.fuse([mlp(p) for p in (0.1, 0.2)]).double().train()
+    """On a CPU the first input shape compiles a static graph, called without dynamo; a second
+    one compiles one graph with dynamic shapes (through dynamo) that serves it and every later
+    size. A graph with random streams goes through dynamo from the start (inductor's on-disk
+    cache refuses it called directly)."""
+
+    def plain() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    fused = hydro.fuse([plain(), plain()], compile=AOT).double()
+    eager = hydro.fuse([plain(), plain()]).double()
     g = torch.Generator().manual_seed(5)
-    counts = []
+    counts, through_dynamo = [], []
     for batch in (8, 5, 3, 8):
         x = torch.randn(batch, 6, dtype=torch.float64, generator=g)
         out = fused(x)
@@ -343,6 +350,11 @@ def test_new_batch_size_compiles_one_graph_for_all_sizes() -> None:
         out.sum().backward()
         expected.sum().backward()
         counts.append(fused.compile_stats["compiles"])
+        through_dynamo.append(len(fused._compiler._dynamic))
     assert counts == [1, 2, 2, 2]
+    assert through_dynamo == [0, 1, 1, 1]
     for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    dropout = hydro.fuse([mlp(p) for p in (0.1, 0.2)], compile=AOT).double()
+    dropout(torch.randn(8, 6, dtype=torch.float64))
+    assert len(dropout._compiler._dynamic) == 1
