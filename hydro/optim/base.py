@@ -307,9 +307,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _compiled_step(self, per_group: list[list[torch.Tensor]], params: list) -> bool:
-        """The step through ``torch.compile`` as one graph: the isolation flags, every
-        coefficient and the update (what the eager step runs as a few dozen small ops and
-        Python per step); the step counts advance after it. ``False`` after a compiler
+        """The step through ``torch.compile`` as two graphs: the isolation flags and every
+        coefficient (what the eager step runs as a few dozen small ops and Python per step),
+        then the update; the step counts advance after them. ``False`` after a compiler
         failure (warned once; the eager step runs instead)."""
         self._prepare_state(per_group)
         like = params[0]
@@ -335,7 +335,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             if k in self.per_trial_keys:
                 self._traced_any[k] = self._any(k)
         keys = [k for k in self._state_keys() if all(k in self.state[p] for p in params)]
-        states = [{k: self.state[p][k] for k in (*keys, self.cohort_key)} for p in params]
+        # what _coefficients reads of a bucket's state: its cohort, and which keys exist (few
+        # tensors for dynamo to guard per call)
+        firsts = []
+        offset = 0
+        for ps, buckets in zip(per_group, plan):
+            for _, _, members in buckets:
+                cohort = self.state[params[offset + members[0]]][self.cohort_key]
+                firsts.append({**dict.fromkeys(keys), self.cohort_key: cohort})
+            offset += len(ps)
+        state = {k: [self.state[p][k] for p in params] for k in keys}
         flags = self._diverged()
         if self._math is None:
             # two graphs: in one, inductor would recompute each trial's coefficients (powers,
@@ -343,27 +352,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             backend = "inductor" if self.compile is True else self.compile
             self._math = (
                 torch.compile(self._traced_coefficients, backend=backend, fullgraph=True),
-                torch.compile(type(self)._elementwise, backend=backend, fullgraph=True),
+                torch.compile(type(self)._traced_update, backend=backend, fullgraph=True),
             )
         grads = [p.grad for p in params]
         self._tracing = True
         try:
-            active, vectors = self._math[0](grads, states, plan, hypers, flags, like)
-            # each parameter's [n, 1, ...] views of its bucket's vectors, in parameter order
-            coeffs: dict[str, list[torch.Tensor]] = {k: [] for k in vectors[0]}
-            index = iter(vectors)
-            for ps, buckets in zip(per_group, plan):
-                per_param: list[dict[str, torch.Tensor]] = [{}] * len(ps)
-                for _, _, members in buckets:
-                    typed = next(index)
-                    for i in members:
-                        shape = (-1,) + (1,) * (ps[i].dim() - 1)
-                        per_param[i] = {k: v.view(shape) for k, v in typed.items()}
-                for d in per_param:
-                    for k, v in d.items():
-                        coeffs[k].append(v)
-            state = {k: [s[k] for s in states] for k in self._state_keys() if k in states[0]}
-            self._math[1](params, grads, state, coeffs)
+            active, vectors = self._math[0](grads, firsts, plan, hypers, flags, like)
+            self._math[1](per_group, grads, state, vectors, plan)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
             warnings.warn(
                 f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
@@ -380,6 +375,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._advance_cohorts(per_group, active)
         return True
 
+    @classmethod
+    def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:  # noqa: ANN001
+        """The second graph of :meth:`_compiled_step`: each parameter's ``[n, 1, ...]`` views
+        of its bucket's coefficient vectors, in parameter order, and the update."""
+        params = [p for ps in per_group for p in ps]
+        coeffs: dict[str, list[torch.Tensor]] = {k: [] for k in vectors[0]}
+        index = iter(vectors)
+        for ps, buckets in zip(per_group, plan):
+            per_param: list[dict[str, torch.Tensor]] = [{}] * len(ps)
+            for _, _, members in buckets:
+                typed = next(index)
+                for i in members:
+                    shape = (-1,) + (1,) * (ps[i].dim() - 1)
+                    per_param[i] = {k: v.view(shape) for k, v in typed.items()}
+            for d in per_param:
+                for k, v in d.items():
+                    coeffs[k].append(v)
+        cls._elementwise(params, grads, state, coeffs)
+
     def _traced_coefficients(self, grads, states, plan, hypers, flags, like):  # noqa: ANN001, ANN202
         """The first graph of :meth:`_compiled_step`: the isolation flags and every bucket's
         coefficient vectors ``[n]`` (``step``'s arithmetic; the trials are masked whether or not
@@ -390,14 +404,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             frozen = flags
         active = ~frozen.to(like.device)
         out = []
-        offset = 0
+        first = iter(states)  # one per bucket
         for buckets, hyper in zip(plan, hypers):
-            for (lr_mult, wd_mult), dtype, members in buckets:
-                state = states[offset + members[0]]
-                vectors = self._coefficients(hyper, state, lr_mult, wd_mult, active, like)
+            for (lr_mult, wd_mult), dtype, _ in buckets:
+                vectors = self._coefficients(hyper, next(first), lr_mult, wd_mult, active, like)
                 out.append({k: v if v.dtype == torch.bool else v.to(dtype)
                             for k, v in vectors.items()})  # fmt: skip
-            offset += sum(len(members) for _, _, members in buckets)
         return active, out
 
     def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
