@@ -12,8 +12,9 @@ The arithmetic is ``torch.optim``'s single-tensor implementation with trial ``k`
 (checked step by step against ``torch.optim`` in ``tests/test_optim.py`` and ``tests/fusion``).
 Eagerly, the update runs parameter by parameter (a fixed handful of ops each, whatever ``n``)
 with its intermediates in two scratch buffers shared by all parameters, so each parameter's
-passes hit the cache; ``compile=True`` runs the ``_foreach`` form through ``torch.compile`` (one
-pass over memory); ``compile="auto"`` (the default) compiles on CUDA only.
+passes hit the cache; ``compile=True`` runs the step through ``torch.compile`` as two graphs, the
+isolation flags with every coefficient, then the ``_foreach`` form of the update (one pass over
+memory); ``compile="auto"`` (the default) compiles on CUDA only.
 
 Continuous batching: :meth:`FusedOptimizer.reset_trial` gives one slot the state of a new
 optimizer with new hyperparameters, for a new trial, leaving the other slots untouched.
@@ -160,7 +161,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters (or parameter groups) with a leading trial dimension ``n``.
         defaults: default hyperparameters, each a scalar or one value per trial.
-        compile: run the element-wise update through ``torch.compile``: ``True`` (inductor), a
+        compile: run the step through ``torch.compile``: ``True`` (inductor), a
             backend name or a backend callable; ``False``: eager; ``"auto"`` (default): compile
             with inductor on CUDA, eager on a CPU (where the eager step is as fast as torch's
             fused kernel run per trial and a 20-90 s compile pays back only after thousands of
