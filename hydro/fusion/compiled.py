@@ -200,9 +200,11 @@ class Compiler:
         count = len(inputs)
         inputs += lifted.flatten(args, kwargs)
         grad = torch.is_grad_enabled()
-        # this key is the only guard: the compiled callable runs without dynamo's
-        code = (lifted.code, grad, tuple(_meta(t) for t in inputs[:count]))
-        key = (code, tuple(_meta(t) for t in inputs[count:]))
+        # this key is the only guard where the compiled callable runs without dynamo's:
+        # (code, (the lifted tensors' metadata..., grad mode, the inputs' metadata...))
+        metas = tuple(_meta(t) for t in inputs[:count])
+        code = (lifted.code, grad, metas)
+        key = (lifted.code, (*metas, grad, *(_meta(t) for t in inputs[count:])))
         fn = self._cache.get(key)
         first = fn is None
         if first:
