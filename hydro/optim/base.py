@@ -314,7 +314,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         failure (warned once; the eager step runs instead)."""
         self._prepare_state(per_group)
         like = params[0]
-        key = tuple(map(id, params)) + tuple(id(self.state[p][self.cohort_key]) for p in params)
+        key = tuple((id(p), p.dtype, id(self.state[p][self.cohort_key])) for p in params)
         plan = self._plans.get(key)
         if plan is None:  # once per parameter list: its buckets (see step)
             plan = []
