@@ -152,6 +152,63 @@ def aten_ops(step: Callable[[], None]) -> int:
     return counter.count
 
 
+# The kernels a compiler calls as they are (library GEMMs, attention): what it cannot speed up
+EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+          "_scaled_dot_product_flash_attention_for_cpu",
+          "_scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
+
+
+class ExternCalls(TorchDispatchMode):
+    """Records the :data:`EXTERN` calls dispatched inside the block, with their tensors'
+    shapes, strides and dtypes, for :func:`extern_replay`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in EXTERN:
+
+            def meta(x):  # noqa: ANN001, ANN202
+                if isinstance(x, torch.Tensor):
+                    return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
+                return x
+
+            self.calls.append(
+                (func, [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()})
+            )
+        return func(*args, **kwargs)
+
+
+def extern_replay(step: Callable[[], None]) -> Callable[[], None]:
+    """The library kernels one call of ``step`` runs (:class:`ExternCalls`), replayed alone on
+    tensors of the same shapes and strides: their time is what no compiler of the step removes."""
+    step()
+    with ExternCalls() as recorder:
+        step()
+
+    def real(x):  # noqa: ANN001, ANN202
+        if isinstance(x, tuple) and x and x[0] == "tensor":
+            _, shape, stride, dtype, offset = x
+            size = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+            base = torch.randn(size, dtype=dtype) if dtype.is_floating_point else torch.zeros(
+                size, dtype=dtype)  # fmt: skip
+            return base.as_strided(shape, stride, offset)
+        if isinstance(x, list):
+            return [real(v) for v in x]
+        return x
+
+    calls = [(f, [real(a) for a in args], {k: real(v) for k, v in kw.items()})
+             for f, args, kw in recorder.calls]  # fmt: skip
+
+    def replay() -> None:
+        for f, args, kw in calls:
+            f(*args, **kw)
+
+    return replay
+
+
 def sequential_step(make, n: int) -> Callable[[], None]:
     built = [make() for _ in range(n)]
     opts = [torch.optim.Adam(m.parameters(), lr=lr) for (m, *_), lr in zip(built, LRS(n))]
@@ -252,16 +309,20 @@ COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16)}
 
 
 def compile_table(args: argparse.Namespace) -> None:
-    """Compiled fused step vs eager, medians of interleaved rounds; compile seconds cold (an
-    empty inductor cache) and warm (a second model of the same structure: inductor's on-disk
-    FX graph cache hit), each the first step's wall time less an eager step."""
+    """Compiled fused step vs eager, medians of interleaved rounds (wall and CPU time); the
+    step's library kernels (GEMMs, attention: :func:`extern_replay`) replayed alone, and the
+    ceiling they leave a compiler (eager / library kernels); compile seconds cold (an empty
+    inductor cache) and warm (a second model of the same structure: inductor's on-disk FX graph
+    cache hit), each the first step's wall time less an eager step."""
     import os
     import tempfile
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hydro-bench-inductor-")
-    print("| model | n | threads | nodes | eager ms | compiled ms | speed-up | compile s cold "
-          "| compile s warm | model compiles |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | n | threads | nodes | eager ms | compiled ms | speed-up | speed-up cpu | "
+        "library kernels ms | ceiling | compile s cold | compile s warm | model compiles |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.models or list(COMPILED):
@@ -278,10 +339,14 @@ def compile_table(args: argparse.Namespace) -> None:
                 compiled()
                 compiled()  # the optimizer's compiled path settles after its first step
                 first[run] = time.perf_counter() - start - 2 * t_eager
-            t = timed({"eager": eager, "compiled": compiled}, args.repeats, args.min_time)
+            cpu: dict[str, float] = {}
+            steps = {"eager": eager, "compiled": compiled, "extern": extern_replay(eager)}
+            t = timed(steps, args.repeats, args.min_time, cpu)
             nodes = sum(len(gm.graph.nodes) for gm in fused._graphs.values())
             print(f"| {name} | {n} | {threads} | {nodes} | {1e3 * t['eager']:.1f} | "
                   f"{1e3 * t['compiled']:.1f} | {t['eager'] / t['compiled']:.2f}x | "
+                  f"{cpu['eager'] / cpu['compiled']:.2f}x | {1e3 * t['extern']:.1f} | "
+                  f"{t['eager'] / t['extern']:.2f}x | "
                   f"{first['cold']:.0f} | {first['warm']:.0f} | "
                   f"{fused.compile_stats['compiles']} |", flush=True)  # fmt: skip
 

@@ -16,6 +16,7 @@ from then on (same results).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import operator
@@ -150,8 +151,9 @@ def quiet_cuda_home() -> None:
 
 def _meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
-    return type(x).__name__
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    # a Python value is a constant of the traced graph: another value needs another graph
+    return (type(x), x if isinstance(x, (int, float, bool, str, type(None))) else repr(x))
 
 
 class Compiler:
@@ -170,6 +172,8 @@ class Compiler:
         self.stats: dict[str, float] = {"compiles": 0, "seconds": 0.0}
         self.failed: str | None = None
         self._cache: dict[tuple, Callable] = {}
+        self._shaped: set[tuple] = set()  # codes compiled for one input shape
+        self._dynamic: dict[tuple, Callable] = {}  # codes compiled for every input shape
         self._noted: set[str] = set()
         self._inside = threading.local()
 
@@ -192,15 +196,25 @@ class Compiler:
         lifted = getattr(gm, "hydro_lifted", None)
         if lifted is None:  # once per rebuilt graph (milliseconds): no compilation
             lifted = gm.hydro_lifted = Lifted(gm)
-        tensors = lifted.tensors(gm)
-        flat = lifted.flatten(args, kwargs)
-        key = (lifted.code, tuple(_meta(t) for t in tensors))
+        inputs = lifted.tensors(gm)
+        count = len(inputs)
+        inputs += lifted.flatten(args, kwargs)
+        grad = torch.is_grad_enabled()
+        # this key is the only guard where the compiled callable runs without dynamo's:
+        # (code, (the lifted tensors' metadata..., grad mode, the inputs' metadata...))
+        metas = tuple(_meta(t) for t in inputs[:count])
+        code = (lifted.code, grad, metas)
+        key = (lifted.code, (*metas, grad, *(_meta(t) for t in inputs[count:])))
         fn = self._cache.get(key)
         first = fn is None
         if first:
-            fn = self._cache[key] = self._compile(lifted.module, tensors[0] if tensors else None)
+            try:
+                fn = self._cache[key] = self._compile(lifted.module, inputs, code)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+                self._fail(exc)
+                return gm(*args, **kwargs)
         try:
-            out = fn(*tensors, *flat)
+            out = fn(*inputs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
             if not first and not _from_compiler(exc):
                 raise
@@ -208,7 +222,12 @@ class Compiler:
             return gm(*args, **kwargs)
         return lifted.unflatten(out)
 
-    def _compile(self, module: torch.fx.GraphModule, like: torch.Tensor | None) -> Callable:
+    def _compile(self, module: torch.fx.GraphModule, inputs: list, code: tuple) -> Callable:
+        """The compiled form of ``module`` for ``inputs``. On a CPU, the backend called
+        directly (no dynamo: no guards, no frame evaluation per call; the caller's key guards),
+        and at a second input shape of one code (a dynamic sequence length, a last short batch)
+        one graph with dynamic shapes through ``torch.compile``, which then serves every shape.
+        On CUDA, or with ``dynamic`` given, ``torch.compile`` (dynamo) throughout."""
         from hydro.fusion import random as _random
 
         torch.compiler.assume_constant_result(_random._keep_scale)  # marks it, in place
@@ -217,7 +236,9 @@ class Compiler:
         backend = options.pop("backend", None)
         mode = options.pop("mode", None)
         inductor = options.pop("options", None)
-        dynamic = options.get("dynamic")
+        dynamic = options.pop("dynamic", None)
+        options.pop("fullgraph", None)  # a lifted graph is one graph, whole
+        like = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
         cpu = like is None or like.device.type != "cuda"
         if cpu and mode in ("reduce-overhead", "max-autotune"):
             # CUDA graphs capture device kernels: a CPU graph has none (inductor would skip them)
@@ -239,13 +260,37 @@ class Compiler:
             start = time.perf_counter()
             self._inside.active = True
             try:
-                return inner(graph, example)
+                # Views recomputable in the backward: otherwise AOTAutograd saves a view of an
+                # activation for a matmul's gradient and, the activation itself unsaved, a bool
+                # mask for ReLU's (``le``) that inductor's vectorized CPU kernels store with
+                # masked byte stores, ~15x slower than eager on AVX-512 AMD (docs/fusion.md)
+                with torch._functorch.config.patch(recompute_views=True):
+                    return inner(graph, example)
             finally:
                 self._inside.active = False
                 self.stats["compiles"] += 1
                 self.stats["seconds"] += time.perf_counter() - start
 
-        return torch.compile(module, backend=counting, **options)
+        if dynamic or not cpu or code in self._dynamic:
+            # dynamo on CUDA: its CUDA graphs (reduce-overhead) take their static inputs from
+            # dynamo's tracing context; the direct call is measured on CPUs only
+            if code not in self._dynamic:
+                self._dynamic[code] = torch.compile(module, backend=counting, dynamic=dynamic)
+            return self._dynamic[code]
+        if not _direct_cached(module):
+            # inductor's on-disk FX graph cache refuses what AOTAutograd makes of such a graph
+            # called directly (a warm start would compile it all again); from dynamo's trace
+            # through hydro's functions it does not
+            self._dynamic[code] = torch.compile(module, backend=counting, dynamic=dynamic)
+            return self._dynamic[code]
+        if code in self._shaped:  # a second shape: one dynamic graph for this and the next
+            self._dynamic[code] = torch.compile(module, backend=counting, dynamic=True)
+            return self._dynamic[code]
+        self._shaped.add(code)
+        # a copy: the backend's passes rewrite the graph in place, and others of this code
+        # (other shapes) compile from the lifted module
+        graph = torch.fx.GraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
+        return counting(graph, list(inputs))
 
     def _fail(self, exc: BaseException) -> None:
         while True:  # dynamo wraps the backend's own error
@@ -256,6 +301,7 @@ class Compiler:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         self.failed = f"{type(exc).__name__}: {first}"
         self._cache.clear()
+        self._dynamic.clear()
         warnings.warn(
             f"hydro.fuse(compile=...): torch.compile failed ({self.failed}); this fused model runs "
             "eagerly from now on (same results, slower)",
@@ -267,6 +313,23 @@ class Compiler:
         if key not in self._noted:
             self._noted.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+
+# hydro's functions with which a directly compiled graph still hits inductor's on-disk cache
+# (measured: the MLP's graph; a random stream or an embedding made it bypass the cache)
+_DIRECT_CACHED = {"to_trials", "trial_linear"}
+
+
+def _direct_cached(module: torch.fx.GraphModule) -> bool:
+    """Whether ``module`` calls only torch's functions and those of :data:`_DIRECT_CACHED`."""
+    for node in module.graph.nodes:
+        if node.op == "call_module":
+            return False
+        if node.op == "call_function":
+            where = getattr(node.target, "__module__", None) or ""
+            if where.startswith("hydro") and node.target.__name__ not in _DIRECT_CACHED:
+                return False
+    return True
 
 
 def _from_compiler(exc: BaseException) -> bool:

@@ -12,8 +12,9 @@ The arithmetic is ``torch.optim``'s single-tensor implementation with trial ``k`
 (checked step by step against ``torch.optim`` in ``tests/test_optim.py`` and ``tests/fusion``).
 Eagerly, the update runs parameter by parameter (a fixed handful of ops each, whatever ``n``)
 with its intermediates in two scratch buffers shared by all parameters, so each parameter's
-passes hit the cache; ``compile=True`` runs the ``_foreach`` form through ``torch.compile`` (one
-pass over memory); ``compile="auto"`` (the default) compiles on CUDA only.
+passes hit the cache; ``compile=True`` runs the step through ``torch.compile`` as two graphs, the
+isolation flags with every coefficient, then the ``_foreach`` form of the update (one pass over
+memory); ``compile="auto"`` (the default) compiles on CUDA only.
 
 Continuous batching: :meth:`FusedOptimizer.reset_trial` gives one slot the state of a new
 optimizer with new hyperparameters, for a new trial, leaving the other slots untouched.
@@ -160,7 +161,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters (or parameter groups) with a leading trial dimension ``n``.
         defaults: default hyperparameters, each a scalar or one value per trial.
-        compile: run the element-wise update through ``torch.compile``: ``True`` (inductor), a
+        compile: run the step through ``torch.compile``: ``True`` (inductor), a
             backend name or a backend callable; ``False``: eager; ``"auto"`` (default): compile
             with inductor on CUDA, eager on a CPU (where the eager step is as fast as torch's
             fused kernel run per trial and a 20-90 s compile pays back only after thousands of
@@ -182,6 +183,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._trial_optimizers: list[torch.optim.Optimizer] | None = None
         self.compile = compile
         self._math: Callable | None = None
+        # the compiled step (:meth:`_compiled_step`): its structure per parameter list, and the
+        # state _on and _any read from while dynamo traces it
+        self._plans: dict[tuple, tuple] = {}
+        self._tracing = False
+        self._traced_any: dict[str, bool] = {}
         self._scratch_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -189,6 +195,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Switch how the update runs from the next step on (``compile`` as in the
         constructor); an update compiled before is dropped."""
         self.compile, self._math = compile, None
+        self._plans.clear()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyperparameters become float64 tensors ``[n]``."""
@@ -222,6 +229,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _on(self, group: dict, name: str, like: torch.Tensor) -> torch.Tensor:
         """``group[name]`` on ``like``'s device, cached until it is replaced or written to."""
         t = group[name] if isinstance(name, str) else group["betas"][name]
+        if self._tracing:  # group: the device tensors the compiled step was given
+            return t
         key = (id(group), name, like.device)
         hit = self._device_cache.get(key)
         if hit is not None and hit[0] is t and hit[1] == t._version:
@@ -240,6 +249,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         per_group = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
         params = [p for ps in per_group for p in ps]
         if not params:
+            return loss
+        if self.compile == "auto":
+            # CPU: the eager step below is memory-bound and as fast as torch's fused kernel
+            # per trial; compiling (20-90 s) pays back only after thousands of steps. CUDA:
+            # the eager step launches a few kernels per parameter tensor, the compiled one a
+            # handful in all.
+            self.compile = "inductor" if params[0].device.type == "cuda" else False
+        if self.compile and self._compiled_step(per_group, params):
             return loss
         frozen = ~torch.isfinite(_trial_sums([p.grad for p in params])).all(dim=0)
         flags = self._diverged()
@@ -290,30 +307,114 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._run(params, grads, state, coeffs)
         return loss
 
-    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
-        if self.compile == "auto":
-            # CPU: the eager step below is memory-bound and as fast as torch's fused kernel
-            # per trial; compiling (20-90 s) pays back only after thousands of steps. CUDA:
-            # the eager step launches a few kernels per parameter tensor, the compiled one a
-            # handful in all.
-            self.compile = "inductor" if params[0].device.type == "cuda" else False
-        if self.compile and self._math is None:
+    def _compiled_step(self, per_group: list[list[torch.Tensor]], params: list) -> bool:
+        """The step through ``torch.compile`` as two graphs: the isolation flags and every
+        coefficient (what the eager step runs as a few dozen small ops and Python per step),
+        then the update; the step counts advance after them. ``False`` after a compiler
+        failure (warned once; the eager step runs instead)."""
+        self._prepare_state(per_group)
+        like = params[0]
+        key = tuple((id(p), p.dtype, id(self.state[p][self.cohort_key])) for p in params)
+        plan = self._plans.get(key)
+        if plan is None:  # once per parameter list: its buckets (see step)
+            plan = []
+            for ps in per_group:
+                buckets: dict[tuple, list[int]] = {}
+                for i, p in enumerate(ps):
+                    mults = optimizer_multipliers(p, self.kind)
+                    buckets.setdefault((mults, id(self.state[p][self.cohort_key]), p.dtype),
+                                       []).append(i)  # fmt: skip
+                plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
+            plan = self._plans[key] = tuple(plan)
+        hypers = []
+        for group in self.param_groups:
+            hyper = {k: self._on(group, k, like) for k in self.per_trial_keys if k != "betas"}
+            if "betas" in self.per_trial_keys:
+                hyper["betas"] = (self._on(group, 0, like), self._on(group, 1, like))
+            hypers.append(hyper)
+        for k in ("weight_decay", "momentum", "amsgrad"):
+            if k in self.per_trial_keys:
+                self._traced_any[k] = self._any(k)
+        keys = [k for k in self._state_keys() if all(k in self.state[p] for p in params)]
+        # what _coefficients reads of a bucket's state: its cohort, and which keys exist (few
+        # tensors for dynamo to guard per call)
+        firsts = []
+        offset = 0
+        for ps, buckets in zip(per_group, plan):
+            for _, _, members in buckets:
+                cohort = self.state[params[offset + members[0]]][self.cohort_key]
+                firsts.append({**dict.fromkeys(keys), self.cohort_key: cohort})
+            offset += len(ps)
+        state = {k: [self.state[p][k] for p in params] for k in keys}
+        flags = self._diverged()
+        if self._math is None:
+            # two graphs: in one, inductor would recompute each trial's coefficients (powers,
+            # square roots in float64) in every vector of the update's loops
             backend = "inductor" if self.compile is True else self.compile
-            self._math = torch.compile(type(self)._elementwise, backend=backend, fullgraph=True)
-        if self._math is not None:
-            try:
-                self._math(params, grads, state, coeffs)
-                return
-            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
-                warnings.warn(
-                    f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
-                    f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                    "running the eager step instead (same results, more kernel launches)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                self._math = None
-                self.compile = False
+            self._math = (
+                torch.compile(self._traced_coefficients, backend=backend, fullgraph=True),
+                torch.compile(type(self)._traced_update, backend=backend, fullgraph=True),
+            )
+        grads = [p.grad for p in params]
+        self._tracing = True
+        try:
+            active, vectors = self._math[0](grads, firsts, plan, hypers, flags, like)
+            self._math[1](per_group, grads, state, vectors, plan)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+            warnings.warn(
+                f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
+                f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                "running the eager step instead (same results, more kernel launches)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._math = None
+            self.compile = False
+            return False
+        finally:
+            self._tracing = False
+        self._advance_cohorts(per_group, active)
+        return True
+
+    @classmethod
+    def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:  # noqa: ANN001
+        """The second graph of :meth:`_compiled_step`: each parameter's ``[n, 1, ...]`` views
+        of its bucket's coefficient vectors, in parameter order, and the update."""
+        params = [p for ps in per_group for p in ps]
+        coeffs: dict[str, list[torch.Tensor]] = {k: [] for k in vectors[0]}
+        index = iter(vectors)
+        for ps, buckets in zip(per_group, plan):
+            per_param: list[dict[str, torch.Tensor]] = [{}] * len(ps)
+            for _, _, members in buckets:
+                typed = next(index)
+                for i in members:
+                    shape = (-1,) + (1,) * (ps[i].dim() - 1)
+                    per_param[i] = {k: v.view(shape) for k, v in typed.items()}
+            for d in per_param:
+                for k, v in d.items():
+                    coeffs[k].append(v)
+        cls._elementwise(params, grads, state, coeffs)
+
+    def _traced_coefficients(self, grads, states, plan, hypers, flags, like):  # noqa: ANN001, ANN202
+        """The first graph of :meth:`_compiled_step`: the isolation flags and every bucket's
+        coefficient vectors ``[n]`` (``step``'s arithmetic; the trials are masked whether or not
+        any is frozen, an identity then); returns the active trials and the vectors."""
+        frozen = ~torch.isfinite(_trial_sums(grads)).all(dim=0)
+        if flags is not None:
+            flags |= frozen.to(flags.device)
+            frozen = flags
+        active = ~frozen.to(like.device)
+        out = []
+        first = iter(states)  # one per bucket
+        for buckets, hyper in zip(plan, hypers):
+            for (lr_mult, wd_mult), dtype, _ in buckets:
+                vectors = self._coefficients(hyper, next(first), lr_mult, wd_mult, active, like)
+                out.append({k: v if v.dtype == torch.bool else v.to(dtype)
+                            for k, v in vectors.items()})  # fmt: skip
+        return active, out
+
+    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
+        """The eager update, parameter by parameter (:meth:`_update`)."""
         for i, p in enumerate(params):
             self._update(
                 p,
@@ -355,6 +456,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _any(self, key: str) -> bool:
         """Whether any trial of any group has a nonzero ``key`` (host tensors: no device sync);
         every parameter then gets the same state and coefficients, so one update covers all."""
+        if self._tracing:  # read before the compiled step: a constant of its graph
+            return self._traced_any[key]
         return any(any(g[key].tolist()) for g in self.param_groups)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:

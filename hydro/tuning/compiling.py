@@ -28,7 +28,8 @@ from hydro.errors import ConfigError
 # backward and optimizer, on 2 cores under a load of ~8 (2026-11-26); warm: 1 s and 17 s
 COMPILE_BASE_S = 50.0
 COMPILE_PER_NODE_S = 1.1
-# compiled/eager fused step, below the GPT surrogate's 1.18x (the MLP anchor's is 0.57x)
+# compiled/eager fused step, about the GPT surrogate's 1.09-1.13x in CPU time (its library
+# kernels cap it at 1.35-1.58x on a CPU); the MLP anchor's is 1.15-1.4x (docs/fusion.md)
 SPEEDUP = 1.15
 MEASURED_STEPS = 3  # eager steps timed after the first (which builds the graphs)
 FORMS = "True/'on', False/'off', 'auto', or a torch.compile mode ('default', 'max-autotune', ...)"

@@ -302,3 +302,59 @@ def test_keyword_inputs_and_dict_outputs_compiled() -> None:
     torch.testing.assert_close(outs[0], outs[1], **TOL)
     assert outs[1].shape == (2, 5, 3)
     assert fused.compile_stats["compiles"] == 1 and "failed" not in fused.compile_stats
+
+
+def test_relu_saves_its_activation_not_a_bool_mask() -> None:
+    """With inductor's decompositions, ReLU's backward reads ``out <= 0``: the compiled forward
+    must not save that bool mask (inductor's CPU kernels store it ~15x slower than eager) but
+    recompute it from the activation the next layer's gradient saves anyway."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 3))  # fmt: skip
+    compiled = hydro.fuse(model, n=2, compile={"backend": "aot_eager_decomp_partition"})
+    eager = hydro.fuse(model, n=2)
+    x = torch.randn(8, 6)
+    saved: list[torch.dtype] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    assert saved and torch.bool not in saved, saved
+    out.square().sum().backward()
+    eager(x).square().sum().backward()
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_new_batch_size_compiles_one_graph_for_all_sizes() -> None:
+    """On a CPU the first input shape compiles a static graph, called without dynamo; a second
+    one compiles one graph with dynamic shapes (through dynamo) that serves it and every later
+    size. A graph with random streams goes through dynamo from the start (inductor's on-disk
+    cache refuses it called directly)."""
+
+    def plain() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    fused = hydro.fuse([plain(), plain()], compile=AOT).double()
+    eager = hydro.fuse([plain(), plain()]).double()
+    g = torch.Generator().manual_seed(5)
+    counts, through_dynamo = [], []
+    for batch in (8, 5, 3, 8):
+        x = torch.randn(batch, 6, dtype=torch.float64, generator=g)
+        out = fused(x)
+        torch.testing.assert_close(out, expected := eager(x), **TOL)
+        out.sum().backward()
+        expected.sum().backward()
+        counts.append(fused.compile_stats["compiles"])
+        through_dynamo.append(len(fused._compiler._dynamic))
+    assert counts == [1, 2, 2, 2]
+    assert through_dynamo == [0, 1, 1, 1]
+    for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    dropout = hydro.fuse([mlp(p) for p in (0.1, 0.2)], compile=AOT).double()
+    dropout(torch.randn(8, 6, dtype=torch.float64))
+    assert len(dropout._compiler._dynamic) == 1
