@@ -10,6 +10,7 @@ import yaml
 
 import hydro
 from hydro.cli import main
+from tests import toy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -67,44 +68,13 @@ def test_ci_runs_the_readme_test_command():
 
 # --- hydro tune / export / report --------------------------------------------------------------
 
-TOY = """
-import torch
-
-def data(n=384):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 16, generator=g)
-    y = (x @ torch.randn(16, 5, generator=g)).argmax(-1)
-    return {"train": (x[:256], y[:256]), "val": (x[256:], y[256:])}
-
-def model(width=64):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 5))
-"""
-
-CONFIG = """
-study: toy
-storage: sqlite:///toy.db
-trials: 4
-ratio: 2
-fuse: 2
-task:
-  model: toymod:model
-  data: toymod:data
-  steps: 10
-  eval_every: 5
-space:
-  lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}
-"""
+TOY = toy.source(n=384, n_train=256, features=16, classes=5)
+CONFIG = toy.config("toymod", trials=4, steps=10, eval_every=5, batch_size=None, lr_low="1.0e-4")
 
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    (tmp_path / "toymod.py").write_text(TOY)
-    (tmp_path / "tune.yaml").write_text(CONFIG)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(__import__("sys").modules, "toymod", raising=False)  # each test's own
-    return tmp_path
+    return toy.project(tmp_path, monkeypatch, "toymod", TOY, CONFIG)  # each test's own toymod
 
 
 def test_tune_export_report(project, capsys):

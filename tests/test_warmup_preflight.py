@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import optuna
 import pytest
-import torch
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
@@ -15,53 +14,20 @@ from hydro.cli import main
 from hydro.integrations.optuna import optimize
 from hydro.tuning import config
 from hydro.tuning.space import check_space
+from tests import toy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-TOY = """
-import torch
-
-def data(n=96):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    return {"train": (x[:64], y[:64]), "val": (x[64:], y[64:])}
-
-def model(width=64):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))
-"""
-
-CONFIG = """
-study: toy
-storage: sqlite:///toy.db
-trials: 2
-ratio: 2
-fuse: 2
-task:
-  model: warmmod:model
-  data: warmmod:data
-  steps: 10
-  eval_every: 5
-  batch_size: 16
-space:
-  lr: {type: float, low: 1.0e-3, high: 1.0e-1, log: true}
-  warmup: {type: int, low: 0, high: WARMUP}
-"""
-
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    (tmp_path / "warmmod.py").write_text(TOY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(__import__("sys").modules, "warmmod", raising=False)
-    return tmp_path
+    return toy.project(tmp_path, monkeypatch, "warmmod", toy.source())
 
 
 def _config(project, high: int) -> str:
-    (project / "tune.yaml").write_text(CONFIG.replace("WARMUP", str(high)))
+    space = f"  warmup: {{type: int, low: 0, high: {high}}}\n"
+    (project / "tune.yaml").write_text(toy.config("warmmod", steps=10, eval_every=5, space=space))
     return "tune.yaml"
 
 
@@ -94,13 +60,7 @@ def test_cli_trains_the_range_when_steps_hold_it(project, capsys):
 
 
 def make_task(steps: int = 10) -> hydro.Task:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(96, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
-    return hydro.Task(model=model, train_data=(x[:64], y[:64]), val_data=(x[64:], y[64:]),
-                      steps=steps, eval_every=5, batch_size=16)  # fmt: skip
+    return toy.task(n=96, n_train=64, width=64, steps=steps, eval_every=5)
 
 
 LR = FloatDistribution(1e-3, 1e-1, log=True)
