@@ -319,8 +319,11 @@ MODELS: dict[str, Builder] = {
 }
 TIMM_MODELS: dict[str, Builder] = {
     "timm_resnet18": _timm("resnet18", 32),
-    "timm_convnext_atto": _timm("convnext_atto", 32),
-    "timm_vit_tiny": _timm("vit_tiny_patch16_224", 32, img_size=32),
+    # stages of 2, 2, 6, 2 blocks (all alike in a stage, the downsampling outside them): kept,
+    # one block a stage and a block after a block
+    "timm_convnext_atto": _timm("convnext_atto", 32, depths=(1, 1, 2, 1)),
+    # 2 of its 12 blocks, which are all alike
+    "timm_vit_tiny": _timm("vit_tiny_patch16_224", 32, img_size=32, depth=2),
     # stages of 1, 2, 3, 2, 3, 1 blocks: kept, every kind of block (with and without
     # squeeze-excitation, with and without the residual sum, ReLU and hard-swish)
     "timm_mobilenetv3_small": _timm("mobilenetv3_small_100", 32, stages=(1, 2, 2, 1, 1, 1)),
