@@ -319,6 +319,7 @@ def test_the_key_is_the_same_in_another_process():
 
 # --- Task(cache=), the config's task.cache and `hydro tune --no-cache` --------------------------
 
+
 @pytest.fixture
 def toy(tmp_path, monkeypatch, exports):
     """A toy ``hydro tune`` project in ``tmp_path``; ``toy(study, cache_line)`` writes its

@@ -201,7 +201,7 @@ def test_parts_are_named_and_plain(tmp_path):
 
 # --- hydro tune ---------------------------------------------------------------------------------
 
-TOY = toy.source(n=192, n_train=128, seeded=False, extra="""
+EXTRA = """
 def ce(out, y):
     return torch.nn.functional.cross_entropy(out, y)
 
@@ -211,7 +211,8 @@ def worse(out, y):
 def space(trial):
     return {"lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True),
             "beta2": trial.suggest_categorical("beta2", [0.95, 0.99]), "warmup": 1}
-""")
+"""
+TOY = toy.source(n=192, n_train=128, seeded=False, extra=EXTRA)
 CONFIG = toy.config("toymod", task="  model_args: {width: 64}\n", eval_every=4)
 
 # run in another process: the CLI on the config, and hydro.tune with a space function
