@@ -285,11 +285,20 @@ def timm_available() -> bool:
     return True
 
 
-def _timm(name: str, size: int, **kwargs: object) -> Builder:
+def _timm(name: str, size: int, stages: tuple[int, ...] | None = None,
+          **kwargs: object) -> Builder:  # fmt: skip
+    """timm's ``name`` for ``size`` x ``size`` images; ``stages``: how many blocks of each stage
+    of ``model.blocks`` to keep (the first ones), for the deep CNNs whose repeated blocks are
+    the same code at the same widths as the block before them: fewer of them test nothing less
+    and cost far less to capture and train."""
+
     def build() -> tuple[nn.Module, Callable]:
         import timm
 
         model = timm.create_model(name, pretrained=False, num_classes=7, **kwargs)
+        if stages is not None:
+            assert len(stages) == len(model.blocks), (name, len(model.blocks))
+            model.blocks = nn.Sequential(*[s[:k] for s, k in zip(model.blocks, stages)])
 
         def batch(b: int, g: torch.Generator) -> Batch:
             return (torch.randn(b, 3, size, size, generator=g),), {}
@@ -310,10 +319,17 @@ MODELS: dict[str, Builder] = {
 }
 TIMM_MODELS: dict[str, Builder] = {
     "timm_resnet18": _timm("resnet18", 32),
-    "timm_convnext_atto": _timm("convnext_atto", 32),
-    "timm_vit_tiny": _timm("vit_tiny_patch16_224", 32, img_size=32),
-    "timm_mobilenetv3_small": _timm("mobilenetv3_small_100", 32),
-    "timm_efficientnet_b0": _timm("efficientnet_b0", 32),
+    # stages of 2, 2, 6, 2 blocks (all alike in a stage, the downsampling outside them): kept,
+    # one block a stage and a block after a block
+    "timm_convnext_atto": _timm("convnext_atto", 32, depths=(1, 1, 2, 1)),
+    # 2 of its 12 blocks, which are all alike
+    "timm_vit_tiny": _timm("vit_tiny_patch16_224", 32, img_size=32, depth=2),
+    # stages of 1, 2, 3, 2, 3, 1 blocks: kept, every kind of block (with and without
+    # squeeze-excitation, with and without the residual sum, ReLU and hard-swish)
+    "timm_mobilenetv3_small": _timm("mobilenetv3_small_100", 32, stages=(1, 2, 2, 1, 1, 1)),
+    # stages of 1, 2, 2, 3, 3, 4, 1 blocks: kept, the first block of each (channels and stride
+    # change there) and one residual block with squeeze-excitation
+    "timm_efficientnet_b0": _timm("efficientnet_b0", 32, stages=(1, 2, 1, 1, 1, 1, 1)),
 }
 
 

@@ -21,6 +21,9 @@ from hydro.errors import HydroWarning
 from hydro.fx import cache
 from hydro.fx.capture import capture
 from tests.cache_model import Net
+from tests.toy import config as toy_config
+from tests.toy import project as toy_project
+from tests.toy import source as toy_source
 
 
 @pytest.fixture
@@ -343,50 +346,16 @@ def test_the_key_is_the_same_in_another_process():
 
 # --- Task(cache=), the config's task.cache and `hydro tune --no-cache` --------------------------
 
-TOY = """
-import torch
-
-def data(n=96):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    return {"train": (x[:64], y[:64]), "val": (x[64:], y[64:])}
-
-def model(width=64):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))
-"""
-
-CONFIG = """
-study: {study}
-storage: sqlite:///toy.db
-trials: 2
-ratio: 2
-fuse: 2
-task:
-  model: toymod:model
-  data: toymod:data
-  steps: 2
-  eval_every: 2
-  batch_size: 16
-{cache}space:
-  lr: {{type: float, low: 1.0e-3, high: 1.0e-1, log: true}}
-"""
-
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch, exports):
     """A toy ``hydro tune`` project in ``tmp_path``; ``toy(study, cache_line)`` writes its
     config and returns the path."""
-    (tmp_path / "toymod.py").write_text(TOY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "toymod", raising=False)
+    toy_project(tmp_path, monkeypatch, "toymod", toy_source())
 
     def write(study: str, cache_line: str = "") -> str:
         path = tmp_path / f"{study}.yaml"
-        path.write_text(CONFIG.format(study=study, cache=cache_line))
+        path.write_text(toy_config("toymod", study=study, task=cache_line, steps=2))
         return str(path)
 
     return write

@@ -10,6 +10,7 @@ import yaml
 
 import hydro
 from hydro.cli import main
+from tests import toy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,15 +24,6 @@ def test_inspect_prints_and_writes_json(tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert data["ratio"] == 8
     assert data["totals"]["target_params"] > 50 * data["totals"]["surrogate_params"]
-
-
-def test_coord_check_writes_a_plot(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    png = tmp_path / "coord.png"
-    args = ["coord-check", "examples.models:mlp", "--ratios", "1,8", "--steps", "2", "-o", str(png)]
-    assert main(args) == 0
-    assert png.stat().st_size > 10_000
-    assert "spread" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -67,44 +59,13 @@ def test_ci_runs_the_readme_test_command():
 
 # --- hydro tune / export / report --------------------------------------------------------------
 
-TOY = """
-import torch
-
-def data(n=384):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 16, generator=g)
-    y = (x @ torch.randn(16, 5, generator=g)).argmax(-1)
-    return {"train": (x[:256], y[:256]), "val": (x[256:], y[256:])}
-
-def model(width=64):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 5))
-"""
-
-CONFIG = """
-study: toy
-storage: sqlite:///toy.db
-trials: 4
-ratio: 2
-fuse: 2
-task:
-  model: toymod:model
-  data: toymod:data
-  steps: 10
-  eval_every: 5
-space:
-  lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}
-"""
+TOY = toy.source(n=384, n_train=256, features=16, classes=5)
+CONFIG = toy.config("toymod", trials=4, steps=10, eval_every=5, batch_size=None, lr_low="1.0e-4")
 
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    (tmp_path / "toymod.py").write_text(TOY)
-    (tmp_path / "tune.yaml").write_text(CONFIG)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(__import__("sys").modules, "toymod", raising=False)  # each test's own
-    return tmp_path
+    return toy.project(tmp_path, monkeypatch, "toymod", TOY, CONFIG)  # each test's own toymod
 
 
 def test_tune_export_report(project, capsys):
@@ -326,6 +287,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
         assert main(args) == 0
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert "spread" in runs[0] and (tmp_path / "c.png").stat().st_size > 10_000  # the plot
     verdict = runs[0].strip().splitlines()[-1]
     assert verdict.startswith("verdict: PASS (mup): worst hidden layer")
     assert "below the threshold 2" in verdict

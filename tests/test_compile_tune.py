@@ -15,6 +15,7 @@ from hydro.cli import main
 from hydro.errors import ConfigError
 from hydro.tuning import compiling
 from hydro.tuning.config import load
+from tests import toy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,13 +59,7 @@ def test_check_compile_refuses(value: object) -> None:
 
 
 def toy_task(steps: int = 8) -> hydro.Task:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-    return hydro.Task(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
-                      steps=steps, eval_every=4, batch_size=16, loss="cross_entropy")  # fmt: skip
+    return toy.task(steps=steps, eval_every=4)
 
 
 SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
@@ -105,61 +100,31 @@ def test_tune_auto_decides_once_per_key_and_says_so() -> None:
     assert lines[0].startswith("compile: auto -> off (eager step ") and "pays back" in lines[0]
 
 
-CONFIG = """
-study: toy
-storage: sqlite:///toy.db
-trials: 2
-ratio: 2
-fuse: 2
-compile: {value}
-task:
-  model: toymod:model
-  data: toymod:data
-  steps: 4
-  eval_every: 2
-space:
-  lr: {{type: float, low: 1.0e-4, high: 1.0e-1, log: true}}
-"""
-TOY = """
-import torch
-
-def data(n=128):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    return {"train": (x[:96], y[:96]), "val": (x[96:], y[96:])}
-
-def model(width=32):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))
-"""
+def config(value: str) -> str:
+    return toy.config("toymod", top=f"compile: {value}\n", batch_size=None, lr_low="1.0e-4")
 
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
-    (tmp_path / "toymod.py").write_text(TOY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(__import__("sys").modules, "toymod", raising=False)
-    return tmp_path
+    return toy.project(tmp_path, monkeypatch, "toymod", toy.source(n=128, n_train=96, width=32))
 
 
 @pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("on", True), ("off", False),
                                                  ("max-autotune", "max-autotune")])  # fmt: skip
 def test_config_key(project, value: str, expected: object) -> None:  # noqa: ANN001
-    (project / "tune.yaml").write_text(CONFIG.format(value=value))
+    (project / "tune.yaml").write_text(config(value))
     assert load("tune.yaml").compile == expected
     assert load("tune.yaml", compile="off").compile is False  # the flag wins
 
 
 def test_config_key_refuses_bad_values(project) -> None:  # noqa: ANN001
-    (project / "tune.yaml").write_text(CONFIG.format(value="sometimes"))
+    (project / "tune.yaml").write_text(config("sometimes"))
     with pytest.raises(ConfigError, match=r"tune.yaml: compile must be True/'on'"):
         load("tune.yaml")
 
 
 def test_cli_flag(project, capsys) -> None:  # noqa: ANN001
-    (project / "tune.yaml").write_text(CONFIG.format(value="on"))
+    (project / "tune.yaml").write_text(config("on"))
     assert main(["tune", "tune.yaml", "--compile", "auto", "--no-progress"]) == 0
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
     assert study.user_attrs["hydro_compile"][0].startswith("compile: auto -> off")

@@ -24,6 +24,7 @@ import hydro
 from hydro.cli import main
 from hydro.errors import ConfigError, HydroWarning
 from hydro.tuning.fingerprint import FINGERPRINT, differences, fingerprint, recipe_for
+from tests import toy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,19 +201,7 @@ def test_parts_are_named_and_plain(tmp_path):
 
 # --- hydro tune ---------------------------------------------------------------------------------
 
-TOY = """
-import torch
-
-def data(n=192):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    return {"train": (x[:128], y[:128]), "val": (x[128:], y[128:])}
-
-def model(width=64):
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))
-
+EXTRA = """
 def ce(out, y):
     return torch.nn.functional.cross_entropy(out, y)
 
@@ -223,23 +212,8 @@ def space(trial):
     return {"lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True),
             "beta2": trial.suggest_categorical("beta2", [0.95, 0.99]), "warmup": 1}
 """
-
-CONFIG = """
-study: toy
-storage: sqlite:///toy.db
-trials: 2
-ratio: 2
-fuse: 2
-task:
-  model: toymod:model
-  model_args: {width: 64}
-  data: toymod:data
-  steps: 4
-  eval_every: 4
-  batch_size: 16
-space:
-  lr: {type: float, low: 1.0e-3, high: 1.0e-1, log: true}
-"""
+TOY = toy.source(n=192, n_train=128, seeded=False, extra=EXTRA)
+CONFIG = toy.config("toymod", task="  model_args: {width: 64}\n", eval_every=4)
 
 # run in another process: the CLI on the config, and hydro.tune with a space function
 SCRIPT = """

@@ -19,6 +19,7 @@ from hydro.tuning import sizing
 from hydro.tuning.group import FusedGroup
 from hydro.tuning.sizing import GIB, MARGIN, MAX_FUSE, fuse_size, fuse_sizes, memory_budget
 from hydro.tuning.tune import export
+from tests import toy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 LR = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
@@ -327,33 +328,14 @@ def test_on_local_workers_each_worker_is_sized_for_its_share():
     assert {t.user_attrs["fused"] for t in trials} == {4}
 
 
-TOY = """
-import torch
-
-def data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(96, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    return {"train": (x[:64], y[:64]), "val": (x[64:], y[64:])}
-
-def model(width=64):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))
-"""
-
-
 def test_hydro_tune_without_fuse_prints_auto_and_exports_it(tmp_path, monkeypatch, capsys):
     from hydro.cli import main
 
-    (tmp_path / "toyfuse.py").write_text(TOY)
-    (tmp_path / "tune.yaml").write_text(
+    toy.project(tmp_path, monkeypatch, "toyfuse", toy.source(), (
         "storage: sqlite:///toy.db\ntrials: 3\nratio: 2\n"
         "task: {model: 'toyfuse:model', data: 'toyfuse:data', steps: 4, eval_every: 2}\n"
         "space: {lr: {type: float, low: 1.0e-3, high: 1.0e-1, log: true}}\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    ))  # fmt: skip
     assert main(["tune", "tune.yaml", "-o", "best.yaml"]) == 0
     err = capsys.readouterr().err
     assert "fuse auto (trials per fused group from the device's memory, per key)" in err

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from optuna.trial import TrialState
 import hydro
 import hydro.tuning.study as study_mod
 from hydro.cli import main
+from tests import toy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 SPACE = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}
@@ -58,13 +58,7 @@ class Locker:
 
 
 def tiny_task(loss) -> hydro.Task:  # noqa: ANN001
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(96, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-    return hydro.Task(model=model, train_data=(x[:64], y[:64]), val_data=(x[64:], y[64:]),
-                      steps=4, eval_every=1, batch_size=16, loss=loss)  # fmt: skip
+    return toy.task(n=96, n_train=64, steps=4, eval_every=1, loss=loss)
 
 
 def test_a_lock_held_past_the_busy_timeout_mid_run_is_waited_out(tmp_path, monkeypatch):
@@ -110,52 +104,20 @@ def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_
     assert [t.params["lr"] for t in trials] == [t.params["lr"] for t in left]
 
 
-TOY = """
-import torch
+LOSS = """
 import torch.nn.functional as F
 
 HOOK = None  # the test's Locker.loss
 
-def data(n=96):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    return {"train": (x[:64], y[:64]), "val": (x[64:], y[64:])}
-
-def model(width=32):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))
-
 def loss(out, y):
     return HOOK(out, y) if HOOK is not None else F.cross_entropy(out, y)
 """
-
-CONFIG = """
-study: toy
-storage: sqlite:///toy.db
-trials: 2
-ratio: 2
-fuse: 2
-task:
-  model: storetoy:model
-  data: storetoy:data
-  loss: storetoy:loss
-  steps: 4
-  eval_every: 1
-  batch_size: 16
-space:
-  lr: {type: float, low: 1.0e-3, high: 1.0e-1, log: true}
-"""
+CONFIG = toy.config("storetoy", task="  loss: storetoy:loss\n", eval_every=1)
 
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    (tmp_path / "storetoy.py").write_text(TOY)
-    (tmp_path / "tune.yaml").write_text(CONFIG)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "storetoy", raising=False)
+    toy.project(tmp_path, monkeypatch, "storetoy", toy.source(width=32, extra=LOSS), CONFIG)
     import storetoy
 
     yield tmp_path

@@ -20,7 +20,7 @@ import yaml
 
 from hydro.errors import ConfigError, HydroError
 from hydro.tuning.driver import check_placement
-from hydro.tuning.space import check_names, from_config
+from hydro.tuning.space import check_names, check_warmup, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
 TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
@@ -226,6 +226,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     space = from_config(raw["space"], where=f"{path}: space")
     try:
         check_names(space, task.model_args())
+        # the steps after --steps: a warm-up range the run cannot hold fails here, not mid-run
+        check_warmup(space, task.steps, "--steps" if "steps" in in_task else "task.steps")
     except ConfigError as exc:
         raise ConfigError(f"{path}: space: {exc}") from exc
     seed = _int(raw.get("seed", 0), "seed", path, minimum=0)

@@ -240,7 +240,7 @@ def optimize(
     if is_task:
         if space is None:
             raise ConfigError("optimize(study, task, space, ...) needs a search space")
-        check_space(space, task_or_callback.model_args())
+        check_space(space, task_or_callback.model_args(), steps=task_or_callback.steps)
         want = optuna.study.StudyDirection.MINIMIZE if task_or_callback.direction == "minimize" \
             else optuna.study.StudyDirection.MAXIMIZE  # fmt: skip
         if study.direction != want:

@@ -102,7 +102,8 @@ def _scheduler(
     steps = task.steps
     warm = [int(p.get("warmup", 0)) for p in params]
     if any(w >= steps for w in warm):
-        raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps})")
+        raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps}): draw "
+                          f"warm-ups of at most {steps - 1}, or train more steps")  # fmt: skip
     if task.scheduler == "none" and not any(warm) and not always:
         return None
     return fused_optim.lr_scheduler.TrialScheduler(
@@ -114,7 +115,8 @@ def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> A
     """One trial's torch schedule on (stand-in) optimizer ``o``: the one docs/tuning.md gives
     for the full model, whatever the other members of its group do."""
     if warmup >= steps:
-        raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps})")
+        raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps}): draw "
+                          f"warm-ups of at most {steps - 1}, or train more steps")  # fmt: skip
     S = torch.optim.lr_scheduler
     rest = steps - max(warmup, 1)
     if kind == "cosine":

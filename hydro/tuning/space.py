@@ -34,8 +34,9 @@ HYPERPARAMETERS: dict[str, str] = {
 Space = Mapping[str, BaseDistribution] | Callable[[optuna.Trial], Any]
 
 
-def check_space(space: Any, model_args: set[str]) -> None:
-    """Raise a ConfigError naming an unknown hyperparameter, with the known ones."""
+def check_space(space: Any, model_args: set[str], steps: int | None = None) -> None:
+    """Raise a ConfigError naming an unknown hyperparameter, with the known ones, or (given the
+    task's ``steps``) a warm-up range the run cannot hold (:func:`check_warmup`)."""
     if callable(space) and not isinstance(space, Mapping):
         return  # checked when the trial's parameters are known
     if not isinstance(space, Mapping):
@@ -47,6 +48,45 @@ def check_space(space: Any, model_args: set[str]) -> None:
                 "optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)"
             )
     check_names(space.keys(), model_args)
+    if steps is not None:
+        check_warmup(space, steps)
+
+
+def check_warmup(
+    space: Mapping[str, BaseDistribution], steps: int, steps_name: str = "Task(steps=...)"
+) -> None:
+    """Refuse a ``warmup`` distribution that can draw a value outside ``[0, steps)``.
+
+    The recipe (:mod:`hydro.tuning.recipe`) needs each warm-up shorter than the run; checked
+    here, a range such as 0-50 with 16 steps is one error before the first trial instead of a
+    trial failing mid-run whenever the sampler draws 16 or more. ``steps_name`` names the
+    setting to raise (``task.steps``, ``--steps``). A space function's values are checked by
+    the recipe when its group is built.
+    """
+    dist = space.get("warmup")
+    if dist is None:
+        return
+    if isinstance(dist, (IntDistribution, FloatDistribution)):
+        # the recipe trains int(warmup) steps of warm-up; both ends of a range are drawn
+        low, high, shown = int(dist.low), int(dist.high), f"ranges {dist.low:g} to {dist.high:g}"
+    elif isinstance(dist, CategoricalDistribution):
+        try:
+            values = [int(c) for c in dist.choices]
+        except (TypeError, ValueError):
+            raise ConfigError(f"space['warmup'] choices {list(dist.choices)} must be numbers of "
+                              "steps") from None  # fmt: skip
+        low, high, shown = min(values), max(values), f"has choices {list(dist.choices)}"
+    else:
+        return  # suggest() names an unsupported distribution
+    if low < 0:
+        raise ConfigError(f"space['warmup'] {shown}: a warm-up is a number of steps >= 0; "
+                          "raise its low end to 0 or more")  # fmt: skip
+    if high >= steps:
+        raise ConfigError(
+            f"space['warmup'] {shown}, but each trial trains {steps} steps and a warm-up must "
+            f"be shorter than the run: lower warmup's upper end to at most {steps - 1}, or "
+            f"raise {steps_name} above {high}"
+        )
 
 
 def check_names(names: Any, model_args: set[str]) -> None:

@@ -433,7 +433,7 @@ def tune(
         check_single_objective(study)
     progress = wanted(progress)  # None: on a terminal or in a notebook
     executor = make_executor(executor)
-    check_space(space, task.model_args())
+    check_space(space, task.model_args(), steps=task.steps)
     built = preflight(task, space)
     base_seed = 0 if seed is None else int(seed)
     ratio = task_ratio(task, ratio)  # "auto": the largest ratio within the width floors

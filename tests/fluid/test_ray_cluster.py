@@ -24,6 +24,7 @@ import torch
 from optuna.trial import TrialState
 
 from hydro.integrations.optuna import optimize
+from tests import toy
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -191,15 +192,7 @@ class NodeLog:
 
 
 def make_task(loss: NodeLog):  # noqa: ANN201
-    import hydro
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-    return hydro.Task(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
-                      steps=STEPS, eval_every=EVERY, batch_size=BATCH, loss=loss)  # fmt: skip
+    return toy.task(steps=STEPS, eval_every=EVERY, batch_size=BATCH, loss=loss)
 
 
 def attempts(folder: Path) -> list[dict]:
