@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hydro.errors import TraceError
 from hydro.fx import cache as _cache
 from hydro.fx import host_random, modules
+from hydro.fx.paths import register_at
 
 MODES = ("train", "eval")
 
@@ -306,25 +307,6 @@ def _get(root: Any, path: str) -> Any:
 
 def _has(root: nn.Module, path: str) -> bool:
     return _get(root, path) is not None
-
-
-def register_at(
-    root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent: bool = True
-) -> None:
-    """Register ``value`` (``kind`` "param" or "buffer") at a dotted ``path`` of ``root``,
-    making plain containers for the modules on the way."""
-    *parents, leaf = path.split(".")
-    mod = root
-    for part in parents:
-        child = mod._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            mod.add_module(part, child)
-        mod = child
-    if kind == "param":
-        mod.register_parameter(leaf, value)
-    else:
-        mod.register_buffer(leaf, value, persistent=persistent)
 
 
 Dynamic = Mapping[str, Any] | Literal["auto"] | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -22,3 +23,22 @@ def has_path(root: nn.Module, path: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def register_at(
+    root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent: bool = True
+) -> None:
+    """Register ``value`` (``kind`` "param" or "buffer") at a dotted ``path`` of ``root``,
+    making plain containers for the modules on the way."""
+    *parents, leaf = path.split(".")
+    mod = root
+    for part in parents:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if kind == "param":
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value, persistent=persistent)

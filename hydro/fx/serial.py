@@ -33,6 +33,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from hydro.fx.paths import register_at
+
 
 class Unsupported(Exception):
     """A graph (or value) this format cannot hold: the program is not cached."""
@@ -468,20 +470,9 @@ def _torch_value(kind: str, v: Any) -> Any:
 
 
 def _set(root: nn.Module, path: str, value: Any) -> None:
-    *parents, leaf = path.split(".")
-    mod = root
-    for part in parents:
-        child = mod._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            mod.add_module(part, child)
-        mod = child
-    if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, value)
-    elif isinstance(value, torch.Tensor):
-        mod.register_buffer(leaf, value)
-    else:
+    if not isinstance(value, torch.Tensor):
         raise Invalid(f"attribute {path!r} is not a tensor")
+    register_at(root, path, value, "param" if isinstance(value, nn.Parameter) else "buffer")
 
 
 __all__ = ["Invalid", "Unsupported", "attr_path", "decode", "encode", "identifier"]
