@@ -79,6 +79,13 @@ def _count(minimum: int) -> Any:
     return parse
 
 
+def _first_group(text: str) -> int | str:
+    """An argparse type: ``auto`` or an integer >= 0 (``--first-group``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _count(0)(text)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hydro.inspection import inspect
 
@@ -409,8 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "grid (overrides the config's)")  # fmt: skip
     p.add_argument("--pruner", help="Optuna pruner: median (default), asha (successive "
                    "halving), hyperband, none (overrides the config's)")  # fmt: skip
-    p.add_argument("--first-group", type=_count(0), help="train this many trials first, alone "
-                   "and to the end, so the pruner has complete trials to compare with")  # fmt: skip
+    p.add_argument("--first-group", type=_first_group, help="train this many trials first, "
+                   "alone and to the end, so the pruner has complete trials to compare with; "
+                   "auto (the default): the median pruner's start-up on a CPU, else 0")  # fmt: skip
     p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
                    "config's task.steps)")  # fmt: skip
     p.add_argument("--no-cache", dest="cache", action="store_const", const=False,

@@ -335,3 +335,17 @@ def test_py_typed_ships_with_both_packages():
         assert (ROOT / package / "py.typed").is_file()
     extras = options["extras_require"]
     assert any(r.startswith("optuna-dashboard") for r in extras["dashboard"])
+
+
+def test_cli_first_group_takes_auto_or_a_count(capsys):
+    from hydro.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["tune", "tune.yaml", "--first-group", "auto"]).first_group == "auto"
+    assert parse(["tune", "tune.yaml", "--first-group", "3"]).first_group == 3
+    assert parse(["tune", "tune.yaml"]).first_group is None  # the config's (auto by default)
+    for bad in ("some", "-1"):
+        with pytest.raises(SystemExit) as exc:
+            parse(["tune", "tune.yaml", "--first-group", bad])
+        assert exc.value.code == 2
+        assert f"must be an integer >= 0, got {bad!r}" in capsys.readouterr().err
