@@ -344,9 +344,11 @@ class _Stream:
         if not self.asking or self._stopping():
             self.asking = False
             return None
-        _reclaim_stale(self.study)
-        finished, running = _counts(self.study)
-        got = _ask(self.study, 1, self.n_trials, self.seed, self.heart) \
+        trials = self.study.get_trials(deepcopy=False)  # one read serves the three below
+        if _reclaim_stale(self.study, trials):
+            trials = self.study.get_trials(deepcopy=False)
+        finished, running = _counts(self.study, trials)
+        got = _ask(self.study, 1, self.n_trials, self.seed, self.heart, trials) \
             if finished + running < self.n_trials else []  # fmt: skip
         if not got:
             self.asking = False
