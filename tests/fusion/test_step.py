@@ -247,12 +247,12 @@ def test_failing_compiler_warns_and_falls_back() -> None:
 
 
 def test_inductor_step_equals_eager() -> None:
-    """Inductor's kernels for the whole step: a small MLP (no dropout, no BatchNorm: the
-    cheapest compile), AdamW in float64."""
+    """Inductor's kernels for the whole step (forward, loss, backward, isolation, AdamW) in
+    float64, on one linear layer: the cheapest compile (~15 s cold on 2 loaded cores)."""
 
     def small(p: float) -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        return nn.Linear(6, 3)
 
     CASES["small"] = (small, mlp_batch, mlp_losses)
     try:
