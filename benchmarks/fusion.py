@@ -288,8 +288,8 @@ def charlm_surrogate():
     return model, (idx,), torch.randint(0, 96, (32, 64)), gpt_loss
 
 
-def compiled_pair(
-    make, n: int, compile: object, whole: bool = False  # noqa: ANN001
+def compiled_pair(  # noqa: ANN001
+    make, n: int, compile: object, whole: bool = False
 ) -> tuple[Callable[[], None], object]:
     """One fused training step (forward, per-trial losses, backward, AdamW) built with
     ``fuse(compile=compile)`` and the optimizer's matching ``compile``, as forward, backward and

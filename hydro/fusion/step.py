@@ -38,6 +38,9 @@ from hydro.errors import FuseError
 from hydro.fusion.compiled import Lifted, _meta, quiet_cuda_home
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+# input shapes (of the model's inputs and targets) compiled per step graph: a full batch and a
+# last short one; others run the two-graph step
+MAX_SHAPES = 2
 
 
 class TrainStep:
@@ -76,6 +79,8 @@ class TrainStep:
             return "the fused model is not compiled (hydro.fuse(compile=...))"
         if compiler.failed is not None:
             return f"torch.compile failed ({compiler.failed})"
+        if compiler.__dict__.get("_step_failed"):
+            return compiler.__dict__["_step_failed"]
         if not isinstance(self.opt, FusedOptimizer) or self.opt.compile is False:
             return "the optimizer is not a compiled hydro.optim optimizer (compile=True)"
         if not self.fused.training:
@@ -103,7 +108,7 @@ class TrainStep:
         return self._two_graphs(args, kwargs, target, shared)
 
     def _two_graphs(self, args: tuple, kwargs: dict, target: Any, shared: bool) -> torch.Tensor:
-        """The step as forward, backward and ``opt.step()`` (what :meth:`__call__` falls back to)."""
+        """The step as forward, backward and ``opt.step()`` (:meth:`__call__`'s fallback)."""
         import hydro.optim
 
         fused, opt = self.fused, self.opt
@@ -141,16 +146,28 @@ class TrainStep:
             plan = gm.hydro_step_plan = _Plan(fused, opt, gm, lifted)
         norms = self._norms()
         tensors, structure = plan.inputs(gm, lifted, args, kwargs, target, norms)
-        key = (lifted.code, plan.structure, self.loss_key, shared, norms is not None, structure,
-               tuple(_meta(t) for t in tensors))  # fmt: skip
+        # this key is the only guard: the graph's code, what the optimizer and loss make of
+        # it, and every input's metadata (hydro.fusion.compiled's key discipline)
+        metas = tuple(_meta(t) for t in tensors)
+        base = (lifted.code, plan.structure, self.loss_key, shared, norms is not None, structure)
+        key = (*base, metas)
         steps = compiler.__dict__.setdefault("_steps", {})
         fn = steps.get(key)
+        if fn is None:
+            # inputs of a third shape (a varying sequence length): the two-graph step, whose
+            # forward compiles one graph with dynamic shapes for all, rather than a graph each
+            shapes = compiler.__dict__.setdefault("_step_shapes", {}).setdefault(base, set())
+            batch = tuple(metas[i] for role in structure[0][1:3] for i in role)
+            if batch not in shapes and len(shapes) >= MAX_SHAPES:
+                return None
+            shapes.add(batch)
         for p in plan.params:
             p.grad = None  # the graph's gradients stay inside it
         if fn is None:
-            fn = steps[key] = self._compile(plan, lifted, structure, tensors, norms is not None)
+            fn = self._compile(plan, lifted, structure, tensors, norms is not None)
             if fn is None:
                 return None
+            steps[key] = fn
         with torch.no_grad():
             out = fn(*tensors)
         return out[0] if isinstance(out, (list, tuple)) else out
@@ -178,6 +195,7 @@ class TrainStep:
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
             self._reason = f"the whole-step compile failed ({_first_line(exc)})"
+            compiler.__dict__["_step_failed"] = self._reason  # for every step of this compiler
             warnings.warn(
                 f"hydro.fusion.step: {self._reason}; this step runs as two compiled graphs "
                 "(forward and backward, then the update) from now on (same results, slower)",
@@ -237,8 +255,8 @@ class _Plan:
             plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
         self.buckets = tuple(plan)
         self.mutated = [fused.get_buffer(name) for name in gm.hydro_mutated]
-        self._cohorts = [id(opt.state[p][opt.cohort_key]) for p in self.params]
-        self._state_ids = [id(opt.state[p].get(k)) for p in self.params for k in self.keys]
+        # held, not just their ids: a freed tensor's id may come back on another
+        self._held = [opt.state[p][k] for p in self.params for k in (opt.cohort_key, *self.keys)]
         self._any = {k: opt._any(k) for k in ("weight_decay", "momentum", "amsgrad")
                      if k in opt.per_trial_keys}  # fmt: skip
         self.structure = (type(opt).__name__, self.buckets, self.keys, tuple(self._any.items()),
@@ -248,10 +266,10 @@ class _Plan:
         """Whether the optimizer's state and switches are those this plan was built for (a
         ``select``, ``load_state_dict`` or new momentum makes a new plan; a refill does not)."""
         opt = self.opt
+        held = iter(self._held)
         try:
-            if [id(opt.state[p][opt.cohort_key]) for p in self.params] != self._cohorts:
-                return False
-            if [id(opt.state[p].get(k)) for p in self.params for k in self.keys] != self._state_ids:
+            if any(opt.state[p][k] is not next(held)
+                   for p in self.params for k in (opt.cohort_key, *self.keys)):  # fmt: skip
                 return False
         except KeyError:
             return False

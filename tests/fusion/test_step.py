@@ -58,7 +58,13 @@ def gpt_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return hydro.trial_loss(lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), out, y)
 
 
-CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses)}
+def small(p: float) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(6, 3)
+
+
+CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses),
+         "small": (small, mlp_batch, mlp_losses)}  # fmt: skip
 
 
 def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2, 0.3), **hyper):  # noqa: ANN003, ANN201
@@ -123,17 +129,18 @@ def whole(case: str, fused, opt) -> None:  # noqa: ANN001
     assert fused._compiler._cache == fused._compiler._dynamic == {}  # no forward graph ran
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
-def test_mlp_step_equals_eager(optimizer: str) -> None:
-    """BatchNorm's running statistics and per-trial dropout rates (random streams) included."""
-    eager = train("mlp", *build("mlp", False, optimizer), 4)
-    fused, opt = build("mlp", AOT, optimizer)
+def test_mlp_step_equals_eager() -> None:
+    """BatchNorm's running statistics and per-trial dropout rates (random streams) included;
+    Adam with L2 weight decay (AdamW's decoupled decay: the other tests)."""
+    eager = train("mlp", *build("mlp", False, "adam"), 4)
+    fused, opt = build("mlp", AOT, "adam")
     assert_same(eager, train("mlp", fused, opt, 4))
     whole("mlp", fused, opt)
     assert fused.trial_step.tolist() == [4, 4, 4]
 
 
 def test_gpt_step_equals_eager() -> None:
+    """Embeddings, attention, per-trial dropout; AdamW."""
     eager = train("gpt", *build("gpt", False), 3)
     fused, opt = build("gpt", AOT)
     assert_same(eager, train("gpt", fused, opt, 3))
@@ -207,17 +214,17 @@ def host_read_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def test_falls_back_to_the_two_graph_step_and_says_why() -> None:
-    fused, opt = build("mlp", False)
+    fused, opt = build("small", False)
     assert "not compiled" in train_step(fused, opt, mlp_losses).reason
-    fused, opt = build("mlp", AOT)
+    fused, opt = build("small", AOT)
     fused.eval()
     assert "eval mode" in train_step(fused, opt, mlp_losses).reason
     fused.train()
     opt.set_compile(False)
     assert "compile=True" in train_step(fused, opt, mlp_losses).reason
     # a loss with a host read: the step says so and trains as the eager two-graph step does
-    eager_fused, eager_opt = build("mlp", False)
-    fused, opt = build("mlp", AOT)
+    eager_fused, eager_opt = build("small", False, "adam")
+    fused, opt = build("small", AOT, "adam")
     steps = [train_step(f, o, host_read_loss) for f, o in ((eager_fused, eager_opt), (fused, opt))]
     for s in range(2):
         x, y = mlp_batch(s)
@@ -249,16 +256,25 @@ def test_failing_compiler_warns_and_falls_back() -> None:
 def test_inductor_step_equals_eager() -> None:
     """Inductor's kernels for the whole step (forward, loss, backward, isolation, AdamW) in
     float64, on one linear layer: the cheapest compile (~15 s cold on 2 loaded cores)."""
+    eager = train("small", *build("small", False), 3)
+    fused, opt = build("small", True)
+    assert_same(eager, train("small", fused, opt, 3))
+    whole("small", fused, opt)
 
-    def small(p: float) -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Linear(6, 3)
 
-    CASES["small"] = (small, mlp_batch, mlp_losses)
-    try:
-        eager = train("small", *build("small", False), 3)
-        fused, opt = build("small", True)
-        assert_same(eager, train("small", fused, opt, 3))
-        whole("small", fused, opt)
-    finally:
-        del CASES["small"]
+def test_a_third_input_shape_runs_the_two_graph_step() -> None:
+    """Two batch sizes (a full and a last short batch) compile a step graph each; a third runs
+    the two-graph step (one dynamic-shape forward for every size) with the same results."""
+    runs = []
+    for compile in (False, AOT):
+        fused, opt = build("small", compile)
+        step = train_step(fused, opt, mlp_losses)
+        g = torch.Generator().manual_seed(1)
+        for size in (8, 5, 3, 8):
+            x = torch.randn(size, 6, generator=g, dtype=torch.float64)
+            step((x,), torch.randn(size, 3, generator=g, dtype=torch.float64))
+        runs.append(snapshot(fused, opt, torch.zeros(3)))
+    assert_same(runs[:1], runs[1:])
+    compiler = fused._compiler
+    assert len(compiler._steps) == 2 and len(compiler._cache) == 1  # the forward, for size 3
+    assert step.reason is None  # the next step of a compiled size runs its graph again
