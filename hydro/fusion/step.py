@@ -26,6 +26,7 @@ the loss does not reach. A trace or compile failure warns once and falls back th
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -259,6 +260,7 @@ class _Plan:
         self._held = [opt.state[p][k] for p in self.params for k in (opt.cohort_key, *self.keys)]
         self._any = {k: opt._any(k) for k in ("weight_decay", "momentum", "amsgrad")
                      if k in opt.per_trial_keys}  # fmt: skip
+        self._positional = -1  # a count of positional tensor inputs the graph takes as given
         self.structure = (type(opt).__name__, self.buckets, self.keys, tuple(self._any.items()),
                           tuple(len(ps) for ps in per_group))  # fmt: skip
 
@@ -285,9 +287,14 @@ class _Plan:
         """The step's tensors, each once, and where each role finds them (``structure``)."""
         opt, fused = self.opt, self.fused
         like = self.params[0]
-        flat_in = lifted.flatten(args, kwargs)
-        if not all(isinstance(t, torch.Tensor) for t in flat_in):
-            raise _Unsupported("the model takes non-tensor inputs")
+        if not kwargs and len(args) == self._positional:  # seen: the graph takes them as they are
+            flat_in = list(args)
+        else:
+            flat_in = lifted.flatten(args, kwargs)
+            if not all(isinstance(t, torch.Tensor) for t in flat_in):
+                raise _Unsupported("the model takes non-tensor inputs")
+            if not kwargs and len(flat_in) == len(args) and all(map(operator.is_, flat_in, args)):
+                self._positional = len(args)
         flat_target, target_spec = tree_flatten(target)
         if not all(isinstance(t, torch.Tensor) for t in flat_target):
             raise _Unsupported("the target holds non-tensor values")
