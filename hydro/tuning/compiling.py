@@ -10,9 +10,9 @@ the compile estimate (:func:`decide`). The decision is said once per key, as one
 The constants below were measured with ``python benchmarks/fusion.py --compile`` on a 2-core
 CPU under load (docs/fusion.md, "Compiled fused step"): inductor's compile of a fused training
 step as one graph (forward, backward and the optimizer's update, :mod:`hydro.fusion.step`) is a
-fixed cost (tracing, C++ compilation) plus a cost per node of the fused graph. Inductor's on-disk FX graph cache makes a warm
-compile (a rerun, a later group of the same structure) several times cheaper; the estimate is
-the cold one, so "auto" errs towards eager.
+fixed cost (tracing, C++ compilation) plus a cost per node of the fused graph. Inductor's
+on-disk FX graph cache makes a warm compile (a rerun, a later group of the same structure)
+several times cheaper; the estimate is the cold one, so "auto" errs towards eager.
 """
 
 from __future__ import annotations
