@@ -83,7 +83,7 @@ class TrainStep:
         if compiler.__dict__.get("_step_failed"):
             return compiler.__dict__["_step_failed"]
         if not isinstance(self.opt, FusedOptimizer) or self.opt.compile is False:
-            return "the optimizer is not a compiled hydro.optim optimizer (compile=True)"
+            return "the optimizer is not a hydro.optim optimizer, or was built with compile=False"
         if not self.fused.training:
             return "the fused model is in eval mode"
         p = next(iter(self.fused.parameters()), None)
