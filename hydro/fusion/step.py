@@ -227,7 +227,6 @@ class _Plan:
         self.opt = opt
         self.fused = fused
         lifted_tensors = lifted.tensors(gm)
-        self.n_lifted = len(lifted_tensors)
         ids = {id(t): i for i, t in enumerate(lifted_tensors)}
         per_group = [[p for p in g["params"] if p.requires_grad and id(p) in ids]
                      for g in opt.param_groups]  # fmt: skip
