@@ -30,7 +30,7 @@ from hydro.errors import ConfigError
 COMPILE_BASE_S = 20.0
 COMPILE_PER_NODE_S = 2.5
 # compiled/eager fused step as one graph, about the GPT surrogate's 1.34x (wall and CPU time; its
-# library kernels cap it at 1.62x on a CPU); the MLP anchor's is 2.5x (docs/fusion.md)
+# library kernels cap it at 1.62x on a CPU); the MLP anchor's is 2.3-2.5x (docs/fusion.md)
 SPEEDUP = 1.3
 MEASURED_STEPS = 3  # eager steps timed after the first (which builds the graphs)
 FORMS = "True/'on', False/'off', 'auto', or a torch.compile mode ('default', 'max-autotune', ...)"
