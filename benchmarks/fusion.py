@@ -12,7 +12,7 @@ and by this process's CPU time (``cpu``), and the ATen ops each step dispatches 
 
     python benchmarks/fusion.py              # the full table
     python benchmarks/fusion.py --quick      # fewer models and n, for a smoke run
-    python benchmarks/fusion.py --compile    # compiled fused step (fuse(compile=True)) vs eager
+    python benchmarks/fusion.py --compile    # compiled fused step: two graphs, one graph, eager
     python benchmarks/fusion.py --anchors    # MLP/CNN/GPT at n 16, 32 and 1, 2 threads
     python benchmarks/fusion.py --optimizer  # optimizer step alone: old loop vs now vs compiled
     python benchmarks/fusion.py --convs      # one convolution: n separate vs one grouped
@@ -288,41 +288,89 @@ def charlm_surrogate():
     return model, (idx,), torch.randint(0, 96, (32, 64)), gpt_loss
 
 
-def compiled_pair(make, n: int, compile: object) -> tuple[Callable[[], None], object]:
+def compiled_pair(  # noqa: ANN001
+    make, n: int, compile: object, whole: bool = False
+) -> tuple[Callable[[], None], object]:
     """One fused training step (forward, per-trial losses, backward, AdamW) built with
-    ``fuse(compile=compile)`` and the optimizer's matching ``compile``; and the fused model."""
+    ``fuse(compile=compile)`` and the optimizer's matching ``compile``, as forward, backward and
+    ``opt.step()`` or, with ``whole``, as :func:`hydro.fusion.step.train_step`'s one graph; and
+    the fused model."""
+    from hydro.fusion.step import train_step
+
     torch.manual_seed(0)
     built = [make() for _ in range(n)]
     _, x, y, loss_fn = built[0]
     fused = fuse([m for m, *_ in built], compile=compile)
     opt = hydro.optim.AdamW(fused.parameters(), lr=LRS(n), compile=bool(compile))
 
+    def losses(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return trial_loss(loss_fn, out, target)
+
+    if whole:
+        graph = train_step(fused, opt, losses)
+
+        def step() -> None:
+            graph(x, y)
+            if graph.reason is not None:
+                raise RuntimeError(f"the whole-step graph does not apply: {graph.reason}")
+
+        return step, fused
+
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        trial_loss(loss_fn, fused(*x), y).sum().backward()
+        losses(fused(*x), y).sum().backward()
         opt.step()
 
     return step, fused
+
+
+def graph_call(fused) -> Callable[[], None]:  # noqa: ANN001
+    """The whole-step graph's compiled callable alone, on the inputs of its last call: the
+    step less :class:`~hydro.fusion.step.TrainStep`'s Python (input gathering, key, lookup).
+    Call after the step ran once with :func:`record_graph_inputs` in place."""
+    fn, inputs = fused._compiler.hydro_last_call
+
+    def call() -> None:
+        with torch.no_grad():
+            fn(*inputs)
+
+    return call
+
+
+def record_graph_inputs(fused) -> None:  # noqa: ANN001
+    """Wrap the compiled whole-step graphs of ``fused`` to keep their last inputs."""
+    compiler = fused._compiler
+    for key, fn in list(compiler._steps.items()):
+
+        def recording(*inputs: torch.Tensor, fn: Callable = fn) -> object:
+            compiler.hydro_last_call = (fn, inputs)
+            return fn(*inputs)
+
+        compiler._steps[key] = recording
 
 
 COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16)}
 
 
 def compile_table(args: argparse.Namespace) -> None:
-    """Compiled fused step vs eager, medians of interleaved rounds (wall and CPU time); the
-    step's library kernels (GEMMs, attention: :func:`extern_replay`) replayed alone, and the
-    ceiling they leave a compiler (eager / library kernels); compile seconds cold (an empty
-    inductor cache) and warm (a second model of the same structure: inductor's on-disk FX graph
-    cache hit), each the first step's wall time less an eager step."""
+    """Compiled fused step vs eager, medians of interleaved rounds (wall and CPU time): the
+    two-graph step (compiled forward and backward, compiled update) and the whole step as one
+    graph (:mod:`hydro.fusion.step`); that graph's compiled callable alone (``graph call``: the
+    whole step less its Python); the step's library kernels (GEMMs, attention:
+    :func:`extern_replay`) replayed alone, and the ceiling they leave a compiler (eager /
+    library kernels); the whole step's compile seconds cold (an empty inductor cache) and warm
+    (a second model of the same structure: inductor's on-disk FX graph cache hit), each its
+    first step's wall time less an eager step."""
     import os
     import tempfile
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hydro-bench-inductor-")
     print(
-        "| model | n | threads | nodes | eager ms | compiled ms | speed-up | speed-up cpu | "
-        "library kernels ms | ceiling | compile s cold | compile s warm | model compiles |"
+        "| model | n | threads | nodes | eager ms | two-graph ms | whole ms | graph call ms | "
+        "two-graph speed-up | whole speed-up | whole speed-up cpu | library kernels ms | "
+        "ceiling | whole compile s cold | whole compile s warm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.models or list(COMPILED):
@@ -333,22 +381,27 @@ def compile_table(args: argparse.Namespace) -> None:
             eager()
             t_eager = time.perf_counter() - start
             first = {}
-            for run in ("cold", "warm"):
-                compiled, fused = compiled_pair(make, n, True)
+            for run in ("cold", "warm"):  # the whole step first: its cold compile is cold
+                whole, fused = compiled_pair(make, n, True, whole=True)
                 start = time.perf_counter()
-                compiled()
-                compiled()  # the optimizer's compiled path settles after its first step
-                first[run] = time.perf_counter() - start - 2 * t_eager
+                whole()
+                first[run] = time.perf_counter() - start - t_eager
+            record_graph_inputs(fused)
+            whole()
+            two, _ = compiled_pair(make, n, True)
+            two()
+            two()  # the optimizer's compiled path settles after its first step
             cpu: dict[str, float] = {}
-            steps = {"eager": eager, "compiled": compiled, "extern": extern_replay(eager)}
+            steps = {"eager": eager, "two": two, "whole": whole, "call": graph_call(fused),
+                     "extern": extern_replay(eager)}  # fmt: skip
             t = timed(steps, args.repeats, args.min_time, cpu)
             nodes = sum(len(gm.graph.nodes) for gm in fused._graphs.values())
             print(f"| {name} | {n} | {threads} | {nodes} | {1e3 * t['eager']:.1f} | "
-                  f"{1e3 * t['compiled']:.1f} | {t['eager'] / t['compiled']:.2f}x | "
-                  f"{cpu['eager'] / cpu['compiled']:.2f}x | {1e3 * t['extern']:.1f} | "
+                  f"{1e3 * t['two']:.1f} | {1e3 * t['whole']:.1f} | {1e3 * t['call']:.1f} | "
+                  f"{t['eager'] / t['two']:.2f}x | {t['eager'] / t['whole']:.2f}x | "
+                  f"{cpu['eager'] / cpu['whole']:.2f}x | {1e3 * t['extern']:.1f} | "
                   f"{t['eager'] / t['extern']:.2f}x | "
-                  f"{first['cold']:.0f} | {first['warm']:.0f} | "
-                  f"{fused.compile_stats['compiles']} |", flush=True)  # fmt: skip
+                  f"{first['cold']:.0f} | {first['warm']:.0f} |", flush=True)  # fmt: skip
 
 
 def _source_at(rev: str, path: str) -> str | None:

@@ -86,9 +86,12 @@ def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.Monke
     group = groups[0]
     compiler = group.compiled_graphs or group.fused._compiler
     assert compiler is not None and compiler.failed is None and group.compile is True
-    # train and eval graphs at size 2, each compiled once: nothing recompiled at a refill
-    assert compiler.stats["compiles"] == len(compiler._cache) == 2
+    # the training step as one graph and the eval graph, at size 2, each compiled once:
+    # nothing recompiled at a refill
+    assert len(compiler._steps) == len(compiler._cache) == 1
+    assert compiler.stats["compiles"] == 2
     assert {metas[0][0][0] for _, metas in compiler._cache} == {2}
+    assert {key[-1][0][0][0] for key in compiler._steps} == {2}  # its first input: a parameter
 
 
 def test_tune_auto_decides_once_per_key_and_says_so() -> None:

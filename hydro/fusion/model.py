@@ -315,9 +315,9 @@ class FusedModel(nn.Module):
         return any(n.op == "call_function" and n.target is _random.stream_keys
                    for n in gm.graph.nodes)  # fmt: skip
 
-    def forward(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
-        """Run every trial: one model's inputs for all (``shared=True``), or inputs with a
-        leading ``n``, each trial its own batch (``shared=False``)."""
+    def _checked_graph(self, args: tuple, kwargs: dict, shared: bool) -> torch.fx.GraphModule:
+        """The fused graph of this call, its inputs checked (:meth:`forward`'s, and the whole
+        compiled training step's: :mod:`hydro.fusion.step`)."""
         if not shared:
             for a in tree_flatten((args, kwargs))[0]:
                 if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != self.n):
@@ -335,6 +335,12 @@ class FusedModel(nn.Module):
             _check_shapes(self._sources[self._member[0]], gm.hydro_source, *one)
             if shapes is not None and len(checked) < _CHECKED_SHAPES:
                 checked.add(shapes)
+        return gm
+
+    def forward(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
+        """Run every trial: one model's inputs for all (``shared=True``), or inputs with a
+        leading ``n``, each trial its own batch (``shared=False``)."""
+        gm = self._checked_graph(args, kwargs, shared)
         mutated = [self.get_buffer(name) for name in gm.hydro_mutated]
         saved = [b.clone() for b in mutated]
         out = gm(*args, **kwargs) if self._compiler is None else self._compiler(gm, args, kwargs)

@@ -41,6 +41,16 @@ def clip_grad_norm_(
     if not grads:
         return torch.zeros(0)
     n = grads[0].shape[0]
+    limit = torch.as_tensor(max_norm, dtype=torch.float64).to(grads[0].device, non_blocking=True)
+    return _clip_grads(grads, limit.expand(n), norm_type)
+
+
+def _clip_grads(
+    grads: list[torch.Tensor], limit: torch.Tensor, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale ``grads`` in place to each trial's ``limit`` ``[n]``; returns the norms (also
+    traced into the whole-step graph of :mod:`hydro.fusion.step`)."""
+    n = grads[0].shape[0]
     # One norm per (tensor, trial), then per trial over tensors: a fixed number of ops
     # whatever n, and no host synchronization.
     norms = torch.stack(
@@ -50,8 +60,7 @@ def clip_grad_norm_(
         ]
     )
     total = torch.linalg.vector_norm(norms, norm_type, dim=0)
-    limit = torch.as_tensor(max_norm, dtype=total.dtype).to(total.device, non_blocking=True)
-    coef = torch.clamp(limit.expand(n) / (total + 1e-6), max=1.0)
+    coef = torch.clamp(limit.to(total.dtype).expand(n) / (total + 1e-6), max=1.0)
     views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     scales = []
     for g in grads:

@@ -109,6 +109,18 @@ class SGD(FusedOptimizer):
                     done.add(id(t))
                     t |= active.to(t.device) & (self._on(group, "momentum", t) != 0)
 
+    def _advance_traced(self, per_group, cohorts, keys, active, hypers) -> None:  # noqa: ANN001
+        """:meth:`_advance_cohorts` on the traced tensors of :mod:`hydro.fusion.step`."""
+        if "momentum_buffer" not in keys:
+            return
+        done, offset = set(), 0
+        for ps, hyper in zip(per_group, hypers):
+            for t in cohorts[offset : offset + len(ps)]:
+                if id(t) not in done:
+                    done.add(id(t))
+                    t |= active & (hyper["momentum"] != 0)
+            offset += len(ps)
+
     def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
         f64 = torch.float64
         lr = self._on(group, "lr", like) * lr_mult
@@ -203,6 +215,14 @@ class Adam(FusedOptimizer):
     def _advance_cohorts(self, per_group: list[list[torch.Tensor]], active: torch.Tensor) -> None:
         steps = {id(self.state[p]["step"]): self.state[p]["step"] for ps in per_group for p in ps}
         torch._foreach_add_(list(steps.values()), [active.to(s.device) for s in steps.values()])
+
+    def _advance_traced(self, per_group, cohorts, keys, active, hypers) -> None:  # noqa: ANN001
+        """:meth:`_advance_cohorts` on the traced tensors of :mod:`hydro.fusion.step`."""
+        done = set()
+        for t in cohorts:
+            if id(t) not in done:
+                done.add(id(t))
+                t.add_(active)
 
     def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
         # torch computes these per trial in double precision; so do we, as [n] vectors.

@@ -9,10 +9,10 @@ the compile estimate (:func:`decide`). The decision is said once per key, as one
 
 The constants below were measured with ``python benchmarks/fusion.py --compile`` on a 2-core
 CPU under load (docs/fusion.md, "Compiled fused step"): inductor's compile of a fused training
-graph (forward, backward) and of the optimizer's update is dominated by a fixed cost (tracing,
-C++ compilation) plus a cost per graph node. Inductor's on-disk FX graph cache makes a warm
-compile (a rerun, a later group of the same structure) several times cheaper; the estimate is
-the cold one, so "auto" errs towards eager.
+step as one graph (forward, backward and the optimizer's update, :mod:`hydro.fusion.step`) is a
+fixed cost (tracing, C++ compilation) plus a cost per node of the fused graph. Inductor's
+on-disk FX graph cache makes a warm compile (a rerun, a later group of the same structure)
+several times cheaper; the estimate is the cold one, so "auto" errs towards eager.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ from typing import Any
 
 from hydro.errors import ConfigError
 
-# compile seconds ~ BASE + PER_NODE * nodes of the fused graphs (cold inductor cache), fitted to
-# the MLP anchor (14 nodes: 69 s) and the charlm GPT surrogate (175 nodes: 248 s), forward,
-# backward and optimizer, on 2 cores under a load of ~8 (2026-11-26); warm: 1 s and 17 s
-COMPILE_BASE_S = 50.0
-COMPILE_PER_NODE_S = 1.1
-# compiled/eager fused step, about the GPT surrogate's 1.09-1.13x in CPU time (its library
-# kernels cap it at 1.35-1.58x on a CPU); the MLP anchor's is 1.15-1.4x (docs/fusion.md)
-SPEEDUP = 1.15
+# compile seconds ~ BASE + PER_NODE * nodes of the fused graph (cold inductor cache), fitted to
+# the whole training step as one graph (hydro.fusion.step: forward, backward and optimizer) of
+# the MLP anchor (14 nodes: 55 s) and the charlm GPT surrogate (175 nodes: 451 s), on 2 cores
+# under a load of ~8 (2026-11-26); warm: 15 s and 142 s
+COMPILE_BASE_S = 20.0
+COMPILE_PER_NODE_S = 2.5
+# compiled/eager fused step as one graph, about the GPT surrogate's 1.34x (wall and CPU time; its
+# library kernels cap it at 1.62x on a CPU); the MLP anchor's is 2.3-2.5x (docs/fusion.md)
+SPEEDUP = 1.3
 MEASURED_STEPS = 3  # eager steps timed after the first (which builds the graphs)
 FORMS = "True/'on', False/'off', 'auto', or a torch.compile mode ('default', 'max-autotune', ...)"
 

@@ -8,6 +8,7 @@ then the task's decay), one training step of every member, and the validation of
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,8 +31,15 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None)
 
     Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
     which autograd accepts only once no graph still refers to them.
+
+    A compiled fused model trains through one graph for the whole step
+    (:func:`hydro.fusion.step.train_step`: forward, losses, backward, clipping and update), or
+    through its two-graph fallback where that does not apply; data parallel replicas
+    (``reduce``) average between backward and update, so they keep the step below.
     """
     args, kwargs, y = task.split(batch, device)
+    if reduce is None and getattr(fused, "_compiler", None) is not None:
+        return _whole_step(task, fused, opt, shared, clip)(args, y, kwargs, shared=shared)
     losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
     opt.zero_grad(set_to_none=True)
     losses.sum().backward()
@@ -43,6 +51,23 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None)
         fused_optim.clip_grad_norm_(fused, [c if c is not None else math.inf for c in clip])
     opt.step()
     return losses.detach()
+
+
+def _whole_step(task: Task, fused: nn.Module, opt: fused_optim.FusedOptimizer, shared: bool,
+                clip: Sequence[float | None]) -> Any:  # fmt: skip
+    """The group's :class:`hydro.fusion.step.TrainStep`, kept on the fused model while its
+    optimizer and task stay; the clipping norms are read each step (a refill changes them
+    without a recompile)."""
+    from hydro.fusion.step import train_step
+
+    kept = fused.__dict__.get("_hydro_train_step")
+    if kept is None or kept[0] is not opt or kept[1] is not task or kept[2] != shared:
+        step = train_step(fused, opt, functools.partial(task.trial_losses, shared=shared),
+                          loss_key=("task", id(task), shared))  # fmt: skip
+        kept = fused.__dict__["_hydro_train_step"] = (opt, task, shared, step)
+    step = kept[3]
+    step.clip = list(clip)
+    return step
 
 
 @torch.no_grad()
