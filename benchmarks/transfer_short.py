@@ -54,9 +54,12 @@ def key(params: dict) -> str:
     return json.dumps({k: params[k] for k in HPS}, sort_keys=True)
 
 
-def grid_configs() -> list[dict]:
-    """Learning rate x warm-up at the centre, then the other three one at a time."""
-    out = [{**CENTRE, "lr": 2.0**e, "warmup": w} for w in (0, 4, 8) for e in range(-13, -6)]
+def grid_configs(lr_only: bool = False, warmups: tuple[int, ...] = (0, 4, 8)) -> list[dict]:
+    """Learning rate x warm-up at the centre, then (unless ``lr_only``) the other three one at
+    a time."""
+    out = [{**CENTRE, "lr": 2.0**e, "warmup": w} for w in warmups for e in range(-13, -6)]
+    if lr_only:
+        return out
     out += [{**CENTRE, "weight_decay": v} for v in (0.0, 0.2)]
     out += [{**CENTRE, "dropout": v} for v in (0.0, 0.2)]
     out += [{**CENTRE, "beta2": v} for v in (0.95, 0.999)]
@@ -160,8 +163,9 @@ def run(args: argparse.Namespace) -> None:
 
     for params, label in choice_configs(args.choices or []):
         add(params, "choice " + label)
-    if "grid" in args.sets:
-        for c in grid_configs():
+    if "grid" in args.sets or "lr" in args.sets:
+        warmups = tuple(int(w) for w in args.warmups.split(","))
+        for c in grid_configs(lr_only="grid" not in args.sets, warmups=warmups):
             add(c, "grid")
     if "random" in args.sets:
         for c in random_configs(args.random, args.steps):
@@ -183,8 +187,18 @@ def run(args: argparse.Namespace) -> None:
                 f"{time.process_time() - t0:.0f} cpu s",
                 flush=True,
             )
-    order = ["choice", "grid", "random"]  # the choices first: they explain the gap
-    entries = sorted(runs.values(), key=lambda e: min(order.index(x.split()[0]) for x in e["sets"]))
+
+    # the choices first (they explain the gap), then the learning-rate x warm-up grid, the
+    # random configurations, and the grid's one-at-a-time points
+    def priority(e: dict) -> int:
+        kinds = {x.split()[0] for x in e["sets"]}
+        if "choice" in kinds:
+            return 0
+        if "grid" in kinds and all(e["params"][h] == CENTRE[h] for h in HPS[1:] if h != "warmup"):
+            return 1
+        return 2 if "random" in kinds else 3
+
+    entries = sorted(runs.values(), key=priority)
     for s in range(args.full_seeds):
         for e in entries:
             if str(s) in e["full"]:
@@ -369,7 +383,12 @@ def main() -> None:
         help="results, by configuration and seed (read, extended and written back)",
     )
     p.add_argument("--choices", nargs="*", help="end_to_end JSON files whose choices to add")
-    p.add_argument("--sets", default="grid,random", help="grid, random (comma-separated)")
+    p.add_argument(
+        "--sets",
+        default="grid,random",
+        help="grid, lr (the grid's learning-rate x warm-up part only), random (comma-separated)",
+    )
+    p.add_argument("--warmups", default="0,4,8", help="the grid's warm-ups")
     p.add_argument("--random", type=int, default=24, help="random configurations")
     p.add_argument("--full-seeds", type=int, default=2)
     p.add_argument("--sur-seeds", type=int, default=3)
