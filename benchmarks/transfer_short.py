@@ -74,14 +74,15 @@ def random_configs(n: int, steps: int) -> list[dict]:
     return [study.ask(dists).params for _ in range(n)]
 
 
-def choice_configs(paths: list[str]) -> list[tuple[dict, str]]:
-    """``(params, label)`` of every method's choice in saved end_to_end runs."""
+def choice_configs(paths: list[str]) -> list[tuple[dict, str, float | None]]:
+    """``(params, label, full_loss)`` of every method's choice in saved end_to_end runs (its
+    full-model check, the mean over the check seeds)."""
     out = []
     for path in paths:
         for row in json.loads(Path(path).read_text())["repeats"]:
             for m, x in row.items():
                 if isinstance(x, dict) and "best" in x:
-                    out.append((x["best"], f"{row['repeat']}:{m}"))
+                    out.append((x["best"], f"{row['repeat']}:{m}", x.get("full_loss")))
     return out
 
 
@@ -155,14 +156,17 @@ def run(args: argparse.Namespace) -> None:
     }
     runs: dict = saved["runs"]
 
-    def add(params: dict, label: str) -> None:
+    def add(params: dict, label: str) -> dict:
         params = {k: params[k] for k in HPS}
         entry = runs.setdefault(key(params), {"params": params, "sets": [], "full": {}, "sur": {}})
         if label not in entry["sets"]:
             entry["sets"].append(label)
+        return entry
 
-    for params, label in choice_configs(args.choices or []):
-        add(params, "choice " + label)
+    for params, label, full_loss in choice_configs(args.choices or []):
+        entry = add(params, "choice " + label)
+        if full_loss is not None:  # the end-to-end check of this choice
+            entry.setdefault("e2e_full", {})[label.split(":")[0]] = full_loss
     if "grid" in args.sets or "lr" in args.sets:
         warmups = tuple(int(w) for w in args.warmups.split(","))
         for c in grid_configs(lr_only="grid" not in args.sets, warmups=warmups):
@@ -230,6 +234,9 @@ def mean(xs: dict) -> float:
 
 def report(saved: dict) -> None:
     runs = [e for e in saved["runs"].values() if e["full"] and e["sur"]]
+    if not runs:
+        choices([e for e in saved["runs"].values() if e["sur"]])
+        return
     print(f"\n{len(runs)} configurations with both models trained; config {saved['config']}")
     sets = {"all": runs}
     for name in ("grid", "random", "choice"):
@@ -293,7 +300,7 @@ def report(saved: dict) -> None:
             f"{mean(b['sur']):.4f}"
         )
     grid_tables(sets["grid"])
-    choices(runs)
+    choices([e for e in saved["runs"].values() if e["sur"]])
 
 
 def fmt(p: dict) -> str:
@@ -346,32 +353,37 @@ def grid_tables(es: list[dict]) -> None:
 
 
 def choices(runs: list[dict]) -> None:
+    """Per repeat: each distinct choice's loss under the surrogate (mean over seeds), the full
+    model here (mean over seeds, where run) and the end-to-end check (``e2e``)."""
     by_repeat: dict[str, dict[str, dict]] = {}
     for e in runs:
         for label in e["sets"]:
             if label.startswith("choice "):
                 r, m = label.split()[1].split(":")
-                by_repeat.setdefault(r, {})[m] = e
+                by_repeat.setdefault(r, {}).setdefault(key(e["params"]), (e, []))[1].append(m)
     if not by_repeat:
         return
     print(
-        "\nthe end-to-end choices: mean loss of each method's choice under each model, and "
-        "the hydro choice's difference from plain's (full: the gap; surrogate: its margin)"
+        "\nthe end-to-end choices: each choice's loss under the surrogate and the full model "
+        "(here, and the end-to-end check), and hydro's choice against plain's"
     )
-    print(f"  {'repeat':>6} {'method':12} {'full':>8} {'surrogate':>9}  choice")
+    print(f"  {'repeat':>6} {'method':24} {'surrogate':>9} {'full':>8} {'e2e':>8}  choice")
     for r in sorted(by_repeat, key=int):
-        row = by_repeat[r]
-        for m, e in sorted(row.items(), key=lambda x: x[0] != "plain"):
+        row = sorted(by_repeat[r].values(), key=lambda x: "plain" not in x[1])
+        p = row[0][0] if "plain" in row[0][1] else None
+        for e, ms in row:
+            e2e_full = e.get("e2e_full", {}).get(r, math.nan)
             extra = ""
-            if m != "plain" and "plain" in row:
-                p = row["plain"]
+            if p is not None and e is not p:
+                pe = p.get("e2e_full", {}).get(r, math.nan)
                 extra = (
-                    f"  full {100 * (mean(e['full']) / mean(p['full']) - 1):+.2f}%, "
-                    f"surrogate {100 * (mean(e['sur']) / mean(p['sur']) - 1):+.2f}%"
+                    f"  surrogate {100 * (mean(e['sur']) / mean(p['sur']) - 1):+.2f}%, "
+                    f"full {100 * (mean(e['full']) / mean(p['full']) - 1):+.2f}%, "
+                    f"e2e {100 * (e2e_full / pe - 1):+.2f}%"
                 )
             print(
-                f"  {r:>6} {m:12} {mean(e['full']):8.4f} {mean(e['sur']):9.4f}  "
-                f"{fmt(e['params'])}{extra}"
+                f"  {r:>6} {','.join(ms):24} {mean(e['sur']):9.4f} {mean(e['full']):8.4f} "
+                f"{e2e_full:8.4f}  {fmt(e['params'])}{extra}"
             )
 
 
