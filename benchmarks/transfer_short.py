@@ -415,9 +415,22 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=e2e.BUDGETS["short"]["eval_every"])
     p.add_argument("--chars", type=int, default=e2e.BUDGETS["short"]["chars"])
     p.add_argument("--report", help="print a saved JSON's tables only")
+    p.add_argument(
+        "--full-from",
+        nargs="*",
+        help="with --report: take the full model's losses of the same configurations from "
+        "these files too (e.g. a surrogate-only run at another ratio)",
+    )
     args = p.parse_args()
     if args.report:
-        return report(json.loads(Path(args.report).read_text()))
+        saved = json.loads(Path(args.report).read_text())
+        for other in args.full_from or []:  # the full model does not depend on the ratio
+            runs = json.loads(Path(other).read_text())["runs"]
+            for k, e in saved["runs"].items():
+                if k in runs:
+                    e["full"] = {**runs[k]["full"], **e["full"]}
+                    e["e2e_full"] = {**runs[k].get("e2e_full", {}), **e.get("e2e_full", {})}
+        return report(saved)
     args.sets = [s for s in args.sets.split(",") if s]
     run(args)
 
