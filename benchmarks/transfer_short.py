@@ -203,7 +203,9 @@ def run(args: argparse.Namespace) -> None:
         return 2 if "random" in kinds else 3
 
     entries = sorted(runs.values(), key=priority)
-    for s in range(args.full_seeds):
+    if args.full_only:  # e.g. a second process: the learning-rate x warm-up grid only
+        entries = [e for e in entries if priority(e) == {"choice": 0, "lr": 1}[args.full_only]]
+    for s in range(args.first_full_seed, args.full_seeds):
         for e in entries:
             if str(s) in e["full"]:
                 continue
@@ -403,6 +405,13 @@ def main() -> None:
     p.add_argument("--warmups", default="0,4,8", help="the grid's warm-ups")
     p.add_argument("--random", type=int, default=24, help="random configurations")
     p.add_argument("--full-seeds", type=int, default=2)
+    p.add_argument("--first-full-seed", type=int, default=0)
+    p.add_argument(
+        "--full-only",
+        choices=("choice", "lr"),
+        help="train the full model on these configurations only: the end-to-end choices, "
+        "or the grid's learning rate x warm-up part",
+    )
     p.add_argument("--sur-seeds", type=int, default=3)
     p.add_argument("--ratio", type=int, default=8)
     p.add_argument("--fuse", type=int, default=16)
