@@ -245,10 +245,11 @@ def report(saved: dict) -> None:
         sets[name] = [e for e in runs if any(x.split()[0] == name for x in e["sets"])]
     print(
         "\nSpearman rank correlation of the mean losses, full against surrogate; each model "
-        "against itself across seeds (seed 0 against seed 1: the noise ceiling)"
+        "against itself across seeds (seed 0 against seed 1, over the configurations run with "
+        "both, in brackets: the noise ceiling); the two models' seed 0 against each other"
     )
     print(
-        f"  {'set':8} {'n':>3} {'full~sur':>9} {'full0~full1':>12} {'sur0~sur1':>10} "
+        f"  {'set':8} {'n':>3} {'full~sur':>9} {'full0~full1':>12} {'sur0~sur1':>12} "
         f"{'sur0~full0':>11}"
     )
     for name, es in sets.items():
@@ -257,15 +258,16 @@ def report(saved: dict) -> None:
         full = [mean(e["full"]) for e in es]
         sur = [mean(e["sur"]) for e in es]
 
-        def pair(model: str, a: str, b: str, es: list = es) -> float:
+        def pair(model: str, a: str, b: str, es: list = es) -> str:
             both = [e for e in es if a in e[model] and b in e[model]]
-            return spearman([e[model][a] for e in both], [e[model][b] for e in both])
+            rho = spearman([e[model][a] for e in both], [e[model][b] for e in both])
+            return f"{rho:+.3f} ({len(both)})"
 
         both = [e for e in es if "0" in e["full"] and "0" in e["sur"]]
         cross = spearman([e["full"]["0"] for e in both], [e["sur"]["0"] for e in both])
         print(
             f"  {name:8} {len(es):3d} {spearman(full, sur):+9.3f} "
-            f"{pair('full', '0', '1'):+12.3f} {pair('sur', '0', '1'):+10.3f} {cross:+11.3f}"
+            f"{pair('full', '0', '1'):>12} {pair('sur', '0', '1'):>12} {cross:+11.3f}"
         )
     print(
         "\nseed-to-seed spread of one configuration's loss (max - min over seeds), median "
