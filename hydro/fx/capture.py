@@ -517,6 +517,7 @@ def _export(
     # keyed before export runs the forward (which may change the model's attributes)
     key = _cache.key(model, args, kwargs, dynamic) if _cache.enabled(cache) else None
     gm = _cache.load(key, model, type(model).__name__) if key else None
+    keyed = gm is not None
     if gm is None:
         host = host_random._state()
         gm = _export_program(model, args, kwargs, dynamic).module()
@@ -524,10 +525,12 @@ def _export(
         # a forward that drew from the host's generators is caught by host_random.watch around
         # this capture; a cached program would skip that draw, and the error or warning with it
         if key and host_random._state() == host:
-            _cache.store(key, gm, model)
+            keyed = _cache.store(key, gm, model)
     _rename_regions(gm, prefix)
     plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
     plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
+    if keyed:  # the key determines this program: analyses of it may be cached under it too
+        plain.hydro_cache_key = key
     return plain
 
 
