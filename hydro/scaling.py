@@ -149,14 +149,19 @@ class Scaled:
     depth: DepthPlan | None = None
 
     def sample(
-        self, seed: int | None = None, edit: Callable[[str, torch.fx.Graph], None] | None = None
+        self,
+        seed: int | None = None,
+        edit: Callable[[str, torch.fx.Graph], None] | None = None,
+        graphs: dict[str, torch.fx.GraphModule] | None = None,
     ) -> Captured:
         """Another surrogate with the same graphs, independently initialized from ``seed``.
 
         Much cheaper than :func:`scale` again: no capture, analysis or shape check. ``edit``
-        (``edit(mode, graph)``) changes the copied graphs before their code is generated.
+        (``edit(mode, graph)``) changes the copied graphs. ``graphs``: graph modules (copies
+        of this surrogate's) that the new one holds for some modes instead of copies, shared
+        (:func:`hydro.fx.capture.copy_captured`).
         """
-        sur = copy_captured(self.surrogate, edit)
+        sur = copy_captured(self.surrogate, edit, graphs=graphs)
         originals = dict(self.surrogate.named_parameters())
         for name, p in sur.named_parameters():
             if hasattr(originals[name], "infshape"):

@@ -11,6 +11,7 @@ fixed group to the end is :func:`hydro.tuning.lockstep.train_group`.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -27,6 +28,7 @@ from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
 from hydro.fx import cache as _capture_cache
+from hydro.fx.capture import _copy_graph_module
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import compiling, parallel
@@ -642,6 +644,9 @@ def _canonical(task, target, params0, names):  # noqa: ANN001, ANN202
     return canon, {**args0, **rates}, dict.fromkeys(floats, _CANONICAL[1])
 
 
+_BUILDERS = itertools.count()  # a token per builder: its members' signatures name it
+
+
 class _Builder:
     """Surrogates for one group: one capture and width analysis, then each member an
     independent draw from its seed with its own factory arguments (see :func:`build_members`)."""
@@ -654,6 +659,8 @@ class _Builder:
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
                             cache=_capture_cache.for_task(task), **self.depth)  # fmt: skip
+        self._shared: dict[str, torch.fx.GraphModule] | None = None  # see make
+        self.token = next(_BUILDERS)
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -675,7 +682,22 @@ class _Builder:
                             node = next(x for x in graph.nodes if x.name == node_name)
                             node.update_arg(index, args[n])
 
-            sur = self.scaled.sample(int(seed), edit=edit if differs else None)
+            # a mode's graph where this member writes no literal of its own is one copy that
+            # the members share (a fused model only reads them, for their literals): copied
+            # once per builder, not per member; the edited ones are the member's own
+            edited = {where for n in differs for where, _, _ in sites[n]}
+            if "dropout" in params and "dropout" not in task.model_args():
+                edited = set(self.scaled.surrogate.graphs)  # _apply_model_params edits all
+            if self._shared is None:
+                graphs = self.scaled.surrogate.graphs
+                self._shared = {m: _copy_graph_module(gm, m) for m, gm in graphs.items()}
+                for gm in self._shared.values():
+                    gm._hydro_shared = True  # an editor copies it first (_apply_model_params)
+            shared = {m: gm for m, gm in self._shared.items() if m not in edited}
+            sur = self.scaled.sample(int(seed), edit=edit if differs else None, graphs=shared)
+            # equal literals, equal graphs: the fused model compares this, not generated code
+            sur._hydro_signature = (f"hydro.builder {self.token} "
+                                    f"{[(n, repr(args[n])) for n in differs]}")  # fmt: skip
         _apply_model_params(sur, params, task.model_args())
         return sur
 
@@ -718,11 +740,15 @@ def _apply_model_params(sur: nn.Module, p: dict[str, Any], model_args: set[str])
                 if name.startswith(READOUT) and name.endswith(".scale"):
                     b.mul_(float(p["output_mult"]))
     if "dropout" in p and "dropout" not in model_args:
-        for gm in sur.graphs.values():
+        for mode, gm in list(sur.graphs.items()):
+            if getattr(gm, "_hydro_shared", False):  # other members read it: edit a copy
+                gm = sur.graphs[mode] = _copy_graph_module(gm, mode)
             for node in gm.graph.nodes:
                 if node.target is torch.ops.aten.dropout.default:
                     node.update_arg(1, float(p["dropout"]))
             gm.recompile()
+        if hasattr(sur, "_hydro_signature"):
+            sur._hydro_signature += f" dropout={float(p['dropout'])!r}"
     if "init_scale" in p:
         with torch.no_grad():
             for param in sur.parameters():
