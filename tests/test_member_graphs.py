@@ -101,3 +101,29 @@ def test_a_copy_generates_its_code_when_it_first_runs():
     assert not gm._needs_recompile()
     assert torch.equal(out, _run(sur, True)[0])
     assert copy.graphs["eval"].code == sur.graphs["eval"].code
+
+
+def test_the_collector_runs_again_after_a_build_even_a_failing_one():
+    import gc
+
+    from hydro.tuning.group import _gc_paused
+
+    seen = []
+
+    @_gc_paused
+    def build(fail: bool) -> None:
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("a factory that fails")
+
+    assert gc.isenabled()
+    build(False)
+    with pytest.raises(ValueError, match="factory that fails"):
+        build(True)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()  # paused by the caller: left as it was
+    try:
+        build(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
