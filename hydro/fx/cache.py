@@ -25,6 +25,12 @@ with ``weights_only``) and the names and shapes of the model's tensors it reads;
 cannot be read, does not match its key or does not fit the live model is captured again and
 overwritten, with one warning.
 
+Beside a program's entries, ``<key>.hydro-wa`` holds a width analysis of them
+(:func:`analysis_key`, :func:`load_analysis`, :func:`store_analysis`): the values of the
+fake runs ``hydro.scale`` makes of the target's graphs, as JSON, written once a surrogate built
+from them passed its shape check, so that a second ``scale`` of the same programs, inputs and
+options runs neither the analysis's fake runs nor the check's.
+
 Location: ``$HYDRO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hydro/capture``, else
 ``~/.cache/hydro/capture``. ``HYDRO_CACHE=0`` (or ``capture(..., cache=False)``) turns it off.
 """
