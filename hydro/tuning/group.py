@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import os
 import statistics
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -668,9 +668,6 @@ def _canonical(task, target, params0, names):  # noqa: ANN001, ANN202
     return canon, {**args0, **rates}, dict.fromkeys(floats, _CANONICAL[1])
 
 
-_BUILDERS = itertools.count()  # a token per builder: its members' signatures name it
-
-
 class _Builder:
     """Surrogates for one group: one capture and width analysis, then each member an
     independent draw from its seed with its own factory arguments (see :func:`build_members`)."""
@@ -684,7 +681,7 @@ class _Builder:
                             seed=0, always_readout=readout, dynamic=task.dynamic,
                             cache=_capture_cache.for_task(task), **self.depth)  # fmt: skip
         self._shared: dict[str, torch.fx.GraphModule] | None = None  # see make
-        self.token = next(_BUILDERS)
+        self.token = uuid.uuid4().hex  # its members' signatures name it (unique, pickled too)
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
