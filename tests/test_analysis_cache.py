@@ -73,6 +73,15 @@ def _forward_backward(sur: nn.Module, x: tuple, train: bool) -> tuple:
     return out.detach(), [p.grad.clone() for p in sur.parameters()]
 
 
+def _described(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        assert all(type(d) is int for d in (*v.shape, *v.stride())), "a symbolic size"
+        return (type(v).__name__, tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__, *map(_described, v)]
+    return (type(v).__name__, repr(v) if not isinstance(v, torch.nn.Module) else "module")
+
+
 def _entries() -> list[str]:
     return sorted(f for f in os.listdir(cache.directory()) if f.endswith(cache.ANALYSIS_SUFFIX))
 
@@ -100,6 +109,11 @@ def test_a_cached_analysis_builds_the_fresh_surrogate(fake_runs, make):
     for mode in ("train", "eval"):
         assert a.graphs[mode].code == b.graphs[mode].code
     assert cached.plan.new_size == fresh.plan.new_size
+
+    def shapes(plan) -> dict:  # every node's value as the fake run gives it, get_attr included
+        return {n.name: _described(v) for n, v in plan.values.items()}
+
+    assert shapes(cached.plan) == shapes(fresh.plan)
     assert cached.plan.head_decisions == fresh.plan.head_decisions
     assert {n.name: str(s) for n, s in cached.plan.node_syms.items()} == {
         n.name: str(s) for n, s in fresh.plan.node_syms.items()

@@ -648,7 +648,9 @@ def _decode_values(data: Any, cap: nn.Module) -> dict[torch.fx.Node, Any]:
             if node.op == "get_attr":  # as the fake run reads it: a fake of the model's tensor
                 attr = _attr(cap, node.target)
                 is_tensor = isinstance(attr, torch.Tensor)
-                values[node] = reader.mode.from_tensor(attr) if is_tensor else attr
+                # static: the reader's mode has a ShapeEnv, which would make every size a symbol
+                fake = is_tensor and reader.mode.from_tensor(attr, static_shapes=True)
+                values[node] = fake if is_tensor else attr
                 continue
             if node.name not in part:
                 raise ValueError(f"lacks node {node.name!r}")
@@ -671,7 +673,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (type(a) is type(b) and a.shape == b.shape and a.stride() == b.stride()
+    concrete = all(type(d) is int for t in (a, b) for d in (*t.shape, *t.stride()))
+    return (concrete and type(a) is type(b) and a.shape == b.shape and a.stride() == b.stride()
             and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype
             and a.device == b.device and a.requires_grad == b.requires_grad)  # fmt: skip
 
