@@ -12,10 +12,10 @@ the fused graph built at the first forward, ``step`` the first step less that re
 step imports it, whichever comes first), so that no phase carries it.
 ``to the first step`` counts from the interpreter's start to the first step's compute,
 ``total`` from after the imports to the end of the first step, ``next step`` is the second
-step (what a step costs once warm). ``--baseline DIR`` measures another checkout of Hydro in
-the same rounds (``git archive <commit> | tar -x -C DIR``).
+step (what a step costs once warm). ``--baseline DIR`` (or ``NAME=DIR``, repeatable) measures
+other checkouts of Hydro in the same rounds (``git archive <commit> | tar -x -C DIR``).
 
-    python3 benchmarks/capture_cache.py [--runs 3] [--baseline DIR]
+    python3 benchmarks/capture_cache.py [--runs 3] [--baseline [NAME=]DIR ...]
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def _child(start: float) -> dict:
     group.step()  # a step once warmed up: what the first one costs at least
     timings["next step"] = time.perf_counter() - t
     timings["hits"], timings["misses"] = cache.stats["hits"], cache.stats["misses"]
+    timings["analysis hits"] = cache.stats.get("analysis_hits", 0)
     return timings
 
 
@@ -144,7 +145,8 @@ def _run(folder: str, code: str) -> dict:
 
 ROWS = ("import torch", "import optuna", "import hydro", "import torch._dynamo",
         *(p[0] for p in PHASES), "other",
-        "to the first step", "total", "process", "next step", "hits")  # fmt: skip
+        "to the first step", "total", "process", "next step", "hits",
+        "analysis hits")  # fmt: skip
 
 
 def _load() -> str:
@@ -155,15 +157,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--baseline", help="another checkout of hydro (e.g. `git archive` of "
-                        "an earlier commit): measured in the same rounds, interleaved")  # fmt: skip
+    parser.add_argument("--baseline", action="append", default=[],
+                        help="another checkout of hydro (e.g. `git archive` of an earlier "
+                        "commit): measured in the same rounds, interleaved; NAME=DIR names its "
+                        "column, and the option may be given several times")  # fmt: skip
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(START)))
         return
-    codes = {"now": ROOT}
-    if args.baseline:
-        codes = {"before": os.path.abspath(args.baseline), **codes}
+    codes = {}
+    for i, given in enumerate(args.baseline):
+        name, _, folder = given.rpartition("=") if "=" in given else ("", "", given)
+        codes[name or ("before" if i == 0 else f"before{i + 1}")] = os.path.abspath(folder)
+    codes["now"] = ROOT
     runs: dict[tuple[str, str], list[dict]] = {(c, s): [] for c in codes for s in ("cold", "warm")}
     print(f"load average at the start (1, 5, 15 min): {_load()}")
     for r in range(args.runs):  # rounds: every version and state once per round
@@ -180,8 +186,9 @@ def main() -> None:
     print("|---|" + "---:|" * len(cols))
     for row in ROWS:
         meds = [statistics.median(r.get(row, 0.0) for r in runs[c]) for c in cols]
-        cells = [f"{int(m)}" if row == "hits" else f"{m:.2f}" for m in meds]
+        cells = [f"{int(m)}" if row.endswith("hits") else f"{m:.2f}" for m in meds]
         print(f"| {row} | " + " | ".join(cells) + " |")
+    print("\n" + ", ".join(f"{c}: {path}" for c, path in codes.items()))
 
 
 if __name__ == "__main__":

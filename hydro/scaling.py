@@ -23,13 +23,14 @@ from torch import nn
 
 from hydro import parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
+from hydro.fx import cache as _cache
 from hydro.fx import depth, floor, indexing, modules, pins
 from hydro.fx.capture import Captured, Dynamic, capture, copy_captured
 from hydro.fx.depth import DepthPlan
 from hydro.fx.rules import rotary
 from hydro.fx.rules.common import TensorSyms, bound, is_int, set_arg
 from hydro.fx.rules.shape import SIZE_ARG
-from hydro.fx.solve import analyze
+from hydro.fx.solve import analyze, fake_run
 from hydro.fx.widths import HeadPolicy, WidthPlan, describe, op_name, propagate
 
 
@@ -148,14 +149,19 @@ class Scaled:
     depth: DepthPlan | None = None
 
     def sample(
-        self, seed: int | None = None, edit: Callable[[str, torch.fx.Graph], None] | None = None
+        self,
+        seed: int | None = None,
+        edit: Callable[[str, torch.fx.Graph], None] | None = None,
+        graphs: dict[str, torch.fx.GraphModule] | None = None,
     ) -> Captured:
         """Another surrogate with the same graphs, independently initialized from ``seed``.
 
         Much cheaper than :func:`scale` again: no capture, analysis or shape check. ``edit``
-        (``edit(mode, graph)``) changes the copied graphs before their code is generated.
+        (``edit(mode, graph)``) changes the copied graphs. ``graphs``: graph modules (copies
+        of this surrogate's) that the new one holds for some modes instead of copies, shared
+        (:func:`hydro.fx.capture.copy_captured`).
         """
-        sur = copy_captured(self.surrogate, edit)
+        sur = copy_captured(self.surrogate, edit, graphs=graphs)
         originals = dict(self.surrogate.named_parameters())
         for name, p in sur.named_parameters():
             if hasattr(originals[name], "infshape"):
@@ -215,15 +221,30 @@ def build(
                     "run on them; pass example_inputs=(x, ...) shaped like a real batch"
                 ) from exc
             raise
+    # the fake runs of the analysis and of the shape check, replayed from the capture cache
+    # where it holds them for these programs, inputs and options (a Captured passed in may
+    # have been edited since its capture: never keyed)
+    akey = None
+    if ratio != "auto" and not isinstance(model, Captured) and _cache.enabled(cache):
+        options = {"ratio": ratio, "head_policy": head_policy, "output_mult": output_mult,
+                   "parametrization": parametrization, "always_readout": always_readout,
+                   "depth_ratio": depth_ratio, "depth_alpha": depth_alpha,
+                   "on_meta": on_meta}  # fmt: skip
+        akey = _cache.analysis_key(cap, run_inputs, run_kwargs, options)
     cap, depth_plan = depth.cut(cap, model, depth_ratio, depth_alpha)
     if parametrization == "mup":
         depth.warn_deep_cut(depth_plan, stacklevel=4)
     depth.warn_no_cut(depth_plan, model, stacklevel=4)
+    stored = None
     if ratio == "auto":  # the largest ratio that keeps every width above its floor
         auto, plan = floor.choose(cap, run_inputs, run_kwargs, head_policy)
         floor.warn_if_full(auto, type(model).__name__)
     else:
-        auto, plan = None, analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy)
+        stored = _cache.load_analysis(akey, cap) if akey else None
+        values = stored if stored is not None else fake_run(cap, run_inputs, run_kwargs)
+        plan = analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy,
+                       values=values)  # fmt: skip
+        auto = None
         if parametrization == "mup":  # a naive (sp) model is not meant to transfer anyway
             floor.warn_below(plan, stacklevel=4)
     pins.warn_pinned(plan, stacklevel=4)
@@ -235,7 +256,10 @@ def build(
     _apply_depth(sur, depth_plan, node_map, info, standard=parametrization == "sp")
     removed = [b for st in depth_plan.stacks if st.cut for b in st.blocks if b not in st.kept]
     modules.adopt(sur, model, removed, plan)  # the user's classes and names, scaled widths
-    _check(sur, plan, node_map, inputs, kwargs)
+    if stored is None:  # an entry is written only once a surrogate from it passed this check
+        _check(sur, plan, node_map, inputs, kwargs)
+        if akey:
+            _cache.store_analysis(akey, cap, values)
     sur.hydro = info
     device = next((p.device for p in model.parameters() if not p.is_meta), None)
     if device is not None and device.type != "cpu":

@@ -27,7 +27,9 @@ def _signature(model: nn.Module) -> str:
     """What a module's graph may depend on besides its tensors: plain attributes of every
     submodule (dropout ``p``, a multiplier's ``scale``, a config). Equal signatures, one capture."""
     if isinstance(model, Captured):  # the graphs' code holds every literal
-        return "captured|" + "|".join(gm.code for gm in model.graphs.values())
+        # (or the builder of a fused group's member says which literals it wrote: no code made)
+        own = model.__dict__.get("_hydro_signature")
+        return own or "captured|" + "|".join(gm.code for gm in model.graphs.values())
     parts = []
     for name, m in model.named_modules():
         attrs = []

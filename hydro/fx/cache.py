@@ -25,6 +25,12 @@ with ``weights_only``) and the names and shapes of the model's tensors it reads;
 cannot be read, does not match its key or does not fit the live model is captured again and
 overwritten, with one warning.
 
+Beside a program's entries, ``<key>.hydro-wa`` holds a width analysis of them
+(:func:`analysis_key`, :func:`load_analysis`, :func:`store_analysis`): the values of the
+fake runs ``hydro.scale`` makes of the target's graphs, as JSON, written once a surrogate built
+from them passed its shape check, so that a second ``scale`` of the same programs, inputs and
+options runs neither the analysis's fake runs nor the check's.
+
 Location: ``$HYDRO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hydro/capture``, else
 ``~/.cache/hydro/capture``. ``HYDRO_CACHE=0`` (or ``capture(..., cache=False)``) turns it off.
 """
@@ -52,14 +58,17 @@ from torch.utils._pytree import tree_flatten
 from hydro.errors import HydroError, HydroWarning
 from hydro.fx import serial
 
-SCHEMA = 3  # bump when what an entry holds, or what the key covers, changes
+SCHEMA = 4  # bump when what an entry holds, or what the key covers, changes
 SUFFIX = ".hydro-ep"
+ANALYSIS_SUFFIX = ".hydro-wa"  # a width analysis's fake runs (see analysis_key)
 ENV_DIR, ENV_SWITCH = "HYDRO_CACHE_DIR", "HYDRO_CACHE"
 _OFF = ("0", "false", "no", "off")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
-stats = {"hits": 0, "misses": 0, "writes": 0, "rebuilt": 0}
-"""Counts in this process: entries loaded, keys not found, entries written, entries rebuilt."""
+stats = {"hits": 0, "misses": 0, "writes": 0, "rebuilt": 0,
+         "analysis_hits": 0, "analysis_misses": 0, "analysis_writes": 0}  # fmt: skip
+"""Counts in this process: entries loaded, keys not found, entries written, entries rebuilt
+(programs and analyses), and the same for width analyses."""
 
 _warned: set[str] = set()
 
@@ -91,7 +100,7 @@ def clear() -> int:
     folder, n = directory(), 0
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(folder):
-            if name.endswith(SUFFIX):
+            if name.endswith((SUFFIX, ANALYSIS_SUFFIX)):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, name))
                     n += 1
@@ -380,12 +389,12 @@ def _path(k: str) -> str:
     return os.path.join(directory(), k + SUFFIX)
 
 
-def _warn(path: str, why: str) -> None:
+def _warn(path: str, why: str, again: str = "capturing the model again") -> None:
     if path in _warned:
         return
     _warned.add(path)
     warnings.warn(HydroWarning(
-        f"capture cache entry {path} {why}; capturing the model again and rewriting it "
+        f"capture cache entry {path} {why}; {again} and rewriting it "
         f"(remove {os.path.dirname(path)} to clear the cache)"
     ), stacklevel=2)  # fmt: skip
 
@@ -445,9 +454,9 @@ def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphM
     return gm
 
 
-def _rebuilt(path: str, why: str) -> None:
+def _rebuilt(path: str, why: str, again: str = "capturing the model again") -> None:
     stats["rebuilt"] += 1
-    _warn(path, why)
+    _warn(path, why, again)
 
 
 def store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
@@ -480,24 +489,37 @@ def _store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
     meta = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
             "tensors": tensors,
             "devices": {t: str(_attr(gm, t).device) for t in own}}  # fmt: skip
+
+    def write(tmp: str) -> None:
+        with zipfile.ZipFile(tmp, "w") as z:
+            z.writestr("meta.json", json.dumps(meta))
+            z.writestr("graph.json", json.dumps(graph, separators=(",", ":")))
+            z.writestr("constants.pt", consts.getvalue())
+
+    if not _write(_path(k), write):
+        return False
+    stats["writes"] += 1
+    return True
+
+
+def _write(path: str, write: Any) -> bool:
+    """``write(tmp)`` a whole entry, then put it at ``path``; ``False`` (warned once) when the
+    directory cannot be written."""
     from hydro.files import replacing
 
     folder = directory()
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        with replacing(_path(k)) as tmp, zipfile.ZipFile(tmp, "w") as z:
-            z.writestr("meta.json", json.dumps(meta))
-            z.writestr("graph.json", json.dumps(graph, separators=(",", ":")))
-            z.writestr("constants.pt", consts.getvalue())
+        with replacing(path) as tmp:
+            write(tmp)
     except (OSError, HydroError) as exc:
         if folder not in _warned:
             _warned.add(folder)
             warnings.warn(HydroWarning(
                 f"cannot write the capture cache in {folder} ({exc}); set {ENV_DIR} to a "
                 f"folder you can write, or {ENV_SWITCH}=0"
-            ), stacklevel=3)  # fmt: skip
+            ), stacklevel=4)  # fmt: skip
         return False
-    stats["writes"] += 1
     return True
 
 
@@ -507,4 +529,218 @@ def _attr(root: Any, path: str) -> Any:
     return root
 
 
-__all__ = ["clear", "directory", "enabled", "key", "load", "stats", "store"]
+# --- width analyses ---------------------------------------------------------------------------
+#
+# ``hydro.scale`` runs each captured graph of the target on fake tensors (every node's shape and
+# dtype, what the width rules read) and, once the surrogate is rebuilt, each of the surrogate's
+# graphs again to check its shapes against the plan. Both depend only on the programs, the
+# example inputs' shapes, the scaling options and Hydro's own analysis code: an entry keyed by
+# those holds the target's fake-run values, and exists only once a surrogate built from them
+# passed the shape check, so a hit replays both.
+
+_ANALYSIS_CODE = ("fx", "scaling.py", "parametrize.py")
+
+
+@functools.cache
+def _analysis_code() -> str:
+    """A hash of the source of Hydro's width analysis, rebuild and parametrization (what an
+    analysis finds and a shape check passes follow them)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = []
+    for part in _ANALYSIS_CODE:
+        path = os.path.join(root, part)
+        if part.endswith(".py"):
+            files.append(path)
+            continue
+        for folder, _, names in os.walk(path):
+            files.extend(os.path.join(folder, n) for n in names if n.endswith(".py"))
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(os.path.relpath(f, root).encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def analysis_key(
+    cap: nn.Module, args: tuple, kwargs: Mapping[str, Any], options: Mapping[str, Any]
+) -> str | None:
+    """The key of the width analysis and shape check of captured model ``cap`` (a
+    :class:`hydro.fx.capture.Captured` whose graphs came from the cache or were stored in it) on
+    inputs shaped like ``(args, kwargs)`` under the scaling ``options`` (ratio, head policy,
+    parametrization...); ``None`` when a graph's program has no key (then nothing is cached)."""
+    graphs = getattr(cap, "graphs", None)
+    if not graphs:
+        return None
+    programs = sorted((mode, getattr(gm, "hydro_cache_key", None)) for mode, gm in graphs.items())
+    if any(k is None for _, k in programs):
+        return None
+    try:
+        walk = _Walk()
+        parts = [
+            ("analysis", SCHEMA, torch.__version__, _hydro_version(), _analysis_code()),
+            ("programs", programs),
+            ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
+            ("options", walk.value(dict(options))),
+        ]
+    except Exception:  # noqa: BLE001 - an option that cannot be keyed: not cached
+        return None
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _analysis_path(k: str) -> str:
+    return os.path.join(directory(), k + ANALYSIS_SUFFIX)
+
+
+def _graphs_of(cap: nn.Module) -> dict[str, torch.fx.Graph]:
+    """Every graph a fake run of ``cap`` walks: each mode's, and its ``with`` regions'."""
+    out = {}
+    for mode, gm in cap.graphs.items():
+        out[mode] = gm.graph
+        for name, sub in gm.named_children():
+            if isinstance(sub, torch.fx.GraphModule):
+                out[f"{mode}/{name}"] = sub.graph
+    return out
+
+
+def _encode_values(values: Mapping[torch.fx.Node, Any], cap: nn.Module) -> dict:
+    writer = serial._Writer()
+    out, covered = {}, 0
+    for where, graph in _graphs_of(cap).items():
+        part = {}
+        for node in graph.nodes:
+            if node.op == "get_attr":  # the model's own tensor (or a subgraph): read at load
+                covered += node in values
+                continue
+            if node not in values:
+                raise serial.Unsupported(f"no value for node {node.name}")
+            part[node.name] = writer.value(values[node])
+            covered += 1
+        out[where] = part
+    if covered != len(values) or writer.symbols:
+        raise serial.Unsupported("values of other graphs, or symbolic sizes")
+    return out
+
+
+def _decode_values(data: Any, cap: nn.Module) -> dict[torch.fx.Node, Any]:
+    reader = serial._Reader({"symbols": {}})
+
+    def value(v: Any) -> Any:  # a fake tensor per node, as a fake run makes them
+        if isinstance(v, dict) and len(v) == 1 and "T" in v:
+            return reader.tensor(v["T"])
+        if isinstance(v, dict) and len(v) == 1 and ("l" in v or "t" in v):
+            (kind, items), = v.items()  # fmt: skip
+            serial._check(isinstance(items, list), "a bad list")
+            out = [value(x) for x in items]
+            return out if kind == "l" else tuple(out)
+        return reader.value(v)
+
+    graphs = _graphs_of(cap)
+    if not isinstance(data, dict) or set(data) != set(graphs):
+        raise ValueError("holds other graphs than the model's")
+    values: dict[torch.fx.Node, Any] = {}
+    for where, graph in graphs.items():
+        part, n = data[where], 0
+        if not isinstance(part, dict):
+            raise ValueError("holds a bad graph")
+        for node in graph.nodes:
+            if node.op == "get_attr":  # as the fake run reads it: a fake of the model's tensor
+                attr = _attr(cap, node.target)
+                is_tensor = isinstance(attr, torch.Tensor)
+                # static: the reader's mode has a ShapeEnv, which would make every size a symbol
+                fake = is_tensor and reader.mode.from_tensor(attr, static_shapes=True)
+                values[node] = fake if is_tensor else attr
+                continue
+            if node.name not in part:
+                raise ValueError(f"lacks node {node.name!r}")
+            values[node] = value(part[node.name])
+            n += 1
+        if n != len(part):
+            raise ValueError("holds nodes the graphs lack")
+    return values
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two fake-run values alike in everything a width rule may read."""
+    if type(a) is not type(b):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
+    if isinstance(a, torch.Tensor):
+        return _same_tensor(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # noqa: PLR0124 - NaN literals
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    concrete = all(type(d) is int for t in (a, b) for d in (*t.shape, *t.stride()))
+    return (concrete and type(a) is type(b) and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype
+            and a.device == b.device and a.requires_grad == b.requires_grad)  # fmt: skip
+
+
+def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
+    """The fake-run values of ``cap``'s graphs stored under analysis key ``k``
+    (:func:`analysis_key`), each node's as a fresh fake run gives it, or ``None`` (not there,
+    or not usable: then warned, and the caller runs the analysis and stores it again)."""
+    path = _analysis_path(k)
+    again = "running the width analysis again"
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        stats["analysis_misses"] += 1
+        return None
+    except OSError as exc:
+        _rebuilt(path, f"cannot be read ({type(exc).__name__})", again)
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("key") != k or data.get("schema") != SCHEMA:
+            raise ValueError("was written for another key or cache version")
+        if data.get("torch") != torch.__version__ or data.get("hydro") != _hydro_version():
+            raise ValueError("was written by another torch or Hydro version")
+        values = _decode_values(data.get("values"), cap)
+    except Exception as exc:  # noqa: BLE001 - any failure: never trusted, analyzed again
+        _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})", again)
+        return None
+    stats["analysis_hits"] += 1
+    return values
+
+
+def store_analysis(k: str, cap: nn.Module, values: Mapping[torch.fx.Node, Any]) -> bool:
+    """Store the fake-run values of ``cap``'s graphs under analysis key ``k``; call it only once
+    a surrogate built from them passed its shape check (a hit skips that check). ``False`` when
+    a value is one the entry cannot hold exactly (then nothing is stored)."""
+    try:
+        data = _encode_values(values, cap)
+        back = _decode_values(json.loads(json.dumps(data)), cap)
+        if any(not _same(values[n], back[n]) for n in values):
+            return False
+    except Exception:  # noqa: BLE001 - the cache only ever saves time
+        return False
+    entry = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
+             "values": data}  # fmt: skip
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(entry, f, separators=(",", ":"))
+
+    if not _write(_analysis_path(k), write):
+        return False
+    stats["analysis_writes"] += 1
+    return True
+
+
+__all__ = [
+    "analysis_key",
+    "clear",
+    "directory",
+    "enabled",
+    "key",
+    "load",
+    "load_analysis",
+    "stats",
+    "store",
+    "store_analysis",
+]

@@ -36,6 +36,7 @@ import torch.fx
 from torch import nn
 from torch.export import Dim
 from torch.fx import Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -86,6 +87,8 @@ class Captured(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         gm = self.graphs["train" if self.training else "eval"]
+        if isinstance(gm, _LazyGraphModule):  # a copy's code is generated at its first run
+            gm.real_recompile()
         self._in_spec, self._out_spec = gm._in_spec, gm._out_spec
         _check_shapes(self, gm, args, kwargs)
         if modules.has_hooks(self):  # node by node, so that submodule hooks see their calls
@@ -103,12 +106,19 @@ def copy_captured(
     cap: Captured,
     edit: Callable[[str, torch.fx.Graph], None] | None = None,
     memo: dict | None = None,
+    *,
+    graphs: Mapping[str, torch.fx.GraphModule] | None = None,
 ) -> Captured:
-    """A deep copy of ``cap``; ``edit(mode, graph)`` changes each copied graph before its code
-    is generated (once per graph, not again after the edit). A function, not a method: a
-    captured model's attributes are the user's submodule names."""
+    """A deep copy of ``cap``; ``edit(mode, graph)`` changes each copied graph. A copied
+    graph's code is generated when it first runs or is read (``gm.code``), not before: a fused
+    model reads its members' graphs and never runs them. ``graphs``: graph modules to hold
+    for some modes instead of copies of ``cap``'s, unedited (modules holding the same graph
+    module share every later edit of it: a caller that edits a shared graph copies it first).
+    A function, not a method: a captured model's attributes are the user's submodule names."""
     memo = {} if memo is None else memo
-    graphs = {mode: _copy_graph_module(gm, mode, edit) for mode, gm in cap.graphs.items()}
+    given = graphs or {}
+    graphs = {mode: given[mode] if mode in given else _copy_graph_module(gm, mode, edit)
+              for mode, gm in cap.graphs.items()}  # fmt: skip
     new = Captured.__new__(Captured)
     memo[id(cap)] = new
     nn.Module.__init__(new)
@@ -289,8 +299,9 @@ def _copy_graph_module(
     graph = copy.deepcopy(gm.graph)
     if edit is not None:
         edit(mode, graph)
-    # an empty root: the code reads every attribute from the Captured it runs bound to
-    new = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
+    # an empty root: the code reads every attribute from the Captured it runs bound to; lazy:
+    # its code is generated when first needed (Captured.forward, gm.code)
+    new = _LazyGraphModule(nn.Module(), torch.fx.Graph(), type(gm).__name__)
     for name, sub in gm.named_children():  # subgraphs of `with` regions: code, kept along
         if isinstance(sub, torch.fx.GraphModule):
             new.add_submodule(name, copy.deepcopy(sub))
@@ -517,6 +528,7 @@ def _export(
     # keyed before export runs the forward (which may change the model's attributes)
     key = _cache.key(model, args, kwargs, dynamic) if _cache.enabled(cache) else None
     gm = _cache.load(key, model, type(model).__name__) if key else None
+    keyed = gm is not None
     if gm is None:
         host = host_random._state()
         gm = _export_program(model, args, kwargs, dynamic).module()
@@ -524,10 +536,12 @@ def _export(
         # a forward that drew from the host's generators is caught by host_random.watch around
         # this capture; a cached program would skip that draw, and the error or warning with it
         if key and host_random._state() == host:
-            _cache.store(key, gm, model)
+            keyed = _cache.store(key, gm, model)
     _rename_regions(gm, prefix)
     plain = torch.fx.GraphModule(gm, gm.graph, type(model).__name__)
     plain._in_spec, plain._out_spec = gm._in_spec, gm._out_spec
+    if keyed:  # the key determines this program: analyses of it may be cached under it too
+        plain.hydro_cache_key = key
     return plain
 
 

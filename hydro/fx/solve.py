@@ -52,6 +52,7 @@ def analyze(
     ratio: int,
     *,
     head_policy: HeadPolicy = "keep_head_dim",
+    values: dict[torch.fx.Node, Any] | None = None,
 ) -> WidthPlan:
     """Find the width dimensions of a captured model and solve their sizes at ``ratio``.
 
@@ -63,6 +64,8 @@ def analyze(
         head_policy: how a head split ``C = H * D`` shrinks: ``"keep_head_dim"`` (default,
             fewer heads of the same size; when ``ratio`` does not divide the head count, the
             head count is kept and the head dim shrinks) or ``"keep_head_count"``.
+        values: every node's value on fake copies of the inputs, as :func:`fake_run` gives them
+            (read from the capture cache); ``None``: the graphs are run here.
 
     Raises:
         ScaleError: a width that ``ratio`` does not divide, a head split that cannot shrink, or
@@ -70,17 +73,31 @@ def analyze(
             table, which is rebuilt for the new head dim), naming the node, module or buffer
             and the ratios that would work.
     """
-    return _solve(analysis(root, example_inputs, example_kwargs), ratio, head_policy)
+    a = analysis(root, example_inputs, example_kwargs, values)
+    return _solve(a, ratio, head_policy)
 
 
-def analysis(
+def fake_run(
     root: torch.nn.Module, example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any]
-) -> Analysis:
-    """The width symbols and relations of every graph of ``root``, before any ratio is solved
-    (:func:`analyze` solves one ratio; ``ratio="auto"`` solves several from one analysis)."""
+) -> dict[torch.fx.Node, Any]:
+    """Every node's value when each graph of ``root`` runs on fake copies of the inputs."""
     values: dict[torch.fx.Node, Any] = {}
     for gm in root.graphs.values():
         values.update(propagate(root, gm, example_inputs, example_kwargs))
+    return values
+
+
+def analysis(
+    root: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+    values: dict[torch.fx.Node, Any] | None = None,
+) -> Analysis:
+    """The width symbols and relations of every graph of ``root``, before any ratio is solved
+    (:func:`analyze` solves one ratio; ``ratio="auto"`` solves several from one analysis).
+    ``values``: :func:`fake_run`'s, when known."""
+    if values is None:
+        values = fake_run(root, example_inputs, example_kwargs)
     a = Analysis(root, values)
     for gm in root.graphs.values():
         a.run_graph(gm.graph, None)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 import torch.fx
-from torch._subclasses import FakeTensorMode
+from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.fx._pytree import tree_flatten_spec
 
 from hydro.errors import ScaleError
@@ -242,6 +242,14 @@ class _Recorder(torch.fx.Interpreter):
             raise
         self.values[n] = result
         return result
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            # a fake of the model's tensor (one per tensor: the mode remembers it), so that an
+            # in-place op of the graph (batch norm's num_batches_tracked += 1) does not write it
+            value = self.mode.from_tensor(value)
+        return value
 
 
 def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:

@@ -11,9 +11,12 @@ fixed group to the end is :func:`hydro.tuning.lockstep.train_group`.
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import statistics
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
 from hydro.fx import cache as _capture_cache
+from hydro.fx.capture import _copy_graph_module
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import compiling, parallel
@@ -172,6 +176,26 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _gc_paused(fn: Callable) -> Callable:
+    """``fn`` with Python's cyclic garbage collector paused: building surrogates allocates tens
+    of thousands of objects that live on (graph nodes, fake tensors, modules), and the
+    collections their allocation triggers traverse them again and again (about a fifth of a
+    warm build). What it drops in cycles is collected once the collector runs again."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def build_members(
     task: Task,
     params: Sequence[dict[str, Any]],
@@ -283,6 +307,7 @@ class FusedGroup:
         note: where the compile decision is said (default: nowhere).
     """
 
+    @_gc_paused
     def __init__(
         self,
         task: Task,
@@ -381,6 +406,7 @@ class FusedGroup:
         """Slots in the group now."""
         return len(self.members)
 
+    @_gc_paused
     def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
         """Start trial ``id`` in ``slot`` from scratch: a fresh surrogate from ``seed``, a fresh
         optimizer state and schedule with its own hyperparameters, its own data stream."""
@@ -654,6 +680,8 @@ class _Builder:
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
                             cache=_capture_cache.for_task(task), **self.depth)  # fmt: skip
+        self._shared: dict[str, torch.fx.GraphModule] | None = None  # see make
+        self.token = uuid.uuid4().hex  # its members' signatures name it (unique, pickled too)
 
     def make(self, params: dict[str, Any], seed: int) -> nn.Module:
         task, ex_args, ex_kwargs = self.task, *self.example
@@ -675,7 +703,22 @@ class _Builder:
                             node = next(x for x in graph.nodes if x.name == node_name)
                             node.update_arg(index, args[n])
 
-            sur = self.scaled.sample(int(seed), edit=edit if differs else None)
+            # a mode's graph where this member writes no literal of its own is one copy that
+            # the members share (a fused model only reads them, for their literals): copied
+            # once per builder, not per member; the edited ones are the member's own
+            edited = {where for n in differs for where, _, _ in sites[n]}
+            if "dropout" in params and "dropout" not in task.model_args():
+                edited = set(self.scaled.surrogate.graphs)  # _apply_model_params edits all
+            if self._shared is None:
+                graphs = self.scaled.surrogate.graphs
+                self._shared = {m: _copy_graph_module(gm, m) for m, gm in graphs.items()}
+                for gm in self._shared.values():
+                    gm._hydro_shared = True  # an editor copies it first (_apply_model_params)
+            shared = {m: gm for m, gm in self._shared.items() if m not in edited}
+            sur = self.scaled.sample(int(seed), edit=edit if differs else None, graphs=shared)
+            # equal literals, equal graphs: the fused model compares this, not generated code
+            sur._hydro_signature = (f"hydro.builder {self.token} "
+                                    f"{[(n, repr(args[n])) for n in differs]}")  # fmt: skip
         _apply_model_params(sur, params, task.model_args())
         return sur
 
@@ -718,11 +761,15 @@ def _apply_model_params(sur: nn.Module, p: dict[str, Any], model_args: set[str])
                 if name.startswith(READOUT) and name.endswith(".scale"):
                     b.mul_(float(p["output_mult"]))
     if "dropout" in p and "dropout" not in model_args:
-        for gm in sur.graphs.values():
+        for mode, gm in list(sur.graphs.items()):
+            if getattr(gm, "_hydro_shared", False):  # other members read it: edit a copy
+                gm = sur.graphs[mode] = _copy_graph_module(gm, mode)
             for node in gm.graph.nodes:
                 if node.target is torch.ops.aten.dropout.default:
                     node.update_arg(1, float(p["dropout"]))
             gm.recompile()
+        if hasattr(sur, "_hydro_signature"):
+            sur._hydro_signature += f" dropout={float(p['dropout'])!r}"
     if "init_scale" in p:
         with torch.no_grad():
             for param in sur.parameters():
