@@ -562,3 +562,17 @@ def test_inductor_step_matches_torch() -> None:
                     close(fused[i][k], t, f"step {step} trial {k} param {i}")
                     for key, value in opts[k].state[t].items():
                         close(fopt.state[fused[i]][key][k], value, f"step {step} {key}")
+
+
+def test_many_compiled_optimizers_in_one_process_stay_compiled() -> None:
+    # dynamo counts graphs per function, and every optimizer's compiled update runs the same two
+    # functions: at dynamo's default limit (8) the ninth structure fell back to eager, warning
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        for n in range(2, 13):  # 11 structures: trial counts the guards see as shapes
+            p = nn.Parameter(torch.randn(n, 3, generator=g, dtype=torch.float64))
+            opt = hydro.optim.AdamW([p], lr=[1e-3] * n, compile="aot_eager")
+            p.grad = torch.randn(n, 3, generator=g, dtype=torch.float64)
+            opt.step()
+            assert opt.compile == "aot_eager", n

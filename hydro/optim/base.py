@@ -43,6 +43,10 @@ from hydro import host
 from hydro.errors import ConfigError, FuseError
 from hydro.parametrize import optimizer_multipliers
 
+# graphs dynamo may keep of the compiled update's two functions: one per optimizer of another
+# structure (parameter shapes, buckets, which state exists) in this process
+RECOMPILE_LIMIT = 64
+
 HyperParam = float | bool | Sequence[float] | torch.Tensor
 Betas = (
     tuple[HyperParam, HyperParam] | Sequence[tuple[float, float]] | torch.Tensor
@@ -358,8 +362,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         self._tracing = True
         try:
-            active, vectors = self._math[0](grads, firsts, plan, hypers, flags, like)
-            self._math[1](per_group, grads, state, vectors, plan)
+            # dynamo keeps a function's graphs per code object, and these two serve every
+            # hydro.optim optimizer of the process: at its default limit (8) the ninth fused
+            # model's optimizer would fail to compile and run eagerly
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                active, vectors = self._math[0](grads, firsts, plan, hypers, flags, like)
+                self._math[1](per_group, grads, state, vectors, plan)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
             warnings.warn(
                 f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
