@@ -36,6 +36,7 @@ repeat, then medians and ranges.
     python benchmarks/end_to_end.py --budget short --hydro-path ../i21-compile \
         --methods plain,hydro+cache,hydro+cache+compile,hydro+cache+auto
     # one repeat (seed 2) on its own: --first-repeat 2 --repeats 1
+    # on a GPU (every search and check there; compare wall times): --device cuda
 
 Budgets: ``short`` is the run of ``docs/tuning.md`` (32 steps, batch 8, evaluation every 8, the
 first 50,000 characters); ``long`` is the example's own (200 steps, batch 32, evaluation every
@@ -111,9 +112,11 @@ def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa:
     from examples.charlm.data import load
     from examples.charlm.model import gpt
 
+    device = torch.device(getattr(args, "device", "cpu"))
     data = load(block_size=args.block, max_chars=args.chars)
+    data = {k: tuple(t.to(device) for t in v) for k, v in data.items()}
     torch.manual_seed(seed)
-    model = gpt(**model_args(args), dropout=params["dropout"])
+    model = gpt(**model_args(args), dropout=params["dropout"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=(0.9, params["beta2"]),
                             weight_decay=params["weight_decay"])  # fmt: skip
     sched = schedule(opt, params["warmup"], args.steps)
@@ -121,7 +124,7 @@ def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa:
     g = torch.Generator().manual_seed(seed)
     value = math.nan
     for step in range(1, args.steps + 1):
-        idx = torch.randint(0, len(y), (args.batch,), generator=g)
+        idx = torch.randint(0, len(y), (args.batch,), generator=g).to(device)
         logits = model(x[idx])
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y[idx].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -230,6 +233,7 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
         pruner=timed_pruner(clock),
         **({} if args.first_group == "auto" else {"first_group": int(args.first_group)}),
         **({"compile": compile_} if has_compile else {}),
+        **({} if args.device == "cpu" else {"device": args.device}),
     )  # fmt: skip
     return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
             "first_eval": clock.get("first_eval"), "best": result.best_params,
@@ -294,7 +298,7 @@ def method_env(method: str, tmp: str, repeat: int | str) -> dict:
 
 def shared_argv(args: argparse.Namespace, override: dict) -> list[str]:
     keys = ("trials", "ratio", "fuse", "width", "layers", "heads", "block", "batch", "steps",
-            "eval_every", "chars", "threads", "first_group", "storage")  # fmt: skip
+            "eval_every", "chars", "threads", "first_group", "storage", "device")  # fmt: skip
     out = []
     for k in keys:
         v = override.get(k, getattr(args, k))
@@ -340,6 +344,9 @@ def main() -> None:
     p.add_argument("--storage", choices=("memory", "sqlite"), default="memory",
                    help="the hydro methods' Optuna storage: memory (plain's: Optuna's "
                    "InMemoryStorage) or sqlite (an SQLite database in memory)")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="where every search and check trains: cpu, "
+                   "cuda, cuda:N (on a GPU, read wall time: CPU time counts only the host's "
+                   "share)")  # fmt: skip
     p.add_argument("--check-seeds", type=int, default=2, help="full-model runs per choice")
     p.add_argument("--hydro-path", default=str(ROOT), help="the tree the hydro methods import")
     p.add_argument("--methods", default="plain,hydro,hydro+cache")
