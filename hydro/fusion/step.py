@@ -435,7 +435,15 @@ def _backend(options: Mapping[str, Any]) -> Callable:
     config = torch._TorchCompileInductorWrapper(mode, options.get("options"), None).config
 
     def inductor(graph: torch.fx.GraphModule, example: list) -> Callable:
-        return compile_fx(graph, example, config_patches=config)
+        # fake inputs of a mode with a ShapeEnv (static sizes): without one, inductor's FX
+        # graph cache and AOTAutograd's cache bypass the graph ("No shape env") and every
+        # process compiles it afresh; with one, a warm on-disk cache serves it
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(t, static_shapes=True) for t in example]
+        return compile_fx(graph, fakes, config_patches=config)
 
     return inductor
 

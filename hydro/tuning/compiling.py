@@ -11,8 +11,10 @@ The constants below were measured with ``python benchmarks/fusion.py --compile``
 CPU under load (docs/fusion.md, "Compiled fused step"): inductor's compile of a fused training
 step as one graph (forward, backward and the optimizer's update, :mod:`hydro.fusion.step`) is a
 fixed cost (tracing, C++ compilation) plus a cost per node of the fused graph. Inductor's
-on-disk FX graph cache makes a warm compile (a rerun, a later group of the same structure)
-several times cheaper; the estimate is the cold one, so "auto" errs towards eager.
+on-disk FX graph cache and AOTAutograd's cache make a warm compile (a rerun, a later group of
+the same structure) ~35x cheaper than a cold one on the charlm surrogate (395 to 11 s) and
+~9x on the MLP anchor (50 to 5.6 s); the estimate is the cold one, so
+"auto" errs towards eager.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from hydro.errors import ConfigError
 # compile seconds ~ BASE + PER_NODE * nodes of the fused graph (cold inductor cache), fitted to
 # the whole training step as one graph (hydro.fusion.step: forward, backward and optimizer) of
 # the MLP anchor (14 nodes: 55 s) and the charlm GPT surrogate (175 nodes: 451 s), on 2 cores
-# under a load of ~8 (2026-11-26); warm: 15 s and 142 s
+# under a load of ~8 (2026-11-26). Warm (inductor's and AOTAutograd's on-disk caches hit, a
+# rerun or a later process: benchmarks/whole_step_compile.py) 5.6 s and 11 s, mostly the trace
 COMPILE_BASE_S = 20.0
 COMPILE_PER_NODE_S = 2.5
 # compiled/eager fused step as one graph, about the GPT surrogate's 1.34x (wall and CPU time; its

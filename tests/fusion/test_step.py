@@ -6,7 +6,7 @@ buffers (running statistics, random-stream steps, diverged flags) agree to 1e-12
 a diverging trial leaves the others bit-identical to a run without it; refills, new learning
 rates and a scheduler reuse the compiled graph; where the graph does not apply, the step runs
 the two-graph path and says why. The mechanism compiles through AOTAutograd without inductor
-(``aot_eager``: seconds); inductor's own exactness is the last test's.
+(``aot_eager``: seconds); inductor's own exactness, and its compile caches, are the last tests'.
 """
 
 from __future__ import annotations
@@ -253,13 +253,26 @@ def test_failing_compiler_warns_and_falls_back() -> None:
     assert_same(eager, compiled)
 
 
-def test_inductor_step_equals_eager() -> None:
+def test_inductor_step_equals_eager_and_hits_the_compile_caches() -> None:
     """Inductor's kernels for the whole step (forward, loss, backward, isolation, AdamW) in
-    float64, on one linear layer: the cheapest compile (~15 s cold on 2 loaded cores)."""
+    float64, on one linear layer: the cheapest compile (~15 s cold on 2 loaded cores). A second
+    fused model of the same step compiles through inductor's FX graph cache and AOTAutograd's
+    cache, as a new process with a warm on-disk cache does (they bypassed a direct
+    ``compile_fx`` call on real inputs: "No shape env")."""
+    from torch._dynamo.utils import counters
+
     eager = train("small", *build("small", False), 3)
     fused, opt = build("small", True)
     assert_same(eager, train("small", fused, opt, 3))
     whole("small", fused, opt)
+    before = dict(counters["inductor"]), dict(counters["aot_autograd"])
+    again, opt = build("small", True)
+    assert_same(eager, train("small", again, opt, 3))
+    whole("small", again, opt)
+    hits = (counters["inductor"]["fxgraph_cache_hit"] - before[0].get("fxgraph_cache_hit", 0),
+            counters["aot_autograd"]["autograd_cache_hit"]
+            - before[1].get("autograd_cache_hit", 0))  # fmt: skip
+    assert hits == (1, 1), (hits, dict(counters["inductor"]), dict(counters["aot_autograd"]))
 
 
 def test_a_third_input_shape_runs_the_two_graph_step() -> None:
