@@ -15,47 +15,16 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hydro
 import hydro.optim
-from examples.charlm.model import GPT, VOCAB_SIZE
 from hydro.errors import FuseError
 from hydro.fusion.step import train_step
+from tests.fusion.compile_cases import gpt, gpt_batch, gpt_losses, mlp, mlp_batch, mlp_losses
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 AOT = {"backend": "aot_eager"}
-
-
-def mlp(p: float) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.Dropout(p), nn.ReLU(),
-                         nn.Linear(16, 3))  # fmt: skip
-
-
-def gpt(p: float) -> nn.Module:
-    torch.manual_seed(0)
-    return GPT(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=p)
-
-
-def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
-    return x, torch.randn(8, 3, generator=g, dtype=torch.float64)
-
-
-def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(0, VOCAB_SIZE, (2, 2, 8), generator=g).unbind()
-
-
-def mlp_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).mean(dim=(1, 2))
-
-
-def gpt_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return hydro.trial_loss(lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), out, y)
 
 
 def small(p: float) -> nn.Module:

@@ -1,0 +1,43 @@
+"""The two models the compiled-step tests train (:mod:`test_compiled`, :mod:`test_step`): a
+small MLP with BatchNorm and dropout, and a one-layer charlm GPT, with their float64 batches and
+per-trial losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hydro
+from examples.charlm.model import GPT, VOCAB_SIZE
+
+
+def mlp(p: float) -> nn.Module:
+    torch.manual_seed(0)
+    # no bias before BatchNorm: its true gradient is 0, and Adam would amplify rounding noise
+    return nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.Dropout(p), nn.ReLU(),
+                         nn.Linear(16, 3))  # fmt: skip
+
+
+def gpt(p: float) -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=p)
+
+
+def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    return x, torch.randn(8, 3, generator=g, dtype=torch.float64)
+
+
+def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, VOCAB_SIZE, (2, 2, 8), generator=g).unbind()
+
+
+def mlp_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean(dim=(1, 2))
+
+
+def gpt_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return hydro.trial_loss(lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), out, y)
