@@ -242,18 +242,7 @@ class _Plan:
         opt._prepare_state(per_group)
         self.keys = tuple(k for k in opt._state_keys()
                           if all(k in opt.state[p] for p in self.params))  # fmt: skip
-        # the buckets of hydro.optim's compiled step: (muP multipliers, cohort, dtype)
-        from hydro.parametrize import optimizer_multipliers
-
-        plan = []
-        for ps in per_group:
-            buckets: dict[tuple, list[int]] = {}
-            for i, p in enumerate(ps):
-                mults = optimizer_multipliers(p, opt.kind)
-                buckets.setdefault((mults, id(opt.state[p][opt.cohort_key]), p.dtype),
-                                   []).append(i)  # fmt: skip
-            plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
-        self.buckets = tuple(plan)
+        self.buckets = opt._bucket_plan(per_group)  # those of hydro.optim's compiled step
         self.mutated = [fused.get_buffer(name) for name in gm.hydro_mutated]
         # held, not just their ids: a freed tensor's id may come back on another
         self._held = [opt.state[p][k] for p in self.params for k in (opt.cohort_key, *self.keys)]

@@ -321,15 +321,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         key = tuple((id(p), p.dtype, id(self.state[p][self.cohort_key])) for p in params)
         plan = self._plans.get(key)
         if plan is None:  # once per parameter list: its buckets (see step)
-            plan = []
-            for ps in per_group:
-                buckets: dict[tuple, list[int]] = {}
-                for i, p in enumerate(ps):
-                    mults = optimizer_multipliers(p, self.kind)
-                    buckets.setdefault((mults, id(self.state[p][self.cohort_key]), p.dtype),
-                                       []).append(i)  # fmt: skip
-                plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
-            plan = self._plans[key] = tuple(plan)
+            plan = self._plans[key] = self._bucket_plan(per_group)
         hypers = []
         for group in self.param_groups:
             hyper = {k: self._on(group, k, like) for k in self.per_trial_keys if k != "betas"}
@@ -383,6 +375,19 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._tracing = False
         self._advance_cohorts(per_group, active)
         return True
+
+    def _bucket_plan(self, per_group: list[list[torch.Tensor]]) -> tuple:
+        """Per parameter group, its buckets as ``(muP multipliers, dtype, member indices)``:
+        parameters sharing multipliers, cohort and dtype, whose coefficients are one vector."""
+        plan = []
+        for ps in per_group:
+            buckets: dict[tuple, list[int]] = {}
+            for i, p in enumerate(ps):
+                mults = optimizer_multipliers(p, self.kind)
+                buckets.setdefault((mults, id(self.state[p][self.cohort_key]), p.dtype),
+                                   []).append(i)  # fmt: skip
+            plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
+        return tuple(plan)
 
     @classmethod
     def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:  # noqa: ANN001
