@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--storage", choices=("memory", "sqlite"), default="memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trials", type=int, default=32)
+    p.add_argument("--ratio", type=int, default=8)
     p.add_argument("--root", default=str(HERE.parent), help="the tree whose hydro is timed")
     a = p.parse_args()
     sys.path[:0] = [a.root, str(HERE)]
@@ -77,13 +78,14 @@ def main() -> None:
         owner = importlib.import_module(f"hydro.tuning.{mod}")
         owner = getattr(owner, cls) if cls else owner
         setattr(owner, name, timed(getattr(owner, name), label))
-    args = argparse.Namespace(trials=a.trials, ratio=8, fuse=16, width=256, layers=4, heads=4,
+    args = argparse.Namespace(trials=a.trials, ratio=a.ratio, fuse=16, width=256, layers=4, heads=4,
                               block=64, batch=8, steps=a.steps, eval_every=min(8, a.steps),
                               chars=50_000, threads=1, first_group=a.first_group, seed=a.seed,
-                              storage=a.storage)  # fmt: skip
+                              storage=a.storage, device="cpu")  # fmt: skip
     out = e2e.search_hydro(args, set())
-    print(f"hydro from {out['hydro']}: {a.steps} steps, first_group {a.first_group}, storage "
-          f"{a.storage}, seed {a.seed}: {out['cpu']:.2f} CPU s, {out['states']}")  # fmt: skip
+    print(f"hydro from {out['hydro']}: ratio {a.ratio}, {a.steps} steps, first_group "
+          f"{a.first_group}, storage {a.storage}, seed {a.seed}: {out['cpu']:.2f} CPU s, "
+          f"{out['states']}")  # fmt: skip
     for label, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {label:24s} {s:7.2f} s  {calls[label]:4d} calls")
     print(f"  {'the rest':24s} {out['cpu'] - sum(spent.values()):7.2f} s")
