@@ -66,6 +66,23 @@ BUDGETS = {
 }
 
 
+def add_search_args(p: argparse.ArgumentParser, budget: dict | None = None) -> None:
+    """The options that say what a search trains: Hydro's ratio and fusion, the GPT's shape and
+    the training budget (``budget``'s values as defaults, else ``None``: the ``--budget``'s)."""
+    b = budget or {}
+    p.add_argument("--ratio", type=int, default=8)
+    p.add_argument("--fuse", type=int, default=16)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=b.get("batch"))
+    p.add_argument("--steps", type=int, default=b.get("steps"))
+    p.add_argument("--eval-every", type=int, default=b.get("eval_every"))
+    p.add_argument("--chars", type=int, default=b.get("chars"),
+                   help="use the first N characters of text")  # fmt: skip
+
+
 def space(steps: int) -> dict:
     """The search space of ``examples/charlm/tune.yaml``, its warm-up range (0-50 of 200
     steps) scaled to ``steps``."""
@@ -327,16 +344,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--first-repeat", type=int, default=0, help="repeat r uses seed r")
-    p.add_argument("--ratio", type=int, default=8)
-    p.add_argument("--fuse", type=int, default=16)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--chars", type=int, default=None, help="use the first N characters of text")
+    add_search_args(p)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--first-group", default="auto",
                    help="hydro.tune's first_group: auto (its default: the median pruner's "

@@ -415,16 +415,7 @@ def main() -> None:
         "or the grid's learning rate x warm-up part",
     )
     p.add_argument("--sur-seeds", type=int, default=3)
-    p.add_argument("--ratio", type=int, default=8)
-    p.add_argument("--fuse", type=int, default=16)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--batch", type=int, default=e2e.BUDGETS["short"]["batch"])
-    p.add_argument("--steps", type=int, default=e2e.BUDGETS["short"]["steps"])
-    p.add_argument("--eval-every", type=int, default=e2e.BUDGETS["short"]["eval_every"])
-    p.add_argument("--chars", type=int, default=e2e.BUDGETS["short"]["chars"])
+    e2e.add_search_args(p, e2e.BUDGETS["short"])
     p.add_argument("--report", help="print a saved JSON's tables only")
     p.add_argument(
         "--full-from",

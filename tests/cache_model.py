@@ -28,3 +28,15 @@ class Net(nn.Module):
         with torch.no_grad():
             scale = h.abs().mean() + 1
         return self.fc2(h) / scale
+
+
+def forward_backward(model: nn.Module, x: tuple, train: bool) -> tuple:
+    """``model(*x)`` and its parameters' gradients of ``(out ** 2).sum()``, in train or eval
+    mode, with the same dropout masks every call: what a cache hit and a fresh build must agree
+    on bit for bit."""
+    model.train(train)
+    model.zero_grad()
+    torch.manual_seed(5)
+    out = model(*x)
+    (out**2).sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]

@@ -20,6 +20,7 @@ from hydro.errors import HydroWarning
 from hydro.fx import cache
 from hydro.fx.capture import capture
 from hydro.scaling import build
+from tests.cache_model import forward_backward
 from tests.zoo import ResNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,15 +63,6 @@ def _build(make, cache_on: bool | None = None, **extra):
     kw = {**kw, **extra}
     ratio = kw.pop("ratio")
     return build(model, ratio, example_inputs=x, seed=3, cache=cache_on, **kw), x
-
-
-def _forward_backward(sur: nn.Module, x: tuple, train: bool) -> tuple:
-    sur.train(train)
-    sur.zero_grad()
-    torch.manual_seed(5)  # the same dropout masks
-    out = sur(*x)
-    (out**2).sum().backward()
-    return out.detach(), [p.grad.clone() for p in sur.parameters()]
 
 
 def _described(v: object) -> object:
@@ -119,8 +111,8 @@ def test_a_cached_analysis_builds_the_fresh_surrogate(fake_runs, make):
         n.name: str(s) for n, s in fresh.plan.node_syms.items()
     }
     for train in (True, False):
-        out_a, grads_a = _forward_backward(a, x, train)
-        out_b, grads_b = _forward_backward(b, x, train)
+        out_a, grads_a = forward_backward(a, x, train)
+        out_b, grads_b = forward_backward(b, x, train)
         assert out_a.dtype == torch.float64 and torch.equal(out_a, out_b)
         assert all(torch.equal(g, h) for g, h in zip(grads_a, grads_b, strict=True))
 

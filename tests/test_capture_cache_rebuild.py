@@ -15,6 +15,7 @@ from hydro.fusion import fuse
 from hydro.fusion.facts import batch_facts
 from hydro.fx import cache
 from hydro.fx.capture import Captured, _captured_shapes, capture
+from tests.cache_model import forward_backward
 from tests.zoo import ResNet
 
 
@@ -96,15 +97,6 @@ def _subgraphs(gm: torch.fx.GraphModule) -> dict[str, str]:
     return {k: v.code for k, v in gm.named_children() if isinstance(v, torch.fx.GraphModule)}
 
 
-def _forward_backward(cap: Captured, x: tuple, train: bool) -> tuple:
-    cap.train(train)
-    cap.zero_grad()
-    torch.manual_seed(5)  # the same dropout masks
-    out = cap(*x)
-    (out**2).sum().backward()
-    return out.detach(), [p.grad.clone() for p in cap.parameters()]
-
-
 def _fused_step(cap: Captured, x: tuple) -> list[torch.Tensor]:
     fused = fuse([cap, cap], seed=3).train()
     opt = hydro.optim.AdamW(fused.parameters(), lr=[1e-2, 3e-2], weight_decay=[0.0, 0.1])
@@ -126,8 +118,8 @@ def test_a_loaded_graph_is_the_fresh_capture(folder, make, one_thread):
     fresh = capture(model2, x, cache=False, **kw)
     _same_graphs(loaded, fresh)
     for train in (True, False):
-        out_l, grads_l = _forward_backward(loaded, x, train)
-        out_f, grads_f = _forward_backward(fresh, x, train)
+        out_l, grads_l = forward_backward(loaded, x, train)
+        out_f, grads_f = forward_backward(fresh, x, train)
         assert torch.equal(out_l, out_f)
         assert all(torch.equal(g, h) for g, h in zip(grads_l, grads_f, strict=True))
     steps_l, steps_f = _fused_step(loaded, x), _fused_step(fresh, x)
