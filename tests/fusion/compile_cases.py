@@ -1,6 +1,6 @@
 """The two models the compiled-step tests train (:mod:`test_compiled`, :mod:`test_step`): a
 small MLP with BatchNorm and dropout, and a one-layer charlm GPT, with their float64 batches and
-per-trial losses."""
+per-trial losses; and how those tests record a step and compare two runs step by step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from torch import nn
 
 import hydro
 from examples.charlm.model import GPT, VOCAB_SIZE
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}  # float64: inductor reorders some sums (~1e-16 seen)
 
 
 def mlp(p: float) -> nn.Module:
@@ -41,3 +43,35 @@ def mlp_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def gpt_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return hydro.trial_loss(lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), out, y)
+
+
+def snapshot(fused: nn.Module, opt: torch.optim.Optimizer, losses: torch.Tensor) -> dict:
+    """Copies of one step's losses, parameters, optimizer state and buffers, by kind and name."""
+    state = {f"{k}.{s}": v.clone() for k, p in fused.named_parameters()
+             for s, v in opt.state[p].items() if torch.is_tensor(v)}  # fmt: skip
+    return {
+        "loss": {"loss": losses.detach().clone()},
+        "param": {k: p.detach().clone() for k, p in fused.named_parameters()},
+        "state": state,
+        "buffer": {k: b.clone() for k, b in fused.named_buffers()},
+    }
+
+
+def assert_same(a: list, b: list, trials: list[int] | None = None, exact: bool = False) -> None:
+    """Two runs' step records equal, every kind and name (within :data:`TOL`, or bit for bit
+    with ``exact``), on all trials or on ``trials`` only."""
+    assert len(a) == len(b)
+    for step, (ra, rb) in enumerate(zip(a, b)):
+        for kind in ra:
+            assert ra[kind].keys() == rb[kind].keys(), kind
+            for name in ra[kind]:
+                x, y = ra[kind][name], rb[kind][name]
+                if trials is not None:
+                    x, y = x[trials], y[trials]
+                where = f"step {step} {kind} {name}"
+                if exact:
+                    assert torch.equal(x, y), where
+                else:
+                    torch.testing.assert_close(
+                        x, y, **TOL, equal_nan=True, msg=lambda m, where=where: f"{where}: {m}"
+                    )

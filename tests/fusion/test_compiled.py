@@ -20,9 +20,18 @@ import hydro
 import hydro.optim
 from hydro.errors import FuseError
 from hydro.fusion import FusedModel
-from tests.fusion.compile_cases import gpt, gpt_batch, gpt_losses, mlp, mlp_batch, mlp_losses
+from tests.fusion.compile_cases import (
+    TOL,
+    assert_same,
+    gpt,
+    gpt_batch,
+    gpt_losses,
+    mlp,
+    mlp_batch,
+    mlp_losses,
+    snapshot,
+)
 
-TOL = {"rtol": 1e-12, "atol": 1e-12}  # float64: inductor reorders some sums (~1e-16 seen)
 STEPS = 3
 
 
@@ -55,31 +64,8 @@ def train(case: str, fused: FusedModel, opt: torch.optim.Optimizer, steps: int) 
         fused.diverged.logical_or_(~torch.isfinite(losses.detach()))
         grads = {k: p.grad.clone() for k, p in fused.named_parameters()}
         opt.step()
-        state = {f"{k}.{s}": v.clone() for k, p in fused.named_parameters()
-                 for s, v in opt.state[p].items() if torch.is_tensor(v)}  # fmt: skip
-        records.append({
-            "loss": {"loss": losses.detach().clone()},
-            "grad": grads,
-            "param": {k: p.detach().clone() for k, p in fused.named_parameters()},
-            "state": state,
-            "buffer": {k: b.clone() for k, b in fused.named_buffers()},
-        })  # fmt: skip
+        records.append({**snapshot(fused, opt, losses), "grad": grads})
     return records
-
-
-def assert_same(a: list, b: list, trials: list[int] | None = None) -> None:
-    assert len(a) == len(b)
-    for step, (ra, rb) in enumerate(zip(a, b)):
-        for kind in ra:
-            assert ra[kind].keys() == rb[kind].keys(), kind
-            for name in ra[kind]:
-                x, y = ra[kind][name], rb[kind][name]
-                if trials is not None:
-                    x, y = x[trials], y[trials]
-                where = f"step {step} {kind} {name}"
-                torch.testing.assert_close(
-                    x, y, **TOL, equal_nan=True, msg=lambda m, where=where: f"{where}: {m}"
-                )
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,18 @@ import hydro
 import hydro.optim
 from hydro.errors import FuseError
 from hydro.fusion.step import train_step
-from tests.fusion.compile_cases import gpt, gpt_batch, gpt_losses, mlp, mlp_batch, mlp_losses
+from tests.fusion.compile_cases import (
+    TOL,
+    assert_same,
+    gpt,
+    gpt_batch,
+    gpt_losses,
+    mlp,
+    mlp_batch,
+    mlp_losses,
+    snapshot,
+)
 
-TOL = {"rtol": 1e-12, "atol": 1e-12}
 AOT = {"backend": "aot_eager"}
 
 
@@ -50,17 +59,6 @@ def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2,
     return fused, opt
 
 
-def snapshot(fused: hydro.fusion.FusedModel, opt: torch.optim.Optimizer, losses: torch.Tensor):  # noqa: ANN201
-    state = {f"{k}.{s}": v.clone() for k, p in fused.named_parameters()
-             for s, v in opt.state[p].items() if torch.is_tensor(v)}  # fmt: skip
-    return {
-        "loss": {"loss": losses.clone()},
-        "param": {k: p.detach().clone() for k, p in fused.named_parameters()},
-        "state": state,
-        "buffer": {k: b.clone() for k, b in fused.named_buffers()},
-    }
-
-
 def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:  # noqa: ANN001
     """Every step's losses, parameters, optimizer state and buffers, through :func:`train_step`
     (the two-graph path where the model is not compiled)."""
@@ -71,24 +69,6 @@ def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:
         x, y = batch(s)
         records.append(snapshot(fused, opt, step((x,), y)))
     return records
-
-
-def assert_same(a: list, b: list, trials: list[int] | None = None, exact: bool = False) -> None:
-    assert len(a) == len(b)
-    for step, (ra, rb) in enumerate(zip(a, b)):
-        for kind in ra:
-            assert ra[kind].keys() == rb[kind].keys(), kind
-            for name in ra[kind]:
-                x, y = ra[kind][name], rb[kind][name]
-                if trials is not None:
-                    x, y = x[trials], y[trials]
-                where = f"step {step} {kind} {name}"
-                if exact:
-                    assert torch.equal(x, y), where
-                else:
-                    torch.testing.assert_close(
-                        x, y, **TOL, equal_nan=True, msg=lambda m, where=where: f"{where}: {m}"
-                    )
 
 
 def whole(case: str, fused, opt) -> None:  # noqa: ANN001
