@@ -116,6 +116,11 @@ def schedule(opt, warmup: int, steps: int):  # noqa: ANN001, ANN201
     return S.SequentialLR(opt, [ramp, main], milestones=[warmup])
 
 
+def check_seed(s: int, repeat: int) -> int:
+    """The seed of the full-model check ``s`` of a repeat's choices (the same for every method)."""
+    return 1000 * (s + 1) + repeat
+
+
 def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa: ANN001
     """Train the unmodified full model with plain PyTorch; its final validation loss.
 
@@ -427,7 +432,7 @@ def main() -> None:
                     continue
                 key = json.dumps(row[m]["best"], sort_keys=True)
                 if key not in checked:
-                    checked[key] = [full_model_run(args, row[m]["best"], seed=1000 * (s + 1) + r)
+                    checked[key] = [full_model_run(args, row[m]["best"], seed=check_seed(s, r))
                                     for s in range(args.check_seeds)]  # fmt: skip
                 row[m]["full_loss"] = statistics.fmean(checked[key])
                 row[m]["full_losses"] = checked[key]  # one per check seed: the noise floor

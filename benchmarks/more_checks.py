@@ -2,12 +2,14 @@
 
 At the long budget two check seeds of one configuration can differ by 20%, so a saved run's
 gap rests on too few seeds. This trains each saved choice of the given methods on check seeds
-``first..first+n-1`` (the benchmark's own seeds are 0 and 1 by default: seed ``s`` of repeat
-``r`` is ``1000 * (s + 1) + r``), writes every loss to ``--out`` as it goes, and prints each
+``first..first+n-1`` (the benchmark's own are ``0..--check-seeds - 1``, seeded by
+``end_to_end.check_seed``), writes every loss to ``--out`` as it goes, and prints each
 repeat's gap against plain over all seeds, old and new::
 
-    python benchmarks/more_checks.py --budget long --json benchmarks/end_to_end_long_stop28.json \\
-        --label ratio8 --json4 benchmarks/end_to_end_long_ratio4.json --out more.json
+    python benchmarks/more_checks.py --out benchmarks/end_to_end_long_checks4.json --runs \\
+        plain=benchmarks/end_to_end_long_stop28.json:plain \\
+        ratio8=benchmarks/end_to_end_long_stop28.json:hydro+cache \\
+        ratio4=benchmarks/end_to_end_long_ratio4.json:hydro+cache
 
 Not a test. ``--repeats`` splits the work across processes (one thread each).
 """
@@ -34,8 +36,11 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--repeats", default=None, help="comma-separated repeats (default: all)")
     p.add_argument("--out", required=True, help="losses by repeat, label and seed (extended)")
-    e2e.add_search_args(p, e2e.BUDGETS["long"])
+    e2e.add_search_args(p)
     args = p.parse_args()
+    for k, v in e2e.BUDGETS[args.budget].items():  # as end_to_end.py: the budget's defaults
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     args.device = "cpu"
     import torch
 
@@ -55,11 +60,13 @@ def main() -> None:
             if wanted is not None and rep not in wanted:
                 continue
             entry = saved.setdefault(str(rep), {}).setdefault(label, {"params": row["best"]})
-            losses = entry.setdefault("losses", dict(zip(("0", "1"), row["full_losses"])))
+            losses = entry.setdefault(
+                "losses", {str(i): v for i, v in enumerate(row["full_losses"])}
+            )
             for s in range(args.first_seed, args.first_seed + args.seeds):
                 if str(s) not in losses:
                     losses[str(s)] = e2e.full_model_run(
-                        args, row["best"], seed=1000 * (s + 1) + rep
+                        args, row["best"], seed=e2e.check_seed(s, rep)
                     )
                     out.write_text(json.dumps(saved, indent=1))
                     print(f"repeat {rep} {label} seed {s}: {losses[str(s)]:.4f}", flush=True)
