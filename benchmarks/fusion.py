@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import statistics
 import subprocess
 import sys
@@ -279,12 +280,12 @@ def fused_step(make, n: int, rewrite: types.ModuleType | None = None) -> Callabl
     return step
 
 
-def charlm_surrogate():
-    """The charlm GPT of examples/charlm/tune.yaml (4 layers, 256 wide, block 64) at ratio 8
-    (32 wide, muP), batch 32."""
+def charlm_surrogate(ratio: int = 8):
+    """The charlm GPT of examples/charlm/tune.yaml (4 layers, 256 wide, block 64) at ``ratio``
+    (8: 32 wide; 4, the example's: 64 wide; muP), batch 32."""
     idx = torch.randint(0, 96, (32, 64))
     target = GPT(n_layer=4, n_head=4, n_embd=256, block_size=64, dropout=0.1)
-    model = scale(target, ratio=8, example_inputs=(idx,))
+    model = scale(target, ratio=ratio, example_inputs=(idx,))
     return model, (idx,), torch.randint(0, 96, (32, 64)), gpt_loss
 
 
@@ -349,7 +350,8 @@ def record_graph_inputs(fused) -> None:  # noqa: ANN001
         compiler._steps[key] = recording
 
 
-COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16)}
+COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16),
+            "GPT charlm r4": (functools.partial(charlm_surrogate, 4), 16)}  # fmt: skip
 
 
 def compile_table(args: argparse.Namespace) -> None:

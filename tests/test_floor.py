@@ -15,10 +15,11 @@ from optuna.distributions import FloatDistribution
 from torch import nn
 
 import hydro
+from examples.charlm.model import gpt
 from examples.cnn.model import cnn
 from hydro.cli import main
 from hydro.errors import ConfigError, HydroWarning, ScaleError
-from hydro.fx.floor import FLOORS, MAX_AUTO_RATIO, layer_widths
+from hydro.fx.floor import FLOORS, MAX_AUTO_RATIO, MAX_AUTO_RATIO_ATTENTION, layer_widths
 from hydro.scaling import build
 from hydro.tuning import config as config_module
 from tests.real_models import build as real_model
@@ -89,6 +90,27 @@ def test_auto_on_nanogpt_respects_the_linear_and_head_dim_floors():
     assert ratio == want
     if want < 16:  # the next ratio up is refused by a floor, named in the reason
         assert f"ratio {2 * want} would take" in scaled.surrogate.hydro.auto.reason
+
+
+def test_auto_stops_at_the_attention_cap_on_a_gpt_whose_floors_allow_more():
+    # the README's GPT (width 256, 4 heads of 64): ratio 8 keeps width 32 and head dim 8, both
+    # at their floors, yet transferred worse end to end than ratio 4 (docs/transfer.md)
+    model = gpt(n_layer=1, n_head=4, n_embd=256, block_size=16)
+    tokens = (torch.zeros(2, 16, dtype=torch.long),)
+    eight = layer_widths(build(model, 8, example_inputs=tokens).plan)
+    assert not any(lw.below for lw in eight)  # the floors alone would take ratio 8
+    sur = hydro.scale(model, "auto", example_inputs=tokens)
+    assert sur.hydro.ratio == MAX_AUTO_RATIO_ATTENTION == 4
+    assert sur.hydro.auto.reason == (
+        "ratio 8 is above 4, the largest 'auto' takes for a model with attention ('h.0.attn')"
+    )
+    # an explicit ratio is built as asked, and within the floors it does not warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HydroWarning)
+        assert hydro.scale(model, 8, example_inputs=tokens).hydro.ratio == 8
+    # a model without attention is not capped: the MLP above goes to 8
+    assert hydro.scale(mlp(8 * FLOORS["linear"]), "auto",
+                       example_inputs=(torch.randn(2, 32),)).hydro.ratio == 8  # fmt: skip
 
 
 def test_auto_on_a_batchnorm_cnn_is_bounded_by_the_conv_floor_and_inspect_shows_it():

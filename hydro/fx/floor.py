@@ -10,8 +10,8 @@ Here a layer's width is the narrowest of its width dimensions in the surrogate (
 hidden features, a convolution's channels, an embedding's dimension), and an attention op's is
 its head dim. A layer narrower than its floor in the target itself has that width as its floor:
 it may stay, not shrink. ``ratio="auto"`` (:func:`choose`) picks the largest power of two, up to
-:data:`MAX_AUTO_RATIO`, that keeps every layer at or above its floor; an explicit ratio that
-goes below warns (:func:`warn_below`).
+:data:`MAX_AUTO_RATIO` (:data:`MAX_AUTO_RATIO_ATTENTION` for a model with attention), that keeps
+every layer at or above its floor; an explicit ratio that goes below warns (:func:`warn_below`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ from hydro.fx.widths import HeadPolicy, WidthPlan, module_of
 # narrowest measured, transferred (narrower ones were not measured).
 FLOORS: dict[str, int] = {"linear": 32, "conv": 16, "attention": 8}
 MAX_AUTO_RATIO = 64
+# The largest ratio "auto" takes for a model with an attention layer, floors or not: two GPT
+# targets at or above every floor still lost at ratio 8 and transferred at 4 (docs/transfer.md,
+# "ratio='auto'"): the charlm GPT (surrogate width 32) chose worse hyperparameters end to end,
+# +2.6% full-model loss at 32 steps and +6.2% at 200, and a 512-wide one (width 64) ranked
+# learning rates at Spearman +0.32, against -0.4%, -0.4% and +0.96 at ratio 4.
+MAX_AUTO_RATIO_ATTENTION = 4
 
 _CONV = ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d",
          "conv_transpose3d")  # fmt: skip
@@ -196,6 +202,14 @@ def choose(
             continue
         layers = layer_widths(plan)
         below = [lw for lw in layers if lw.below]
+        attention = [lw for lw in layers if lw.kind == "attention"]
+        if attention and ratio > MAX_AUTO_RATIO_ATTENTION:
+            reason = (
+                f"ratio {ratio} is above {MAX_AUTO_RATIO_ATTENTION}, the largest 'auto' "
+                f"takes for a model with attention ('{attention[0].path}')"
+            )
+            ratio //= 2
+            continue
         if not below:
             return AutoChoice(ratio, layers, reason), plan
         worst = min(below, key=lambda lw: lw.surrogate / lw.floor)
@@ -235,5 +249,6 @@ def warn_if_full(choice: AutoChoice, model_name: str) -> None:
             f"{choice.reason}"), stacklevel=4)  # fmt: skip
 
 
-__all__ = ["FLOORS", "MAX_AUTO_RATIO", "AutoChoice", "LayerWidth", "bounding", "check_ratio",
-           "choose", "layer_widths", "task_ratio", "warn_below"]  # fmt: skip
+__all__ = ["FLOORS", "MAX_AUTO_RATIO", "MAX_AUTO_RATIO_ATTENTION", "AutoChoice", "LayerWidth",
+           "bounding", "check_ratio", "choose", "layer_widths", "task_ratio",
+           "warn_below"]  # fmt: skip
