@@ -38,9 +38,10 @@ repeat, then medians and ranges.
     # one repeat (seed 2) on its own: --first-repeat 2 --repeats 1
     # on a GPU (every search and check there; compare wall times): --device cuda
 
-Budgets: ``short`` is the run of ``docs/tuning.md`` (32 steps, batch 8, evaluation every 8, the
-first 50,000 characters); ``long`` is the example's own (200 steps, batch 32, evaluation every
-50, the whole text). Any of ``--steps --batch --eval-every --chars`` overrides the budget's.
+Budgets: ``short`` is the run of ``docs/tuning-evidence.md`` (32 steps, batch 8, evaluation
+every 8, the first 50,000 characters); ``long`` is the example's own (200 steps, batch 32,
+evaluation every 50, the whole text). Any of ``--steps --batch --eval-every --chars``
+overrides the budget's.
 """
 
 from __future__ import annotations
