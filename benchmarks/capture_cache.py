@@ -2,7 +2,7 @@
 capture cache cold (an empty folder) and warm (a folder filled by one untimed run before).
 
 Each figure is the median of fresh processes (``--runs``, 3 by default, in interleaved rounds)
-that build the first fused group of ``examples/charlm/tune.yaml`` (16 trials, ratio 8) from the
+that build the first fused group of ``examples/charlm/tune.yaml`` (16 trials at its ratio) from the
 config and take one fused training step, as ``hydro tune examples/charlm/tune.yaml`` does first.
 A phase is the time spent in its functions (``PHASES``), nested phases counted in their own
 only: ``capture`` is ``torch.export`` or its load from the cache, ``scale`` the width analysis
