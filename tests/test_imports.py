@@ -146,3 +146,30 @@ def test_every_public_name_resolves(name):
     value = getattr(hydro, name)
     assert value is not None
     assert getattr(hydro, name) is value  # cached: the second read is the same object
+
+
+def test_a_command_loads_torch_with_the_collector_paused(tmp_path):
+    """`hydro.cli.main` loads torch and Hydro with the garbage collector paused: no collection
+    runs while they import (each full one traverses the hundreds of thousands of objects they
+    leave), and the collector runs again once they are loaded."""
+    code = """
+import gc, json, sys
+seen = []  # per collection: did torch start loading, and had hydro.tuning.signals finished?
+loaded = lambda: hasattr(sys.modules.get("hydro.tuning.signals"), "terminate_as_interrupt")
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(
+    ["torch" in sys.modules, loaded()]))
+from hydro.cli import main
+code = main(["report", "--storage", "sqlite:///no-such.db", "--study", "x", "-o", "r.html"])
+print(json.dumps({"code": code, "seen": seen, "enabled": gc.isenabled(),
+                  "torch": "torch" in sys.modules}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path,
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["code"] == 2 and out["torch"] and out["enabled"]  # the storage is refused
+    during = [s for s in out["seen"] if s == [True, False]]
+    assert not during, f"{len(during)} collections while torch and Hydro loaded"
+    assert [True, True] in out["seen"]  # and it collects again once they are loaded
