@@ -10,9 +10,9 @@ and surrogate rebuild around it, ``members`` the 16 surrogates drawn from it, ``
 the fused graph built at the first forward, ``step`` the first step less that rewrite.
 ``import torch._dynamo`` is timed on its own (the first fake tensor, ``ShapeEnv`` or optimizer
 step imports it, whichever comes first), so that no phase carries it.
-The imports run as ``hydro tune`` runs them, with the garbage collector paused
-(``hydro.cli.collector_paused``; a checkout without it imports with it running), and so does
-``import torch._dynamo``, which ``hydro tune`` first meets inside the group build (paused too).
+The imports run as ``hydro tune`` runs them, ``import torch._dynamo`` included: with the
+garbage collector paused and what they leave frozen (``hydro.cli.collector_paused``; a checkout
+without it imports with the collector running).
 ``to the first step`` counts from the interpreter's start to the first step's compute,
 ``total`` from after the imports to the end of the first step, ``next step`` is the second
 step (what a step costs once warm). ``--baseline DIR`` (or ``NAME=DIR``, repeatable) measures
@@ -89,8 +89,8 @@ def _child(start: float) -> dict:
     import hydro.cli  # the standard library only
 
     timings: dict[str, float] = {}
-    paused = getattr(hydro.cli, "collector_paused", contextlib.nullcontext)
-    with paused():
+    paused = getattr(hydro.cli, "collector_paused", None)
+    with paused(freeze=True) if paused else contextlib.nullcontext():
         t = time.perf_counter()
         import torch
 

@@ -31,12 +31,17 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(*, freeze: bool = False) -> Iterator[None]:
     """Python's cyclic garbage collector paused while a command loads torch, Optuna and Hydro:
-    their imports leave some 400,000 objects that live as long as the process, and the full
-    collections that allocating them triggers traverse them again and again (0.3-0.5 s of a
-    warm ``hydro tune``'s start, ``benchmarks/capture_cache.py``) to find next to nothing.
-    Nothing is kept from the collector: it runs again on leaving, cycles left behind included."""
+    their imports leave some 400,000 objects, and the collections that allocating them triggers
+    traverse them again and again to find next to nothing.
+
+    ``freeze``: what the process holds on leaving is moved out of the collector's sight for
+    good (:func:`gc.freeze`, the standard library's recipe before a fork): modules, classes and
+    functions that live as long as the process. Without it, the first collections of young
+    objects after the pause go through all of them once more (0.4 s). Only for a process whose
+    objects are all of that kind (the console script, before it loads torch): a cycle among
+    frozen objects is never collected. Unfrozen, every cycle is collected once it resumes."""
     if not gc.isenabled():
         yield
         return
@@ -44,6 +49,8 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        if freeze:
+            gc.freeze()
         gc.enable()
 
 
@@ -211,20 +218,19 @@ def _say_hydro_lines() -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    with collector_paused():
-        import optuna
+    import optuna
 
-        from hydro.tuning import config as config_module
-        from hydro.tuning.fingerprint import check_study, fingerprint
-        from hydro.tuning.tune import (
-            TuneResult,
-            check_writable,
-            make_executor,
-            open_study,
-            preflight,
-            task_recipe,
-            verify,
-        )
+    from hydro.tuning import config as config_module
+    from hydro.tuning.fingerprint import check_study, fingerprint
+    from hydro.tuning.tune import (
+        TuneResult,
+        check_writable,
+        make_executor,
+        open_study,
+        preflight,
+        task_recipe,
+        verify,
+    )
 
     if args.output:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
@@ -544,9 +550,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         check_args(args)
-        # hydro.tuning's package imports torch: only once the arguments are known to be good
-        with collector_paused():
+        # hydro.tuning's package imports torch (and all of Hydro a command runs): only once the
+        # arguments are known to be good. A process that had not loaded torch yet (the console
+        # script; not a test or notebook calling main) freezes what the imports leave
+        with collector_paused(freeze="torch" not in sys.modules):
             from hydro.tuning.signals import terminate_as_interrupt
+
+            if args.command == "tune":
+                # every tune loads it (its optimizer, a capture, a cached graph's fake tensors):
+                # here, to be frozen with the rest
+                import torch._dynamo  # noqa: F401
 
         # SIGTERM (kill, Slurm, Docker, systemd) takes Ctrl-C's path: a clean stop, exit 143
         with terminate_as_interrupt(stopped):

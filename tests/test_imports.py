@@ -6,6 +6,7 @@ The heavy libraries are checked in fresh processes: this test process has torch 
 from __future__ import annotations
 
 import configparser
+import gc
 import json
 import os
 import pathlib
@@ -151,7 +152,8 @@ def test_every_public_name_resolves(name):
 def test_a_command_loads_torch_with_the_collector_paused(tmp_path):
     """`hydro.cli.main` loads torch and Hydro with the garbage collector paused: no collection
     runs while they import (each full one traverses the hundreds of thousands of objects they
-    leave), and the collector runs again once they are loaded."""
+    leave). In a process that had not loaded torch (the console script's) what they leave is
+    frozen, and the collector runs again for what comes after."""
     code = """
 import gc, json, sys
 seen = []  # per collection: did torch start loading, and had hydro.tuning.signals finished?
@@ -160,7 +162,11 @@ gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(
     ["torch" in sys.modules, loaded()]))
 from hydro.cli import main
 code = main(["report", "--storage", "sqlite:///no-such.db", "--study", "x", "-o", "r.html"])
+garbage = [[]]
+garbage[0].append(garbage)  # a cycle made after the imports is still collected
+del garbage
 print(json.dumps({"code": code, "seen": seen, "enabled": gc.isenabled(),
+                  "frozen": gc.get_freeze_count(), "collected": gc.collect(),
                   "torch": "torch" in sys.modules}))
 """
     proc = subprocess.run(
@@ -172,4 +178,25 @@ print(json.dumps({"code": code, "seen": seen, "enabled": gc.isenabled(),
     assert out["code"] == 2 and out["torch"] and out["enabled"]  # the storage is refused
     during = [s for s in out["seen"] if s == [True, False]]
     assert not during, f"{len(during)} collections while torch and Hydro loaded"
-    assert [True, True] in out["seen"]  # and it collects again once they are loaded
+    assert out["frozen"] > 100_000 and out["collected"] >= 2
+
+
+def test_collector_paused_freezes_only_when_asked():
+    """A process that had torch loaded before `main` (this one) freezes nothing; the collector
+    comes back as it was, an error inside included."""
+    from hydro.cli import collector_paused, main
+
+    frozen = gc.get_freeze_count()
+    assert main(["report", "--storage", "sqlite:///no-such.db", "--study", "x"]) == 2
+    assert gc.get_freeze_count() == frozen and gc.isenabled()
+    with pytest.raises(ValueError), collector_paused():
+        assert not gc.isenabled()
+        raise ValueError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused(freeze=True):
+            pass
+        assert not gc.isenabled() and gc.get_freeze_count() == frozen  # left as it was found
+    finally:
+        gc.enable()
