@@ -10,6 +10,9 @@ and surrogate rebuild around it, ``members`` the 16 surrogates drawn from it, ``
 the fused graph built at the first forward, ``step`` the first step less that rewrite.
 ``import torch._dynamo`` is timed on its own (the first fake tensor, ``ShapeEnv`` or optimizer
 step imports it, whichever comes first), so that no phase carries it.
+The imports run as ``hydro tune`` runs them, ``import torch._dynamo`` included: with the
+garbage collector paused and what they leave frozen (``hydro.cli.collector_paused``; a checkout
+without it imports with the collector running).
 ``to the first step`` counts from the interpreter's start to the first step's compute,
 ``total`` from after the imports to the end of the first step, ``next step`` is the second
 step (what a step costs once warm). ``--baseline DIR`` (or ``NAME=DIR``, repeatable) measures
@@ -81,30 +84,36 @@ def _instrument(spent: dict[str, float]) -> None:
 
 def _child(start: float) -> dict:
     """One measurement in this (fresh) process."""
+    import contextlib
+
+    import hydro.cli  # the standard library only
+
     timings: dict[str, float] = {}
-    t = time.perf_counter()
-    import torch
+    paused = getattr(hydro.cli, "collector_paused", None)
+    with paused(freeze=True) if paused else contextlib.nullcontext():
+        t = time.perf_counter()
+        import torch
 
-    timings["import torch"] = time.perf_counter() - t
-    t = time.perf_counter()
-    import optuna
+        timings["import torch"] = time.perf_counter() - t
+        t = time.perf_counter()
+        import optuna
 
-    timings["import optuna"] = time.perf_counter() - t
-    t = time.perf_counter()
-    import hydro
-    import hydro.fusion.model
-    import hydro.fx.capture  # noqa: F401 - phases patch it: its import is counted here
-    from hydro.fx import cache
-    from hydro.tuning import config
-    from hydro.tuning.group import FusedGroup
+        timings["import optuna"] = time.perf_counter() - t
+        t = time.perf_counter()
+        import hydro
+        import hydro.fusion.model
+        import hydro.fx.capture  # noqa: F401 - phases patch it: its import is counted here
+        from hydro.fx import cache
+        from hydro.tuning import config
+        from hydro.tuning.group import FusedGroup
 
-    timings["import hydro"] = time.perf_counter() - t
-    t = time.perf_counter()
-    # imported by the first fake tensor, ShapeEnv or optimizer step (zero_grad), whichever
-    # comes first: timed on its own so that no phase carries it
-    import torch._dynamo  # noqa: F401
+        timings["import hydro"] = time.perf_counter() - t
+        t = time.perf_counter()
+        # imported by the first fake tensor, ShapeEnv or optimizer (add_param_group), whichever
+        # comes first: timed on its own so that no phase carries it
+        import torch._dynamo  # noqa: F401
 
-    timings["import torch._dynamo"] = time.perf_counter() - t
+        timings["import torch._dynamo"] = time.perf_counter() - t
     timings["imports"] = time.perf_counter() - start
     torch.set_num_threads(1)
     spent: dict[str, float] = {}

@@ -6,6 +6,7 @@ The heavy libraries are checked in fresh processes: this test process has torch 
 from __future__ import annotations
 
 import configparser
+import gc
 import json
 import os
 import pathlib
@@ -146,3 +147,56 @@ def test_every_public_name_resolves(name):
     value = getattr(hydro, name)
     assert value is not None
     assert getattr(hydro, name) is value  # cached: the second read is the same object
+
+
+def test_a_command_loads_torch_with_the_collector_paused(tmp_path):
+    """`hydro.cli.main` loads torch and Hydro with the garbage collector paused: no collection
+    runs while they import (each full one traverses the hundreds of thousands of objects they
+    leave). In a process that had not loaded torch (the console script's) what they leave is
+    frozen, and the collector runs again for what comes after."""
+    code = """
+import gc, json, sys
+seen = []  # per collection: did torch start loading, and had hydro.tuning.signals finished?
+loaded = lambda: hasattr(sys.modules.get("hydro.tuning.signals"), "terminate_as_interrupt")
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(
+    ["torch" in sys.modules, loaded()]))
+from hydro.cli import main
+code = main(["report", "--storage", "sqlite:///no-such.db", "--study", "x", "-o", "r.html"])
+garbage = [[]]
+garbage[0].append(garbage)  # a cycle made after the imports is still collected
+del garbage
+print(json.dumps({"code": code, "seen": seen, "enabled": gc.isenabled(),
+                  "frozen": gc.get_freeze_count(), "collected": gc.collect(),
+                  "torch": "torch" in sys.modules}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path,
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["code"] == 2 and out["torch"] and out["enabled"]  # the storage is refused
+    during = [s for s in out["seen"] if s == [True, False]]
+    assert not during, f"{len(during)} collections while torch and Hydro loaded"
+    assert out["frozen"] > 100_000 and out["collected"] >= 2
+
+
+def test_collector_paused_freezes_only_when_asked():
+    """A process that had torch loaded before `main` (this one) freezes nothing; the collector
+    comes back as it was, an error inside included."""
+    from hydro.cli import collector_paused, main
+
+    frozen = gc.get_freeze_count()
+    assert main(["report", "--storage", "sqlite:///no-such.db", "--study", "x"]) == 2
+    assert gc.get_freeze_count() == frozen and gc.isenabled()
+    with pytest.raises(ValueError), collector_paused():
+        assert not gc.isenabled()
+        raise ValueError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused(freeze=True):
+            pass
+        assert not gc.isenabled() and gc.get_freeze_count() == frozen  # left as it was found
+    finally:
+        gc.enable()
