@@ -421,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study", help="study name")
     p.add_argument("--trials", type=int, help="trials to finish")
     p.add_argument("--ratio", type=_ratio, help="surrogate width divisor, or 'auto' (default, "
-                   "unless the config sets one): the largest within the width floors")  # fmt: skip
+                   "unless the config sets one): the largest within the width floors, at "
+                   "most 4 with attention")  # fmt: skip
     p.add_argument("--fuse", type=_ratio, help="trials per fused group, or 'auto' (default, "
                    "unless the config sets one): as many as fit the device's memory")  # fmt: skip
     p.add_argument("--fuse-memory", type=float, help="with fuse auto: GiB one fused group may "
@@ -490,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ratio",
         type=_ratio,
         default="auto",
-        help="width divisor, or 'auto' (default): the largest within the width floors",
+        help="width divisor, or 'auto' (default): the largest within the width floors (at "
+        "most 4 with attention)",
     )
     p.add_argument("--head-policy", default="keep_head_dim",
                    choices=["keep_head_dim", "keep_head_count"])  # fmt: skip

@@ -58,8 +58,9 @@ def scale(
             the surrogate's initialization is derived from its per-parameter statistics). It may
             live on the ``meta`` device (a large target then costs no memory).
         ratio: the width divisor; ``ratio=1`` gives the model itself in standard parametrization.
-            ``"auto"`` picks the largest power of two (up to 64) that keeps every layer at or
-            above its measured width floor (:mod:`hydro.fx.floor`; the choice and the layer
+            ``"auto"`` picks the largest power of two (up to 64; up to 4 for a model with
+            attention) that keeps every layer at or above its measured width floor
+            (:mod:`hydro.fx.floor`; the choice and the layer
             that bounds it are in ``sur.hydro.ratio`` and ``sur.hydro.auto``). An explicit
             ratio that takes a layer below its floor warns (``HydroWarning``) naming it.
         example_inputs: positional inputs of one call, batch in dimension 0 (a batch of 2 is

@@ -323,8 +323,8 @@ def tune(
             model factory's keyword arguments.
         n_trials: configurations to finish.
         ratio: surrogate width divisor (1 tunes the full model itself, fused), or ``"auto"``:
-            the largest that keeps every layer above its width floor (``result.ratio`` says
-            which; see :func:`hydro.scale`).
+            the largest that keeps every layer above its width floor, at most 4 for a model
+            with attention (``result.ratio`` says which; see :func:`hydro.scale`).
         fuse: trials per fused group, or ``"auto"``: per (batch size, architecture) key, as
             many as fit the device's memory with a margin (measured on a GPU, estimated on the
             CPU against ``fuse_memory``), at most the trials left and 64; kept in the study
