@@ -11,8 +11,8 @@ the fused graph built at the first forward, ``step`` the first step less that re
 ``import torch._dynamo`` is timed on its own (the first fake tensor, ``ShapeEnv`` or optimizer
 step imports it, whichever comes first), so that no phase carries it.
 The imports run as ``hydro tune`` runs them, ``import torch._dynamo`` included: with the
-garbage collector paused and what they leave frozen (``hydro.cli.collector_paused``; a checkout
-without it imports with the collector running).
+garbage collector paused and what they leave frozen (``hydro.collector.collector_paused``, which
+``hydro.cli`` imports; a checkout without it imports with the collector running).
 ``to the first step`` counts from the interpreter's start to the first step's compute,
 ``total`` from after the imports to the end of the first step, ``next step`` is the second
 step (what a step costs once warm). ``--baseline DIR`` (or ``NAME=DIR``, repeatable) measures

@@ -13,45 +13,20 @@ or Ray; each ``cmd_*`` imports what it runs. The parser is :func:`build_parser`.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-
-@contextlib.contextmanager
-def collector_paused(*, freeze: bool = False) -> Iterator[None]:
-    """Python's cyclic garbage collector paused while a command loads torch, Optuna and Hydro:
-    their imports leave some 400,000 objects, and the collections that allocating them triggers
-    traverse them again and again to find next to nothing.
-
-    ``freeze``: what the process holds on leaving is moved out of the collector's sight for
-    good (:func:`gc.freeze`, the standard library's recipe before a fork): modules, classes and
-    functions that live as long as the process. Without it, the first collections of young
-    objects after the pause go through all of them once more (0.4 s). Only for a process whose
-    objects are all of that kind (the console script, before it loads torch): a cycle among
-    frozen objects is never collected. Unfrozen, every cycle is collected once it resumes."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.freeze()
-        gc.enable()
 
 
 def load_callable(spec: str, what: str = "model factory") -> Any:

@@ -184,7 +184,8 @@ print(json.dumps({"code": code, "seen": seen, "enabled": gc.isenabled(),
 def test_collector_paused_freezes_only_when_asked():
     """A process that had torch loaded before `main` (this one) freezes nothing; the collector
     comes back as it was, an error inside included."""
-    from hydro.cli import collector_paused, main
+    from hydro.cli import main
+    from hydro.collector import collector_paused
 
     frozen = gc.get_freeze_count()
     assert main(["report", "--storage", "sqlite:///no-such.db", "--study", "x"]) == 2

@@ -11,8 +11,6 @@ fixed group to the end is :func:`hydro.tuning.lockstep.train_group`.
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
 import statistics
 import time
@@ -26,6 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroWarning
 from hydro.fusion import FusedModel
 from hydro.fusion import random as _random
@@ -176,26 +175,7 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gc_paused(fn: Callable) -> Callable:
-    """``fn`` with Python's cyclic garbage collector paused: building surrogates allocates tens
-    of thousands of objects that live on (graph nodes, fake tensors, modules), and the
-    collections their allocation triggers traverse them again and again (about a fifth of a
-    warm build). What it drops in cycles is collected once the collector runs again."""
-
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
-
-
-@_gc_paused
+@collector_paused()
 def build_members(
     task: Task,
     params: Sequence[dict[str, Any]],
@@ -307,7 +287,7 @@ class FusedGroup:
         note: where the compile decision is said (default: nowhere).
     """
 
-    @_gc_paused
+    @collector_paused()
     def __init__(
         self,
         task: Task,
@@ -406,7 +386,7 @@ class FusedGroup:
         """Slots in the group now."""
         return len(self.members)
 
-    @_gc_paused
+    @collector_paused()
     def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
         """Start trial ``id`` in ``slot`` from scratch: a fresh surrogate from ``seed``, a fresh
         optimizer state and schedule with its own hyperparameters, its own data stream."""
