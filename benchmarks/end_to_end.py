@@ -84,6 +84,13 @@ def add_search_args(p: argparse.ArgumentParser, budget: dict | None = None) -> N
                    help="use the first N characters of text")  # fmt: skip
 
 
+def fill_budget(args: argparse.Namespace) -> None:
+    """The options :func:`add_search_args` left unset take ``args.budget``'s values."""
+    for k, v in BUDGETS[args.budget].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def space(steps: int) -> dict:
     """The search space of ``examples/charlm/tune.yaml``, its warm-up range (0-50 of 200
     steps) scaled to ``steps``."""
@@ -370,9 +377,7 @@ def main() -> None:
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
-    for k, v in BUDGETS[args.budget].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_budget(args)
     if args.worker:
         return worker(args)
     if args.report:

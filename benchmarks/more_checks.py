@@ -38,9 +38,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="losses by repeat, label and seed (extended)")
     e2e.add_search_args(p)
     args = p.parse_args()
-    for k, v in e2e.BUDGETS[args.budget].items():  # as end_to_end.py: the budget's defaults
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    e2e.fill_budget(args)
     args.device = "cpu"
     import torch
 
