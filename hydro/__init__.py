@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below p
     from hydro.fusion import FusedModel, fuse, trial_loss
     from hydro.inspection import InspectReport, inspect
     from hydro.scaling import scale
-    from hydro.tuning import Task, TuneResult, tune
+    from hydro.tuning import Loop, Run, Task, TuneOptions, TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,9 @@ _LAZY = {
     "scale": "hydro.scaling",
     # hydro.tuning.tune is both a submodule and a function: read the function from its module
     "Task": "hydro.tuning.task",
+    "Loop": "hydro.tuning.loop",
+    "Run": "hydro.tuning.loop",
+    "TuneOptions": "hydro.tuning.options",
     "TuneResult": "hydro.tuning.tune",
     "tune": "hydro.tuning.tune",
 }
@@ -47,7 +50,10 @@ _LAZY = {
 __all__ = [
     "CoordCheckResult",
     "FusedModel",
+    "Loop",
+    "Run",
     "Task",
+    "TuneOptions",
     "TuneResult",
     "fuse",
     "optim",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroError
+from hydro.tuning.options import TuneOptions
 
 if TYPE_CHECKING:
     import torch
@@ -196,72 +197,29 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
     from hydro.tuning import config as config_module
-    from hydro.tuning.fingerprint import check_study, fingerprint
-    from hydro.tuning.tune import (
-        TuneResult,
-        check_writable,
-        make_executor,
-        open_study,
-        preflight,
-        task_recipe,
-        verify,
-    )
+    from hydro.tuning.run import run
+    from hydro.tuning.tune import check_writable
 
     if args.output:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
-    cfg = config_module.load(
-        args.config, storage=args.storage, study=args.study, trials=args.trials,
-        ratio=args.ratio, fuse=args.fuse, seed=args.seed, verify_top_k=args.verify_top_k,
-        device=args.device, depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha,
-        policy=args.policy, deadline=args.deadline,
-        checkpoint_dir=args.checkpoint_dir,
-        fuse_memory=args.fuse_memory, sampler=args.sampler, pruner=args.pruner,
-        first_group=args.first_group, steps=args.steps, timeout=args.timeout,
-        cache=args.cache,
-        compile=args.compile,
-    )  # fmt: skip
+    given = {meta["config"]: getattr(args, name, None)
+             for name, _, meta in TuneOptions.rows() if meta["flag"] and meta["config"]}  # fmt: skip
+    if args.compile is not None:
+        given["compile"] = args.compile
+    cfg = config_module.load(args.config, steps=args.steps, cache=args.cache, **given)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     _say_hydro_lines()
-    executor = make_executor(args.executor)
-    from hydro.fx.floor import task_ratio
-    from hydro.tuning.driver import optimize
-
+    options = cfg.options(progress=args.progress)
+    where = f"study '{cfg.study}' of {cfg.storage or 'sqlite:///hydro.db'}"
+    args.resume_hint = f"the finished trials are saved in {where}: run the same command " \
+        "again to resume"  # fmt: skip
     try:
-        built = preflight(cfg.task, cfg.space)
+        result = run(cfg.task, cfg.space, options, say=lambda line: print(line, file=sys.stderr),
+                     data_source=cfg.data_source, door="cli")  # fmt: skip
     except HydroError as exc:  # name the file, as for any other mistake in it
-        raise type(exc)(f"{cfg.path}: task: {exc}") from exc
-    auto = cfg.ratio == "auto"
-    cfg.ratio = task_ratio(cfg.task, cfg.ratio)  # the largest ratio within the width floors
-    study = open_study(cfg.storage, cfg.study, cfg.task.direction, cfg.sampler, cfg.pruner)
-    definition = fingerprint(cfg.task, cfg.space, ratio=cfg.ratio, depth_ratio=cfg.depth_ratio,
-                             depth_alpha=cfg.depth_alpha, model=built,
-                             data_source=cfg.data_source)  # fmt: skip
-    check_study(study, definition, where=f"study '{cfg.study}' in "
-                f"{cfg.storage or 'sqlite:///hydro.db'}", force=args.force_resume,
-                new_name="--study NAME, or study: in the config",
-                force_hint="--force-resume")  # fmt: skip
-    study.set_user_attr("hydro_task", task_recipe(cfg.task))
-    args.resume_hint = (
-        f"the finished trials are saved in study '{cfg.study}' of "
-        f"{cfg.storage or 'sqlite:///hydro.db'}: run the same command again to resume"
-    )
-    print(f"{_progress_line(study, cfg.study, cfg.storage, cfg.trials)}; "
-          f"ratio {cfg.ratio}{' (auto)' if auto else ''}"
-          f"{f', depth ratio {cfg.depth_ratio}' if cfg.depth_ratio > 1 else ''}, "
-          + (f"{cfg.fuse} trials per fused group" if cfg.fuse != "auto" else
-             "fuse auto (trials per fused group from the device's memory, per key)"),
-          file=sys.stderr)  # fmt: skip
-    optimize(study, cfg.task, cfg.space, cfg.trials, ratio=cfg.ratio, fuse=cfg.fuse,
-             seed=cfg.seed, progress=args.progress, executor=executor, device=cfg.device,
-             depth_ratio=cfg.depth_ratio, depth_alpha=cfg.depth_alpha,
-             first_group=cfg.first_group, policy=cfg.policy, deadline=cfg.deadline,
-             checkpoint_dir=cfg.checkpoint_dir, fuse_memory=cfg.fuse_memory,
-             timeout=cfg.timeout, compile=cfg.compile)  # fmt: skip
-    result = TuneResult(study, cfg.ratio)
-    if cfg.verify_top_k:
-        result.verification = verify(cfg.task, study, cfg.verify_top_k, seed=cfg.seed,
-                                     device=cfg.device)  # fmt: skip
-        study.set_user_attr("hydro_verification", result.verification)
+        if getattr(exc, "_hydro_task", False):
+            raise type(exc)(f"{cfg.path}: task: {exc}") from exc
+        raise
     print(f"best value {result.best_value:.6g} (trial {result.best_trial.number})")
     for key, value in result.best_params.items():
         print(f"  {key}: {value}")
@@ -273,27 +231,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result.export(args.output)
         print(f"wrote {args.output}")
     return 0
-
-
-def _progress_line(study: Any, name: str, storage: str | None, target: int) -> str:
-    """Where the study stands as a run starts: new, or resuming with its finished trials
-    (complete and pruned; failed apart), the interrupted ones it takes up first, and how many
-    are left to finish."""
-    from hydro.tuning.report import trial_counts
-
-    where = f"study '{name}' in {storage or 'sqlite:///hydro.db'}"
-    c = trial_counts(study)
-    if not (c["finished"] or c["interrupted"] or c["running"]):
-        return f"{where}: new, {target} trials to finish"
-    line = (f"resuming {where}: {c['complete'] + c['pruned']} finished ({c['complete']} "
-            f"complete, {c['pruned']} pruned)")  # fmt: skip
-    if c["failed"]:
-        line += f", {c['failed']} failed"
-    if c["interrupted"]:
-        line += f", {c['interrupted']} interrupted (resumed first)"
-    if c["running"]:
-        line += f", {c['running']} running elsewhere"
-    return line + f", {max(0, target - c['finished'])} to go"
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -383,6 +320,28 @@ def _vocab(model: nn.Module) -> int:
     return min(sizes) if sizes else 2
 
 
+PARSERS: dict[str, Any] = {"count": _count(1), "count0": _count(0), "ratio": _ratio,
+                           "first_group": _first_group, "int": int, "float": float, "str": str,
+                           "compile": str}  # fmt: skip
+
+
+def _option_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per run option that has one (:class:`hydro.tuning.options.TuneOptions`: the
+    table the docs print): its help and its default, which the config's value overrides."""
+    for name, default, meta in TuneOptions.rows():
+        if not meta["flag"]:
+            continue
+        shown = "none" if default is None else str(default).lower() \
+            if isinstance(default, bool) else default  # fmt: skip
+        text = f"{meta['help']} (default: the config's, else {shown})".replace("%", "%%")
+        if meta["kind"] == "flag":
+            p.add_argument(meta["flag"], dest=name, action="store_const", const=True,
+                           default=None, help=text)  # fmt: skip
+            continue
+        p.add_argument(meta["flag"], dest=name, type=PARSERS[meta["kind"]], default=None,
+                       choices=meta["choices"], help=text)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hydro", description="Hydro: tune hyperparameters on fused muP surrogates."
@@ -392,35 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="tune a model described by a YAML config (resumable)")
     p.add_argument("config", help="the YAML config file (see docs/tuning.md)")
-    p.add_argument("--storage", help="Optuna storage URL (default: the config's, or hydro.db)")
-    p.add_argument("--study", help="study name")
-    p.add_argument("--trials", type=int, help="trials to finish")
-    p.add_argument("--ratio", type=_ratio, help="surrogate width divisor, or 'auto' (default, "
-                   "unless the config sets one): the largest within the width floors, at "
-                   "most 4 with attention")  # fmt: skip
-    p.add_argument("--fuse", type=_ratio, help="trials per fused group, or 'auto' (default, "
-                   "unless the config sets one): as many as fit the device's memory")  # fmt: skip
-    p.add_argument("--fuse-memory", type=float, help="with fuse auto: GiB one fused group may "
-                   "use (default: half the free RAM, 90%% of a GPU's free memory)")  # fmt: skip
-    p.add_argument("--executor", choices=["inline", "local", "ray"], default=None,
-                   help="where groups train: this process (default), local worker processes, "
-                   "or a Ray cluster (RAY_ADDRESS, else a local one)")  # fmt: skip
-    p.add_argument("--policy", choices=["fifo", "static", "dynamic", "deadline"],
-                   help="how an executor places groups on its devices (default: the config's, "
-                   "else dynamic; fifo: one group per device, the baseline)")  # fmt: skip
-    p.add_argument("--deadline", type=float, help="seconds to the deadline, with --policy "
-                   "deadline: the best groups get whole devices as it nears")  # fmt: skip
-    p.add_argument("--seed", type=int, help="seeds the sampler, the surrogates' initializations "
-                   "and the data order (default: the config's, else 0)")  # fmt: skip
-    p.add_argument("--timeout", type=float, help="stop asking new trials after this many "
-                   "seconds; trials in flight finish; rerun to go on")  # fmt: skip
-    p.add_argument("--sampler", help="Optuna sampler: tpe (default), random, cmaes, gp, qmc, "
-                   "grid (overrides the config's)")  # fmt: skip
-    p.add_argument("--pruner", help="Optuna pruner: median (default), asha (successive "
-                   "halving), hyperband, none (overrides the config's)")  # fmt: skip
-    p.add_argument("--first-group", type=_first_group, help="train this many trials first, "
-                   "alone and to the end, so the pruner has complete trials to compare with; "
-                   "auto (the default): the median pruner's start-up on a CPU, else 0")  # fmt: skip
+    _option_flags(p)
     p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
                    "config's task.steps)")  # fmt: skip
     p.add_argument("--no-cache", dest="cache", action="store_const", const=False,
@@ -428,22 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "(overrides the config's task.cache; HYDRO_CACHE=0 does the same)")  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or lines, no table of the best trials")  # fmt: skip
-    p.add_argument("--device", help="where groups train in this process: cpu (default), cuda, "
-                   "cuda:N (overrides the config's device)")  # fmt: skip
-    p.add_argument("--verify-top-k", type=int, help="train the full model with the best k")
-    p.add_argument("--depth-ratio", type=int, help="surrogates keep every k-th repeated block "
-                   "(default: the config's, else 1)")  # fmt: skip
-    p.add_argument("--depth-alpha", type=float, help="depth cut's residual exponent: 1 "
-                   "CompleteP (default), 0.5 Depth-muP")  # fmt: skip
-    p.add_argument("--checkpoint-dir", help="where trials' checkpoints go, a directory per "
-                   "study (default: the config's, else beside the SQLite file)")  # fmt: skip
-    p.add_argument("--force-resume", action="store_true", help="continue the study even though "
-                   "its model, data, loss, recipe, space or ratio changed (default: refused; "
-                   "prefer a new --study)")  # fmt: skip
-    p.add_argument("--compile", choices=["auto", "on", "off"], default=None,
-                   help="train the fused groups through torch.compile: on, off, or auto "
-                   "(where its measured pay-back fits the study; default: the config's, "
-                   "else off)")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 

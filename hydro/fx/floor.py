@@ -232,7 +232,9 @@ def task_ratio(task: Any, ratio: Any) -> int:
     if ratio != "auto":
         return ratio
     model = task.build_model()
-    if task.example_inputs is not None:
+    if hasattr(task, "example"):  # your own training loop: its example inputs
+        args, kwargs = task.example()
+    elif task.example_inputs is not None:
         args, kwargs = tuple(task.example_inputs), {}
     else:
         args, kwargs, _ = task.split(next(task.train_batches(2, seed=0)))

@@ -1,6 +1,36 @@
-"""Tuning: the task, search spaces, fused group training, the driver and transfer/export."""
+"""Tuning, one module a part of a run: its options (:mod:`~hydro.tuning.options`), the one
+function that runs it (:mod:`~hydro.tuning.run`), what it trains (:mod:`~hydro.tuning.task`,
+:mod:`~hydro.tuning.loop`), the engine (driver, stream, fleet, slots, group), the study's
+bookkeeping (:mod:`~hydro.tuning.study`) and the outputs (:mod:`~hydro.tuning.tune`'s result
+and export, :mod:`~hydro.tuning.report`).
 
-from hydro.tuning.task import Task
-from hydro.tuning.tune import TuneResult, export, tune, verify
+Names are imported on first use (PEP 562), so :mod:`hydro.tuning.options` loads without torch.
+"""
 
-__all__ = ["Task", "TuneResult", "export", "tune", "verify"]
+import importlib as _importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hydro.tuning.loop import Loop, Run
+    from hydro.tuning.options import TuneOptions
+    from hydro.tuning.task import Task
+    from hydro.tuning.tune import TuneResult, export, tune, verify
+
+_LAZY = {"Task": "hydro.tuning.task", "Loop": "hydro.tuning.loop", "Run": "hydro.tuning.loop",
+         "TuneOptions": "hydro.tuning.options", "TuneResult": "hydro.tuning.tune",
+         "export": "hydro.tuning.tune", "tune": "hydro.tuning.tune",
+         "verify": "hydro.tuning.tune"}  # fmt: skip
+
+__all__ = ["Loop", "Run", "Task", "TuneOptions", "TuneResult", "export", "tune", "verify"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hydro.tuning' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -12,21 +12,19 @@ import os
 import sys
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
 import yaml
 
 from hydro.errors import ConfigError, HydroError
-from hydro.tuning.driver import check_placement
+from hydro.tuning.options import TuneOptions, _check_placement
 from hydro.tuning.space import check_names, check_warmup, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 
-TOP_KEYS = {"study", "storage", "trials", "ratio", "fuse", "seed", "sampler", "sampler_args",
-            "pruner", "pruner_args", "task", "space", "verify_top_k", "device", "depth_ratio",
-            "depth_alpha", "first_group", "policy", "deadline", "checkpoint_dir",
-            "fuse_memory", "timeout", "compile"}  # fmt: skip
+# the run's options (hydro.tuning.options: their config keys), what to train, and the space
+TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space"}
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every", "dynamic", "data_mode", "cache"}  # fmt: skip
@@ -76,6 +74,18 @@ class TuneConfig:
     timeout: float | None = None  # seconds after which no new trial is asked
     compile: bool | str = False  # torch.compile the fused groups: True, False, 'auto' or a mode
     data_source: dict | None = None  # task.data and its data_args: part of the study's fingerprint
+    extra: dict = field(default_factory=dict)  # the other options the file sets, by name
+
+    def options(self, **changes: Any) -> TuneOptions:
+        """The run's :class:`TuneOptions` as this file (and its overrides) set them."""
+        return TuneOptions(
+            n_trials=self.trials, ratio=self.ratio, fuse=self.fuse, study=self.study,
+            storage=self.storage, sampler=self.sampler, pruner=self.pruner, seed=self.seed,
+            verify_top_k=self.verify_top_k, device=self.device, depth_ratio=self.depth_ratio,
+            depth_alpha=self.depth_alpha, first_group=self.first_group, policy=self.policy,
+            deadline=self.deadline, checkpoint_dir=self.checkpoint_dir,
+            fuse_memory=self.fuse_memory, timeout=self.timeout, compile=self.compile,
+        ).replace(**{**self.extra, **changes})  # fmt: skip
 
 
 def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
@@ -219,7 +229,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     flags = {k: f"--{k}" for k in ("sampler", "pruner") if k in given}
     raw = {**raw, **given}
     try:  # before the task is built: a typo here should not wait for the data
-        check_placement(raw.get("policy", "dynamic"), raw.get("deadline"))
+        _check_placement(raw.get("policy", "dynamic"), raw.get("deadline"))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     task = _task(raw["task"], path)
@@ -256,6 +266,14 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         compile=_compile(raw.get("compile", False), path),
         data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
     )
+    handled = {f for f in TuneConfig.__dataclass_fields__} | {"trials", "sampler_args",
+                                                               "pruner_args"}  # fmt: skip
+    names = TuneOptions.config_keys()
+    cfg.extra = {names[k]: v for k, v in raw.items() if k in names and k not in handled}
+    try:  # the options the file sets beyond those above, checked as hydro.tune checks them
+        cfg.options().validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     if isinstance(cfg.fuse, int) and isinstance(cfg.first_group, int) \
             and cfg.first_group > cfg.fuse:  # fmt: skip
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "

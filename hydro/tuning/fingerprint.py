@@ -44,7 +44,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from hydro.errors import ConfigError, HydroWarning
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
@@ -80,6 +80,18 @@ def fingerprint(
                             "val_data": _data(task.val_data)}  # fmt: skip
     if data_source is not None:
         data["source"] = _plain(dict(data_source))
+    if not hasattr(task, "loss"):  # your own training function: its name and its source
+        parts = {
+            "model": _model(task, model),
+            "data": data,
+            "loss": {"name": "train", "train": _loop(task.train)},
+            "metric": {"name": None},
+            "recipe": {"direction": task.direction, "steps": task.steps,
+                       "eval_every": task.eval_every, "batch_size": task.batch_size},
+            "space": _space(space),
+            "ratio": scale,
+        }  # fmt: skip
+        return json.loads(json.dumps({"version": VERSION, "parts": parts}, sort_keys=True))
     parts = {
         "model": _model(task, model),
         "data": data,
@@ -216,6 +228,10 @@ def _architecture(model: nn.Module) -> dict[str, Any]:
 
 
 def _data(data: Any) -> Any:
+    if data is None:
+        return None
+    if isinstance(data, DataLoader):  # what trains: its dataset (each trial its own loader)
+        return {"loader": _type_name(data), "dataset": _data(data.dataset)}
     if isinstance(data, tuple):
         inputs, targets = data
         return {"inputs": _plain(inputs), "targets": _plain(targets)}
@@ -276,6 +292,25 @@ def _dist(dist: BaseDistribution) -> str:
 
 
 # -- plain values ------------------------------------------------------------------------------
+
+
+def callable_name(fn: Any) -> str:
+    """``module:qualname`` of a function (a partial's, a method's), or a callable's class."""
+    return _callable(fn)["name"]
+
+
+def _loop(fn: Any) -> dict[str, Any]:
+    """A training function: its name and a digest of its source (a change to the loop is a
+    change of definition; a function without source: its name alone)."""
+    part = _callable(fn)
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return part
+    part["source"] = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return part
 
 
 def _callable(fn: Any) -> dict[str, Any]:

@@ -44,15 +44,11 @@ class _Fleet(_Stream):
     again and every trial ends as it would have, whichever slot, group or worker trained it.
     """
 
-    def __init__(self, *args: Any, executor: Any, every: int, checkpoints: Any = None,
-                 world_size: int = 1, policy: str = "fifo", deadline: float | None = None,
-                 fuse_memory: float | None = None, catch: tuple = (),
-                 callbacks: Sequence = (), compile: bool | str = False) -> None:  # fmt: skip
-        super().__init__(*args, checkpoints=checkpoints, every=every, fuse_memory=fuse_memory,
-                         catch=catch, callbacks=callbacks, compile=compile)  # fmt: skip
-        self.executor = executor
-        self.policy, self.deadline = policy, deadline
-        self.world_size = world_size
+    def __init__(self, task: Any, space: Any, options: Any, where: Any) -> None:
+        super().__init__(task, space, options, where)
+        self.executor = options.executor
+        self.policy, self.deadline = options.policy, options.deadline
+        self.world_size = options.world_size
         self.sizes: dict[str, int] = {}  # group -> its data parallel world size
         self.undivided: set[tuple] = set()  # keys warned about: batch not divisible
         self.logs: dict[str, list] = {}  # group -> [first members, one entry per refill]
@@ -72,10 +68,10 @@ class _Fleet(_Stream):
     def run(self) -> None:
         # the worker counts steps and members; the driver decides each group's size
         fuse = MAX_FUSE if self.fuse == "auto" else self.fuse
-        fn = functools.partial(_stream_in_worker, self.task, self.ratio, fuse, self.depth,
-                               self.every, checkpoints=self.checkpoints,
-                               study=_checkpoint.study_id(self.study),
-                               compile=self.compile)  # fmt: skip
+        # the worker reads the run's options (those that pickle: Options.for_worker)
+        fn = functools.partial(_stream_in_worker, self.task, self.options.for_worker(), fuse,
+                               checkpoints=self.checkpoints,
+                               study=_checkpoint.study_id(self.study))  # fmt: skip
         placement = {}
         if self.world_size == 1 and "policy" in inspect.signature(self.executor.run).parameters:
             # the policy decides each group's devices (data parallel when it widens one); a

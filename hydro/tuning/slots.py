@@ -21,6 +21,8 @@ from hydro.errors import HydroError, HydroWarning, UserCodeError
 from hydro.tuning import parallel
 from hydro.tuning.checkpoint import TrialCheckpoints, set_aside
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key, load_model_state
+from hydro.tuning.loop import make_group
+from hydro.tuning.task import Task
 
 __all__ = ["Occupancy", "step_slots", "train_slots"]
 
@@ -230,12 +232,13 @@ class _Hosted:
     capture). A freed slot's share of the worker goes to the driver's next trial, so the
     worker stays as full as its first group was."""
 
-    def __init__(self, task: Any, ratio: int, depth: tuple, device: Any, fuse: int,
-                 source: _Remote, checkpoints: TrialCheckpoints | None,
-                 every: int, compile: bool | str = False) -> None:  # fmt: skip
-        self.task, self.ratio, self.depth, self.device = task, ratio, depth, device
-        self.compile = compile  # "auto": each key's first group here decides (not said)
-        self.fuse, self.source, self.checkpoints, self.every = fuse, source, checkpoints, every
+    def __init__(self, task: Any, options: Any, device: Any, fuse: int, source: _Remote,
+                 checkpoints: TrialCheckpoints | None) -> None:  # fmt: skip
+        self.task, self.options, self.device = task, options, device
+        self.ratio, self.depth = options.ratio, (options.depth_ratio, options.depth_alpha)
+        self.compile = options.compile  # "auto": each key's first group here decides (not said)
+        self.every = options.checkpoint_every or 0
+        self.fuse, self.source, self.checkpoints = fuse, source, checkpoints
         self.groups: dict[tuple, FusedGroup] = {}
         self.joined: dict[tuple, dict[int, float]] = {}
         self.built: dict[tuple, FusedGroup] = {}  # key -> its last group (for like=)
@@ -252,10 +255,11 @@ class _Hosted:
             by_key.setdefault(group_key(m[1], self.task), []).append(tuple(m))
         for key, ms in by_key.items():
             like = self.built.get(key)
-            self.groups[key] = self.built[key] = FusedGroup(
+            self.groups[key] = self.built[key] = make_group(
                 self.task, ms, ratio=self.ratio, device=self.device, depth_ratio=self.depth[0],
                 depth_alpha=self.depth[1], like=like,
-                compile=like.compile if like is not None else self.compile)  # fmt: skip
+                compile=like.compile if like is not None else self.compile,
+                capacity=self.fuse)  # fmt: skip
             self.joined[key] = {m[0]: time.perf_counter() for m in ms}
         return [self.groups[k] for k in by_key]
 
@@ -321,16 +325,16 @@ class _Hosted:
         _checkpoint.set_rng_state(saved["rng"])
 
 
-def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
-                      study="", compile=False):  # noqa: ANN001, ANN202  # fmt: skip
+def _stream_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
+                      study=""):  # noqa: ANN001, ANN202  # fmt: skip
     """:func:`_train_in_worker`, where an exception the user's code raised (data, loss, metric)
     becomes a one-line :class:`~hydro.errors.UserCodeError`, which the executor does not retry
     (it would raise again) and whose message the driver gives the group's trials."""
     from hydro.tuning.faults import describe
 
     try:
-        return _train_in_worker(task, ratio, fuse, depth, every, group, ctx,
-                                checkpoints=checkpoints, study=study, compile=compile)  # fmt: skip
+        return _train_in_worker(task, options, fuse, group, ctx, checkpoints=checkpoints,
+                                study=study)  # fmt: skip
     except Exception as exc:
         what = describe(exc, task)
         if what is None:
@@ -338,8 +342,8 @@ def _stream_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoint
         raise UserCodeError(what) from None
 
 
-def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints=None,
-                     study="", compile=False):  # noqa: ANN001, ANN202  # fmt: skip
+def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
+                     study=""):  # noqa: ANN001, ANN202  # fmt: skip
     """Fused groups with continuous batching in an executor's worker, at most one per key
     (:class:`_Hosted`). Its trials come from the driver; a freed slot takes the driver's next
     trial of any key (one data parallel group: of its own key). With ``every`` it
@@ -378,7 +382,10 @@ def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints
         cursor, asking = 1, got["asking"]
     # data parallel ranks step one group of one key alike; one process hosts every key
     source = _Remote(ctx, occupancy, cursor, asking, task, any_key=ctx.world_size == 1)
-    hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every, compile)
+    hosted = _Hosted(task, options, ctx.device, fuse, source, checkpoints)
+    # a group trained by your own function checkpoints its trials, not itself (its loop's
+    # locals cannot be saved): a retried or moved worker resumes them from the study's files
+    every = hosted.every if isinstance(task, Task) else 0
     if saved is not None:
         try:
             hosted.restore(saved)
@@ -394,8 +401,7 @@ def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints
             saved = None
             occupancy = Occupancy(fuse)  # from step 0, as a first attempt
             source = _Remote(ctx, occupancy, 1, got["asking"], task, any_key=ctx.world_size == 1)
-            hosted = _Hosted(task, ratio, depth, ctx.device, fuse, source, checkpoints, every,
-                             compile)  # fmt: skip
+            hosted = _Hosted(task, options, ctx.device, fuse, source, checkpoints)
     if saved is None:
         for g in hosted.build([tuple(m) for m in got["members"]]):
             for slot in range(g.n):
@@ -420,7 +426,11 @@ def _train_in_worker(task, ratio, fuse, depth, every, group, ctx, *, checkpoints
                   for _, v in m.history[-1:]]  # fmt: skip
         ctx.progress(hosted.rounds, hosted.n, min(values, default=None))
         stop = ctx.should_stop(agree=world_size == ctx.world_size)
-        if ctx.rank == 0 and (stop or (every and hosted.rounds % every == 0)):
+        if stop and not isinstance(task, Task):  # your own loop: each trial saved alone
+            for g in hosted.groups.values():
+                save_trials(g, checkpoints, 1)
+                g.close()
+        elif ctx.rank == 0 and (stop or (every and hosted.rounds % every == 0)):
             _checkpoint.save(ctx.checkpoint_dir, {**hosted.state(), "study": study,
                                                   "first": first})  # fmt: skip
         if stop:

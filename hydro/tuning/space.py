@@ -34,7 +34,7 @@ HYPERPARAMETERS: dict[str, str] = {
 Space = Mapping[str, BaseDistribution] | Callable[[optuna.Trial], Any]
 
 
-def check_space(space: Any, model_args: set[str], steps: int | None = None) -> None:
+def check_space(space: Any, model_args: set[str] | None, steps: int | None = None) -> None:
     """Raise a ConfigError naming an unknown hyperparameter, with the known ones, or (given the
     task's ``steps``) a warm-up range the run cannot hold (:func:`check_warmup`)."""
     if callable(space) and not isinstance(space, Mapping):
@@ -47,7 +47,8 @@ def check_space(space: Any, model_args: set[str], steps: int | None = None) -> N
                 f"space[{name!r}] is {type(dist).__name__}, not an Optuna distribution; use e.g. "
                 "optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)"
             )
-    check_names(space.keys(), model_args)
+    if model_args is not None:  # None: any name (your own training function reads them)
+        check_names(space.keys(), model_args)
     if steps is not None:
         check_warmup(space, steps)
 

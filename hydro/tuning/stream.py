@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -22,7 +23,9 @@ import torch
 from optuna.trial import TrialState
 
 from hydro.tuning.faults import Faults, describe
+from hydro.tuning.options import TuneOptions
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key
+from hydro.tuning.loop import make_group
 from hydro.tuning.sizing import FuseSize, fuse_sizes
 from hydro.tuning.slots import (
     resume_slot,
@@ -30,6 +33,7 @@ from hydro.tuning.slots import (
     step_slots,
 )
 from hydro.tuning.space import check_names, sample
+from hydro.tuning.task import Task
 from hydro.tuning.study import (
     _after_tell,
     _ask,
@@ -42,7 +46,21 @@ from hydro.tuning.study import (
     _tell,
 )
 
-__all__: list[str] = []
+__all__ = ["Where"]
+
+
+@dataclass
+class Where:
+    """What a run's engine works in besides its options: the study, this process's heartbeat
+    on its trials, the progress display, when the run started, the occupancy counters and the
+    trial checkpoints."""
+
+    study: optuna.Study
+    heart: Any
+    bar: Any
+    start: float
+    occupancy: Any
+    checkpoints: Any = None
 
 
 class _Stream:
@@ -61,31 +79,32 @@ class _Stream:
     :meth:`next_trial` give one group at a time, one key per group.
     """
 
-    def __init__(self, study, task, space, n_trials, ratio, fuse, seed, device, heart, bar,
-                 start, timeout, occupancy, depth=(1, 1.0), first_group=0, checkpoints=None,
-                 every=0, fuse_memory=None, catch=(), callbacks=(), compile=False) -> None:  # noqa: ANN001  # fmt: skip
-        self.study, self.task, self.space, self.n_trials = study, task, space, n_trials
-        self.ratio, self.fuse, self.seed, self.device = ratio, fuse, seed, device
-        self.heart, self.bar, self.start, self.timeout = heart, bar, start, timeout
-        self.hook = bar.reported if bar is not None else None
+    def __init__(self, task: Any, space: Any, options: TuneOptions, where: Where) -> None:
+        o = self.options = options
+        self.study, self.task, self.space, self.n_trials = where.study, task, space, o.n_trials
+        self.ratio, self.fuse, self.seed, self.device = o.ratio, o.fuse, o.base_seed, o.device
+        self.heart, self.bar, self.start, self.timeout = where.heart, where.bar, where.start, \
+            o.timeout  # fmt: skip
+        self.hook = self.bar.reported if self.bar is not None else None
         self.pending: dict[tuple, list[tuple[optuna.Trial, dict]]] = {}
         self.running: dict[int, optuna.Trial] = {}  # asked, not yet told
         self.asking = True
-        self.occupancy = occupancy
-        self.depth = depth  # (depth_ratio, depth_alpha)
-        self.first_group = first_group
-        self.checkpoints, self.every = checkpoints, every  # each trial's, every `every` steps
+        self.occupancy = where.occupancy
+        self.depth = (o.depth_ratio, float(o.depth_alpha))
+        self.first_group = o.first_group
+        # each trial's checkpoints, every `every` steps
+        self.checkpoints, self.every = where.checkpoints, o.checkpoint_every
         self.seeds: dict[int, int] = {}  # trial -> its seed (a re-asked trial: its predecessor's)
         self.live: dict[tuple, _InProcess] = {}  # key -> its group training in this process
         self.key_of: dict[int, tuple] = {}  # trial -> its key, for the trials asked here
         self.refills = True  # freed slots take new trials (False: an evaluation phase)
         self.built: dict[tuple, FusedGroup] = {}  # key -> its last group built here
-        self.fuse_memory = fuse_memory  # GiB per group for fuse="auto"; None: a share of free
+        self.fuse_memory = o.fuse_memory  # GiB per group for fuse="auto"; None: a share of free
         self.key_sizes: dict[tuple, int] = {}  # per key: sized by "auto", or halved after an OOM
         self.key_memory: dict[tuple, float] = {}  # per key, with "auto": GiB one trial adds
-        self.faults = Faults(catch)  # user code that raised: stop once every trial failed alike
-        self.callbacks = list(callbacks)  # Optuna's (study, frozen_trial), after each trial ends
-        self.compile = compile  # the tuner's setting; "auto": decided per key by its first group
+        self.faults = Faults(o.catch)  # user code raised: stop once every trial failed alike
+        self.callbacks = list(o.callbacks)  # Optuna's (study, frozen_trial), after each trial ends
+        self.compile = o.compile  # the tuner's setting; "auto": decided per key by its first group
 
     def say_compile(self, line: str) -> None:
         """Say a group's compile decision: on the progress display (else to the ``hydro``
@@ -357,7 +376,8 @@ class _Stream:
         self.running[t.number] = t
         _seed_sampler(self.study.sampler, self.seed, t.number)
         params = sample(t, self.space)
-        check_names(params, self.task.model_args())
+        if isinstance(self.task, Task):  # your own loop reads any name
+            check_names(params, self.task.model_args())
         self.seeds[t.number] = _seed_and_resume(self.study, t, params, self.seed,
                                                 self.checkpoints)  # fmt: skip
         t.set_user_attr("ratio", self.ratio)
@@ -419,12 +439,12 @@ def start_group(
         t.set_user_attr("fused", stream.fuse_for(key))  # the key's size now (after an OOM)
     like = stream.built.get(key)
     # "auto" is decided by a key's first group; its later groups follow (or decide, if pending)
-    group = FusedGroup(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
+    group = make_group(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
                        ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
                        depth_alpha=stream.depth[1], like=like,
                        compile=like.compile if like is not None else stream.compile,
                        trials_left=stream.n_trials - _counts(stream.study)[0],
-                       note=stream.say_compile)  # fmt: skip
+                       note=stream.say_compile, capacity=stream.fuse_for(key))  # fmt: skip
     stream.built[key] = group  # a key's next group reuses its capture (seconds per group)
     for slot in range(group.n):  # a trial re-asked after its tuner died goes on from there
         resume_slot(group, slot, stream.checkpoints)

@@ -49,8 +49,10 @@ class Task:
         train_data: ``(inputs, targets)`` tensors (batches are drawn at random); a dict of
             equal-length tensors, whose batches are dicts passed to the model as keyword
             inputs (``input_ids=``, ``attention_mask=``, ``labels=``, ``pixel_values=`` ...);
-            a ``Dataset`` of ``(input, target)`` pairs or of dicts; or a function
-            ``batch_size -> iterable of batches`` (e.g. a ``DataLoader`` factory).
+            a ``Dataset`` of ``(input, target)`` pairs or of dicts; a ``DataLoader`` (its dataset,
+            collate function and worker settings: each trial reads its own shuffled loader of
+            the same kind, at the trial's batch size); or a function
+            ``batch_size -> iterable of batches``.
         val_data: the same kinds; evaluated in full at every ``eval_every`` steps.
         loss: ``"cross_entropy"`` (sequence logits are flattened), ``"mse"``, a function
             ``(output, target) -> scalar`` for one model, or ``"model"`` for a model that
@@ -69,7 +71,8 @@ class Task:
             ``warmup`` hyperparameter adds a linear warm-up in front.
         steps: training steps per trial.
         eval_every: steps between evaluations (the intermediate values pruners see).
-        batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it).
+        batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it);
+            default a ``DataLoader``'s own, else 32.
         example_inputs: inputs shaped like a batch, for capture; by default the first
             training batch.
         target_key: with dict batches, the key of the targets (popped before the model call
@@ -115,7 +118,7 @@ class Task:
     scheduler: Literal["none", "cosine", "linear", "step"] = "cosine"
     steps: int = 100
     eval_every: int | None = None
-    batch_size: int = 32
+    batch_size: int | None = None
     example_inputs: tuple[Any, ...] | None = None
     target_key: str = "labels"
     checkpoint_every: int = 50
@@ -152,6 +155,9 @@ class Task:
                               f"or false (capture afresh, write nothing), got "
                               f"{self.cache!r}")  # fmt: skip
         _positive(self.steps, "steps")
+        if self.batch_size is None:  # a DataLoader's own, else 32
+            loader = self.train_data if isinstance(self.train_data, DataLoader) else None
+            self.batch_size = int(loader.batch_size or 32) if loader is not None else 32
         _positive(self.batch_size, "batch_size")
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 4)
@@ -272,43 +278,15 @@ class Task:
 
     def train_batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         """An endless stream of training batches (the same stream for the same seed)."""
-        data = self.train_data
-        if isinstance(data, (tuple, Mapping)):
-            g = torch.Generator().manual_seed(seed)
-            size = _length(data)
-            if size < batch_size and batch_size not in self.__dict__.setdefault("_small", set()):
-                self._small.add(batch_size)  # once per task and batch size, not per trial
-                _warn_small(size, batch_size)
-            while True:
-                idx = torch.randint(0, size, (batch_size,), generator=g)
-                yield _take(data, idx)
-        else:
-            while True:
-                yielded = False
-                for batch in _loader(data, batch_size, shuffle=True, seed=seed):
-                    yielded = True
-                    yield _batch(batch)
-                if not yielded:
-                    size = len(data) if hasattr(data, "__len__") else None
-                    if size is not None and size < batch_size:
-                        raise DataError(
-                            f"train_data holds {size} samples, fewer than one batch of "
-                            f"{batch_size} (a Dataset's last partial batch is dropped); use a "
-                            f"batch_size of at most {size}, or more training data"
-                        )
-                    raise DataError("train_data produced no batch")
-                seed += 1
+        if isinstance(self.train_data, (tuple, Mapping)) and _length(self.train_data) < batch_size \
+                and batch_size not in self.__dict__.setdefault("_small", set()):  # fmt: skip
+            self._small.add(batch_size)  # once per task and batch size, not per trial
+            _warn_small(_length(self.train_data), batch_size)
+        return train_stream(self.train_data, batch_size, seed)
 
     def val_batches(self, batch_size: int) -> Iterator[Batch]:
         """The validation data in order, in batches."""
-        data = self.val_data
-        if isinstance(data, (tuple, Mapping)):
-            size = _length(data)
-            for i in range(0, size, batch_size):
-                yield _take(data, slice(i, i + batch_size))
-        else:
-            for batch in _loader(data, batch_size, shuffle=False, seed=0):
-                yield _batch(batch)
+        return val_stream(self.val_data, batch_size)
 
     def inputs_of(self, batch_inputs: Any) -> tuple[Any, ...]:
         """The positional model inputs of the inputs part of an ``(inputs, targets)`` batch."""
@@ -432,14 +410,9 @@ class Task:
                 )
             tensors = dict(data)
             y = data.get(self.target_key)
-        elif isinstance(data, Dataset) or callable(data):
-            return
         else:
-            raise DataError(
-                f"{name} must be an (inputs, targets) tuple of tensors, a dict of tensors, a "
-                f"Dataset, or a function batch_size -> iterable of batches; got "
-                f"{type(data).__name__}"
-            )
+            check_data(name, data)  # a Dataset, a DataLoader or a factory: read as it trains
+            return
         if len(y if isinstance(y, torch.Tensor) else next(iter(tensors.values()))) == 0:
             raise DataError(f"{name} is empty: give it at least one example")
         for key, t in tensors.items():
@@ -455,6 +428,58 @@ class Task:
                 "loss='mse' for regression, or pass torch.nn.functional.cross_entropy for "
                 "class probabilities"
             )
+
+
+def train_stream(data: Data, batch_size: int, seed: int) -> Iterator[Batch]:
+    """An endless stream of training batches of ``data`` (any kind a :class:`Task` takes), the
+    same stream for the same seed: tensors are drawn at random, a ``Dataset`` or
+    ``DataLoader`` is shuffled epoch after epoch."""
+    if isinstance(data, (tuple, Mapping)):
+        g = torch.Generator().manual_seed(seed)
+        size = _length(data)
+        while True:
+            idx = torch.randint(0, size, (batch_size,), generator=g)
+            yield _take(data, idx)
+    while True:
+        yielded = False
+        for batch in _loader(data, batch_size, shuffle=True, seed=seed):
+            yielded = True
+            yield _batch(batch)
+        if not yielded:
+            size = len(data.dataset if isinstance(data, DataLoader) else data) \
+                if hasattr(data, "__len__") else None  # fmt: skip
+            if size is not None and size < batch_size:
+                raise DataError(
+                    f"train_data holds {size} samples, fewer than one batch of "
+                    f"{batch_size} (a Dataset's last partial batch is dropped); use a "
+                    f"batch_size of at most {size}, or more training data"
+                )
+            raise DataError("train_data produced no batch")
+        seed += 1
+
+
+def val_stream(data: Data, batch_size: int) -> Iterator[Batch]:
+    """The batches of ``data`` in order, once."""
+    if isinstance(data, (tuple, Mapping)):
+        size = _length(data)
+        for i in range(0, size, batch_size):
+            yield _take(data, slice(i, i + batch_size))
+    else:
+        for batch in _loader(data, batch_size, shuffle=False, seed=0):
+            yield _batch(batch)
+
+
+def check_data(name: str, data: Any) -> None:
+    """A one-line :class:`DataError` unless ``data`` is a kind of data Hydro reads: an
+    ``(inputs, targets)`` tuple, a dict of tensors, a ``Dataset``, a ``DataLoader`` or a
+    function ``batch_size -> iterable of batches``."""
+    if isinstance(data, (tuple, Mapping, Dataset, DataLoader)) or callable(data):
+        return
+    raise DataError(
+        f"{name} must be an (inputs, targets) tuple of tensors, a dict of tensors, a Dataset, "
+        f"a DataLoader, or a function batch_size -> iterable of batches; got "
+        f"{type(data).__name__}"
+    )
 
 
 def _warn_small(size: int, batch_size: int) -> None:
@@ -564,8 +589,15 @@ def _to(x: Any, device: Any) -> Any:
 
 
 def _loader(data: Any, batch_size: int, shuffle: bool, seed: int) -> Any:
-    if isinstance(data, Dataset):
+    """Batches of a Dataset, a DataLoader (a new loader of the same kind: its dataset, collate
+    function and worker settings, at ``batch_size``, shuffled from ``seed``) or a factory."""
+    if isinstance(data, (Dataset, DataLoader)):
         g = torch.Generator().manual_seed(seed)
+        if isinstance(data, DataLoader):
+            return DataLoader(data.dataset, batch_size=batch_size, shuffle=shuffle,
+                              drop_last=shuffle, generator=g, collate_fn=data.collate_fn,
+                              num_workers=data.num_workers, pin_memory=data.pin_memory,
+                              worker_init_fn=data.worker_init_fn)  # fmt: skip
         return DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle,
                           generator=g)  # fmt: skip
     return data(batch_size)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import inspect
 import json
 import math
 import os
@@ -20,29 +20,18 @@ import hydro
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
 from hydro.fx.floor import task_ratio
-from hydro.tuning.compiling import check_compile
-from hydro.tuning.driver import (
-    check_callbacks,
-    check_catch,
-    check_depth,
-    check_placement,
-    check_single_objective,
-    check_timeout,
-    optimize,
-    refuse_directions,
-)
-from hydro.tuning.fingerprint import check_study, fingerprint, recipe_for
-from hydro.tuning.group import check_device, group_key
+from hydro.tuning.driver import make_executor, refuse_directions
+from hydro.tuning.fingerprint import recipe_for
+from hydro.tuning.group import group_key
 from hydro.tuning.lockstep import train_group
-from hydro.tuning.progress import wanted
+from hydro.tuning.options import DEFAULT_STORAGE, TuneOptions
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
-from hydro.tuning.signals import terminate_as_interrupt
-from hydro.tuning.sizing import check_fuse, check_memory
-from hydro.tuning.space import Space, check_space, trained_params
+from hydro.tuning.space import Space, trained_params
 from hydro.tuning.study import trial_seed
 from hydro.tuning.task import Task
 
-DEFAULT_STORAGE = "sqlite:///hydro.db"
+__all__ = ["DEFAULT_STORAGE", "TuneOptions", "TuneResult", "export", "make_executor",
+           "open_study", "tune", "verify"]  # fmt: skip
 
 
 @dataclass
@@ -144,8 +133,14 @@ def check_writable(path: str | os.PathLike, what: str = "output file") -> str:
     return path
 
 
-def task_recipe(task: Task) -> dict[str, Any]:
+def task_recipe(task: Any) -> dict[str, Any]:
     """What the study trains with besides the searched hyperparameters (kept with the study)."""
+    if not isinstance(task, Task):  # your own training function: its name and length
+        from hydro.tuning.fingerprint import callable_name
+
+        return {"loop": callable_name(task.train), "steps": task.steps,
+                "batch_size": task.batch_size, "eval_every": task.eval_every,
+                "direction": task.direction}  # fmt: skip
     return {"optimizer": task.optimizer, "scheduler": task.scheduler, "steps": task.steps,
             "batch_size": task.batch_size, "eval_every": task.eval_every,
             "loss": task.loss_name, "direction": task.direction}  # fmt: skip
@@ -156,6 +151,9 @@ def training(params: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
     schedule, warm-up, steps and batch size (searched values, else the study's defaults)."""
     from hydro.tuning.group import DEFAULTS
 
+    if "loop" in recipe:  # your own training function: it reads the hyperparameters itself
+        return {"loop": recipe["loop"], "steps": recipe.get("steps"),
+                "batch_size": int(params.get("batch_size", recipe.get("batch_size", 32)))}
     kind = recipe.get("optimizer", "adamw")
     base = DEFAULTS[kind]
     args: dict[str, Any] = {
@@ -286,120 +284,39 @@ def _refuse_multi_objective(storage: Any, study_name: str) -> None:
 
 
 def tune(
-    task: Task,
+    trainer: Task | Callable[..., Any],
     space: Space,
     *,
-    n_trials: int,
-    ratio: int | str = 8,
-    fuse: int | str = 16,
-    study: optuna.Study | str | None = None,
-    storage: str | None = None,
-    sampler: optuna.samplers.BaseSampler | None = None,
-    pruner: optuna.pruners.BasePruner | None = None,
-    executor: Any = None,
-    seed: int | None = None,
-    verify_top_k: int = 0,
-    progress: bool | None = None,
-    device: str = "cpu",
-    depth_ratio: int = 1,
-    depth_alpha: float = 1.0,
-    first_group: int | str = "auto",
-    policy: str = "dynamic",
-    deadline: float | None = None,
-    checkpoint_dir: str | os.PathLike | None = None,
-    fuse_memory: float | None = None,
-    timeout: float | None = None,
-    callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], Any]] | None = None,
-    catch: Sequence[type[Exception]] | type[Exception] = (),
-    force_resume: bool = False,
-    compile: bool | str = False,
+    model: nn.Module | Callable[..., nn.Module] | None = None,
+    options: TuneOptions | None = None,
+    **kwargs: Any,
 ) -> TuneResult:
-    """Tune ``task`` over ``space`` on fused muP surrogates, resumably.
+    """Tune ``trainer`` over ``space`` on fused muP surrogates, resumably.
 
     Args:
-        task: what to train (:class:`hydro.Task`).
+        trainer: what to train: a :class:`hydro.Task` (Hydro's training recipe), or your own
+            training function ``train(run)`` (docs/own-loop.md): pass the model as ``model=``
+            and the loop's settings as keywords (``steps``, ``eval_every``, ``train_data``,
+            ``val_data``, ``example_inputs``, ``example_kwargs``, ``batch_size``,
+            ``direction``, ``checkpoint_every``; :class:`hydro.tuning.loop.Loop`), or a
+            :class:`~hydro.tuning.loop.Loop`.
         space: a dict of Optuna distributions, or a function ``trial -> params`` calling
-            ``trial.suggest_*``. Names: see :data:`hydro.tuning.space.HYPERPARAMETERS`, plus the
-            model factory's keyword arguments.
-        n_trials: configurations to finish.
-        ratio: surrogate width divisor (1 tunes the full model itself, fused), or ``"auto"``:
-            the largest that keeps every layer above its width floor, at most 4 for a model
-            with attention (``result.ratio`` says which; see :func:`hydro.scale`).
-        fuse: trials per fused group, or ``"auto"``: per (batch size, architecture) key, as
-            many as fit the device's memory with a margin (measured on a GPU, estimated on the
-            CPU against ``fuse_memory``), at most the trials left and 64; kept in the study
-            and the export (docs/tuning.md, "Fusion size").
-        study: an Optuna study, or a study name (default ``"hydro"``) to create or resume in
-            ``storage``.
-        storage: any Optuna storage URL; default ``sqlite:///hydro.db`` (a file in the working
-            directory, readable by optuna-dashboard). Rerunning resumes the study there; a
-            study keeps what defines it (model, data, loss, metric, recipe, space, ratio) and a
-            rerun with another definition raises a :class:`~hydro.errors.ConfigError` naming
-            what changed (docs/tuning.md, "Studies and resuming").
-        sampler: default TPE with ``constant_liar`` (so a batch asked at once spreads out).
-        pruner: default Optuna's ``MedianPruner``.
-        executor: where groups train: ``None``/``"inline"`` in this process (one group per
-            key, the groups of all keys sharing ``fuse`` slots, taking turns step by step);
-            ``"local"`` in worker processes on this machine (``hydro_fluid.LocalExecutor``: one
-            group per GPU slot, or CPU threads split between workers); ``"ray"`` on a Ray
-            cluster (``hydro_fluid.RayExecutor``; ``RAY_ADDRESS`` or a local one); or an
-            executor object.
-        seed: seeds the sampler, the surrogates' initializations and the data order.
-        verify_top_k: afterwards, train the full model (unmodified, standard parametrization)
-            with the best ``k`` configurations and report which wins and the rank agreement.
-        progress: show progress on stderr (trial-steps done, trials finished, ETA, best
-            value; docs/tuning.md, "Progress") and the five best trials at the end; ``None``
-            (default): on when stderr is a terminal or in a notebook, off otherwise.
-        device: where groups train in this process (``"cpu"``, ``"cuda"``, ``"cuda:N"``): the
-            inline executor and ``verify_top_k``. A ``"local"`` or ``"ray"`` executor places
-            groups on its own devices (every visible GPU, else CPU). Asking for CUDA where
-            none is available is a :class:`~hydro.errors.ConfigError`.
-        depth_ratio: also cut depth: the surrogates keep every ``depth_ratio``-th block of each
-            stack of repeated residual blocks (:func:`hydro.scale`; each trial records it in
-            ``user_attrs``). 1 (default) keeps every block. ``verify_top_k`` still trains the
-            full model.
-        depth_alpha: the residual-branch exponent of the depth cut (1: CompleteP, 0.5:
-            Depth-muP).
-        first_group: train this many trials first, as a group of their own and to the end,
-            before groups of ``fuse`` (in this process only): the default ``MedianPruner``
-            compares against completed trials, so otherwise it cannot prune any of the first
-            ``fuse`` (:func:`hydro.integrations.optuna.optimize`). ``"auto"`` (default): the
-            pruner's ``n_startup_trials`` on the CPU, 0 on a GPU, with an executor or another
-            pruner (:func:`hydro.tuning.driver.auto_first_group`). 0: off.
-        policy: how an executor places groups on its devices: ``"dynamic"`` (default),
-            ``"static"``, ``"fifo"`` (one group per device, the baseline) or ``"deadline"``
-            (docs/placement.md). No effect in this process (``executor=None``).
-        deadline: seconds to the deadline, with ``policy="deadline"`` (required there, refused
-            otherwise); no trial is asked after it.
-        checkpoint_dir: where the study's trial checkpoints go, in a directory per study
-            (default: beside the SQLite file, ``hydro.db.checkpoints``): a trial taken up again
-            after its tuner was killed resumes from its last checkpoint (``docs/tuning.md``).
-        fuse_memory: with ``fuse="auto"``, the GiB one fused group may use; default half the
-            RAM free at start on the CPU (split between an executor's workers), 90% of the
-            free memory on a GPU.
-        timeout: stop asking new trials after this many seconds (``study.optimize``'s
-            ``timeout``). The trials already training run to the end of their fused group and
-            are told, so the run ends a group's length after ``timeout`` at most; the next
-            run with the same study goes on where it stopped. Default: no limit.
-        callbacks: ``f(study, frozen_trial)`` called after each trial ends (COMPLETE, PRUNED
-            or FAIL), in this process, with the trial as stored (``study.optimize``'s
-            ``callbacks``). An exception in one propagates; the trials still training are
-            put back and resume on the next run.
-        catch: exception types that the task's data, loss or metric may raise as expected
-            failures (``study.optimize``'s ``catch``): their trials fail and the run goes on.
-            Without it Hydro already fails such trials and goes on, but stops the run once
-            every trial failed the same way (a bug, not bad luck); ``catch`` lifts that stop
-            for its types. With an executor a worker's exception is matched by class name.
-        force_resume: continue a study whose recorded definition differs from this one (a
-            :class:`~hydro.errors.HydroWarning` names the change; the export of a trial trained
-            before it keeps its own recipe). Prefer a new study name.
-        compile: train the fused groups through ``torch.compile`` (forward, backward and the
-            optimizer's update; docs/fusion.md, "Compiled fused step"): ``True`` (or a mode
-            such as ``"max-autotune"``), ``False`` (default), or ``"auto"``: per group key,
-            time the first eager steps and compile only where the time saved over the steps
-            left exceeds twice the estimated compile time, saying so in one line
-            (``docs/tuning.md``, "Compiling"). An executor's workers compile as told ("auto":
-            each worker decides from its own trials, silently).
+            ``trial.suggest_*``. With a Task, names: see
+            :data:`hydro.tuning.space.HYPERPARAMETERS`, plus the model factory's keyword
+            arguments; with your own function, any names (it reads them).
+        model: with a training function: the target model or a factory returning one.
+        options: a :class:`~hydro.tuning.options.TuneOptions`; keyword arguments override it.
+        **kwargs: the run's options (:class:`~hydro.tuning.options.TuneOptions`, one table
+            with their defaults in docs/options.md): ``n_trials`` (32), ``ratio`` ("auto"),
+            ``fuse`` ("auto"), ``study`` ("hydro"), ``storage`` (``sqlite:///hydro.db``),
+            ``sampler``, ``pruner``, ``executor``, ``seed``, ``verify_top_k``, ``progress``,
+            ``device``, ``depth_ratio``, ``depth_alpha``, ``first_group``, ``policy``,
+            ``deadline``, ``checkpoint_dir``, ``checkpoint_every``, ``fuse_memory``,
+            ``timeout``, ``compile``, ``world_size``, ``force_resume``, ``callbacks``,
+            ``catch``. A study keeps what defines it (model, data, loss, metric, recipe,
+            space, ratio): a rerun with another definition raises a
+            :class:`~hydro.errors.ConfigError` naming what changed; ``ratio="auto"`` keeps the
+            ratio a resumed study recorded.
 
     Returns:
         A :class:`TuneResult`.
@@ -416,103 +333,51 @@ def tune(
         >>> sorted(result.best_params)
         ['lr']
     """
-    if not isinstance(task, Task):
-        raise ConfigError(f"task must be a hydro.Task, got {type(task).__name__}")
-    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
-        raise ConfigError(f"n_trials must be a positive integer, got {n_trials!r}")
-    device = check_device(device)
-    check_depth(depth_ratio, depth_alpha)
-    check_placement(policy, deadline)
-    check_fuse(fuse)
-    check_memory(fuse_memory)
-    compile = check_compile(compile)
-    timeout = check_timeout(timeout)
-    catch = check_catch(catch)
-    callbacks = check_callbacks(callbacks)
-    if isinstance(study, optuna.Study):
-        check_single_objective(study)
-    progress = wanted(progress)  # None: on a terminal or in a notebook
-    executor = make_executor(executor)
-    check_space(space, task.model_args(), steps=task.steps)
-    built = preflight(task, space)
-    base_seed = 0 if seed is None else int(seed)
-    ratio = task_ratio(task, ratio)  # "auto": the largest ratio within the width floors
-    if isinstance(study, optuna.Study):
-        the_study = study
+    from hydro.tuning.loop import Loop
+    from hydro.tuning.run import run
+
+    names = {f.name for f in dataclasses.fields(TuneOptions)}
+    loop_args = {k: kwargs.pop(k) for k in list(kwargs) if k in LOOP_ARGS}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ConfigError(f"hydro.tune got unknown option(s) {', '.join(unknown)}; the options "
+                          f"are {', '.join(sorted(names))}"
+                          + (f" (and, with a training function, {', '.join(sorted(LOOP_ARGS))})"
+                             if not isinstance(trainer, Task) else ""))  # fmt: skip
+    if isinstance(trainer, Task):
+        if model is not None or loop_args:
+            given = ", ".join(sorted(["model"] * (model is not None) + list(loop_args)))
+            raise ConfigError(f"{given}: these describe your own training function; a Task "
+                              "holds its model and data itself")  # fmt: skip
+    elif isinstance(trainer, Loop):
+        if model is not None or loop_args:
+            raise ConfigError("a Loop holds its model and settings: pass them to Loop(...)")
+    elif callable(trainer):
+        if model is None:
+            raise ConfigError("hydro.tune(train, space, model=...): your own training function "
+                              "needs the model it trains (an nn.Module or a factory)")  # fmt: skip
+        if "steps" not in loop_args:
+            raise ConfigError("hydro.tune(train, space, model=..., steps=N): give the training "
+                              "steps of each trial (the iterations of `for step in run`)")  # fmt: skip
+        trainer = Loop(train=trainer, model=model, **loop_args)
     else:
-        sampler = sampler or optuna.samplers.TPESampler(seed=seed, constant_liar=True)
-        the_study = open_study(storage, study or "hydro", task.direction, sampler, pruner)
-    where = f"study {the_study.study_name!r}"
-    if not isinstance(study, optuna.Study):
-        where += f" in {_storage_name(storage)}"
-    definition = fingerprint(task, space, ratio=ratio, depth_ratio=depth_ratio,
-                             depth_alpha=depth_alpha, model=built)  # fmt: skip
-    check_study(the_study, definition, where=where, force=force_resume)  # before it is changed
-    the_study.set_user_attr("hydro_task", task_recipe(task))  # export's training recipe
-    with terminate_as_interrupt():  # SIGTERM stops the run and verification as Ctrl-C does
-        optimize(the_study, task, space, n_trials, ratio=ratio, fuse=fuse, seed=base_seed,
-                 progress=progress, executor=executor, device=device, depth_ratio=depth_ratio,
-                 depth_alpha=depth_alpha, first_group=first_group, policy=policy,
-                 deadline=deadline, checkpoint_dir=checkpoint_dir, fuse_memory=fuse_memory,
-                 timeout=timeout, catch=catch, callbacks=callbacks,
-                 compile=compile)  # fmt: skip
-        result = TuneResult(the_study, ratio)
-        if verify_top_k:
-            result.verification = verify(task, the_study, verify_top_k, seed=base_seed,
-                                         device=device)  # fmt: skip
-            the_study.set_user_attr("hydro_verification", result.verification)
-    return result
+        raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "
+                          f"{type(trainer).__name__}")  # fmt: skip
+    opts = (options or TuneOptions()).replace(**kwargs)
+    return run(trainer, space, opts)
+
+
+# a training function's settings, given to hydro.tune beside the options (hydro.tuning.loop.Loop)
+LOOP_ARGS = frozenset({"steps", "eval_every", "train_data", "val_data", "example_inputs",
+                       "example_kwargs", "batch_size", "direction", "dynamic",
+                       "cache"})  # fmt: skip
 
 
 def preflight(task: Task, space: Space) -> nn.Module | None:
-    """Build the target model and run it on a training batch before any trial is asked, so a
-    broken factory, model, loss or data set is one clear error instead of failed trials.
+    """See :func:`hydro.tuning.run.preflight`."""
+    from hydro.tuning.run import preflight as _preflight
 
-    Architecture choices take their first value in a dict space; with a function space and a
-    factory that needs searched arguments the check waits for the first group (``None``).
-    Returns the model it built (the study's fingerprint records its architecture).
-    """
-    arch: dict[str, Any] = {}
-    names = task.model_args()
-    if isinstance(space, Mapping):
-        for name, dist in space.items():
-            if name in names:
-                arch[name] = (dist.choices[0] if hasattr(dist, "choices")
-                              else getattr(dist, "low", None))  # fmt: skip
-    if not isinstance(task.model, nn.Module):
-        needed = [p.name for p in inspect.signature(task.model).parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and p.name not in arch]  # fmt: skip
-        if needed:
-            return None
-    model = task.build_model(**arch)
-    task.validate(model, next(task.train_batches(2, seed=0)))
-    return model
-
-
-def _storage_name(storage: Any) -> str:
-    """A storage as a message names it: its URL, or its type."""
-    if storage is None:
-        return DEFAULT_STORAGE
-    return storage if isinstance(storage, str) else type(storage).__name__
-
-
-def make_executor(executor: Any) -> Any:
-    """``None``/"inline", "local", "ray" or an executor object -> an executor (or None)."""
-    if executor in (None, "inline"):
-        return None
-    if executor == "local":
-        from hydro_fluid import LocalExecutor
-
-        return LocalExecutor()
-    if executor == "ray":
-        from hydro_fluid import RayExecutor
-
-        return RayExecutor()
-    if hasattr(executor, "run"):
-        return executor
-    raise ConfigError(f"unknown executor {executor!r}: use 'inline', 'local', 'ray' or a "
-                      "hydro_fluid executor")  # fmt: skip
+    return _preflight(task, space)
 
 
 def verify(

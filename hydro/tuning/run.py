@@ -1,0 +1,190 @@
+"""The one function that runs a tuning run: :func:`run`.
+
+``hydro.tune(...)`` and ``hydro tune CONFIG`` both build a :class:`TuneOptions` and call it,
+so the two doors share every default and every step: checks, the target model built once,
+the ratio resolved, the study opened and its definition checked, the engine
+(:func:`hydro.tuning.driver.drive`), the optional check on the full model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optuna
+from torch import nn
+
+from hydro.errors import ConfigError, HydroError
+from hydro.tuning.loop import Loop
+from hydro.tuning.options import DEFAULT_STORAGE, TuneOptions
+from hydro.tuning.space import Space, check_space
+from hydro.tuning.task import Task
+
+__all__ = ["run"]
+
+
+def run(
+    trainer: Task | Loop,
+    space: Space,
+    options: TuneOptions,
+    *,
+    say: Callable[[str], Any] | None = None,
+    data_source: Mapping[str, Any] | None = None,
+    door: str = "python",
+) -> Any:
+    """Tune ``trainer`` over ``space`` as ``options`` say; returns a
+    :class:`hydro.tuning.tune.TuneResult`.
+
+    Args:
+        trainer: a :class:`hydro.Task` (Hydro's recipe) or a :class:`hydro.tuning.loop.Loop`
+            (your own training function).
+        space: a dict of Optuna distributions, or a function ``trial -> params``.
+        options: the run's options (validated here).
+        say: where the run's opening line goes (the study, where it stands, the ratio and
+            fusion size); ``None``: nowhere.
+        data_source: a config's ``{"name": "mod:fn", "args": {...}}`` for its data, kept in
+            the study's definition.
+        door: ``"python"`` or ``"cli"``: only the wording of the hints in errors.
+    """
+    from hydro.fx.floor import task_ratio
+    from hydro.tuning.driver import drive, make_executor
+    from hydro.tuning.fingerprint import check_study, fingerprint
+    from hydro.tuning.group import check_device
+    from hydro.tuning.progress import wanted
+    from hydro.tuning.signals import terminate_as_interrupt
+    from hydro.tuning.tune import TuneResult, open_study, task_recipe, verify
+
+    if not isinstance(trainer, (Task, Loop)):
+        raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "
+                          f"{type(trainer).__name__}")  # fmt: skip
+    options = options.validate()
+    options.device = check_device(options.device)
+    options.progress = wanted(options.progress)  # None: on a terminal or in a notebook
+    is_study = isinstance(options.study, optuna.Study)
+    if isinstance(trainer, Loop) and options.compile:
+        raise ConfigError("compile applies to Hydro's own training step: with your own "
+                          "training function, compile inside it (torch.compile(run.model))")
+    executor = make_executor(options.executor)
+    check_space(space, _names(trainer), steps=trainer.steps if isinstance(trainer, Task) else None)
+    try:
+        built = preflight(trainer, space)
+    except HydroError as exc:
+        exc._hydro_task = True  # the CLI names the config file's task section
+        raise
+    if is_study:
+        study = options.study
+        from hydro.tuning.driver import check_single_objective
+
+        check_single_objective(study)
+    else:
+        sampler = options.sampler or optuna.samplers.TPESampler(seed=options.seed,
+                                                                constant_liar=True)  # fmt: skip
+        study = open_study(options.storage, options.study, trainer.direction, sampler,
+                           options.pruner)  # fmt: skip
+    auto = options.ratio == "auto"
+    recorded = recorded_ratio(study) if auto else None
+    ratio = recorded if recorded is not None else task_ratio(trainer, options.ratio)
+    options = options.replace(ratio=ratio, executor=executor)
+    name = study.study_name
+    where = f"study {name!r}" + ("" if is_study else f" in {_storage_name(options.storage)}")
+    definition = fingerprint(trainer, space, ratio=ratio, depth_ratio=options.depth_ratio,
+                             depth_alpha=options.depth_alpha, model=built,
+                             data_source=data_source)  # fmt: skip
+    hints = {"new_name": "--study NAME, or study: in the config",
+             "force_hint": "--force-resume"} if door == "cli" else {}  # fmt: skip
+    check_study(study, definition, where=where, force=options.force_resume, **hints)
+    study.set_user_attr("hydro_task", task_recipe(trainer))  # export's training recipe
+    if say is not None:
+        say(_opening(study, options, auto, recorded is not None))
+    with terminate_as_interrupt():  # SIGTERM stops the run and verification as Ctrl-C does
+        drive(study, trainer, space, options)
+        result = TuneResult(study, ratio)
+        if options.verify_top_k:
+            if isinstance(trainer, Loop):
+                raise ConfigError("verify_top_k trains the full model with Hydro's recipe: "
+                                  "with your own loop, train the exported configurations "
+                                  "yourself")  # fmt: skip
+            result.verification = verify(trainer, study, options.verify_top_k,
+                                         seed=options.base_seed, device=options.device)  # fmt: skip
+            study.set_user_attr("hydro_verification", result.verification)
+    return result
+
+
+def recorded_ratio(study: optuna.Study) -> int | None:
+    """The ratio a study's definition recorded (``None``: a new study, or none recorded), which
+    ``ratio="auto"`` keeps so that a study created under another default resumes."""
+    from hydro.tuning.fingerprint import FINGERPRINT
+
+    stored = study.user_attrs.get(FINGERPRINT)
+    try:
+        ratio = stored["parts"]["ratio"]["ratio"]
+    except (KeyError, TypeError):
+        return None
+    return int(ratio) if isinstance(ratio, int) and ratio >= 1 else None
+
+
+def preflight(trainer: Task | Loop, space: Space) -> nn.Module | None:
+    """Build the target model (and, for a :class:`Task`, run it on a training batch) before
+    any trial is asked, so a broken factory, model, loss or data set is one clear error instead
+    of failed trials.
+
+    Architecture choices take their first value in a dict space; with a function space and a
+    factory that needs searched arguments the check waits for the first group (``None``).
+    Returns the model it built (the study's fingerprint records its architecture).
+    """
+    arch: dict[str, Any] = {}
+    names = trainer.model_args()
+    if isinstance(space, Mapping):
+        for name, dist in space.items():
+            if name in names:
+                arch[name] = (dist.choices[0] if hasattr(dist, "choices")
+                              else getattr(dist, "low", None))  # fmt: skip
+    if not isinstance(trainer.model, nn.Module):
+        needed = [p.name for p in inspect.signature(trainer.model).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name not in arch]  # fmt: skip
+        if needed:
+            return None
+    model = trainer.build_model(**arch)
+    if isinstance(trainer, Task):
+        trainer.validate(model, next(trainer.train_batches(2, seed=0)))
+    return model
+
+
+def _names(trainer: Task | Loop) -> set[str] | None:
+    """The names a space may use besides Hydro's (``None``: any, your own loop reads them)."""
+    return None if isinstance(trainer, Loop) else trainer.model_args()
+
+
+def _storage_name(storage: Any) -> str:
+    """A storage as a message names it: its URL, or its type."""
+    if storage is None:
+        return DEFAULT_STORAGE
+    return storage if isinstance(storage, str) else type(storage).__name__
+
+
+def _opening(study: optuna.Study, options: TuneOptions, auto: bool, kept: bool) -> str:
+    """The run's first line: the study and where it stands, the ratio, the fusion size."""
+    from hydro.tuning.report import trial_counts
+
+    where = f"study '{study.study_name}' in {_storage_name(options.storage)}"
+    c = trial_counts(study)
+    target = options.n_trials
+    if not (c["finished"] or c["interrupted"] or c["running"]):
+        line = f"{where}: new, {target} trials to finish"
+    else:
+        line = (f"resuming {where}: {c['complete'] + c['pruned']} finished ({c['complete']} "
+                f"complete, {c['pruned']} pruned)")  # fmt: skip
+        if c["failed"]:
+            line += f", {c['failed']} failed"
+        if c["interrupted"]:
+            line += f", {c['interrupted']} interrupted (resumed first)"
+        if c["running"]:
+            line += f", {c['running']} running elsewhere"
+        line += f", {max(0, target - c['finished'])} to go"
+    how = " (the study's)" if kept else " (auto)" if auto else ""
+    depth = f", depth ratio {options.depth_ratio}" if options.depth_ratio > 1 else ""
+    fuse = (f"{options.fuse} trials per fused group" if options.fuse != "auto" else
+            "fuse auto (trials per fused group from the device's memory, per key)")  # fmt: skip
+    return f"{line}; ratio {options.ratio}{how}{depth}, {fuse}"
