@@ -27,7 +27,10 @@ from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
 TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space"}
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
-             "target_key", "checkpoint_every", "dynamic", "data_mode", "cache"}  # fmt: skip
+             "target_key", "checkpoint_every", "dynamic", "data_mode", "cache",
+             "train"}  # fmt: skip
+# what only Hydro's own recipe reads: refused beside your own training function (task.train)
+RECIPE_KEYS = ("loss", "metric", "optimizer", "scheduler", "target_key", "data_mode")
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -235,7 +238,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     task = _task(raw["task"], path)
     space = from_config(raw["space"], where=f"{path}: space")
     try:
-        check_names(space, task.model_args())
+        if isinstance(task, Task):  # your own training function reads any name
+            check_names(space, task.model_args())
         # the steps after --steps: a warm-up range the run cannot hold fails here, not mid-run
         check_warmup(space, task.steps, "--steps" if "steps" in in_task else "task.steps")
     except ConfigError as exc:
@@ -270,14 +274,14 @@ def load(path: str, **overrides: Any) -> TuneConfig:
                                                                "pruner_args"}  # fmt: skip
     names = TuneOptions.config_keys()
     cfg.extra = {names[k]: v for k, v in raw.items() if k in names and k not in handled}
-    try:  # the options the file sets beyond those above, checked as hydro.tune checks them
-        cfg.options().validate()
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
     if isinstance(cfg.fuse, int) and isinstance(cfg.first_group, int) \
             and cfg.first_group > cfg.fuse:  # fmt: skip
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
                           f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
+    try:  # the options the file sets beyond those above, checked as hydro.tune checks them
+        cfg.options().validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     return cfg
 
 
@@ -295,7 +299,7 @@ def _directory(value: Any, key: str, path: str) -> str | None:
     return value
 
 
-def _task(spec: Any, path: str) -> Task:
+def _task(spec: Any, path: str) -> Any:
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: task must be a mapping")
     _unknown(spec, TASK_KEYS, path, "task.")
@@ -315,6 +319,13 @@ def _task(spec: Any, path: str) -> Task:
     metric = spec.get("metric")
     if metric is not None:
         metric = import_object(metric, "task.metric", path)
+    train = None
+    if "train" in spec:
+        mixed = [k for k in RECIPE_KEYS if k in spec]
+        if mixed:
+            raise ConfigError(f"{path}: task.train names your own training function, which "
+                              f"does its own {', '.join(mixed)}: remove task.{mixed[0]}")  # fmt: skip
+        train = import_object(spec["train"], "task.train", path)
     try:
         data = data_fn(**data_args)
     except Exception as exc:  # noqa: BLE001 - user code: say which call failed
@@ -332,6 +343,15 @@ def _task(spec: Any, path: str) -> Task:
                                    "data_mode", "cache")
               if k in spec}  # fmt: skip
     try:
+        if train is not None:
+            from hydro.tuning.loop import Loop
+
+            if "steps" not in spec:
+                raise ConfigError("task.steps is required with task.train (the steps of "
+                                  "each trial)")  # fmt: skip
+            example = {k: data[k] for k in ("example_inputs", "example_kwargs") if k in data}
+            return Loop(train=train, model=factory, train_data=_data(data["train"]),
+                        val_data=_data(data["val"]), **example, **kwargs)  # fmt: skip
         return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),
                     loss=loss, metric=metric, **kwargs)  # fmt: skip
     except HydroError as exc:

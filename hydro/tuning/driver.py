@@ -117,12 +117,9 @@ def optimize(
     check_single_objective(study)
     opts.device = check_device(opts.device)
     opts.progress = wanted(opts.progress)
-    if opts.ratio == "auto":
-        from hydro.fx.floor import task_ratio
+    if opts.ratio == "auto" and isinstance(task_or_callback, (Task, Loop)):
+        from hydro.fx.floor import task_ratio  # (a group callback scales nothing)
 
-        if not isinstance(task_or_callback, (Task, Loop)):
-            raise ConfigError("ratio='auto' chooses a ratio for a Task's model: with a group "
-                              "callback, give ratio a number")  # fmt: skip
         opts.ratio = task_ratio(task_or_callback, "auto")
     drive(study, task_or_callback, space, opts.replace(executor=make_executor(opts.executor)))
 

@@ -101,10 +101,12 @@ def _factory_raised(cause: BaseException | None) -> bool:
 
 
 def _role(frame: types.FrameType, task: Any) -> str:
-    """Which of the task's callables ``frame`` runs: ``data``, ``loss``, ``metric``, ``model``
-    (else ``code``)."""
+    """Which of the task's callables ``frame`` runs: ``data``, ``loss``, ``metric``, ``model``,
+    your own ``train`` function (else ``code``)."""
     me = frame.f_locals.get("self")
-    for role, objs in (("loss", [task.loss]), ("metric", [task.metric]), ("model", [task.model]),
+    for role, objs in (("loss", [getattr(task, "loss", None)]),
+                       ("metric", [getattr(task, "metric", None)]),
+                       ("train", [getattr(task, "train", None)]), ("model", [task.model]),
                        ("data", [task.train_data, task.val_data])):  # fmt: skip
         for obj in objs:
             if obj is None or isinstance(obj, (str, tuple, dict, torch.Tensor)):

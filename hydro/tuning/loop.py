@@ -261,6 +261,12 @@ class Run:
         return [dict(s.params) for s in self._group.slots]
 
     @property
+    def trials(self) -> list[Any]:
+        """Each slot's trial number (``None`` for an idle slot)."""
+        live = set(self._group.live_slots)
+        return [s.id if p in live else None for p, s in enumerate(self._group.slots)]
+
+    @property
     def seeds(self) -> list[int]:
         """Each slot's trial seed (its initialization and data order)."""
         return [s.seed for s in self._group.slots]
@@ -462,6 +468,9 @@ class LoopGroup:
 
     def _call(self) -> None:
         self.task.train(self.run)
+        if self.live_slots and not self.run._iterating:
+            raise ConfigError("train(run) returned before its first step: loop `for step in "
+                              "run:` (one iteration per training step) until it ends")  # fmt: skip
         if self.live_slots:
             first = self.slots[self.live_slots[0]]
             raise ConfigError(f"train(run) returned while trial {first.id} was at step "
@@ -602,6 +611,11 @@ class LoopGroup:
 
     def unsplittable(self, world_size: int) -> str | None:
         return None if world_size == 1 else "a training function's group trains on one device"
+
+    def distribute(self, rank: int, world_size: int) -> None:
+        if world_size != 1:
+            raise ConfigError(f"this group cannot train data parallel: "
+                              f"{self.unsplittable(world_size)}")  # fmt: skip
 
     # --- data ----------------------------------------------------------------------------
 

@@ -174,6 +174,10 @@ class TuneOptions:
                              or not 0 <= fg <= most):  # fmt: skip
             raise ConfigError(f"first_group must be an integer from 0 to fuse ({most}) or "
                               f"'auto', got {fg!r}")  # fmt: skip
+        if fg not in ("auto", 0) and self.executor not in (None, "inline"):
+            raise ConfigError("first_group trains a first group alone in this process, before "
+                              "any other: with an executor every other slot would wait for it. "
+                              "Use executor=None, or first_group=0")  # fmt: skip
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ConfigError(f"world_size must be an integer >= 1, got {ws!r}")
