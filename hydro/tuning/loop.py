@@ -660,9 +660,16 @@ def _hyper(opt: Any, params: dict[str, Any], names: dict[str, Any], slot: int) -
     return out
 
 
-def make_group(task: Any, members: Sequence[tuple[Any, dict[str, Any], int]], **kwargs: Any) -> Any:
-    """The fused group the engine trains for ``task``: a :class:`LoopGroup` for a
-    :class:`Loop`, else a :class:`hydro.tuning.group.FusedGroup`."""
+def make_group(task: Any, members: Sequence[tuple[Any, dict[str, Any], int]], options: Any,
+               **kwargs: Any) -> Any:  # fmt: skip
+    """The fused group the engine trains for ``task`` with the run's ``options`` (its ratio and
+    depth cut; in this process or an executor's worker): a :class:`LoopGroup` for a
+    :class:`Loop`, else a :class:`hydro.tuning.group.FusedGroup`. ``kwargs``: the device, an
+    earlier group ``like`` it, the ``capacity`` of a loop's group, and the compile settings."""
+    if options.matmul_precision is not None:  # where groups train: this process or a worker
+        torch.set_float32_matmul_precision(options.matmul_precision)
+    kwargs.update(ratio=options.ratio, depth_ratio=options.depth_ratio,
+                  depth_alpha=options.depth_alpha)  # fmt: skip
     if isinstance(task, Loop):
         return LoopGroup(task, members, **kwargs)
     from hydro.tuning.group import FusedGroup

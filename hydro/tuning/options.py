@@ -110,6 +110,10 @@ class TuneOptions:
     compile: bool | str = _opt(False, "train the fused groups through torch.compile: on, off "
                                "or auto (per key, where its measured pay-back fits the "
                                "study)", kind="compile", choices=("auto", "on", "off"))
+    matmul_precision: str | None = _opt(None, "torch.set_float32_matmul_precision where "
+                                        "groups train: highest, high (TF32 matmuls on NVIDIA "
+                                        "GPUs), medium (default: torch's own)", kind="str",
+                                        choices=("highest", "high", "medium"))
     world_size: int = _opt(1, "with an executor, train each group data parallel on this many "
                            "devices", kind="count")
     force_resume: bool = _opt(False, "continue a study whose model, data, recipe, space or "
@@ -138,6 +142,19 @@ class TuneOptions:
     def config_keys(cls) -> dict[str, str]:
         """Config key -> option name."""
         return {m["config"]: name for name, _, m in cls.rows() if m["config"]}
+
+    @classmethod
+    def table(cls) -> str:
+        """The options as a Markdown table (docs/options.md prints it; a test keeps the two
+        equal): option, default, config key, flag, what it does."""
+        rows = ["| option | default | config key | flag | what it does |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        for name, default, m in cls.rows():
+            shown = "`()`" if default == () else f"`{default!r}`"
+            key = f"`{m['config']}`" if m["config"] else "Python only"
+            flag = f"`{m['flag']}`" if m["flag"] else ""
+            rows.append(f"| `{name}` | {shown} | {key} | {flag} | {m['help']} |")
+        return "\n".join(rows)
 
     def replace(self, **changes: Any) -> TuneOptions:
         """A copy with ``changes``."""
@@ -178,6 +195,9 @@ class TuneOptions:
             raise ConfigError("first_group trains a first group alone in this process, before "
                               "any other: with an executor every other slot would wait for it. "
                               "Use executor=None, or first_group=0")  # fmt: skip
+        if self.matmul_precision not in (None, "highest", "high", "medium"):
+            raise ConfigError(f"matmul_precision must be highest, high or medium, got "
+                              f"{self.matmul_precision!r}")  # fmt: skip
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ConfigError(f"world_size must be an integer >= 1, got {ws!r}")

@@ -256,8 +256,7 @@ class _Hosted:
         for key, ms in by_key.items():
             like = self.built.get(key)
             self.groups[key] = self.built[key] = make_group(
-                self.task, ms, ratio=self.ratio, device=self.device, depth_ratio=self.depth[0],
-                depth_alpha=self.depth[1], like=like,
+                self.task, ms, self.options, device=self.device, like=like,
                 compile=like.compile if like is not None else self.compile,
                 capacity=self.fuse)  # fmt: skip
             self.joined[key] = {m[0]: time.perf_counter() for m in ms}

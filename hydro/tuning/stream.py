@@ -440,8 +440,7 @@ def start_group(
     like = stream.built.get(key)
     # "auto" is decided by a key's first group; its later groups follow (or decide, if pending)
     group = make_group(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
-                       ratio=stream.ratio, device=stream.device, depth_ratio=stream.depth[0],
-                       depth_alpha=stream.depth[1], like=like,
+                       stream.options, device=stream.device, like=like,
                        compile=like.compile if like is not None else stream.compile,
                        trials_left=stream.n_trials - _counts(stream.study)[0],
                        note=stream.say_compile, capacity=stream.fuse_for(key))  # fmt: skip
