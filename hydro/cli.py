@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroError
+from hydro_fluid.policies import policy_help, policy_names
 
 if TYPE_CHECKING:
     import torch
@@ -405,9 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=["inline", "local", "ray"], default=None,
                    help="where groups train: this process (default), local worker processes, "
                    "or a Ray cluster (RAY_ADDRESS, else a local one)")  # fmt: skip
-    p.add_argument("--policy", choices=["fifo", "static", "dynamic", "deadline"],
+    p.add_argument("--policy", choices=policy_names(),
                    help="how an executor places groups on its devices (default: the config's, "
-                   "else dynamic; fifo: one group per device, the baseline)")  # fmt: skip
+                   "else dynamic). " + policy_help())  # fmt: skip
     p.add_argument("--deadline", type=float, help="seconds to the deadline, with --policy "
                    "deadline: the best groups get whole devices as it nears")  # fmt: skip
     p.add_argument("--seed", type=int, help="seeds the sampler, the surrogates' initializations "

@@ -2,20 +2,39 @@
 
 Model the work (:class:`TrialGroup`) and the resources (:class:`Device`, :class:`Cluster`),
 decide placements (:func:`fifo`, :func:`static_fluid`, :func:`dynamic_fluid`,
-:func:`deadline`), try them in the simulator (:func:`simulate`), and run fused groups in
-worker processes (:class:`LocalExecutor`) or on a Ray cluster (:class:`RayExecutor`, needs
+:func:`deadline`, or any registered :class:`Policy`: :func:`policy_names`), try them in the
+simulator (:func:`simulate`), and run fused groups in worker processes
+(:class:`LocalExecutor`) or on a Ray cluster (:class:`RayExecutor`, needs
 ``pip install 'hydro-surrogate[ray]'``). The Coordinator (:mod:`hydro_fluid.coordinator`)
 runs trial groups in the bubbles of a pipeline-parallel job (:class:`PipelineJob`,
 :func:`interleave`, :func:`simulate_coordinator`).
+
+The executors (which need torch) are imported on first use (PEP 562): the rest is the
+standard library only, so the policy registry that ``hydro tune --help`` lists loads fast.
 """
 
+import importlib as _importlib
+from typing import TYPE_CHECKING, Any
+
 from .coordinator import PipelineJob, interleave, simulate_coordinator
-from .executors import GroupResult, LocalExecutor, TrialOutcome, WorkerContext
-from .executors.ray import RayExecutor
 from .groups import TrialGroup
+from .policies import PlacementState, Policy, get_policy, policy_names, register_policy
 from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
 from .resources import Cluster, Device
 from .simulate import SimResult, lower_bound, simulate
+
+if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below provides
+    from .executors import GroupResult, LocalExecutor, TrialOutcome, WorkerContext
+    from .executors.ray import RayExecutor
+
+# public name -> the module that defines it, imported on first access (it loads torch)
+_LAZY = {
+    "GroupResult": "hydro_fluid.executors",
+    "LocalExecutor": "hydro_fluid.executors",
+    "TrialOutcome": "hydro_fluid.executors",
+    "WorkerContext": "hydro_fluid.executors",
+    "RayExecutor": "hydro_fluid.executors.ray",
+}
 
 __all__ = [
     "Allocation",
@@ -24,6 +43,8 @@ __all__ = [
     "GroupResult",
     "LocalExecutor",
     "PipelineJob",
+    "PlacementState",
+    "Policy",
     "RayExecutor",
     "SimResult",
     "TrialGroup",
@@ -32,9 +53,27 @@ __all__ = [
     "deadline",
     "dynamic_fluid",
     "fifo",
+    "get_policy",
     "interleave",
     "lower_bound",
+    "policy_names",
+    "register_policy",
     "simulate",
     "simulate_coordinator",
     "static_fluid",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import an executor's module on first access and cache the name in this module."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'hydro_fluid' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(where), name)
+    globals()[name] = value  # later reads skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, imported yet or not, and whatever this module holds now."""
+    return sorted(set(__all__) | set(globals()))

@@ -435,7 +435,7 @@ def check_callbacks(callbacks: Any) -> list[Callable[..., Any]]:
 def check_placement(policy: Any, deadline: Any) -> None:
     """A one-line :class:`ConfigError` unless ``policy`` names a placement policy and
     ``deadline`` fits it (seconds > 0, given exactly with ``"deadline"``)."""
-    from hydro_fluid.placement import check_policy
+    from hydro_fluid.policies import check_policy
 
     try:
         check_policy(policy, deadline)

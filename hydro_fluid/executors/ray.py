@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..groups import TrialGroup
-from ..placement import Placer, check_policy
+from ..placement import Placer
+from ..policies import check_policy
 from ..resources import Device
 from .base import (
     GroupResult,
