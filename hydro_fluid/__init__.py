@@ -5,9 +5,10 @@ decide placements (:func:`fifo`, :func:`static_fluid`, :func:`dynamic_fluid`,
 :func:`deadline`, or any registered :class:`Policy`: :func:`policy_names`), try them in the
 simulator (:func:`simulate`), and run fused groups in worker processes
 (:class:`LocalExecutor`) or on a Ray cluster (:class:`RayExecutor`, needs
-``pip install 'hydro-surrogate[ray]'``). The Coordinator (:mod:`hydro_fluid.coordinator`)
-runs trial groups in the bubbles of a pipeline-parallel job (:class:`PipelineJob`,
-:func:`interleave`, :func:`simulate_coordinator`).
+``pip install 'hydro-surrogate[ray]'``); both satisfy the :class:`Executor` protocol
+(:func:`check_executor`). The Coordinator (:mod:`hydro_fluid.coordinator`) runs trial
+groups in the bubbles of a pipeline-parallel job (:class:`PipelineJob`, :func:`interleave`,
+:func:`simulate_coordinator`).
 
 The executors (which need torch) are imported on first use (PEP 562): the rest is the
 standard library only, so the policy registry that ``hydro tune --help`` lists loads fast.
@@ -24,11 +25,22 @@ from .resources import Cluster, Device
 from .simulate import SimResult, lower_bound, simulate
 
 if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below provides
-    from .executors import GroupResult, LocalExecutor, TrialOutcome, WorkerContext
+    from .executors import (
+        Executor,
+        GroupResult,
+        LocalExecutor,
+        PlacingExecutor,
+        TrialOutcome,
+        WorkerContext,
+        check_executor,
+    )
     from .executors.ray import RayExecutor
 
 # public name -> the module that defines it, imported on first access (it loads torch)
 _LAZY = {
+    "Executor": "hydro_fluid.executors",
+    "PlacingExecutor": "hydro_fluid.executors",
+    "check_executor": "hydro_fluid.executors",
     "GroupResult": "hydro_fluid.executors",
     "LocalExecutor": "hydro_fluid.executors",
     "TrialOutcome": "hydro_fluid.executors",
@@ -40,16 +52,19 @@ __all__ = [
     "Allocation",
     "Cluster",
     "Device",
+    "Executor",
     "GroupResult",
     "LocalExecutor",
     "PipelineJob",
     "PlacementState",
+    "PlacingExecutor",
     "Policy",
     "RayExecutor",
     "SimResult",
     "TrialGroup",
     "TrialOutcome",
     "WorkerContext",
+    "check_executor",
     "deadline",
     "dynamic_fluid",
     "fifo",

@@ -9,7 +9,6 @@ The study and its storage stay in this process.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import warnings
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from hydro.tuning.stream import _Stream
 from hydro.tuning.study import (
     _report_and_ask,
 )
+from hydro_fluid.executors.protocol import PlacingExecutor
 
 __all__: list[str] = []
 
@@ -77,7 +77,7 @@ class _Fleet(_Stream):
                                study=_checkpoint.study_id(self.study),
                                compile=self.compile)  # fmt: skip
         placement = {}
-        if self.world_size == 1 and "policy" in inspect.signature(self.executor.run).parameters:
+        if self.world_size == 1 and isinstance(self.executor, PlacingExecutor):
             # the policy decides each group's devices (data parallel when it widens one); a
             # fixed world_size above 1 keeps the executor's own first-come pool
             placement = {"policy": self.policy, "deadline": self.deadline}
