@@ -93,7 +93,7 @@ class _Fleet(_Stream):
         """A new group for a free device: ``room`` is the fraction of a device free for it
         (a device whose group thinned out has less than 1), so it gets that share of ``fuse``
         members; trials of a key waiting for a group of their own come first."""
-        from hydro_fluid import TrialGroup
+        from hydro_fluid.groups import TrialGroup
 
         found = self.next_members(room=room)
         if found is None:
