@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..groups import TrialGroup
+from .scratch import private_dir
 
 __all__ = [
     "Stopped",
@@ -222,8 +223,6 @@ class WorkerContext:
         writes."""
         if self.rank != 0:
             return
-        from .scratch import private_dir  # here: scratch imports worker, which imports base
-
         private_dir(self.checkpoint_dir)  # a Ray worker on another node may be the first
         tmp = self.checkpoint_dir / f".checkpoint.{os.getpid()}.tmp"
         torch.save(state, tmp)
