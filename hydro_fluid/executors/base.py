@@ -1,5 +1,9 @@
 """What executors share: the worker's view (WorkerContext) and the per-group results.
 
+The executor's side of the contract below is also a type: :class:`~hydro_fluid.Executor` and
+:class:`~hydro_fluid.executors.protocol.PlacingExecutor` (:mod:`hydro_fluid.executors.protocol`),
+which an object of your own is checked against by :func:`~hydro_fluid.check_executor`.
+
 The contract between an executor and the code it runs (for example the tuner's fused
 training loop) is::
 
