@@ -10,14 +10,15 @@ simulator (:func:`simulate`), and run fused groups in worker processes
 groups in the bubbles of a pipeline-parallel job (:class:`PipelineJob`, :func:`interleave`,
 :func:`simulate_coordinator`).
 
-The executors (which need torch) are imported on first use (PEP 562): the rest is the
-standard library only, so the policy registry that ``hydro tune --help`` lists loads fast.
+The executors (which need torch) and the Coordinator are imported on first use (PEP 562);
+the rest needs the standard library only, so the policy registry that ``hydro tune --help``
+lists loads in milliseconds. ``simulate`` is imported eagerly: it names both a submodule
+and its function, and a lazy name would be shadowed by the submodule once imported.
 """
 
 import importlib as _importlib
 from typing import TYPE_CHECKING, Any
 
-from .coordinator import PipelineJob, interleave, simulate_coordinator
 from .groups import TrialGroup
 from .policies import PlacementState, Policy, get_policy, policy_names, register_policy
 from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
@@ -25,6 +26,7 @@ from .resources import Cluster, Device
 from .simulate import SimResult, lower_bound, simulate
 
 if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below provides
+    from .coordinator import PipelineJob, interleave, simulate_coordinator
     from .executors import (
         Executor,
         GroupResult,
@@ -36,8 +38,12 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below p
     )
     from .executors.ray import RayExecutor
 
-# public name -> the module that defines it, imported on first access (it loads torch)
+# public name -> the module that defines it, imported on first access: the executors load
+# torch, the coordinator's planning is a few modules that `hydro --help` need not wait for
 _LAZY = {
+    "PipelineJob": "hydro_fluid.coordinator",
+    "interleave": "hydro_fluid.coordinator",
+    "simulate_coordinator": "hydro_fluid.coordinator",
     "Executor": "hydro_fluid.executors",
     "PlacingExecutor": "hydro_fluid.executors",
     "check_executor": "hydro_fluid.executors",
@@ -80,10 +86,19 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import an executor's module on first access and cache the name in this module."""
+    """Import a lazy name's module on first access and cache the name in this module."""
     where = _LAZY.get(name)
     if where is None:
-        raise AttributeError(f"module 'hydro_fluid' has no attribute {name!r}")
+        # a submodule read as an attribute (`hydro_fluid.coordinator.X` after `import
+        # hydro_fluid`), as the eager imports this module once made allowed
+        if name.startswith("_"):
+            raise AttributeError(f"module 'hydro_fluid' has no attribute {name!r}")
+        try:
+            return _importlib.import_module(f"hydro_fluid.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"hydro_fluid.{name}":
+                raise
+            raise AttributeError(f"module 'hydro_fluid' has no attribute {name!r}") from None
     value = getattr(_importlib.import_module(where), name)
     globals()[name] = value  # later reads skip __getattr__
     return value

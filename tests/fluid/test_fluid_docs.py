@@ -60,3 +60,6 @@ def test_import_needs_no_ray_and_exports_the_public_names():
         "deadline",
     ]:
         assert name in hydro_fluid.__all__ and hasattr(hydro_fluid, name)
+    # the lazy ones too (the executors, the coordinator), and submodules as attributes
+    assert all(getattr(hydro_fluid, name) is not None for name in hydro_fluid.__all__)
+    assert hydro_fluid.coordinator.PipelineJob is hydro_fluid.PipelineJob
