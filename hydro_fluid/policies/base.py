@@ -30,8 +30,9 @@ class PlacementState:
             utilization, memory and score (:class:`~hydro_fluid.TrialGroup`). Waiting groups
             come in arrival order.
         devices: Every device present now.
-        running: Where the running groups run now: name -> ``(device, share)`` slots (a
-            group that thinned out shows the share it still uses, at least ``1/c``).
+        running: Where the running groups run now: name -> ``(device, share)`` slots. On an
+            executor a group packed on one device that thinned out (members pruned or done)
+            shows the share it still uses, at least ``1/c``, so a policy may pack beside it.
         c: Most groups packed on one device.
         d: Most devices for one data-parallel group (1 while a stream still brings groups:
             a device that empties takes the next one before any group widens).
