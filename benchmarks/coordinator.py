@@ -10,7 +10,7 @@ the loss head), on 80 GiB devices. For each job two studies of fused trial group
   its completion time with the coordinator, on the host's devices after the host finishes,
   and under plain time sharing (fluid estimate).
 
-Real part: a 2-stage gloo pipeline on this machine (hydro_fluid.coordinator.real), runs with
+Real part: a 2-stage gloo pipeline on this machine (examples/coordinator/pipeline.py), runs with
 and without a fused guest alternating in the same processes; medians over the runs.
 
 Run:  python benchmarks/coordinator.py             (full table and the real run)
@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from examples.coordinator.pipeline import run_pipeline  # noqa: E402
 from hydro_fluid import TrialGroup  # noqa: E402
 from hydro_fluid.coordinator import PipelineJob, interleave, simulate_coordinator  # noqa: E402
-from hydro_fluid.coordinator.real import run_pipeline  # noqa: E402
 
 FORWARD = 0.8  # seconds of one micro-batch's forward through the whole host model
 ITERATIONS = 50  # host iterations simulated

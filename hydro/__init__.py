@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below p
     from hydro.scaling import scale
     from hydro.tuning import Loop, Run, Task, TuneOptions, TuneResult, tune
 
-__version__ = "0.1.0"
+from hydro._version import __version__ as __version__  # the leaf setup.cfg reads
 
 # public name -> the module that defines it (a submodule when the name is the module itself)
 _LAZY = {

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroError
 from hydro.tuning.options import TuneOptions
+from hydro_fluid.policies import policy_help, policy_names
 
 if TYPE_CHECKING:
     import torch
@@ -322,7 +323,7 @@ def _vocab(model: nn.Module) -> int:
 
 PARSERS: dict[str, Any] = {"count": _count(1), "count0": _count(0), "ratio": _ratio,
                            "first_group": _first_group, "int": int, "float": float, "str": str,
-                           "compile": str}  # fmt: skip
+                           "compile": str, "policy": str}  # fmt: skip
 
 
 def _option_flags(p: argparse.ArgumentParser) -> None:
@@ -338,8 +339,11 @@ def _option_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(meta["flag"], dest=name, action="store_const", const=True,
                            default=None, help=text)  # fmt: skip
             continue
+        choices = meta["choices"]
+        if meta["kind"] == "policy":  # the registry's (hydro_fluid.policies), standard library
+            choices, text = policy_names(), f"{text}. {policy_help()}"
         p.add_argument(meta["flag"], dest=name, type=PARSERS[meta["kind"]], default=None,
-                       choices=meta["choices"], help=text)  # fmt: skip
+                       choices=choices, help=text)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
-from hydro import parametrize
+import hydro.parametrize as parametrize
 from hydro.fx.capture import capture
 from hydro.fx.paths import get_path
 from hydro.fx.widths import flat_inputs, op_name

@@ -12,8 +12,9 @@ import torch.fx
 from torch import nn
 
 from hydro.fx.floor import LayerWidth, bounding, layer_widths
+from hydro.fx.nodes import module_of
 from hydro.fx.rules.common import bound
-from hydro.fx.widths import HeadPolicy, module_of, op_name, propagate
+from hydro.fx.widths import HeadPolicy, op_name, propagate
 from hydro.scaling import build
 
 

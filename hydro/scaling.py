@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from hydro import parametrize
+import hydro.parametrize as parametrize
 from hydro.errors import HydroWarning, ScaleError, TraceError
 from hydro.fx import cache as _cache
 from hydro.fx import depth, floor, indexing, modules, pins

@@ -20,29 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .groups import TrialGroup
-from .policy import Allocation, Slot, deadline, dynamic_fluid, fifo, static_fluid
+from .policies import PlacementState, Policy, check_policy, make_policy
+from .policy import Allocation, Slot
 from .resources import Device
 
-__all__ = ["POLICIES", "Placer", "check_policy", "memory_per_trial"]
-
-POLICIES = ("fifo", "static", "dynamic", "deadline")
+# check_policy lives with the registry; imported from here before it did
+__all__ = ["Placer", "check_policy", "memory_per_trial"]
 
 _EPS = 1e-9
-
-
-def check_policy(policy: str, deadline_s: float | None = None) -> None:
-    """A one-line ``ValueError`` unless ``policy`` is known and ``deadline`` fits it."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown placement policy {policy!r}: use one of {', '.join(POLICIES)}")
-    if policy == "deadline":
-        if deadline_s is None:
-            raise ValueError("policy 'deadline' needs a deadline: pass deadline=SECONDS")
-        if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) \
-                or not deadline_s > 0:  # fmt: skip
-            raise ValueError(f"deadline must be a number of seconds > 0, got {deadline_s!r}")
-    elif deadline_s is not None:
-        raise ValueError(f"deadline={deadline_s!r} is only used by policy 'deadline', not "
-                         f"{policy!r}: drop it or use policy='deadline'")  # fmt: skip
 
 
 def memory_per_trial(group: TrialGroup, measured: float | None) -> float:
@@ -75,15 +60,17 @@ class Placer:
     """Asks a placement policy where groups run, fed with what the executor measured.
 
     Args:
-        policy: ``"fifo"`` (one group per idle device, in arrival order: the baseline),
-            ``"static"`` (StaticFluid over the idle devices: shares by work, packing, data
-            parallel), ``"dynamic"`` (DynamicFluid over every device at every event,
-            moving running groups when it pays) or ``"deadline"`` (HyperSched-like: as the
-            deadline nears, the best-ranked groups get whole devices).
+        policy: A registered policy's name (:func:`~hydro_fluid.policy_names`) or a
+            :class:`~hydro_fluid.Policy`: ``"fifo"`` (one group per idle device, in arrival
+            order: the baseline), ``"static"`` (StaticFluid over the idle devices: shares by
+            work, packing, data parallel), ``"dynamic"`` (DynamicFluid over every device at
+            every event, moving running groups when it pays), ``"deadline"``
+            (HyperSched-like: as the deadline nears, the best-ranked groups get whole
+            devices), or any other registered one.
         devices: The executor's devices.
         c: Most groups packed on one device.
         d: Most devices for one data-parallel group.
-        deadline: Seconds from the start to the deadline (policy ``"deadline"`` only).
+        deadline: Seconds from the start to the deadline (only for a policy that uses one).
         restart_cost: Seconds a move costs (checkpoint, restart, warm-up): a running group
             moves only if the policy estimates it saves more.
         clock: Seconds, monotonic (a test may pass its own).
@@ -99,7 +86,7 @@ class Placer:
 
     def __init__(
         self,
-        policy: str,
+        policy: str | Policy,
         devices: Sequence[Device],
         *,
         c: int = 4,
@@ -111,7 +98,8 @@ class Placer:
         check_policy(policy, deadline)
         if not devices:
             raise ValueError("a Placer needs at least one device")
-        self.policy, self.devices, self.c, self.d = policy, list(devices), c, d
+        self.rule = make_policy(policy)
+        self.policy, self.devices, self.c, self.d = self.rule.name, list(devices), c, d
         self.restart_cost, self.clock = restart_cost, clock
         self.start = clock()
         self.end = None if deadline is None else self.start + deadline
@@ -136,8 +124,9 @@ class Placer:
 
     def set_devices(self, devices: Sequence[Device]) -> None:
         """Devices joined or left (an event: call :meth:`decide` next). Running groups on a
-        device that left are moved by ``dynamic`` and ``deadline``; ``fifo`` and ``static``
-        leave them to the executor, which restarts them when their worker dies."""
+        device that left are moved by a policy that re-plans running groups (``dynamic``,
+        ``deadline``); an ``idle_only`` one (``fifo``, ``static``) leaves them to the
+        executor, which restarts them when their worker dies."""
         if not devices:
             raise ValueError("a Placer needs at least one device")
         self.devices = list(devices)
@@ -223,29 +212,19 @@ class Placer:
         """Where every group should run now: running groups (kept, rescaled or moved) and the
         waiting groups the policy places. Groups missing from the answer wait (a running
         one missing from it is to be stopped)."""
-        waiting = [self.view(n) for n in self.waiting]
-        d = self.d if self.widen else 1
-        if self.policy in ("fifo", "static"):  # they place waiting groups on idle devices
-            busy = {dev for slots in self.running.values() for dev, _ in slots}
-            idle = [dev for dev in self.devices if dev.name not in busy]
-            rule = fifo if self.policy == "fifo" else static_fluid
-            placed = rule(waiting, idle) if self.policy == "fifo" else \
-                rule(waiting, idle, self.c, d)  # fmt: skip
-            return {**self.running, **placed}
-        groups = [self.view(n) for n in self.running] + waiting
-        running = self._effective()
-        if self.policy == "dynamic":
-            return dynamic_fluid(groups, self.devices, self.c, d, running=running,
-                                 restart_cost=self.restart_cost)  # fmt: skip
-        return deadline(groups, self.devices, self.c, d, now=self.clock(), end=self.end,
-                        start=self.start, running=running,
-                        restart_cost=self.restart_cost)  # fmt: skip
+        groups = [self.view(n) for n in self.running] + [self.view(n) for n in self.waiting]
+        state = PlacementState(groups, self.devices, self._effective(), c=self.c,
+                               d=self.d if self.widen else 1, now=self.clock(),
+                               start=self.start, end=self.end,
+                               restart_cost=self.restart_cost)  # fmt: skip
+        return self.rule.allocate(state)
 
     def room(self) -> float:
         """The largest free fraction of one device where another group could start (0: none).
 
-        ``fifo`` and ``static`` start groups on idle devices only (1.0 or 0.0). The others
-        also pack a group on a device whose groups thinned out, sized for what they left.
+        An ``idle_only`` policy (``fifo``, ``static``) starts groups on idle devices only
+        (1.0 or 0.0). The others also pack a group on a device whose groups thinned out,
+        sized for what they left.
         """
         load = {dev.name: 0.0 for dev in self.devices}
         count = dict.fromkeys(load, 0)
@@ -254,14 +233,14 @@ class Placer:
                 if dev in load:
                     load[dev] += share
                     count[dev] += 1
-        if self.policy in ("fifo", "static"):
+        if self.rule.idle_only:
             return 1.0 if any(n == 0 for n in count.values()) else 0.0
         free = [1 - load[d] for d in load if count[d] < self.c]
         best = max(free, default=0.0)
         return best if best >= 1 / self.c - _EPS else 0.0
 
     def tick_due(self, last: float) -> bool:
-        """Whether a deadline tick is due (policy ``deadline``: every 1/20 of the time to it)."""
+        """Whether a deadline tick is due (with a deadline: every 1/20 of the time to it)."""
         if self.end is None:
             return False
         return self.clock() - last >= max(0.5, (self.end - self.start) / 20)

@@ -13,11 +13,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .groups import INTERFERENCE, TrialGroup
 from .resources import Device
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Allocation", "fifo", "static_fluid", "dynamic_fluid", "deadline"]
 
@@ -244,6 +246,8 @@ def _allocate(
 
     ``prefer`` maps running groups to their current slots, which they keep where possible.
     """
+    import numpy as np  # here: the policy registry (and so `hydro --help`) loads this module
+
     prefer = prefer or {}
     capacity = sum(b.free for b in bins.values())
     admitted = groups[: int(c * capacity + _EPS)]
@@ -272,6 +276,8 @@ def _allocate(
 
 def _water_fill(weights: np.ndarray, capacity: float, low: float, high: float) -> np.ndarray:
     """Shares proportional to ``weights``, clipped to [low, high], summing to ``capacity``."""
+    import numpy as np
+
     n = len(weights)
     if n * high <= capacity:
         return np.full(n, float(high))

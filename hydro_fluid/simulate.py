@@ -24,14 +24,16 @@ import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hydro.errors import ConfigError
+
 from .groups import TrialGroup, packed_slowdown
-from .policy import Allocation, deadline, dynamic_fluid, fifo, static_fluid
+from .policies import PlacementState, Policy, make_policy
+from .policy import Allocation
 from .resources import Cluster, Device
 
 __all__ = ["simulate", "SimResult", "Segment", "lower_bound", "check_allocation"]
 
 PolicyFn = Callable[[float, list[TrialGroup], list[Device], Allocation], Allocation]
-POLICIES = ("fifo", "static_fluid", "dynamic_fluid", "deadline")
 
 _TOL = 1e-9
 
@@ -138,7 +140,7 @@ class SimResult:
 def simulate(
     workload: Sequence[TrialGroup],
     cluster: Cluster,
-    policy: str | PolicyFn = "dynamic_fluid",
+    policy: str | Policy | PolicyFn = "dynamic",
     *,
     c: int = 4,
     d: int = 8,
@@ -151,12 +153,14 @@ def simulate(
     Args:
         workload: The groups; a group starts only after the groups named in its ``after``.
         cluster: Devices, including devices that join or leave over time.
-        policy: ``"fifo"``, ``"static_fluid"``, ``"dynamic_fluid"``, ``"deadline"`` or a
-            function ``(now, ready_groups, devices, running) -> Allocation``.
+        policy: A registered policy's name (:func:`~hydro_fluid.policy_names`: ``"fifo"``,
+            ``"static"``, ``"dynamic"``, ``"deadline"``, ...; ``"static_fluid"`` and
+            ``"dynamic_fluid"`` are aliases), a :class:`~hydro_fluid.Policy`, or a function
+            ``(now, ready_groups, devices, running) -> Allocation``.
         c: Most groups packed on one device.
         d: Most devices for one data-parallel group.
         restart_cost: Seconds a running group loses when its slots change.
-        end: The deadline for ``policy="deadline"``.
+        end: The deadline, for a policy that uses one (``"deadline"``).
         tick: Also re-plan every ``tick`` seconds, not only on events (default: never,
             except ``end / 20`` for the deadline policy, whose plan changes with the clock).
 
@@ -166,7 +170,7 @@ def simulate(
         ...         for i in range(8)]
         >>> cluster = Cluster.homogeneous(1, 4)
         >>> fifo_run = simulate(work, cluster, "fifo")
-        >>> fluid_run = simulate(work, cluster, "dynamic_fluid")
+        >>> fluid_run = simulate(work, cluster, "dynamic")
         >>> fluid_run.makespan < fifo_run.makespan
         True
     """
@@ -180,10 +184,15 @@ def simulate(
                 raise ValueError(
                     f"Group {g.name!r} waits for {dep!r}, which is not in the workload."
                 )
-    decide = _policy(policy, c, d, restart_cost, end)
-    name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-    if tick is None and policy == "deadline":
-        tick = end / 20
+    if callable(policy) and not isinstance(policy, Policy):
+        decide, name = policy, getattr(policy, "__name__", "custom")
+    else:
+        rule = make_policy(policy)
+        decide, name = _decide(rule, c, d, restart_cost, end), policy
+        if isinstance(policy, Policy):
+            name = rule.name
+        if tick is None and rule.uses_deadline:
+            tick = end / 20  # its plan changes with the clock, not only at events
     if tick is not None and not tick > 0:
         raise ValueError(f"tick must be > 0 seconds, got {tick}.")
     return _Simulation(groups, cluster, decide, c, d, restart_cost, str(name), tick).run()
@@ -261,40 +270,18 @@ def check_allocation(
             )
 
 
-def _policy(policy: str | PolicyFn, c: int, d: int, restart_cost: float, end: float | None):
-    """Adapt a named policy to the simulator's ``(now, ready, devices, running)`` call."""
-    if callable(policy):
-        return policy
-    if policy not in POLICIES:
-        raise ValueError(f"Unknown policy {policy!r}; use one of {POLICIES} or a function.")
-    if policy == "deadline" and end is None:
-        raise ValueError("policy='deadline' needs end=<deadline in seconds>.")
+def _decide(rule: Policy, c: int, d: int, restart_cost: float, end: float | None) -> PolicyFn:
+    """``rule`` as the simulator calls a policy: ``(now, ready, devices, running)``."""
+    if rule.uses_deadline and end is None:
+        raise ConfigError(f"policy={rule.name!r} needs end=<deadline in seconds>.")
 
-    def idle(devices: list[Device], running: Allocation) -> list[Device]:
-        busy = {dev for slots in running.values() for dev, _ in slots}
-        return [dev for dev in devices if dev.name not in busy]
+    def decide(now: float, ready: list[TrialGroup], devices: list[Device],
+               running: Allocation) -> Allocation:  # fmt: skip
+        return rule.allocate(PlacementState(ready, devices, running, c=c, d=d, now=now,
+                                            start=0.0, end=end,
+                                            restart_cost=restart_cost))  # fmt: skip
 
-    def waiting(ready: list[TrialGroup], running: Allocation) -> list[TrialGroup]:
-        return [g for g in ready if g.name not in running]
-
-    # FIFO and StaticFluid never touch a running group; they only fill idle devices.
-    if policy == "fifo":
-        return lambda now, ready, devices, running: {
-            **running,
-            **fifo(waiting(ready, running), idle(devices, running)),
-        }
-    if policy == "static_fluid":
-        return lambda now, ready, devices, running: {
-            **running,
-            **static_fluid(waiting(ready, running), idle(devices, running), c, d),
-        }
-    if policy == "dynamic_fluid":
-        return lambda now, ready, devices, running: dynamic_fluid(
-            ready, devices, c, d, running=running, restart_cost=restart_cost
-        )
-    return lambda now, ready, devices, running: deadline(
-        ready, devices, c, d, now=now, end=end, running=running, restart_cost=restart_cost
-    )
+    return decide
 
 
 class _Simulation:

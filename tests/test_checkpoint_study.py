@@ -24,7 +24,8 @@ import hydro
 from hydro.errors import ConfigError, HydroWarning
 from hydro.integrations.optuna import is_void, optimize
 from hydro.tuning import checkpoint
-from hydro.tuning.group import FusedGroup, train_group
+from hydro.tuning.group import FusedGroup
+from hydro.tuning.lockstep import train_group
 from tests.test_continuous import assert_same, make_task, trajectory
 from tests.tuner_child import SPACE
 from tests.tuner_child import make_task as child_task

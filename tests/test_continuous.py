@@ -12,7 +12,8 @@ from optuna.trial import TrialState
 import hydro
 from hydro.errors import ConfigError
 from hydro.integrations.optuna import optimize
-from hydro.tuning.group import FusedGroup, train_group
+from hydro.tuning.group import FusedGroup
+from hydro.tuning.lockstep import train_group
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -16,7 +16,8 @@ from optuna.trial import TrialState
 import hydro
 from hydro.errors import ConfigError, HydroWarning
 from hydro.integrations.optuna import optimize
-from hydro.tuning.group import FusedGroup, train_group
+from hydro.tuning.group import FusedGroup
+from hydro.tuning.lockstep import train_group
 from hydro.tuning.slots import _stream_in_worker
 from hydro_fluid import LocalExecutor, TrialGroup
 from tests.test_continuous import make_task

@@ -11,7 +11,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from hydro.integrations.optuna import optimize
-from hydro.tuning.group import train_group
+from hydro.tuning.lockstep import train_group
 from hydro_fluid import LocalExecutor
 from tests.test_keys import FOUR_KEYS, SPACE, keyed_task, study_of
 

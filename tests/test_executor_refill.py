@@ -16,7 +16,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from hydro.integrations.optuna import optimize
-from hydro.tuning.group import train_group
+from hydro.tuning.lockstep import train_group
 from hydro_fluid import LocalExecutor, TrialGroup
 from tests.test_continuous import make_task
 

@@ -175,7 +175,7 @@ def test_group_resumes_from_checkpoint_with_identical_state(tmp_path):
     import torch
 
     from hydro.tuning import checkpoint
-    from hydro.tuning.group import train_group
+    from hydro.tuning.lockstep import train_group
     from tests.test_tune import make_task
 
     task = make_task(steps=24, eval_every=4, scheduler="cosine")
@@ -312,7 +312,7 @@ def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
     ``trial_step``: a resume still loads them, and (without dropout) ends as an uninterrupted
     run does."""
     from hydro.tuning import checkpoint
-    from hydro.tuning.group import train_group
+    from hydro.tuning.lockstep import train_group
     from tests.test_tune import make_task
 
     task = make_task(steps=12, eval_every=4)

@@ -17,7 +17,8 @@ import hydro
 import hydro.host
 from examples.charlm.model import GPT
 from examples.models import ResNet
-from hydro.tuning.group import FusedGroup, train_group
+from hydro.tuning.group import FusedGroup
+from hydro.tuning.lockstep import train_group
 from hydro.tuning.slots import train_slots
 
 _READS = {

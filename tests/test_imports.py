@@ -5,6 +5,7 @@ The heavy libraries are checked in fresh processes: this test process has torch 
 
 from __future__ import annotations
 
+import ast
 import configparser
 import gc
 import json
@@ -201,3 +202,142 @@ def test_collector_paused_freezes_only_when_asked():
         assert not gc.isenabled() and gc.get_freeze_count() == frozen  # left as it was found
     finally:
         gc.enable()
+
+
+# --- the import graph -------------------------------------------------------------------------
+
+PACKAGES = ("hydro", "hydro_fluid")
+
+
+def _modules(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, tuple[pathlib.Path, bool]]:
+    """Dotted name -> (file, is a package) for every module of ``packages`` under ``root``."""
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+def import_graph(root: pathlib.Path, packages: tuple[str, ...] = PACKAGES):
+    """Who imports whom among the modules of ``packages``, and the imports of a package's face
+    from inside it.
+
+    Every ``import`` and ``from ... import`` counts, at module level or inside a function,
+    except under ``if TYPE_CHECKING:`` (never run). ``from pkg import name`` is an edge to
+    the submodule ``pkg.name`` where there is one, else to ``pkg``. The parent packages Python
+    runs first are not edges: ``hydro/__init__`` and ``hydro_fluid/__init__`` load lazily.
+
+    Returns ``(graph, faces)``: module -> modules it imports; ``(module, line, statement)``
+    for each ``import P`` / ``from P import ...`` of a package face ``P`` (``hydro``,
+    ``hydro_fluid``) by any module but the face itself.
+    """
+    modules = _modules(root, packages)
+
+    def resolve(name: str) -> str | None:  # the longest prefix that is one of the modules
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    faces = []
+    for mod, (path, is_package) in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for stmt in node.body for n in ast.walk(stmt)}  # fmt: skip
+        here = mod if is_package else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+                faces += [(mod, node.lineno, f"import {t}") for t in targets
+                          if t in packages and t != mod]  # fmt: skip
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                if base in packages and base != mod:
+                    faces.append((mod, node.lineno, f"from {base} import ..."))
+                targets = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[mod] |= {t for t in map(resolve, targets) if t and t != mod}
+    return graph, faces
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    graph, _ = import_graph(ROOT)
+    assert len(graph) > 100  # the walk found the packages
+    assert "hydro.tuning.lockstep" in graph["hydro.tuning.tune"]  # and their imports
+    assert _cycles(graph) == []
+
+
+def test_no_module_imports_a_package_face():
+    """``import hydro`` from a module of the packages runs the face from below (nine places
+    did, most to read ``__version__``): modules import the module that defines what they use,
+    the version comes from the leaf ``hydro._version``."""
+    _, faces = import_graph(ROOT)
+    assert faces == []
+
+
+def test_the_graph_check_finds_a_circle_and_a_face_import(tmp_path):
+    """What the two tests above would report on code that has either (the old code had five
+    circles and nine imports of the face)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '1'\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nfrom pkg.sub import b\n"
+                              "if TYPE_CHECKING:\n    from pkg import c\n")  # fmt: skip
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import y\n")
+    (pkg / "c.py").write_text("import os\nfrom .a import x\nfrom pkg import __version__\n")
+    graph, faces = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
+    assert _cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    assert faces == [("pkg.c", 3, "from pkg import ...")]

@@ -11,7 +11,8 @@ from optuna.trial import TrialState
 
 import hydro
 from hydro.integrations.optuna import optimize
-from hydro.tuning.group import FusedGroup, train_group
+from hydro.tuning.group import FusedGroup
+from hydro.tuning.lockstep import train_group
 from hydro_fluid import LocalExecutor
 from tests.test_continuous import _mlp, make_task
 

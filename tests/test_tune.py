@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 
 import hydro
 from hydro.integrations.optuna import TransferSampler, optimize
-from hydro.tuning.group import train_group
+from hydro.tuning.lockstep import train_group
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ from examples.charlm.model import gpt
 from hydro.cli import main
 from hydro.errors import ConfigError
 from hydro.tuning.config import load
-from hydro.tuning.group import build_members, train_group
+from hydro.tuning.group import build_members
+from hydro.tuning.lockstep import train_group
 from hydro.tuning.tune import export
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

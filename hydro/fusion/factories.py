@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from hydro.fusion.facts import FREE
+
 aten = torch.ops.aten
 
 # ops whose tensor operand lends only its dtype and device to the result
@@ -27,8 +29,6 @@ def shared_factory(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: s
     Returns ``False`` (the usual rules apply) where the result carries the batch (a size read
     from the batch) or its arguments differ between the trials.
     """
-    from hydro.fusion.rewrite import FREE  # the rewrite imports this module
-
     if rw.facts.get(node) != FREE or node.name in rw.literals:
         return False
     rw.env[node] = rw.copy(node, rw.env.__getitem__)

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hydro._version import __version__
 from hydro.errors import HydroError, HydroWarning
 from hydro.fx import serial
 
@@ -154,8 +155,6 @@ def _autocast() -> list:
 
 
 def _hydro_version() -> str:
-    from hydro import __version__
-
     return __version__
 
 

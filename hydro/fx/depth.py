@@ -41,7 +41,7 @@ from torch import nn
 
 from hydro.errors import HydroWarning, ScaleError
 from hydro.fx.capture import Captured, register_at
-from hydro.fx.widths import _clean_path
+from hydro.fx.nodes import clean_path
 
 _ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
 _A = torch.ops.aten
@@ -240,7 +240,7 @@ class _Found:
 
 def _paths(node: torch.fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
-    return [_clean_path(v[0]) for v in stack.values()]
+    return [clean_path(v[0]) for v in stack.values()]
 
 
 def _owner(node: torch.fx.Node, items: list[list[str]]) -> int | None:

@@ -24,10 +24,11 @@ import torch
 import torch.fx
 
 from hydro.errors import HydroWarning, ScaleError
+from hydro.fx.nodes import module_of
 from hydro.fx.rules import weight_norm
 from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.solve import _solve, analysis
-from hydro.fx.widths import HeadPolicy, WidthPlan, module_of
+from hydro.fx.widths import HeadPolicy, WidthPlan
 
 # Narrowest surrogate width (features, channels, head dim) at which the learning-rate optimum
 # transferred in benchmarks/width_floor.py (3 seeds; the tables are in docs/transfer.md, "Width

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 
 from hydro.errors import HydroWarning
+from hydro.fx.nodes import describe
 from hydro.fx.rules.common import TensorSyms
 
 # ops that compute a loss against a target: a scalar output computed by one is the model's loss
@@ -111,8 +112,6 @@ def select_pins(a: Any, sources: set[int]) -> tuple[list[int], list[Select]]:
 
 def out_of_range(plan: Any, selects: Iterable[Select]) -> list[Pin]:
     """Selects whose index no longer lands inside the width they index, at ``plan``'s sizes."""
-    from hydro.fx.widths import describe
-
     pins = []
     for sel in selects:
         size = plan.new_dim(sel.sym)

@@ -22,7 +22,6 @@ is :mod:`hydro.fx.solve` (:func:`hydro.fx.solve.analyze`).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,13 +33,12 @@ from torch.fx._pytree import tree_flatten_spec
 
 from hydro.errors import ScaleError
 from hydro.fx import pins
+from hydro.fx.nodes import describe
 from hydro.fx.paths import get_path
 from hydro.fx.rules import RULES
 from hydro.fx.rules.common import IntSym, TensorSyms, op_name
 from hydro.fx.rules.rotary import RotaryTable
 from hydro.fx.rules.shape import INT_RULES
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 HeadPolicy = Literal["keep_head_dim", "keep_head_count"]
 
@@ -162,45 +160,6 @@ class WidthPlan:
         if isinstance(syms, IntSym):
             return self.new_dim(syms.sym) if syms.sym is not None else None
         return None
-
-
-def describe(node: torch.fx.Node) -> str:
-    """'node NAME (aten.op) in module PATH (Type) at FILE, line N (`code`)' for messages."""
-    where = ""
-    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i]
-        if line.startswith("File ") and _TORCH_DIR not in line:
-            where = " at " + line.replace("File ", "").replace('"', "")
-            if i + 1 < len(lines) and not lines[i + 1].startswith("File "):
-                where += f" (`{lines[i + 1]}`)"
-            break
-    module = ""
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path, kind = list(stack.values())[-1]
-        kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
-        path = _clean_path(path)
-        if path:
-            module = f" in module '{path}' ({kind.rsplit('.', 1)[-1]})"
-    return f"node '{node.name}' ({op_name(node)}){module}{where}"
-
-
-def _clean_path(path: str) -> str:
-    # export writes module paths as L['self'].h[0].attn or as plain dotted names
-    path = path.replace("L['self']", "").replace("['", ".").replace("']", "")
-    path = path.replace("[", ".").replace("]", "").replace("getattr(", "").replace(")", "")
-    return path.strip(".")
-
-
-def module_of(node: torch.fx.Node) -> tuple[str, str] | None:
-    """``(path, type name)`` of the innermost module a node was recorded in."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    path, kind = list(stack.values())[-1]
-    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
-    return _clean_path(path), kind.rsplit(".", 1)[-1]
 
 
 # --- shape propagation ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from hydro import host
+import hydro.host as host
 from hydro.errors import ConfigError, FuseError
 from hydro.parametrize import optimizer_multipliers
 

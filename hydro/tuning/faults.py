@@ -13,6 +13,7 @@ loss that always raises does not burn the budget. Exceptions of the types given 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 import sysconfig
@@ -35,12 +36,15 @@ _MOST = 400  # characters of a reason (one line)
 def _library_dirs() -> tuple[str, ...]:
     """Directories whose frames are not the user's: Hydro (wherever it is installed), the
     standard library and installed packages (PyTorch, Optuna, NumPy, ...)."""
-    import hydro
-    import hydro_fluid
-
     paths = sysconfig.get_paths()
     dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    dirs |= {os.path.dirname(m.__file__) for m in (hydro, hydro_fluid, torch)}
+    # hydro/ (this file is hydro/tuning/faults.py) and hydro_fluid/ beside it, found without
+    # importing either package's face
+    hydro_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fluid = importlib.util.find_spec("hydro_fluid")
+    dirs |= {hydro_dir, os.path.dirname(torch.__file__)}
+    if fluid is not None and fluid.origin:
+        dirs.add(os.path.dirname(fluid.origin))
     return tuple(os.path.realpath(d) + os.sep for d in dirs)
 
 

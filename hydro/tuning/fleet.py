@@ -9,7 +9,6 @@ The study and its storage stay in this process.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import warnings
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from hydro.tuning.stream import _Stream
 from hydro.tuning.study import (
     _report_and_ask,
 )
+from hydro_fluid.executors.protocol import PlacingExecutor
 
 __all__: list[str] = []
 
@@ -73,7 +73,7 @@ class _Fleet(_Stream):
                                checkpoints=self.checkpoints,
                                study=_checkpoint.study_id(self.study))  # fmt: skip
         placement = {}
-        if self.world_size == 1 and "policy" in inspect.signature(self.executor.run).parameters:
+        if self.world_size == 1 and isinstance(self.executor, PlacingExecutor):
             # the policy decides each group's devices (data parallel when it widens one); a
             # fixed world_size above 1 keeps the executor's own first-come pool
             placement = {"policy": self.policy, "deadline": self.deadline}
@@ -89,7 +89,7 @@ class _Fleet(_Stream):
         """A new group for a free device: ``room`` is the fraction of a device free for it
         (a device whose group thinned out has less than 1), so it gets that share of ``fuse``
         members; trials of a key waiting for a group of their own come first."""
-        from hydro_fluid import TrialGroup
+        from hydro_fluid.groups import TrialGroup
 
         found = self.next_members(room=room)
         if found is None:

@@ -47,15 +47,6 @@ from hydro.tuning.recipe import (  # noqa: F401
 from hydro.tuning.task import Task, stack_batches
 
 
-def __getattr__(name: str) -> Any:
-    # train_group is re-exported lazily: hydro.tuning.lockstep builds on this module
-    if name == "train_group":
-        from hydro.tuning.lockstep import train_group
-
-        return train_group
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass
 class Outcome:
     """How one member of a group ended."""

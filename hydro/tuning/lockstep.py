@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hydro import host
+import hydro.host as host
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, load_model_state
 from hydro.tuning.task import Task

@@ -93,9 +93,8 @@ class TuneOptions:
                                   "end, so the pruner has complete trials to compare with; "
                                   "auto: the median pruner's start-up on a CPU in this "
                                   "process, else 0", kind="first_group")
-    policy: str = _opt("dynamic", "how an executor places groups on its devices (see "
-                       "docs/placement.md)", kind="str", choices=("fifo", "static", "dynamic",
-                                                                   "deadline"))
+    policy: str = _opt("dynamic", "how an executor places groups on its devices: a registered "
+                       "placement policy (docs/placement.md)", kind="policy")
     deadline: float | None = _opt(None, "seconds to the deadline, with policy deadline: no "
                                   "trial is asked after it", kind="float")
     checkpoint_dir: str | None = _opt(None, "where trial checkpoints go, a directory per study "
@@ -274,7 +273,7 @@ def _callbacks(callbacks: Any) -> list[Callable[..., Any]]:
 
 
 def _check_placement(policy: Any, deadline: Any) -> None:
-    from hydro_fluid.placement import check_policy
+    from hydro_fluid.policies import check_policy
 
     try:
         check_policy(policy, deadline)

@@ -16,7 +16,7 @@ import yaml
 from optuna.trial import TrialState
 from torch import nn
 
-import hydro
+from hydro._version import __version__
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
 from hydro.fx.floor import task_ratio
@@ -216,7 +216,7 @@ def export(
             "fuse": fuse_record(study),
             "trials_finished": counts["finished"],
             "trials": {k: counts[k] for k in ("complete", "pruned", "failed", "interrupted")},
-            "hydro_version": hydro.__version__,
+            "hydro_version": __version__,
             "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }

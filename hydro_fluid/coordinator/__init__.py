@@ -2,8 +2,8 @@
 
 Model the host job (:class:`PipelineJob`, its :class:`Timeline` and :class:`Bubble`\\ s),
 plan a study's trial groups into the bubbles (:func:`interleave`), compare against running
-the study elsewhere (:func:`simulate_coordinator`), and run a real 2-stage pipeline with a
-guest trial group (:func:`run_pipeline`, in :mod:`hydro_fluid.coordinator.real`).
+the study elsewhere (:func:`simulate_coordinator`). A real 2-stage pipeline with a guest
+trial group in its bubbles is an example: ``examples/coordinator/pipeline.py``.
 """
 
 from .interleave import GuestRun, InterleavePlan, interleave, periodic_bubbles

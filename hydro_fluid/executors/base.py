@@ -1,5 +1,9 @@
 """What executors share: the worker's view (WorkerContext) and the per-group results.
 
+The executor's side of the contract below is also a type: :class:`~hydro_fluid.Executor` and
+:class:`~hydro_fluid.executors.protocol.PlacingExecutor` (:mod:`hydro_fluid.executors.protocol`),
+which an object of your own is checked against by :func:`~hydro_fluid.check_executor`.
+
 The contract between an executor and the code it runs (for example the tuner's fused
 training loop) is::
 
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 
 from ..groups import TrialGroup
+from .scratch import private_dir
 
 __all__ = [
     "Stopped",
@@ -222,8 +227,6 @@ class WorkerContext:
         writes."""
         if self.rank != 0:
             return
-        from .scratch import private_dir  # here: scratch imports worker, which imports base
-
         private_dir(self.checkpoint_dir)  # a Ray worker on another node may be the first
         tmp = self.checkpoint_dir / f".checkpoint.{os.getpid()}.tmp"
         torch.save(state, tmp)

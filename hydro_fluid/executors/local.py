@@ -179,7 +179,9 @@ class LocalExecutor:
                 and ``fn``'s module), so that every worker starts with them imported; only
                 the first run of this process (which starts the forkserver) can preload.
             policy: ``None`` (default): the fixed pool of slots, first come first served.
-                ``"fifo"``, ``"static"``, ``"dynamic"`` or ``"deadline"``: the executor's
+                A registered policy (:func:`~hydro_fluid.policy_names`: ``"fifo"``,
+                ``"static"``, ``"dynamic"``, ``"deadline"``, ...) or a
+                :class:`~hydro_fluid.Policy` object: the executor's
                 devices (:meth:`placement_devices`) are placed by that policy
                 (:class:`~hydro_fluid.placement.Placer`), asked at every event (a group
                 starts, ends or thins out, a deadline tick) and applied for real: a share
@@ -188,7 +190,7 @@ class LocalExecutor:
                 and a running group the policy moves is stopped at a step boundary after a
                 checkpoint (``ctx.should_stop()``) and resumed on its new devices. ``more``
                 may take a keyword ``room``: the fraction of a device free for the new group.
-            deadline: Seconds from the start to the deadline (policy ``"deadline"``).
+            deadline: Seconds from the start to the deadline (a policy that uses one).
             max_world_size: Most devices one group may get from the policy (default: all).
         """
         try:
@@ -303,7 +305,7 @@ class _Run:
             # it imported. Only the run that starts this process's forkserver decides.
             module = getattr(getattr(fn, "func", fn), "__module__", None)
             extra = [module] if module and module != "__main__" else []
-            modules = ["torch", "hydro_fluid", *extra, *preload]
+            modules = ["torch", "hydro_fluid.executors", *extra, *preload]
             self.ctx.set_forkserver_preload([*modules, "hydro_fluid.executors._forkserver"])
         self.free = set(range(len(executor.slots)))
         self.running: dict[str, _Attempt] = {}

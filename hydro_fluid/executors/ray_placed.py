@@ -9,7 +9,7 @@ from ..groups import TrialGroup
 from ..placement import Placer
 from ..resources import Device
 from .local import Decision, PlacementEvents
-from .ray import _RayAttempt, _RayRun
+from .ray_run import _RayAttempt, _RayRun
 
 
 class _PlacedRayRun(PlacementEvents, _RayRun):

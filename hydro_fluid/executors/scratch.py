@@ -19,11 +19,34 @@ import shutil
 import stat
 from pathlib import Path
 
-from .worker import _alive, start_ticks
-
-__all__ = ["check_private", "claim_mp_tempdir", "private_dir", "sweep_mp_tempdirs"]
+__all__ = [
+    "check_private",
+    "claim_mp_tempdir",
+    "private_dir",
+    "start_ticks",
+    "sweep_mp_tempdirs",
+]
 
 OWNER = "hydro-owner"  # the mark in a pymp-* directory: "<pid> <start ticks>"
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, ticks: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return ticks is None or start_ticks(pid) in (None, ticks)
 
 
 def check_private(path: str | os.PathLike, what: str = "checkpoint directory") -> None:

@@ -22,25 +22,7 @@ import torch
 
 from ..groups import TrialGroup
 from .base import WorkerContext, WorkerFn, call_worker_fn
-
-
-def start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int, ticks: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return ticks is None or start_ticks(pid) in (None, ticks)
+from .scratch import _alive, start_ticks
 
 
 def _scratch_dir() -> Path:

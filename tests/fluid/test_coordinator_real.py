@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hydro_fluid.coordinator.real import run_pipeline
+from examples.coordinator.pipeline import run_pipeline
 
 SETTINGS = dict(steps=3, micro_batches=4, width=1024, batch=128, warmup=2, seed=3)
 

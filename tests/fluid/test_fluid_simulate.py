@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from hydro.errors import ConfigError
 from hydro_fluid import Cluster, TrialGroup, simulate
 from hydro_fluid.simulate import lower_bound
 
@@ -135,7 +136,8 @@ def test_custom_policy_that_over_commits_is_rejected():
 def test_simulate_input_errors():
     cluster = Cluster.homogeneous(1, 1)
     group = TrialGroup("g", (0,), (10,))
-    with pytest.raises(ValueError, match="Unknown policy"):
+    with pytest.raises(ConfigError, match="unknown placement policy 'round_robin': use one of "
+                       "fifo, static, dynamic, deadline"):  # fmt: skip
         simulate([group], cluster, "round_robin")
     with pytest.raises(ValueError, match="needs end="):
         simulate([group], cluster, "deadline")

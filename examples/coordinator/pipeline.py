@@ -11,6 +11,11 @@ the guest), so the host is delayed at most by timing noise.
 
 The guest touches none of the host's tensors, data or random streams, so the host's
 parameters after ``k`` steps are bit-identical with and without it.
+
+An example, not library code: the host and guest models are demos. Run it from the
+repository's root (the stages are spawned processes that import this module)::
+
+    python -c "from examples.coordinator.pipeline import run_pipeline; print(run_pipeline())"
 """
 
 from __future__ import annotations
