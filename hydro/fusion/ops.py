@@ -116,6 +116,7 @@ class _BatchedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, transposed):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.transposed = bias is not None, transposed
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         w = weight.transpose(1, 2) if transposed else weight
         return torch.bmm(x, w) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w)
 
@@ -123,16 +124,23 @@ class _BatchedLinear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
+        # under autocast the forward's GEMM ran in a lower precision (bf16/fp16) and the
+        # backward, outside the autocast region, gets its gradient in that precision: the
+        # GEMMs here run in it too, as autocast's own linear backward does, and each gradient
+        # comes back in its input's dtype
+        low = grad.dtype
+        xs, ws = x.to(low), weight.to(low)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.bmm(grad, weight if ctx.transposed else weight.transpose(1, 2))
+            grad_x = torch.bmm(grad, ws if ctx.transposed else ws.transpose(1, 2)).to(x.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.transposed:
-                grad_w = torch.bmm(grad.transpose(1, 2), x)
+                grad_w = torch.bmm(grad.transpose(1, 2), xs)
             else:
-                grad_w = torch.bmm(x.transpose(1, 2), grad)
+                grad_w = torch.bmm(xs.transpose(1, 2), grad)
+            grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.sum(dim=1)
+            grad_b = grad.sum(dim=1).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 

@@ -242,10 +242,12 @@ def make_executor(executor: Any) -> Any:
         from hydro_fluid import RayExecutor
 
         return RayExecutor()
-    if hasattr(executor, "run"):
-        return executor
-    raise ConfigError(f"unknown executor {executor!r}: use 'inline', 'local', 'ray' or a "
-                      "hydro_fluid executor")  # fmt: skip
+    if isinstance(executor, str):
+        raise ConfigError(f"unknown executor {executor!r}: use 'inline', 'local', 'ray' or a "
+                          "hydro_fluid executor")  # fmt: skip
+    from hydro_fluid.executors.protocol import check_executor
+
+    return check_executor(executor)  # an object: checked against the Executor protocol
 
 
 def auto_first_group(pruner: optuna.pruners.BasePruner, fuse: int, device: str = "cpu") -> int:

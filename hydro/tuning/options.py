@@ -223,9 +223,12 @@ class TuneOptions:
             raise ConfigError(f"world_size {self.world_size} trains each group on several "
                               "worker processes: pass an executor (local, ray), or use "
                               "world_size 1")  # fmt: skip
-        if self.policy == "deadline" and self.executor in (None, "inline"):
-            raise ConfigError("policy 'deadline' places groups on an executor's devices: use "
-                              "executor='local' (or 'ray'), or another policy")  # fmt: skip
+        from hydro_fluid.policies import get_policy
+
+        if get_policy(self.policy).uses_deadline and self.executor in (None, "inline"):
+            raise ConfigError(f"policy {self.policy!r} places groups on an executor's devices "
+                              "by a deadline: use executor='local' (or 'ray'), or another "
+                              "policy")  # fmt: skip
         return self
 
     @property
