@@ -263,6 +263,7 @@ TINY_CONFIG = {  # the examples' tune.yaml files, shrunk: the same model and dat
     "data_args": {
         "examples.charlm.data:load": {"block_size": 16, "max_chars": 20_000},
         "examples.hf_gpt2.data:load": {"block_size": 16, "max_chars": 20_000},
+        "examples.own_loop.data:load": {"block_size": 16, "max_chars": 20_000},
         "examples.cnn.data:load": {"n_train": 64, "n_val": 32, "size": 16, "seed": 0},
     },
 }  # fmt: skip

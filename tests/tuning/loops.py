@@ -99,3 +99,10 @@ def config_data() -> dict[str, Any]:
     """A config's ``task.data``: the split of :func:`data`."""
     x, y = data()
     return {"train": (x[:192], y[:192]), "val": (x[192:], y[192:])}
+
+
+def precision_train(run: hydro.Run) -> None:
+    """:func:`train`, after writing the process's float32 matmul precision to the file
+    ``HYDRO_TEST_PRECISION`` names."""
+    Path(os.environ["HYDRO_TEST_PRECISION"]).write_text(torch.get_float32_matmul_precision())
+    train(run)
