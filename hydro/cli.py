@@ -203,8 +203,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.output:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
-    given = {meta["config"]: getattr(args, name, None)
-             for name, _, meta in TuneOptions.rows() if meta["flag"] and meta["config"]}  # fmt: skip
+    given = {meta["config"]: getattr(args, name, None) for name, _, meta in TuneOptions.rows()
+             if meta["flag"] and meta["config"]}  # fmt: skip
     if args.compile is not None:
         given["compile"] = args.compile
     cfg = config_module.load(args.config, steps=args.steps, cache=args.cache, **given)

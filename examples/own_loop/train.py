@@ -13,7 +13,6 @@ the backward pass runs on their sum, so every trial gets exactly its own gradien
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import hydro
 
@@ -55,7 +54,7 @@ def train(run: hydro.Run) -> None:
     ramp_and_decay = run.register(schedules.SequentialLR(opt, [ramp, decay], milestones=[warmup]))
     device = next(run.model.parameters()).device.type
     autocast = torch.autocast(device, dtype=torch.bfloat16)
-    for step in run:
+    for _ in run:
         opt.zero_grad(set_to_none=True)
         for _ in range(MICRO_BATCHES):
             batch = run.batch()  # each trial its own batch: [n, B, T]

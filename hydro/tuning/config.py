@@ -324,7 +324,8 @@ def _task(spec: Any, path: str) -> Any:
         mixed = [k for k in RECIPE_KEYS if k in spec]
         if mixed:
             raise ConfigError(f"{path}: task.train names your own training function, which "
-                              f"does its own {', '.join(mixed)}: remove task.{mixed[0]}")  # fmt: skip
+                              f"does its own {', '.join(mixed)}: remove "
+                              f"task.{mixed[0]}")  # fmt: skip
         train = import_object(spec["train"], "task.train", path)
     try:
         data = data_fn(**data_args)

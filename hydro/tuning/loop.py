@@ -371,8 +371,10 @@ class Run:
             raise ConfigError(f"run.report takes one value per slot ({self.n}), got "
                               f"{len(values)}")  # fmt: skip
         if not self.due:
-            raise ConfigError("run.report was called where no trial's report is due: report "
-                              "when run.due is True (every eval_every steps and at the last)")
+            raise ConfigError(
+                "run.report was called where no trial's report is due: report "
+                "when run.due is True (every eval_every steps and at the last)"
+            )
         self._reported = values
 
     # --- data ----------------------------------------------------------------------------
@@ -512,8 +514,8 @@ class LoopGroup:
 
     def due_after_step(self) -> list[int]:
         every, last = self.task.eval_every, self.task.steps
-        return [p for p in self.live_slots
-                if (self.slots[p].step + 1) % every == 0 or self.slots[p].step + 1 == last]  # fmt: skip
+        ahead = {p: self.slots[p].step + 1 for p in self.live_slots}
+        return [p for p, s in ahead.items() if s % every == 0 or s == last]
 
     def due(self) -> list[int]:
         every, last = self.task.eval_every, self.task.steps

@@ -23,7 +23,8 @@ DEFAULT_STORAGE = "sqlite:///hydro.db"
 
 
 def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None = "",  # noqa: A002
-         kind: str = "", choices: Sequence[str] | None = None, metavar: str | None = None) -> Any:  # fmt: skip
+         kind: str = "", choices: Sequence[str] | None = None,
+         metavar: str | None = None) -> Any:  # fmt: skip
     """A field of :class:`TuneOptions`: its default and its row of the options table.
 
     ``flag``/``config``: the CLI flag and the config key (``""``: derived from the name;
@@ -53,75 +54,160 @@ class TuneOptions:
         hydro.errors.ConfigError: n_trials must be a positive integer, got 0
     """
 
-    n_trials: int = _opt(32, "configurations to finish (complete, pruned or failed), counted "
-                         "over the whole study", flag="--trials", config="trials", kind="count")
-    ratio: int | str = _opt("auto", "surrogate width divisor (1: the full model, fused), or "
-                            "'auto': the largest within every layer's width floor, at most 4 "
-                            "for a model with attention; resuming a study, 'auto' keeps the "
-                            "ratio it recorded", kind="ratio")
-    fuse: int | str = _opt("auto", "trials per fused group, or 'auto': as many as fit the "
-                           "device's memory per (batch size, architecture) key, at most 64 "
-                           "(16 for your own training function, whose memory Hydro cannot "
-                           "measure beforehand)", kind="ratio")
-    study: Any = _opt("hydro", "the study's name in the storage (or, in Python, an "
-                      "optuna.Study)", kind="str")
-    storage: Any = _opt(None, f"any Optuna storage URL (default {DEFAULT_STORAGE}, a file in "
-                        "the working directory); rerunning resumes the study there", kind="str")
-    sampler: Any = _opt(None, "the Optuna sampler (default TPE with constant_liar); in a "
-                        "config or flag its name: tpe, random, cmaes, gp, qmc, grid",
-                        kind="str")
-    pruner: Any = _opt(None, "the Optuna pruner (default median); in a config or flag its "
-                       "name: median, asha, hyperband, none", kind="str")
-    executor: Any = _opt(None, "where groups train: inline (this process), local (worker "
-                         "processes on this machine), ray (a Ray cluster: RAY_ADDRESS, else a "
-                         "local one), or an executor object", kind="str",
-                         choices=("inline", "local", "ray"))
-    seed: int | None = _opt(0, "seeds the sampler, the surrogates' initializations and the "
-                            "data order", kind="int")
-    verify_top_k: int = _opt(0, "afterwards, train the full model with the best k "
-                             "configurations and compare (0: off)", kind="count0")
-    progress: bool | None = _opt(None, "progress on stderr and a table of the best trials; "
-                                 "None: on a terminal or in a notebook (the CLI: on unless "
-                                 "--no-progress)", flag=None, config=None)
-    device: str = _opt("cpu", "where groups train in this process: cpu, cuda, cuda:N",
-                       kind="str")
-    depth_ratio: int = _opt(1, "surrogates keep every k-th block of repeated residual stacks",
-                            kind="count")
-    depth_alpha: float = _opt(1.0, "the depth cut's residual exponent: 1 CompleteP, 0.5 "
-                              "Depth-muP", kind="float")
-    first_group: int | str = _opt("auto", "train this many trials first, alone and to the "
-                                  "end, so the pruner has complete trials to compare with; "
-                                  "auto: the median pruner's start-up on a CPU in this "
-                                  "process, else 0", kind="first_group")
-    policy: str = _opt("dynamic", "how an executor places groups on its devices: a registered "
-                       "placement policy (docs/placement.md)", kind="policy")
-    deadline: float | None = _opt(None, "seconds to the deadline, with policy deadline: no "
-                                  "trial is asked after it", kind="float")
-    checkpoint_dir: str | None = _opt(None, "where trial checkpoints go, a directory per study "
-                                      "(default: beside the SQLite file)", kind="str")
-    checkpoint_every: int | None = _opt(None, "fused steps between trial checkpoints (default "
-                                        "the task's, 50; 0: never)", kind="count0")
-    fuse_memory: float | None = _opt(None, "with fuse auto: GiB one fused group may use "
-                                     "(default half the free RAM, 90% of a GPU's free "
-                                     "memory)", kind="float")
-    timeout: float | None = _opt(None, "stop asking new trials after this many seconds; "
-                                 "trials in flight finish; rerun to go on", kind="float")
-    compile: bool | str = _opt(False, "train the fused groups through torch.compile: on, off "
-                               "or auto (per key, where its measured pay-back fits the "
-                               "study)", kind="compile", choices=("auto", "on", "off"))
-    matmul_precision: str | None = _opt(None, "torch.set_float32_matmul_precision where "
-                                        "groups train: highest, high (TF32 matmuls on NVIDIA "
-                                        "GPUs), medium (default: torch's own)", kind="str",
-                                        choices=("highest", "high", "medium"))
-    world_size: int = _opt(1, "with an executor, train each group data parallel on this many "
-                           "devices", kind="count")
-    force_resume: bool = _opt(False, "continue a study whose model, data, recipe, space or "
-                              "ratio changed (prefer a new study name)", kind="flag")
-    callbacks: Sequence[Callable[..., Any]] = _opt((), "f(study, frozen_trial) after each "
-                                                    "trial ends, as study.optimize's",
-                                                    flag=None, config=None)
-    catch: Any = _opt((), "exception types of your code that fail a trial without stopping "
-                      "the run, as study.optimize's", flag=None, config=None)
+    n_trials: int = _opt(
+        32,
+        "configurations to finish (complete, pruned or failed), counted over the whole study",
+        flag="--trials",
+        config="trials",
+        kind="count",
+    )
+    ratio: int | str = _opt(
+        "auto",
+        "surrogate width divisor (1: the full model, fused), or "
+        "'auto': the largest within every layer's width floor, at most 4 "
+        "for a model with attention; resuming a study, 'auto' keeps the "
+        "ratio it recorded",
+        kind="ratio",
+    )
+    fuse: int | str = _opt(
+        "auto",
+        "trials per fused group, or 'auto': as many as fit the "
+        "device's memory per (batch size, architecture) key, at most 64 "
+        "(16 for your own training function, whose memory Hydro cannot "
+        "measure beforehand)",
+        kind="ratio",
+    )
+    study: Any = _opt(
+        "hydro", "the study's name in the storage (or, in Python, an optuna.Study)", kind="str"
+    )
+    storage: Any = _opt(
+        None,
+        f"any Optuna storage URL (default {DEFAULT_STORAGE}, a file in "
+        "the working directory); rerunning resumes the study there",
+        kind="str",
+    )
+    sampler: Any = _opt(
+        None,
+        "the Optuna sampler (default TPE with constant_liar); in a "
+        "config or flag its name: tpe, random, cmaes, gp, qmc, grid",
+        kind="str",
+    )
+    pruner: Any = _opt(
+        None,
+        "the Optuna pruner (default median); in a config or flag its "
+        "name: median, asha, hyperband, none",
+        kind="str",
+    )
+    executor: Any = _opt(
+        None,
+        "where groups train: inline (this process), local (worker "
+        "processes on this machine), ray (a Ray cluster: RAY_ADDRESS, else a "
+        "local one), or an executor object",
+        kind="str",
+        choices=("inline", "local", "ray"),
+    )
+    seed: int | None = _opt(
+        0, "seeds the sampler, the surrogates' initializations and the data order", kind="int"
+    )
+    verify_top_k: int = _opt(
+        0,
+        "afterwards, train the full model with the best k configurations and compare (0: off)",
+        kind="count0",
+    )
+    progress: bool | None = _opt(
+        None,
+        "progress on stderr and a table of the best trials; "
+        "None: on a terminal or in a notebook (the CLI: on unless "
+        "--no-progress)",
+        flag=None,
+        config=None,
+    )
+    device: str = _opt("cpu", "where groups train in this process: cpu, cuda, cuda:N", kind="str")
+    depth_ratio: int = _opt(
+        1, "surrogates keep every k-th block of repeated residual stacks", kind="count"
+    )
+    depth_alpha: float = _opt(
+        1.0, "the depth cut's residual exponent: 1 CompleteP, 0.5 Depth-muP", kind="float"
+    )
+    first_group: int | str = _opt(
+        "auto",
+        "train this many trials first, alone and to the "
+        "end, so the pruner has complete trials to compare with; "
+        "auto: the median pruner's start-up on a CPU in this "
+        "process, else 0",
+        kind="first_group",
+    )
+    policy: str = _opt(
+        "dynamic",
+        "how an executor places groups on its devices: a registered "
+        "placement policy (docs/placement.md)",
+        kind="policy",
+    )
+    deadline: float | None = _opt(
+        None,
+        "seconds to the deadline, with policy deadline: no trial is asked after it",
+        kind="float",
+    )
+    checkpoint_dir: str | None = _opt(
+        None,
+        "where trial checkpoints go, a directory per study (default: beside the SQLite file)",
+        kind="str",
+    )
+    checkpoint_every: int | None = _opt(
+        None,
+        "fused steps between trial checkpoints (default the task's, 50; 0: never)",
+        kind="count0",
+    )
+    fuse_memory: float | None = _opt(
+        None,
+        "with fuse auto: GiB one fused group may use "
+        "(default half the free RAM, 90% of a GPU's free "
+        "memory)",
+        kind="float",
+    )
+    timeout: float | None = _opt(
+        None,
+        "stop asking new trials after this many seconds; trials in flight finish; rerun to go on",
+        kind="float",
+    )
+    compile: bool | str = _opt(
+        False,
+        "train the fused groups through torch.compile: on, off "
+        "or auto (per key, where its measured pay-back fits the "
+        "study)",
+        kind="compile",
+        choices=("auto", "on", "off"),
+    )
+    matmul_precision: str | None = _opt(
+        None,
+        "torch.set_float32_matmul_precision where "
+        "groups train: highest, high (TF32 matmuls on NVIDIA "
+        "GPUs), medium (default: torch's own)",
+        kind="str",
+        choices=("highest", "high", "medium"),
+    )
+    world_size: int = _opt(
+        1, "with an executor, train each group data parallel on this many devices", kind="count"
+    )
+    force_resume: bool = _opt(
+        False,
+        "continue a study whose model, data, recipe, space or "
+        "ratio changed (prefer a new study name)",
+        kind="flag",
+    )
+    callbacks: Sequence[Callable[..., Any]] = _opt(
+        (),
+        "f(study, frozen_trial) after each trial ends, as study.optimize's",
+        flag=None,
+        config=None,
+    )
+    catch: Any = _opt(
+        (),
+        "exception types of your code that fail a trial without stopping "
+        "the run, as study.optimize's",
+        flag=None,
+        config=None,
+    )
 
     # -- the table ----------------------------------------------------------------------
 
@@ -206,7 +292,8 @@ class TuneOptions:
         vk = self.verify_top_k
         if isinstance(vk, bool) or not isinstance(vk, int) or vk < 0:
             raise ConfigError(f"verify_top_k must be an integer >= 0, got {vk!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.study, str) and not _is_study(self.study):
             raise ConfigError(f"study must be a name (a string) or an optuna.Study, got "

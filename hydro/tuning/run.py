@@ -63,8 +63,10 @@ def run(
     options.progress = wanted(options.progress)  # None: on a terminal or in a notebook
     is_study = isinstance(options.study, optuna.Study)
     if isinstance(trainer, Loop) and options.compile:
-        raise ConfigError("compile applies to Hydro's own training step: with your own "
-                          "training function, compile inside it (torch.compile(run.model))")
+        raise ConfigError(
+            "compile applies to Hydro's own training step: with your own "
+            "training function, compile inside it (torch.compile(run.model))"
+        )
     executor = make_executor(options.executor)
     check_space(space, _names(trainer), steps=trainer.steps if isinstance(trainer, Task) else None)
     try:

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from hydro.errors import HydroError, HydroWarning, UserCodeError
 from hydro.tuning import parallel
@@ -24,7 +24,40 @@ from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key, load_m
 from hydro.tuning.loop import make_group
 from hydro.tuning.task import Task
 
-__all__ = ["Occupancy", "step_slots", "train_slots"]
+__all__ = ["Occupancy", "Seat", "TrialSource", "play_round", "step_slots", "train_slots"]
+
+
+@runtime_checkable
+class TrialSource(Protocol):
+    """Where a fused group's trials come from and where their results go: the slot loop's one
+    interface (:func:`step_slots`). The tuner's own process is one source
+    (:class:`hydro.tuning.stream._InProcess`), an executor's worker another (:class:`_Remote`,
+    which asks the tuner through ``ctx.request``)."""
+
+    @property
+    def asking(self) -> bool:
+        """Whether the study still has trials to ask."""
+
+    def stepped(self, live: int) -> None:
+        """Count one fused step that trained ``live`` members."""
+
+    def report(self, items: list[tuple[int, int, float]]) -> set[int]:
+        """Report every ``(trial, step, value)`` evaluated at one step; returns the trials the
+        pruner prunes."""
+
+    def refill(self, told: list, slots: list[int], key: tuple) -> list:
+        """Tell the ended trials ``(trial, outcome, info)``; return, for each freed slot, the
+        next ``(trial, params, seed)`` of ``key`` or ``None`` (the slot is dropped)."""
+
+
+@dataclass
+class Seat:
+    """A group taking turns in a round (:func:`play_round`): the group, its trial source and
+    when each of its members joined."""
+
+    group: Any
+    source: TrialSource
+    joined: dict[int, float]
 
 
 @dataclass
@@ -90,7 +123,27 @@ def save_trials(group: FusedGroup, checkpoints: TrialCheckpoints | None, every: 
             checkpoints.save(group.trial_state(slot))
 
 
-def step_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
+def play_round(seats: dict[tuple, Seat], *, fuse: Callable[[tuple], int],
+               checkpoints: TrialCheckpoints | None, every: int,
+               fault: Callable[[tuple, BaseException], bool] | None = None) -> None:  # fmt: skip
+    """One round of continuous batching, wherever groups train (the tuner's process or a
+    worker): each seated group takes one turn (:func:`step_slots`), saves its trials every
+    ``every`` fused steps, and leaves ``seats`` once it has no member. ``fault(key, exc)``
+    handles an exception of a group's turn (``True``: handled, the group was unseated)."""
+    for key, seat in list(seats.items()):
+        try:
+            step_slots(seat.group, seat.source, fuse=fuse(key), joined=seat.joined,
+                       checkpoints=checkpoints)  # fmt: skip
+        except Exception as exc:
+            if fault is None or not fault(key, exc):
+                raise
+            continue
+        save_trials(seat.group, checkpoints, every)
+        if not seat.group.n:
+            del seats[key]
+
+
+def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dict[int, float],
                checkpoints: TrialCheckpoints | None = None) -> None:  # fmt: skip
     """One turn of continuous batching: one fused step of ``group``, the evaluations that are
     due, and each ended trial told and its slot refilled (or dropped; a trial that has a
@@ -239,10 +292,14 @@ class _Hosted:
         self.compile = options.compile  # "auto": each key's first group here decides (not said)
         self.every = options.checkpoint_every or 0
         self.fuse, self.source, self.checkpoints = fuse, source, checkpoints
-        self.groups: dict[tuple, FusedGroup] = {}
-        self.joined: dict[tuple, dict[int, float]] = {}
+        self.seats: dict[tuple, Seat] = {}
         self.built: dict[tuple, FusedGroup] = {}  # key -> its last group (for like=)
         self.rounds = 0
+
+    @property
+    def groups(self) -> dict[tuple, Any]:
+        """Each key's live group."""
+        return {key: seat.group for key, seat in self.seats.items()}
 
     @property
     def n(self) -> int:
@@ -255,11 +312,11 @@ class _Hosted:
             by_key.setdefault(group_key(m[1], self.task), []).append(tuple(m))
         for key, ms in by_key.items():
             like = self.built.get(key)
-            self.groups[key] = self.built[key] = make_group(
+            group = self.built[key] = make_group(
                 self.task, ms, self.options, device=self.device, like=like,
                 compile=like.compile if like is not None else self.compile,
                 capacity=self.fuse)  # fmt: skip
-            self.joined[key] = {m[0]: time.perf_counter() for m in ms}
+            self.seats[key] = Seat(group, self.source, {m[0]: time.perf_counter() for m in ms})
         return [self.groups[k] for k in by_key]
 
     def admit(self) -> None:
@@ -271,9 +328,10 @@ class _Hosted:
                 (group,) = self.build([(number, params, seed)])
                 resume_slot(group, 0, self.checkpoints)
                 continue
-            slot = self.groups[key].add(number, params, seed)
-            resume_slot(self.groups[key], slot, self.checkpoints)
-            self.joined[key][number] = time.perf_counter()
+            seat = self.seats[key]
+            slot = seat.group.add(number, params, seed)
+            resume_slot(seat.group, slot, self.checkpoints)
+            seat.joined[number] = time.perf_counter()
 
     def fill(self, capacity: int) -> None:
         """Ask the driver for trials of any key while this worker has fewer than ``capacity``
@@ -288,12 +346,8 @@ class _Hosted:
         self.fill(capacity)
         self.admit()
         live, asking = self.n, self.source.asking
-        for key, group in list(self.groups.items()):
-            step_slots(group, self.source, fuse=self.fuse, joined=self.joined[key],
-                       checkpoints=self.checkpoints)  # fmt: skip
-            save_trials(group, self.checkpoints, self.every)
-            if not group.n:
-                del self.groups[key], self.joined[key]
+        play_round(self.seats, fuse=lambda key: self.fuse, checkpoints=self.checkpoints,
+                   every=self.every)  # fmt: skip
         self.source.occupancy.add(1, live, asking)
         self.rounds += 1
 

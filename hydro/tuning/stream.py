@@ -23,17 +23,12 @@ import torch
 from optuna.trial import TrialState
 
 from hydro.tuning.faults import Faults, describe
-from hydro.tuning.options import TuneOptions
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key
 from hydro.tuning.loop import make_group
+from hydro.tuning.options import TuneOptions
 from hydro.tuning.sizing import FuseSize, fuse_sizes
-from hydro.tuning.slots import (
-    resume_slot,
-    save_trials,
-    step_slots,
-)
+from hydro.tuning.slots import Seat, play_round, resume_slot
 from hydro.tuning.space import check_names, sample
-from hydro.tuning.task import Task
 from hydro.tuning.study import (
     _after_tell,
     _ask,
@@ -45,6 +40,7 @@ from hydro.tuning.study import (
     _seed_sampler,
     _tell,
 )
+from hydro.tuning.task import Task
 
 __all__ = ["Where"]
 
@@ -196,22 +192,8 @@ class _Stream:
             # a group's membership changes only at its own turn: these are the trials this
             # round trains
             live, asking = sum(g.group.n for g in self.live.values()), self.asking
-            for key, g in list(self.live.items()):
-                try:
-                    step_slots(g.group, g, fuse=self.size(key), joined=g.joined,
-                               checkpoints=self.checkpoints)  # fmt: skip
-                except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
-                    self._out_of_memory(key, exc)
-                    continue
-                except Exception as exc:  # noqa: BLE001 - the user's data, loss or metric?
-                    what = describe(exc, self.task)
-                    if what is None:
-                        raise
-                    self.user_fault(key, what, exc=exc)
-                    continue
-                save_trials(g.group, self.checkpoints, self.every)
-                if not g.group.n:
-                    del self.live[key]
+            play_round(self.live, fuse=self.size, checkpoints=self.checkpoints,
+                       every=self.every, fault=self._fault)  # fmt: skip
             if refill:
                 self._fill()
             self.occupancy.add(1, live, asking)
@@ -221,6 +203,18 @@ class _Stream:
                     for m in g.group.members:
                         self.bar.stepped(m.id, m.step)
                 self.bar.update()
+
+    def _fault(self, key: tuple, exc: BaseException) -> bool:
+        """A group's turn raised: out of memory (its trials start afresh in smaller groups) or
+        the user's code (its trials fail); ``False`` for anything else, which stops the run."""
+        if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+            self._out_of_memory(key, exc)
+            return True
+        what = describe(exc, self.task)  # the user's data, loss, metric or training function?
+        if what is None:
+            return False
+        self.user_fault(key, what, exc=exc)
+        return True
 
     def _fill(self, limit: int | None = None) -> None:
         """Ask trials into ``pending`` while the device has room (at most ``limit``)."""
@@ -450,13 +444,14 @@ def start_group(
     return _InProcess(stream, gid, group, {t.number: t for t, _ in members}, refill=refill)
 
 
-class _InProcess:
-    """A group training in the driver's own process, and its trial source (see
-    :func:`hydro.tuning.slots.step_slots`)."""
+class _InProcess(Seat):
+    """A group training in the driver's own process, seated in the stream's rounds, and its
+    own trial source (:class:`hydro.tuning.slots.TrialSource`)."""
 
     def __init__(self, stream: _Stream, gid: int, group: FusedGroup,
                  trials: dict[int, optuna.Trial], refill: bool = True) -> None:  # fmt: skip
         self.stream, self.gid, self.group, self.trials = stream, gid, group, trials
+        self.source = self
         self.refills = refill
         self.joined = {n: time.perf_counter() for n in trials}  # for each trial's group_seconds
 

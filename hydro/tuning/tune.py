@@ -7,7 +7,7 @@ import datetime
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,6 @@ from torch import nn
 from hydro._version import __version__
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
-from hydro.fx.floor import task_ratio
 from hydro.tuning.driver import make_executor, refuse_directions
 from hydro.tuning.fingerprint import recipe_for
 from hydro.tuning.group import group_key
@@ -358,7 +357,8 @@ def tune(
                               "needs the model it trains (an nn.Module or a factory)")  # fmt: skip
         if "steps" not in loop_args:
             raise ConfigError("hydro.tune(train, space, model=..., steps=N): give the training "
-                              "steps of each trial (the iterations of `for step in run`)")  # fmt: skip
+                              "steps of each trial (the iterations of "
+                              "`for step in run`)")  # fmt: skip
         trainer = Loop(train=trainer, model=model, **loop_args)
     else:
         raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "

@@ -4,7 +4,6 @@ an executor's workers import them)."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ def train(run: hydro.Run) -> None:
     opt = run.register(hydro.optim.Adam(run.model.parameters(), lr=run.hparam("lr"),
                                         betas=(run.hparam("beta1", 0.9), 0.999)))  # fmt: skip
     sched = run.register(hydro.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=run.steps))
-    for step in run:
+    for _ in run:
         opt.zero_grad()
         for _ in range(2):
             x, y = run.batch()
@@ -60,7 +59,9 @@ def train(run: hydro.Run) -> None:
             for p, number in enumerate(run.trials):
                 if number is not None:
                     RECORD[(number, run.step[p] + 1)] = {
-                        "model": run.model.trial_state(p), "opt": opt.trial_state(p)}
+                        "model": run.model.trial_state(p),
+                        "opt": opt.trial_state(p),
+                    }
         if run.due:
             run.report(evaluate(run))
 
@@ -72,7 +73,7 @@ def slow_train(run: hydro.Run) -> None:
     marker = os.environ.get("HYDRO_TEST_MARKER", "")
     opt = run.register(hydro.optim.SGD(run.model.parameters(), lr=run.hparam("lr"),
                                        momentum=0.9))  # fmt: skip
-    for step in run:
+    for _ in run:
         x, y = run.batch()
         loss = hydro.trial_loss(F.cross_entropy, run.model(x, shared=False), y, shared=False)
         opt.zero_grad()
@@ -82,15 +83,6 @@ def slow_train(run: hydro.Run) -> None:
             Path(marker).write_text(str(os.getpid()))
             while True:  # the test SIGKILLs this process here
                 time.sleep(0.1)
-        if run.due:
-            run.report(evaluate(run))
-
-
-def dies(run: hydro.Run) -> None:
-    """SIGKILLs its (worker) process at the fifth step."""
-    for step in run:
-        if step == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
         if run.due:
             run.report(evaluate(run))
 

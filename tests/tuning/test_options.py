@@ -3,7 +3,6 @@ table's, bad values are one clear error, and an option reaches the workers."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -31,7 +30,7 @@ def test_every_option_with_a_flag_is_a_flag_of_hydro_tune_with_its_help():
     parser = build_parser()
     tune = parser._subparsers._group_actions[0].choices["tune"]
     flags = {a.option_strings[0]: a for a in tune._actions if a.option_strings}
-    for name, default, meta in TuneOptions.rows():
+    for name, _, meta in TuneOptions.rows():
         if not meta["flag"]:
             continue
         action = flags[meta["flag"]]

@@ -64,14 +64,20 @@ def test_fused_loop_equals_each_trial_alone_step_by_step_refills_included():
             for step in range(1, last + 1):
                 a, b = loops.RECORD[(t.number, step)], fused[(t.number, step)]
                 for name, value in a["model"].items():
-                    torch.testing.assert_close(b["model"][name], value, rtol=1e-12, atol=1e-14,
-                                               msg=f"trial {t.number} step {step}: {name}")
+                    torch.testing.assert_close(
+                        b["model"][name],
+                        value,
+                        rtol=1e-12,
+                        atol=1e-14,
+                        msg=f"trial {t.number} step {step}: {name}",
+                    )
                 for sa, sb in zip(a["opt"]["state"], b["opt"]["state"]):
                     for key in sa:
                         torch.testing.assert_close(sb[key], sa[key], rtol=1e-12, atol=1e-14)
                 assert a["opt"]["groups"] == b["opt"]["groups"]
             assert t.state.name == "PRUNED" or t.value == pytest.approx(
-                t.intermediate_values[6], rel=0)  # the last report is the result
+                t.intermediate_values[6], rel=0
+            )  # the last report is the result
     finally:
         loops.RECORD = None
 
