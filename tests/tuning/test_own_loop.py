@@ -206,8 +206,9 @@ def test_a_killed_run_resumes_each_trial_from_its_checkpoint(tmp_path, executor)
     trials = study.trials
     assert [t.state.name for t in trials] == ["COMPLETE"] * 3, err
     resumed = [t.user_attrs.get("hydro_resumed_at") for t in trials]
-    # killed at step 7 with checkpoints every 2 steps: each resumes at step 6
-    assert resumed == [6, 6, 6], resumed
+    # killed at step 7 with checkpoints every 2 steps: each trial lost at most 2 (a group that
+    # the placement policy moved saved its trials at the move, and counts from there)
+    assert all(r is not None and 7 - 2 <= r <= 7 for r in resumed), resumed
 
 
 def test_both_doors_record_the_same_study(tmp_path):
