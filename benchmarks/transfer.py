@@ -66,7 +66,7 @@ from examples.charlm.model import gpt  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
 from hydro.fusion import fuse, trial_loss  # noqa: E402
 from hydro.tuning.group import _schedule  # noqa: E402
-from hydro.tuning.tune import spearman  # noqa: E402
+from hydro.tuning.outputs import spearman  # noqa: E402
 
 
 def lr_lambda(warmup: int, steps: int):

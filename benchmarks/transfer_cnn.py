@@ -55,7 +55,7 @@ from benchmarks.transfer import lr_lambda  # noqa: E402
 from examples.cnn.data import load  # noqa: E402
 from examples.cnn.model import deep_cnn  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.tune import spearman  # noqa: E402
+from hydro.tuning.outputs import spearman  # noqa: E402
 
 WIDTH, BLOCKS = 64, 4
 # name -> ("hydro", ratio, depth_ratio) or ("naive", width, blocks)

@@ -38,7 +38,7 @@ import hydro  # noqa: E402
 from benchmarks.transfer import fused_grid  # noqa: E402
 from examples.charlm.data import VOCAB_SIZE, load  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.tune import spearman  # noqa: E402
+from hydro.tuning.outputs import spearman  # noqa: E402
 
 
 class RotaryAttention(nn.Module):

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import hydro  # noqa: E402
 from benchmarks.transfer import lr_lambda  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.tune import spearman  # noqa: E402
+from hydro.tuning.outputs import spearman  # noqa: E402
 
 
 @dataclass

@@ -43,7 +43,7 @@ _LAZY = {
     "Loop": "hydro.tuning.loop",
     "Run": "hydro.tuning.loop",
     "TuneOptions": "hydro.tuning.options",
-    "TuneResult": "hydro.tuning.tune",
+    "TuneResult": "hydro.tuning.outputs",
     "tune": "hydro.tuning.tune",
 }
 

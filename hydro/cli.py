@@ -109,7 +109,7 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
 
     from hydro.coord import coord_check
     from hydro.scaling import guess_inputs
-    from hydro.tuning.tune import check_writable
+    from hydro.tuning.outputs import check_writable
 
     torch.manual_seed(args.seed)  # the model's own initialization too: same seed, same numbers
     model, inputs = _model_and_inputs(args.model)
@@ -198,8 +198,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import optuna
 
     from hydro.tuning import config as config_module
+    from hydro.tuning.outputs import check_writable
     from hydro.tuning.run import run
-    from hydro.tuning.tune import check_writable
 
     if args.output:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
@@ -235,7 +235,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hydro.tuning.tune import check_writable, export
+    from hydro.tuning.outputs import check_writable, export
 
     check_writable(args.output, "export file")
     study = _load_study(args.storage, args.study)
@@ -247,8 +247,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from hydro.tuning.outputs import check_writable
     from hydro.tuning.report import check_report_path, write_report
-    from hydro.tuning.tune import check_writable
 
     check_report_path(args.output)
     check_writable(args.output, "report file")
@@ -450,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # arguments are known to be good. A process that had not loaded torch yet (the console
         # script; not a test or notebook calling main) freezes what the imports leave
         with collector_paused(freeze="torch" not in sys.modules):
+            import hydro.tuning.tune  # noqa: F401 - torch, Optuna and Hydro's tuning, frozen
             from hydro.tuning.signals import terminate_as_interrupt
 
             if args.command == "tune":

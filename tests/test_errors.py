@@ -14,9 +14,9 @@ from torch import nn
 import hydro
 from hydro.errors import ConfigError, DataError, FuseError, HydroWarning, ModelError, StudyError
 from hydro.integrations.optuna import _INTERRUPTED
+from hydro.tuning.outputs import export
 from hydro.tuning.progress import postfix
 from hydro.tuning.report import trial_counts
-from hydro.tuning.tune import export
 
 SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
 

@@ -289,7 +289,7 @@ def test_hf_gpt2_example_tunes_fused_with_its_own_loss(tmp_path):
     """examples/hf_gpt2 as its config states it (smaller: steps, text, trials), end to end."""
     from hydro.integrations.optuna import optimize
     from hydro.tuning.config import load
-    from hydro.tuning.tune import open_study
+    from hydro.tuning.outputs import open_study
 
     spec = yaml.safe_load((ROOT / "examples" / "hf_gpt2" / "tune.yaml").read_text())
     spec["task"].update(steps=4, eval_every=2, batch_size=4)

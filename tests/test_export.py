@@ -16,8 +16,8 @@ from hydro.cli import main
 from hydro.errors import ConfigError
 from hydro.files import replacing, write_text
 from hydro.tuning.lockstep import train_group
+from hydro.tuning.outputs import export
 from hydro.tuning.study import trial_seed
-from hydro.tuning.tune import export
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

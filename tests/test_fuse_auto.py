@@ -17,8 +17,8 @@ from hydro.errors import ConfigError
 from hydro.integrations.optuna import optimize
 from hydro.tuning import sizing
 from hydro.tuning.group import FusedGroup
+from hydro.tuning.outputs import export
 from hydro.tuning.sizing import GIB, MARGIN, MAX_FUSE, fuse_size, fuse_sizes, memory_budget
-from hydro.tuning.tune import export
 from tests import toy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 import hydro
-import hydro.tuning.driver as driver
+import hydro.tuning.engine as driver
 from tests.tuner_child import SPACE, make_task
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

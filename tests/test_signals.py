@@ -18,7 +18,7 @@ import pytest
 from optuna.trial import TrialState
 
 from hydro.cli import main
-from hydro.tuning.driver import optimize
+from hydro.tuning.engine import optimize
 from hydro.tuning.signals import Terminated, terminate_as_interrupt
 from hydro_fluid.executors.scratch import OWNER, claim_mp_tempdir, private_dir, sweep_mp_tempdirs
 from hydro_fluid.executors.worker import start_ticks

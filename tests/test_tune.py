@@ -354,7 +354,7 @@ def test_first_group_trains_alone_so_the_median_pruner_can_act():
 def test_auto_first_group_follows_the_pruners_start_up():
     """``first_group="auto"``: a pruner that waits for completed trials gets its start-up as
     a first group when that is below ``fuse``, on the CPU only; other pruners get none."""
-    from hydro.tuning.driver import auto_first_group
+    from hydro.tuning.engine import auto_first_group
 
     P = optuna.pruners
     assert auto_first_group(P.MedianPruner(), 16) == 5

@@ -17,7 +17,7 @@ from hydro.errors import ConfigError
 from hydro.tuning.config import load
 from hydro.tuning.group import build_members
 from hydro.tuning.lockstep import train_group
-from hydro.tuning.tune import export
+from hydro.tuning.outputs import export
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -151,7 +151,7 @@ def test_cli_flag_overrides_the_config(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_depth_reaches_groups_in_worker_processes() -> None:
-    from hydro.tuning.driver import optimize
+    from hydro.tuning.engine import optimize
     from hydro_fluid import LocalExecutor
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))

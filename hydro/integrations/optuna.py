@@ -1,6 +1,6 @@
 """Optuna's face of Hydro: the fused-group driver and transfer sampling.
 
-:func:`optimize` (from :mod:`hydro.tuning.driver`) runs a study's trials in fused groups with any
+:func:`optimize` (from :mod:`hydro.tuning.engine`) runs a study's trials in fused groups with any
 Optuna sampler, pruner and storage; a :data:`GroupCallback` runs your own loop over each asked
 group. :class:`TransferSampler` starts a study on the full model from the best configurations of
 a surrogate study.
@@ -30,7 +30,7 @@ from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
-from hydro.tuning.driver import (  # noqa: F401 - re-exported: the driver's names as before
+from hydro.tuning.engine import (  # noqa: F401 - re-exported: the driver's names as before
     _INTERRUPTED,
     HEARTBEAT_SECONDS,
     STALE_SECONDS,

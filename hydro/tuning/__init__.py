@@ -1,8 +1,9 @@
 """Tuning, one module a part of a run: its options (:mod:`~hydro.tuning.options`), the one
 function that runs it (:mod:`~hydro.tuning.run`), what it trains (:mod:`~hydro.tuning.task`,
-:mod:`~hydro.tuning.loop`), the engine (driver, stream, fleet, slots, group), the study's
-bookkeeping (:mod:`~hydro.tuning.study`) and the outputs (:mod:`~hydro.tuning.tune`'s result
-and export, :mod:`~hydro.tuning.report`).
+:mod:`~hydro.tuning.loop`), the engine (:mod:`~hydro.tuning.engine`, with stream, fleet,
+slots and group), the study's bookkeeping (:mod:`~hydro.tuning.study`) and the outputs
+(:mod:`~hydro.tuning.outputs`: the result, the export and the check on the full model;
+:mod:`~hydro.tuning.report`).
 
 Names are imported on first use (PEP 562), so :mod:`hydro.tuning.options` loads without torch.
 """
@@ -13,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hydro.tuning.loop import Loop, Run
     from hydro.tuning.options import TuneOptions
+    from hydro.tuning.outputs import TuneResult, export, verify
     from hydro.tuning.task import Task
-    from hydro.tuning.tune import TuneResult, export, tune, verify
+    from hydro.tuning.tune import tune
 
 _LAZY = {"Task": "hydro.tuning.task", "Loop": "hydro.tuning.loop", "Run": "hydro.tuning.loop",
-         "TuneOptions": "hydro.tuning.options", "TuneResult": "hydro.tuning.tune",
-         "export": "hydro.tuning.tune", "tune": "hydro.tuning.tune",
-         "verify": "hydro.tuning.tune"}  # fmt: skip
+         "TuneOptions": "hydro.tuning.options", "TuneResult": "hydro.tuning.outputs",
+         "export": "hydro.tuning.outputs", "tune": "hydro.tuning.tune",
+         "verify": "hydro.tuning.outputs"}  # fmt: skip
 
 __all__ = ["Loop", "Run", "Task", "TuneOptions", "TuneResult", "export", "tune", "verify"]
 

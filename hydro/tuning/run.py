@@ -3,7 +3,7 @@
 ``hydro.tune(...)`` and ``hydro tune CONFIG`` both build a :class:`TuneOptions` and call it,
 so the two doors share every default and every step: checks, the target model built once,
 the ratio resolved, the study opened and its definition checked, the engine
-(:func:`hydro.tuning.driver.drive`), the optional check on the full model.
+(:func:`hydro.tuning.engine.drive`), the optional check on the full model.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(
     door: str = "python",
 ) -> Any:
     """Tune ``trainer`` over ``space`` as ``options`` say; returns a
-    :class:`hydro.tuning.tune.TuneResult`.
+    :class:`hydro.tuning.outputs.TuneResult`.
 
     Args:
         trainer: a :class:`hydro.Task` (Hydro's recipe) or a :class:`hydro.tuning.loop.Loop`
@@ -48,12 +48,12 @@ def run(
         door: ``"python"`` or ``"cli"``: only the wording of the hints in errors.
     """
     from hydro.fx.floor import task_ratio
-    from hydro.tuning.driver import drive, make_executor
+    from hydro.tuning.engine import drive, make_executor
     from hydro.tuning.fingerprint import check_study, fingerprint
     from hydro.tuning.group import check_device
+    from hydro.tuning.outputs import TuneResult, open_study, task_recipe, verify
     from hydro.tuning.progress import wanted
     from hydro.tuning.signals import terminate_as_interrupt
-    from hydro.tuning.tune import TuneResult, open_study, task_recipe, verify
 
     if not isinstance(trainer, (Task, Loop)):
         raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "
@@ -76,7 +76,7 @@ def run(
         raise
     if is_study:
         study = options.study
-        from hydro.tuning.driver import check_single_objective
+        from hydro.tuning.engine import check_single_objective
 
         check_single_objective(study)
     else:

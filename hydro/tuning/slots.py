@@ -2,7 +2,7 @@
 
 :func:`train_slots` steps a fused group, evaluates the members that are due, and hands ended
 trials to a *source* that tells them and fills the freed slots. The driver's own process is
-one source (``hydro.tuning.driver``); an executor's worker is another (:class:`_Remote`, which
+one source (``hydro.tuning.engine``); an executor's worker is another (:class:`_Remote`, which
 asks the driver through ``ctx.request``); a worker hosts one group per key (:class:`_Hosted`),
 and checkpoints them so that a retried worker resumes them bit-identically.
 """

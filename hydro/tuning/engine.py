@@ -235,11 +235,11 @@ def make_executor(executor: Any) -> Any:
     if executor in (None, "inline"):
         return None
     if executor == "local":
-        from hydro_fluid import LocalExecutor
+        from hydro_fluid.executors.local import LocalExecutor
 
         return LocalExecutor()
     if executor == "ray":
-        from hydro_fluid import RayExecutor
+        from hydro_fluid.executors.ray import RayExecutor
 
         return RayExecutor()
     if isinstance(executor, str):

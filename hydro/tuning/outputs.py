@@ -1,0 +1,346 @@
+"""What a tuning run gives back: :class:`TuneResult`, the export of the best hyperparameters
+for the full model (``best.yaml``), the optional check of the top configurations on the full
+model (:func:`verify`), and the study's storage opened with a clear error."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+import yaml
+from optuna.trial import TrialState
+
+from hydro._version import __version__
+from hydro.errors import ConfigError, StorageError, StudyError
+from hydro.files import write_text
+from hydro.tuning.engine import refuse_directions
+from hydro.tuning.fingerprint import recipe_for
+from hydro.tuning.group import group_key
+from hydro.tuning.lockstep import train_group
+from hydro.tuning.options import DEFAULT_STORAGE
+from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
+from hydro.tuning.space import trained_params
+from hydro.tuning.study import trial_seed
+from hydro.tuning.task import Task
+
+__all__ = ["TuneResult", "best_trial", "check_writable", "export", "open_study", "spearman",
+           "training", "verify"]  # fmt: skip
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` found.
+
+    Attributes:
+        study: the Optuna study (its storage holds every trial).
+        ratio: the surrogate width divisor used.
+        verification: with ``verify_top_k``, the full-model check (see :func:`verify`).
+    """
+
+    study: optuna.Study
+    ratio: int
+    verification: dict[str, Any] | None = field(default=None)
+
+    @property
+    def best_trial(self) -> optuna.trial.FrozenTrial:
+        """The best complete trial (:class:`hydro.errors.StudyError` when none completed)."""
+        return best_trial(self.study)
+
+    @property
+    def best_params(self) -> dict[str, Any]:
+        """The best hyperparameters: use them unchanged on the full model."""
+        return trained_params(self.best_trial)
+
+    @property
+    def best_value(self) -> float:
+        """The best surrogate value of the metric."""
+        return float(self.best_trial.value)
+
+    @property
+    def trials(self) -> list[dict[str, Any]]:
+        """One row per trial: number, state, value, parameters, group and fail reason. A trial
+        that stopped with its process is ``WAITING`` until a run takes it up again (an older
+        study's FAIL row for it: ``INTERRUPTED``)."""
+        return [
+            {"number": t.number, "state": "INTERRUPTED" if is_interrupted(t) else t.state.name,
+             "value": t.value, **trained_params(t), "group": t.user_attrs.get("group"),
+             "fail_reason": t.user_attrs.get("fail_reason")}
+            for t in self.study.get_trials(deepcopy=False)
+            if not is_surplus(t)
+        ]  # fmt: skip
+
+    @property
+    def occupancy(self) -> dict[str, Any] | None:
+        """How full the fused groups stayed in the last run (continuous batching): ``fuse``,
+        ``overall`` (mean live trials per fused step over ``fuse``) and ``while_asking`` (the
+        same over the steps taken while the study still had trials to ask), summed over every
+        group (in process or on an executor's workers); ``None`` before any fused step."""
+        occ = self.study.user_attrs.get("hydro_occupancy")
+        return dict(occ) if occ else None
+
+    def export(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Write the best hyperparameters and their provenance to YAML (or JSON by extension)."""
+        return export(self.study, path, verification=self.verification)
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
+    """A study's best complete trial, or a :class:`StudyError` saying why there is none."""
+    try:
+        return study.best_trial
+    except ValueError as exc:
+        counts = trial_counts(study)
+        reasons = [t.user_attrs.get("fail_reason") for t in study.get_trials(deepcopy=False)
+                   if t.state == TrialState.FAIL
+                   and not (is_interrupted(t) or is_surplus(t))]  # fmt: skip
+        first = next((r for r in reasons if r), None)
+        raise StudyError(
+            f"study {study.study_name!r} has no complete trial ({counts['failed']} failed, "
+            f"{counts['pruned']} pruned, {counts['interrupted']} interrupted)"
+            + (f"; first failure: {first}" if first else "")
+            + ". Fix the cause and run it again (finished trials are kept), or see `hydro report`."
+        ) from exc
+
+
+def check_writable(path: str | os.PathLike, what: str = "output file") -> str:
+    """Raise a ConfigError unless ``path`` can be written; checked before any long work."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path!r} is a directory: name a file, e.g. {path}/best.yaml")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot write the {what} {path!r}: directory {folder!r} does not "
+                          "exist. Create it or name another path.")  # fmt: skip
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the {what} {path!r}: {exc.strerror or exc}. Name a "
+                          "path you can write.") from exc  # fmt: skip
+    if not existed:
+        os.remove(path)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write the {what} {path!r}: directory {folder!r} is not "
+                          "writable (the file is written beside its name, then renamed over "
+                          "it). Name a path in a directory you can write.")  # fmt: skip
+    return path
+
+
+def task_recipe(task: Any) -> dict[str, Any]:
+    """What the study trains with besides the searched hyperparameters (kept with the study)."""
+    if not isinstance(task, Task):  # your own training function: its name and length
+        from hydro.tuning.fingerprint import callable_name
+
+        return {"loop": callable_name(task.train), "steps": task.steps,
+                "batch_size": task.batch_size, "eval_every": task.eval_every,
+                "direction": task.direction}  # fmt: skip
+    return {"optimizer": task.optimizer, "scheduler": task.scheduler, "steps": task.steps,
+            "batch_size": task.batch_size, "eval_every": task.eval_every,
+            "loss": task.loss_name, "direction": task.direction}  # fmt: skip
+
+
+def training(params: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    """Everything to train the full model: the optimizer's ``torch.optim`` arguments, the
+    schedule, warm-up, steps and batch size (searched values, else the study's defaults)."""
+    from hydro.tuning.group import DEFAULTS
+
+    if "loop" in recipe:  # your own training function: it reads the hyperparameters itself
+        return {"loop": recipe["loop"], "steps": recipe.get("steps"),
+                "batch_size": int(params.get("batch_size", recipe.get("batch_size", 32)))}
+    kind = recipe.get("optimizer", "adamw")
+    base = DEFAULTS[kind]
+    args: dict[str, Any] = {
+        "lr": float(params.get("lr", base["lr"])),
+        "weight_decay": float(params.get("weight_decay", base["weight_decay"])),
+    }
+    if kind == "sgd":
+        args["momentum"] = float(params.get("momentum", 0.0))
+    else:
+        args["betas"] = [float(params.get("beta1", 0.9)), float(params.get("beta2", 0.999))]
+        args["eps"] = float(params.get("eps", 1e-8))
+    out = {
+        "optimizer": kind,
+        "optimizer_args": args,
+        "scheduler": recipe.get("scheduler", "cosine"),
+        "warmup": int(params.get("warmup", 0)),
+        "steps": recipe.get("steps"),
+        "batch_size": int(params.get("batch_size", recipe.get("batch_size", 32))),
+        "grad_clip": params.get("grad_clip"),
+    }
+    for key in ("dropout", "init_scale", "output_mult"):
+        if key in params:
+            out[key] = params[key]
+    return out
+
+
+def export(
+    study: optuna.Study, path: str | os.PathLike, verification: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write a study's best hyperparameters for the full model, with provenance.
+
+    The file is YAML unless ``path`` ends in ``.json``. Besides the searched
+    ``hyperparameters`` it holds ``training``: the optimizer with its ``torch.optim`` arguments,
+    the scheduler, warm-up, steps and batch size, ready to train the full model (see
+    docs/tuning.md). Returns what was written.
+
+    Raises:
+        StudyError: the study has no complete trial.
+        ConfigError: ``path`` cannot be written.
+    """
+    path = check_writable(path, "export file")
+    best = best_trial(study)
+    counts = trial_counts(study)
+    recipe = recipe_for(study, best.number)  # the one it trained with, if the study changed
+    params = trained_params(best)  # what trained, fixed values of a space function included
+    data: dict[str, Any] = {
+        "hyperparameters": params,
+        "training": training(params, recipe),
+        "provenance": {
+            "study": study.study_name,
+            "trial": best.number,
+            "direction": study.direction.name.lower(),
+            "surrogate_value": best.value,
+            "ratio": best.user_attrs.get("ratio"),
+            "depth_ratio": best.user_attrs.get("depth_ratio", 1),
+            "depth_alpha": best.user_attrs.get("depth_alpha", 1.0),
+            "surrogate_widths": best.user_attrs.get("surrogate_widths"),
+            "surrogate_blocks": best.user_attrs.get("surrogate_blocks"),
+            "fused": best.user_attrs.get("fused"),
+            "fuse": fuse_record(study),
+            "trials_finished": counts["finished"],
+            "trials": {k: counts[k] for k in ("complete", "pruned", "failed", "interrupted")},
+            "hydro_version": __version__,
+            "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+    if params != best.params:  # a space function's fixed or derived values: say what Optuna drew
+        data["provenance"]["searched"] = dict(best.params)
+    if verification:
+        data["verification"] = verification
+    # the whole text first, then one rename: an existing file is never left truncated
+    text = json.dumps(data, indent=2) if path.endswith(".json") else \
+        yaml.safe_dump(data, sort_keys=False)  # fmt: skip
+    write_text(path, text)
+    return data
+
+
+def fuse_record(study: optuna.Study) -> dict[str, Any] | None:
+    """How the last run sized its fused groups: ``fuse`` (a number or ``"auto"``) and, for
+    ``"auto"``, one entry per key and device (batch size, model arguments, ``n``, bytes per
+    trial, fixed bytes, budget, what capped ``n``)."""
+    record = study.user_attrs.get("hydro_fuse")
+    return dict(record) if record else None
+
+
+def open_study(
+    storage: str | None,
+    study_name: str,
+    direction: str,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+) -> optuna.Study:
+    """Create or load a study, with a clear error for a storage that cannot be opened.
+
+    The storage retries a locked database and turns what still fails into one
+    :class:`StorageError` line (:mod:`hydro.tuning.storage`, ``HYDRO_STORAGE_TIMEOUT``).
+    """
+    from hydro.tuning.storage import open_storage
+
+    url = storage or DEFAULT_STORAGE
+    try:
+        # a URL gets the guarded storage; a storage object (a journal file...) is used as given
+        opened = open_storage(url) if isinstance(url, str) else url
+        _refuse_multi_objective(opened, study_name)
+        return optuna.create_study(
+            storage=opened, study_name=study_name, direction=direction,
+            sampler=sampler, pruner=pruner, load_if_exists=True,
+        )  # fmt: skip
+    except (StorageError, ConfigError):
+        raise  # already one line saying what to do
+    except Exception as exc:  # noqa: BLE001 - SQLAlchemy, file system, journal errors...
+        raise StorageError(
+            f"cannot open Optuna storage {url!r}: {type(exc).__name__}: {exc}. Check the URL "
+            "(e.g. sqlite:///path/to/hydro.db, postgresql://user@host/db) and that its "
+            "directory or server is reachable."
+        ) from exc
+
+
+def _refuse_multi_objective(storage: Any, study_name: str) -> None:
+    """An existing multi-objective study of that name: one ConfigError line, before Optuna's
+    own error about overwriting its directions."""
+    try:
+        storage = optuna.storages.get_storage(storage)
+        directions = storage.get_study_directions(storage.get_study_id_from_name(study_name))
+    except KeyError:
+        return  # no such study yet: it is created with one direction
+    refuse_directions(study_name, directions)
+
+
+def verify(
+    task: Task, study: optuna.Study, top_k: int, *, seed: int = 0, device: str = "cpu"
+) -> dict[str, Any]:
+    """Train the full model with a study's ``top_k`` best configurations and compare.
+
+    The full model is the task's model itself (ratio 1: standard parametrization, unmodified),
+    trained by the same loop, fused where the configurations allow.
+
+    Returns:
+        ``{"configs": [{trial, params, surrogate_value, full_value}...], "winner": trial number,
+        "spearman": rank correlation between surrogate and full-model values}``.
+    """
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    reverse = task.direction == "maximize"
+    top = sorted(complete, key=lambda t: t.value, reverse=reverse)[:top_k]
+    if not top:
+        raise ConfigError("no completed trial to verify")
+    groups: dict[tuple, list] = {}
+    for t in top:
+        groups.setdefault(group_key(trained_params(t), task), []).append(t)
+    full: dict[int, float | None] = {}
+    for members in groups.values():
+        outcomes, _ = train_group(task, [trained_params(t) for t in members], ratio=1,
+                                  seeds=[trial_seed(t, seed) for t in members],
+                                  device=device)  # fmt: skip
+        for t, o in zip(members, outcomes):
+            full[t.number] = o.value if o.state == "complete" else None
+    rows = [{"trial": t.number, "params": trained_params(t), "surrogate_value": t.value,
+             "full_value": full[t.number]} for t in top]  # fmt: skip
+    finite = [r for r in rows if r["full_value"] is not None and math.isfinite(r["full_value"])]
+    pick = max if reverse else min
+    winner = pick(finite, key=lambda r: r["full_value"])["trial"] if finite else None
+    rho = spearman([r["surrogate_value"] for r in finite], [r["full_value"] for r in finite])
+    return {"configs": rows, "winner": winner, "spearman": rho}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman rank correlation (average ranks for ties, NaN ranked worst, as a diverged run);
+    None for fewer than 2 points."""
+    if len(a) < 2:
+        return None
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        v = [math.inf if math.isnan(x) else float(x) for x in v]
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else None
