@@ -1,9 +1,11 @@
 """Optuna's face of Hydro: the fused-group driver and transfer sampling.
 
 :func:`optimize` (from :mod:`hydro.tuning.engine`) runs a study's trials in fused groups with any
-Optuna sampler, pruner and storage; a :data:`GroupCallback` runs your own loop over each asked
-group. :class:`TransferSampler` starts a study on the full model from the best configurations of
-a surrogate study.
+Optuna sampler, pruner and storage, for a :class:`hydro.Task` or your own training function (a
+:class:`hydro.Loop`, docs/own-loop.md); its options are ``hydro.tune``'s
+(:class:`hydro.TuneOptions`). A :data:`GroupCallback` instead trains each asked batch of trials
+itself, without Hydro's surrogates. :class:`TransferSampler` starts a study on the full model
+from the best configurations of a surrogate study.
 
 Example:
     >>> import optuna, torch, hydro
@@ -30,7 +32,7 @@ from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
-from hydro.tuning.engine import (  # noqa: F401 - re-exported: the driver's names as before
+from hydro.tuning.engine import (  # noqa: F401 - re-exported: the engine's names as before
     _INTERRUPTED,
     HEARTBEAT_SECONDS,
     STALE_SECONDS,
