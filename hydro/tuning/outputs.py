@@ -151,8 +151,11 @@ def training(params: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
     from hydro.tuning.group import DEFAULTS
 
     if "loop" in recipe:  # your own training function: it reads the hyperparameters itself
-        return {"loop": recipe["loop"], "steps": recipe.get("steps"),
-                "batch_size": int(params.get("batch_size", recipe.get("batch_size", 32)))}
+        return {
+            "loop": recipe["loop"],
+            "steps": recipe.get("steps"),
+            "batch_size": int(params.get("batch_size", recipe.get("batch_size", 32))),
+        }
     kind = recipe.get("optimizer", "adamw")
     base = DEFAULTS[kind]
     args: dict[str, Any] = {
