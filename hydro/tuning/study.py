@@ -366,12 +366,13 @@ def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str,
 def _sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     """Remove the trial checkpoints no trial will resume from: those of finished trials,
     except an interrupted trial's while its re-ask waits (or was just asked by another
-    process, which is about to take the file over). Returns how many."""
+    process, which is about to take the file over), and the half-written files of killed
+    writers. Returns how many."""
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     waiting = {t.user_attrs.get(_RETRY_OF) for t in trials.values()
                if t.state in (TrialState.WAITING, TrialState.RUNNING)}  # fmt: skip
     waiting |= {n for n, t in trials.items() if t.state == TrialState.WAITING}  # put back
-    removed = 0
+    removed = checkpoints.sweep_partial()
     for number in checkpoints.numbers():
         t = trials.get(number)
         if t is not None and (t.state == TrialState.RUNNING or number in waiting):
