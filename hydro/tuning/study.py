@@ -261,12 +261,8 @@ def _to_waiting(study: optuna.Study, t: FrozenTrial) -> bool:
     storage = study._storage
     backend = getattr(storage, "_backend", storage)  # Optuna's cache around a database
     if isinstance(backend, RDBStorage) and t.datetime_start is not None:
-        if put_back_if_same(backend, t._trial_id, t.datetime_start):
-            return True
-        now = storage.get_trial(t._trial_id)  # the database compares times otherwise?
-        if now.state != TrialState.RUNNING or now.datetime_start != t.datetime_start:
-            return False
-    elif isinstance(storage, InMemoryStorage):
+        return put_back_if_same(backend, t._trial_id, t.datetime_start)
+    if isinstance(storage, InMemoryStorage):
         with storage._lock:
             now = storage.get_trial(t._trial_id)
             if now.state != TrialState.RUNNING or now.datetime_start != t.datetime_start:
