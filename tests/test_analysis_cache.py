@@ -149,7 +149,7 @@ def _damage(path: str, damage: str) -> None:
     if damage == "truncated":
         open(path, "wb").write(text[: len(text) // 2])
         return
-    data = json.loads(text)
+    data = json.loads(text.partition(b"\n")[2])  # after the line of its HMAC
     values = data["values"]["train"]
     if damage == "other_key":
         data["key"] = "0" * 40
@@ -164,7 +164,10 @@ def _damage(path: str, damage: str) -> None:
         values[node]["T"][3] = "__import__"
     else:  # a value of a kind a fake run never gives
         values[next(iter(values))] = {"code": "os.system('x')"}
-    open(path, "w").write(json.dumps(data))
+    # signed again with this user's secret: what the checks behind the HMAC catch
+    text = json.dumps(data).encode()
+    k = os.path.basename(path)[: -len(cache.ANALYSIS_SUFFIX)]
+    open(path, "wb").write(cache._mac(cache._secret(), k, text).encode() + b"\n" + text)
 
 
 @pytest.mark.parametrize(

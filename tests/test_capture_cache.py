@@ -181,9 +181,14 @@ def test_misses_when_a_submodule_class_in_another_file_changes(exports, monkeypa
 
 
 def _rewrite(path: str, name: str, data: bytes) -> None:
+    """Replace the entry's member ``name``, the entry signed again with this user's secret: what
+    the checks behind its HMAC catch (tests/test_cache_trust.py: an entry changed unsigned)."""
     with zipfile.ZipFile(path) as z:
         items = {i: z.read(i) for i in z.namelist()}
     items[name] = data
+    k = os.path.basename(path)[: -len(cache.SUFFIX)]
+    parts = [items[i] for i in ("meta.json", "graph.json", "constants.pt")]
+    items["mac"] = cache._mac(cache._secret(), k, *parts).encode()
     with zipfile.ZipFile(path, "w") as z:
         for i, d in items.items():
             z.writestr(i, d)
@@ -323,7 +328,8 @@ def test_writers_of_one_key_at_once_leave_one_whole_entry(exports):
     for t in threads:
         t.join()
     assert not errors and all(e is not None for e in loaded)
-    assert os.listdir(cache.directory()) == [key + cache.SUFFIX]  # no temporary files left
+    # no temporary files left (beside the entry: the secret its HMAC is made with)
+    assert sorted(os.listdir(cache.directory())) == [cache.KEY_FILE, key + cache.SUFFIX]
 
 
 def test_the_key_is_the_same_in_another_process():

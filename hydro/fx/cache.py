@@ -25,6 +25,13 @@ with ``weights_only``) and the names and shapes of the model's tensors it reads;
 cannot be read, does not match its key or does not fit the live model is captured again and
 overwritten, with one warning.
 
+An entry is bound to what produced it: it carries an HMAC, keyed by a secret this user's Hydro
+keeps in the directory (``.hydro-cache-key``, mode 0600), of its key and every byte it holds;
+one that does not carry the right one (changed since it was written, written by anyone else, or
+by anything but Hydro) is captured again, never trained. The directory itself must belong to
+this user and be writable by nobody else (as a checkpoint directory): otherwise the cache is
+neither read nor written, with one warning saying what to do.
+
 Beside a program's entries, ``<key>.hydro-wa`` holds a width analysis of them
 (:func:`analysis_key`, :func:`load_analysis`, :func:`store_analysis`): the values of the
 fake runs ``hydro.scale`` makes of the target's graphs, as JSON, written once a surrogate built
@@ -41,10 +48,14 @@ import contextlib
 import enum
 import functools
 import hashlib
+import hmac
 import io
 import json
 import os
+import secrets
+import stat
 import sys
+import tempfile
 import types
 import warnings
 import zipfile
@@ -58,11 +69,13 @@ from torch.utils._pytree import tree_flatten
 from hydro._version import __version__
 from hydro.errors import HydroError, HydroWarning
 from hydro.fx import serial
+from hydro_fluid.executors.scratch import check_private
 
-SCHEMA = 4  # bump when what an entry holds, or what the key covers, changes
+SCHEMA = 5  # bump when what an entry holds, or what the key covers, changes
 SUFFIX = ".hydro-ep"
 ANALYSIS_SUFFIX = ".hydro-wa"  # a width analysis's fake runs (see analysis_key)
 ENV_DIR, ENV_SWITCH = "HYDRO_CACHE_DIR", "HYDRO_CACHE"
+KEY_FILE = ".hydro-cache-key"  # this user's secret: every entry carries an HMAC made with it
 _OFF = ("0", "false", "no", "off")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -388,6 +401,76 @@ def _path(k: str) -> str:
     return os.path.join(directory(), k + SUFFIX)
 
 
+def _private() -> bool:
+    """Whether the cache directory, if it exists, is this user's alone: whoever else can write
+    there could plant a graph that training would run. If not, warned once: not used."""
+    folder = directory()
+    if not os.path.isdir(folder):
+        return True
+    try:
+        check_private(folder, "capture cache directory", holds="captured graphs",
+                      other=f"another {ENV_DIR} (or set {ENV_SWITCH}=0)")  # fmt: skip
+    except PermissionError as exc:
+        if folder not in _warned:
+            _warned.add(folder)
+            warnings.warn(HydroWarning(f"{exc}; capturing without the cache until then"),
+                          stacklevel=4)  # fmt: skip
+        return False
+    return True
+
+
+def _secret(create: bool = False) -> bytes | None:
+    """This user's secret for the cache directory (made by the first writer if ``create``), or
+    ``None``: none yet, or a file this user did not write alone (then replaced if ``create``)."""
+    path = os.path.join(directory(), KEY_FILE)
+    secret = _read_secret(path)
+    if secret is not None or not create:
+        return secret
+    fd, tmp = tempfile.mkstemp(prefix=f"{KEY_FILE}.", dir=directory())  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+        try:
+            os.link(tmp, path)  # only where there is none: racing writers agree on the first
+        except OSError:
+            if _read_secret(path) is None:  # not one of ours, or no hard links here
+                os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    return _read_secret(path)
+
+
+def _read_secret(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+        if not (mine and stat.S_ISREG(st.st_mode)) or st.st_mode & 0o077:
+            return None
+        data = f.read(33)
+    return data if len(data) == 32 else None
+
+
+def _mac(secret: bytes, k: str, *parts: bytes) -> str:
+    """The HMAC binding an entry's bytes to its key (each part length-prefixed)."""
+    h = hmac.new(secret, k.encode(), hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def _check_mac(k: str, mac: Any, *parts: bytes) -> None:
+    secret = _secret()
+    if secret is None or not isinstance(mac, str) \
+            or not hmac.compare_digest(mac, _mac(secret, k, *parts)):  # fmt: skip
+        raise ValueError("was not written by this user's Hydro, or changed since")
+
+
 def _warn(path: str, why: str, again: str = "capturing the model again") -> None:
     if path in _warned:
         return
@@ -413,6 +496,9 @@ def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphM
     live tensors, or ``None`` (not there, or not usable: then warned, and the caller exports and
     stores again)."""
     path = _path(k)
+    if not _private():
+        stats["misses"] += 1
+        return None
     try:
         archive = zipfile.ZipFile(path)
     except FileNotFoundError:
@@ -423,13 +509,15 @@ def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphM
         return None
     try:
         with archive:
-            meta = json.loads(archive.read("meta.json"))
+            parts = [archive.read(n) for n in ("meta.json", "graph.json", "constants.pt")]
+            _check_mac(k, archive.read("mac").decode(), *parts)
+            meta = json.loads(parts[0])
             if meta.get("key") != k or meta.get("schema") != SCHEMA:
                 raise ValueError("was written for another key or cache version")
             if meta.get("torch") != torch.__version__ or meta.get("hydro") != _hydro_version():
                 raise ValueError("was written by another torch or Hydro version")
-            graph = json.loads(archive.read("graph.json"))
-            consts = archive.read("constants.pt")
+            graph = json.loads(parts[1])
+            consts = parts[2]
         live = _live(model)
         attrs: dict[str, torch.Tensor] = {}
         for target, want in meta["tensors"].items():  # the graph reads these from the model
@@ -489,11 +577,13 @@ def _store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
             "tensors": tensors,
             "devices": {t: str(_attr(gm, t).device) for t in own}}  # fmt: skip
 
-    def write(tmp: str) -> None:
+    def write(tmp: str, secret: bytes) -> None:
+        parts = (json.dumps(meta).encode(), json.dumps(graph, separators=(",", ":")).encode(),
+                 consts.getvalue())  # fmt: skip
         with zipfile.ZipFile(tmp, "w") as z:
-            z.writestr("meta.json", json.dumps(meta))
-            z.writestr("graph.json", json.dumps(graph, separators=(",", ":")))
-            z.writestr("constants.pt", consts.getvalue())
+            for name, part in zip(("meta.json", "graph.json", "constants.pt"), parts):
+                z.writestr(name, part)
+            z.writestr("mac", _mac(secret, k, *parts))
 
     if not _write(_path(k), write):
         return False
@@ -502,15 +592,18 @@ def _store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
 
 
 def _write(path: str, write: Any) -> bool:
-    """``write(tmp)`` a whole entry, then put it at ``path``; ``False`` (warned once) when the
-    directory cannot be written."""
+    """``write(tmp, secret)`` a whole entry, then put it at ``path``; ``False`` (warned once)
+    when the directory cannot be written or is not this user's alone."""
     from hydro.files import replacing
 
     folder = directory()
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
+        secret = _secret(create=True) if _private() else None
+        if secret is None:
+            return False
         with replacing(path) as tmp:
-            write(tmp)
+            write(tmp, secret)
     except (OSError, HydroError) as exc:
         if folder not in _warned:
             _warned.add(folder)
@@ -684,6 +777,9 @@ def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
     or not usable: then warned, and the caller runs the analysis and stores it again)."""
     path = _analysis_path(k)
     again = "running the width analysis again"
+    if not _private():
+        stats["analysis_misses"] += 1
+        return None
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -694,6 +790,8 @@ def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
         _rebuilt(path, f"cannot be read ({type(exc).__name__})", again)
         return None
     try:
+        mac, _, text = text.partition(b"\n")  # the HMAC's line, then the entry's JSON
+        _check_mac(k, mac.decode(), text)
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("key") != k or data.get("schema") != SCHEMA:
             raise ValueError("was written for another key or cache version")
@@ -721,9 +819,10 @@ def store_analysis(k: str, cap: nn.Module, values: Mapping[torch.fx.Node, Any]) 
     entry = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
              "values": data}  # fmt: skip
 
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(entry, f, separators=(",", ":"))
+    def write(tmp: str, secret: bytes) -> None:
+        text = json.dumps(entry, separators=(",", ":")).encode()
+        with open(tmp, "wb") as f:
+            f.write(_mac(secret, k, text).encode() + b"\n" + text)
 
     if not _write(_analysis_path(k), write):
         return False

@@ -12,6 +12,8 @@ A checkpoint holds only tensors and plain containers of numbers and strings, and
 with ``torch.load(weights_only=True)``: a file planted in the checkpoint directory cannot run
 code, it is refused with :class:`CheckpointError`. Files are written atomically (a temporary
 file, then ``os.replace``) in a directory created only the user can enter (mode ``0o700``).
+A save that fails removes its temporary file; one a killed writer left (``.trial-N.pt.PID.tmp``)
+is removed by the next run (:meth:`TrialCheckpoints.sweep_partial`).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ import torch
 from hydro.errors import HydroError, HydroWarning
 from hydro_fluid.executors.scratch import check_private as _check_private
 from hydro_fluid.executors.scratch import private_dir as _private_dir
+from hydro_fluid.executors.worker import _alive
 
 __all__ = ["CheckpointError", "TrialCheckpoints", "default_root", "for_study", "load", "save",
            "rng_state", "set_rng_state", "study_id"]  # fmt: skip
 
 FILE = "group.pt"
 STUDY_UID = "hydro_study_uid"  # the study's user attr naming its checkpoint directory
+PARTIAL_SECONDS = 60.0  # a temporary file not written for this long is no save in progress
+_PARTIAL = re.compile(r"\.trial-\d+\.pt\.(\d+)\.tmp")
 
 
 class CheckpointError(HydroError, RuntimeError):
@@ -71,9 +76,19 @@ def save(directory: str | os.PathLike, state: dict[str, Any]) -> Path:
     """Write ``state`` to ``directory/group.pt`` atomically; returns the file."""
     d = private_dir(directory)
     tmp = d / f".{FILE}.{os.getpid()}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, d / FILE)
+    _save_whole(state, tmp, d / FILE)
     return d / FILE
+
+
+def _save_whole(state: dict[str, Any], tmp: Path, target: Path) -> None:
+    """``torch.save`` to ``tmp``, then rename it to ``target``; a failed save (a full disk,
+    Ctrl-C) removes ``tmp``."""
+    try:
+        torch.save(state, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, target)
 
 
 def load(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -149,11 +164,31 @@ class TrialCheckpoints:
         """Write a trial's state (:meth:`FusedGroup.trial_state`) atomically."""
         target = self.path(state["id"])
         tmp = self.directory / f".{target.name}.{os.getpid()}.tmp"
+        state = {**state, "study": self.study}
         try:
-            torch.save({**state, "study": self.study}, private_dir(self.directory) / tmp.name)
+            private_dir(self.directory)
+            _save_whole(state, tmp, target)
         except FileNotFoundError:  # another tuner of the study removed the empty directory
-            torch.save({**state, "study": self.study}, private_dir(self.directory) / tmp.name)
-        os.replace(tmp, target)
+            private_dir(self.directory)
+            _save_whole(state, tmp, target)
+
+    def sweep_partial(self) -> int:
+        """Remove the temporary files of saves that never finished (a writer killed
+        mid-write): those not written for :data:`PARTIAL_SECONDS` whose writer is no live
+        process here. A fresh one may be a save in progress on another machine sharing the
+        directory, whose pid means nothing here. Returns how many."""
+        removed, now = 0, time.time()
+        for path in self.directory.glob(".trial-*.tmp"):
+            match = _PARTIAL.fullmatch(path.name)
+            try:
+                idle = now - path.stat().st_mtime
+            except FileNotFoundError:  # renamed meanwhile: its save finished
+                continue
+            if match is None or idle < PARTIAL_SECONDS or _alive(int(match.group(1)), None):
+                continue
+            path.unlink(missing_ok=True)
+            removed += 1
+        return removed
 
     def tidy(self) -> None:
         """Remove this study's directory once it holds nothing (files set aside stay)."""

@@ -20,15 +20,20 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TypeVar
 
 import optuna
 from optuna.storages import RDBStorage
+from optuna.storages._rdb import models
+from optuna.storages._rdb.storage import _create_scoped_session
+from optuna.trial import TrialState
 from sqlalchemy import exc as sa_exc
 
 from hydro.errors import ConfigError, StorageError
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "open_storage", "storage_timeout"]
+__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "open_storage", "put_back_if_same",
+           "storage_timeout"]  # fmt: skip
 
 ENV_TIMEOUT = "HYDRO_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -216,6 +221,53 @@ for _name in _GUARDED:
     if callable(_method) and _name not in ("remove_session", "get_heartbeat_interval",
                                            "get_heartbeat_stale_trial_callback"):  # fmt: skip
         setattr(GuardedStorage, _name, _guarded(_method))
+
+
+def _set_trial_state_values(self: GuardedStorage, trial_id: int, state: TrialState,
+                            values: Any = None) -> bool:  # fmt: skip
+    """Optuna's ``set_trial_state_values``, where taking a WAITING trial (``study.ask``) is one
+    conditional UPDATE: Optuna reads the state, then writes it, and SQLite has no ``SELECT ...
+    FOR UPDATE``, so two processes that read the same WAITING row both took it."""
+    if state != TrialState.RUNNING or values is not None:
+        return RDBStorage.set_trial_state_values(self, trial_id, state, values)
+    with _create_scoped_session(self.scoped_session) as session:
+        if _swap_state(session, trial_id, TrialState.WAITING, TrialState.RUNNING):
+            # the row is this transaction's now: the start time through Optuna's own column
+            row = models.TrialModel.find_or_raise_by_id(trial_id, session)
+            row.datetime_start = datetime.now()
+            return True
+    self.check_trial_is_updatable(trial_id, self.get_trial(trial_id).state)  # finished: raises
+    return False
+
+
+GuardedStorage.set_trial_state_values = _guarded(_set_trial_state_values)  # type: ignore[method-assign]
+
+
+def _swap_state(session: Any, trial_id: int, old: TrialState, new: TrialState) -> bool:
+    """Set the trial's state from ``old`` to ``new`` in one UPDATE (it holds the row, or on
+    SQLite the database, until the transaction ends); False if its state was not ``old``."""
+    trial = models.TrialModel
+    return bool(session.query(trial).filter(trial.trial_id == trial_id, trial.state == old)
+                .update({trial.state: new}, synchronize_session=False))  # fmt: skip
+
+
+def put_back_if_same(storage: RDBStorage, trial_id: int, started: datetime) -> bool:
+    """Set a RUNNING trial back to WAITING, only if it is still in the take that started at
+    ``started`` (its ``datetime_start`` as read), in one transaction: a process that read it
+    before another put it back and a third took it up again must not undo that take. True if
+    this call put it back."""
+
+    def update() -> bool:
+        with _create_scoped_session(storage.scoped_session) as session:
+            if not _swap_state(session, trial_id, TrialState.RUNNING, TrialState.WAITING):
+                return False
+            if models.TrialModel.find_or_raise_by_id(trial_id, session).datetime_start \
+                    != started:  # fmt: skip
+                session.rollback()  # taken up again since it was read
+                return False
+        return True
+
+    return storage._retry(update) if isinstance(storage, GuardedStorage) else update()
 
 
 def open_storage(url: str) -> GuardedStorage:

@@ -8,6 +8,7 @@ Telling goes through here too, so a trial's end is recorded the same way whereve
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -20,12 +21,13 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.samplers._lazy_random_state import LazyRandomState
-from optuna.storages import InMemoryStorage
+from optuna.storages import InMemoryStorage, RDBStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import StorageError
 from hydro.tuning.group import GroupInfo, Outcome
+from hydro.tuning.storage import put_back_if_same
 from hydro_fluid.executors.local import start_ticks
 
 __all__ = ["HEARTBEAT_SECONDS", "STALE_SECONDS", "is_void", "trial_seed"]
@@ -123,6 +125,7 @@ HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0
 _POLL_SECONDS = 0.5
 _OWNER, _BEAT, _RETRY_OF = "hydro_owner", "hydro_heartbeat", "hydro_retry_of"
+_TAKEN = "hydro_taken"  # the datetime_start of the take the owner record belongs to
 _INTERRUPTIONS = "hydro_interrupted"  # times a trial was put back to WAITING
 _SURPLUS = "surplus: other processes sharing the study had already asked n_trials trials"
 _ACTIVE: set[int] = set()  # trial ids some optimize() call in this process is running
@@ -187,6 +190,12 @@ def _me() -> dict[str, Any]:
 
 def _owner_alive(t: FrozenTrial, now: float) -> bool:
     owner = t.user_attrs.get(_OWNER)
+    taken = t.user_attrs.get(_TAKEN)
+    if taken is not None and t.datetime_start is not None \
+            and taken != t.datetime_start.isoformat():  # fmt: skip
+        # put back and taken up again since this owner was recorded: the record is the last
+        # owner's, and the new one records itself right after its ask
+        return now - t.datetime_start.timestamp() < STALE_SECONDS
     # this host's pid table decides only for an owner on this machine (a record written before
     # the machine id was kept counts as this host's, as it did then); any other by heartbeat
     if isinstance(owner, dict) and owner.get("host") == socket.gethostname() \
@@ -232,17 +241,34 @@ def _put_back(study: optuna.Study, trial_id: int, *, owner: Any = None) -> bool:
     storage = study._storage
     try:
         t = storage.get_trial(trial_id)
-        if t.state != TrialState.RUNNING or (owner is not None
-                                             and t.user_attrs.get(_OWNER) != owner):  # fmt: skip
-            return False
+        if t.state != TrialState.RUNNING or (owner is not None and (
+                t.user_attrs.get(_OWNER) != owner or _owner_alive(t, time.time()))):  # fmt: skip
+            return False  # another process's, or being taken by one (not yet recorded)
         storage.set_trial_user_attr(trial_id, _INTERRUPTIONS,
                                     int(t.user_attrs.get(_INTERRUPTIONS, 0)) + 1)  # fmt: skip
-        if not storage.set_trial_state_values(trial_id, TrialState.WAITING):
+        if not _to_waiting(study, t):
             return False
     except UpdateFinishedTrialError:
         return False
     _rewind_queue(study, t.number)
     return True
+
+
+def _to_waiting(study: optuna.Study, t: FrozenTrial) -> bool:
+    """Set RUNNING trial ``t`` (as just read) back to WAITING, unless it was put back and
+    taken up again since (another process's sweep, then another's ask): where the storage can
+    check that in the same write (a database, memory). True if this call did it."""
+    storage = study._storage
+    backend = getattr(storage, "_backend", storage)  # Optuna's cache around a database
+    if isinstance(backend, RDBStorage) and t.datetime_start is not None:
+        return put_back_if_same(backend, t._trial_id, t.datetime_start)
+    if isinstance(storage, InMemoryStorage):
+        with storage._lock:
+            now = storage.get_trial(t._trial_id)
+            if now.state != TrialState.RUNNING or now.datetime_start != t.datetime_start:
+                return False
+            return storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
+    return storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
 
 
 def _rewind_queue(study: optuna.Study, number: int) -> None:
@@ -336,12 +362,13 @@ def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str,
 def _sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     """Remove the trial checkpoints no trial will resume from: those of finished trials,
     except an interrupted trial's while its re-ask waits (or was just asked by another
-    process, which is about to take the file over). Returns how many."""
+    process, which is about to take the file over), and the half-written files of killed
+    writers. Returns how many."""
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     waiting = {t.user_attrs.get(_RETRY_OF) for t in trials.values()
                if t.state in (TrialState.WAITING, TrialState.RUNNING)}  # fmt: skip
     waiting |= {n for n, t in trials.items() if t.state == TrialState.WAITING}  # put back
-    removed = 0
+    removed = checkpoints.sweep_partial()
     for number in checkpoints.numbers():
         t = trials.get(number)
         if t is not None and (t.state == TrialState.RUNNING or number in waiting):
@@ -357,24 +384,46 @@ def _ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  #
 
     Trial numbers are handed out by the storage, so a trial is within budget when fewer than
     ``n_trials`` counting trials have a lower number, whichever process asked them.
+
+    A trial this process already holds (put back from under it, then asked again), or one
+    another process holds once this one recorded itself, is skipped, logged, and another
+    asked: a clash never fails a trial nor puts it twice in a batch.
     """
-    asked = []
-    for _ in range(k):
+    asked: list[optuna.Trial] = []
+    for _ in range(2 * k + 2):  # each clash asks once more; a bounded number of times
+        if len(asked) >= k:
+            break
         if trials is None:
             trials = study.get_trials(deepcopy=False)
         # multivariate samplers draw when asked: seed by the number the trial will most likely get
         _seed_sampler(study.sampler, seed, len(trials))
         trials = None
         t = study.ask()
-        heart.own(t)
-        below = sum(1 for u in study.get_trials(deepcopy=False)
-                    if u.number < t.number and not is_void(u))  # fmt: skip
+        with heart.lock:
+            held = t._trial_id in heart.owned
+        heart.own(t)  # held: its record now names this take
+        if held:
+            _clash(t, "this process already trains it (a sweep had put it back)")
+            continue
+        now = study.get_trials(deepcopy=False)
+        mine = next((u for u in now if u._trial_id == t._trial_id), None)
+        if mine is None or mine.state != TrialState.RUNNING \
+                or mine.user_attrs.get(_OWNER) != heart.me:  # fmt: skip
+            heart.release([t._trial_id])
+            _clash(t, "another process took it meanwhile")
+            continue
+        below = sum(1 for u in now if u.number < t.number and not is_void(u))
         if below >= n_trials:
             _fail(study, t._trial_id, t.number, {}, _SURPLUS, requeue=False)
             heart.release([t._trial_id])
             break
         asked.append(t)
     return asked
+
+
+def _clash(trial: optuna.Trial, why: str) -> None:
+    """Say that an ask skipped ``trial``: rare, and nothing for the user to do."""
+    logging.getLogger("hydro").info(f"trial {trial.number} skipped: {why}")
 
 
 class _Heartbeat:
@@ -415,6 +464,10 @@ class _Heartbeat:
         storage = self.study._storage
         storage.set_trial_user_attr(trial._trial_id, _OWNER, self.me)
         storage.set_trial_user_attr(trial._trial_id, _BEAT, time.time())
+        # last: until it names this take, sweeps take the owner record for the last owner's
+        started = trial._cached_frozen_trial.datetime_start
+        if started is not None:
+            storage.set_trial_user_attr(trial._trial_id, _TAKEN, started.isoformat())
 
     def release(self, ids: Any) -> None:
         ids = set(ids)

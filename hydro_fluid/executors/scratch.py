@@ -49,20 +49,27 @@ def _alive(pid: int, ticks: int | None) -> bool:
     return ticks is None or start_ticks(pid) in (None, ticks)
 
 
-def check_private(path: str | os.PathLike, what: str = "checkpoint directory") -> None:
+def check_private(
+    path: str | os.PathLike,
+    what: str = "checkpoint directory",
+    *,
+    holds: str = "checkpoints",
+    other: str = "another checkpoint_dir",
+) -> None:
     """Raise ``PermissionError`` (one line: the directory, what is wrong, what to do) unless
-    the existing directory ``path`` belongs to this user and only this user can write to it."""
+    the existing directory ``path`` belongs to this user and only this user can write to it.
+    ``holds``: what others could plant there; ``other``: what to choose instead."""
     st = os.stat(path)
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         raise PermissionError(
             f"{what} {os.fspath(path)} belongs to another user (uid {st.st_uid}), who could "
-            "plant or replace checkpoints there: choose another checkpoint_dir of your own"
+            f"plant or replace {holds} there: choose {other} of your own"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(
             f"{what} {os.fspath(path)} is writable by others (mode "
-            f"{stat.S_IMODE(st.st_mode):o}), who could plant or replace checkpoints there: run "
-            f"`chmod 700 {os.fspath(path)}`, or choose another checkpoint_dir"
+            f"{stat.S_IMODE(st.st_mode):o}), who could plant or replace {holds} there: run "
+            f"`chmod 700 {os.fspath(path)}`, or choose {other}"
         )
 
 
