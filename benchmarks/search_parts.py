@@ -31,7 +31,7 @@ PARTS = {  # (module, class, method) -> label
     ("stream", None, "start_group"): "building groups",
     ("group", "FusedGroup", "put"): "refilling slots",
     ("group", "FusedGroup", "add"): "growing groups",
-    ("stream", "_Stream", "_ask"): "asking trials",
+    ("stream", "_Stream", "_ask"): "asking trials",  # its method, over bookkeeping.ask
     ("stream", "_InProcess", "report"): "reporting and pruning",
     ("stream", "_Stream", "tell"): "telling",
 }

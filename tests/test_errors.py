@@ -13,7 +13,7 @@ from torch import nn
 
 import hydro
 from hydro.errors import ConfigError, DataError, FuseError, HydroWarning, ModelError, StudyError
-from hydro.integrations.optuna import _INTERRUPTED
+from hydro.integrations.optuna import INTERRUPTED
 from hydro.tuning.outputs import export
 from hydro.tuning.progress import postfix
 from hydro.tuning.report import trial_counts
@@ -135,7 +135,7 @@ def _study_with(states: list[str]) -> optuna.Study:
         elif s == "pruned":
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
-            trial.set_user_attr("fail_reason", _INTERRUPTED if s == "interrupted" else "boom")
+            trial.set_user_attr("fail_reason", INTERRUPTED if s == "interrupted" else "boom")
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
     return study
 

@@ -15,9 +15,9 @@ import hydro
 from hydro.cli import main
 from hydro.errors import ConfigError
 from hydro.files import replacing, write_text
+from hydro.tuning.bookkeeping import trial_seed
 from hydro.tuning.lockstep import train_group
 from hydro.tuning.outputs import export
-from hydro.tuning.study import trial_seed
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

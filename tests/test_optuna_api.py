@@ -292,27 +292,27 @@ def test_the_html_report_has_a_column_per_hyperparameter():
 def test_a_trial_put_back_or_taken_up_elsewhere_is_not_told_by_its_old_owner():
     """A live process taken for dead (no heartbeat seen) ends its trial after another process
     put it back, or took it up: its tell is dropped instead of raising or overwriting."""
+    from hydro.tuning.bookkeeping import _me, put_back, tell
     from hydro.tuning.group import Outcome
-    from hydro.tuning.study import _me, _put_back, _tell
 
     study = optuna.create_study()
     done = Outcome("complete", 1.0, 1, "")
     for other in ("waiting", "taken"):
         t = study.ask()
         t.set_user_attr("hydro_owner", _me())
-        assert _put_back(study, t._trial_id, owner=_me())
+        assert put_back(study, t._trial_id, owner=_me())
         if other == "taken":
             again = study.ask()
             assert again.number == t.number
             again.set_user_attr("hydro_owner", {**_me(), "pid": -1})
-        assert not _tell(study, t, done, None)
+        assert not tell(study, t, done, None)
         assert study.trials[t.number].state == (TrialState.WAITING if other == "waiting"
                                                 else TrialState.RUNNING)  # fmt: skip
         if other == "taken":
             study.tell(again, 2.0)
     t = study.ask()
     t.set_user_attr("hydro_owner", _me())
-    assert _tell(study, t, done, None) and study.trials[t.number].value == 1.0
+    assert tell(study, t, done, None) and study.trials[t.number].value == 1.0
 
 
 def test_catch_matches_a_workers_exception_by_its_class_name():

@@ -55,8 +55,8 @@ def test_only_dead_owners_trials_are_reclaimed(tmp_path):
                                 hydro_heartbeat=now)  # fmt: skip
     dead_there = _running_trial(study, hydro_owner={"host": "elsewhere", "pid": 1},
                                 hydro_heartbeat=now - driver.STALE_SECONDS - 1)  # fmt: skip
-    assert driver._reclaim_stale(study) == 2
-    assert driver._reclaim_stale(study) == 0  # put back once
+    assert driver.reclaim_stale(study) == 2
+    assert driver.reclaim_stale(study) == 0  # put back once
     trials = study.get_trials(deepcopy=False)
     assert len(trials) == 4  # no new row: the same trials wait to be taken up again
     for number in (live_here, live_there):

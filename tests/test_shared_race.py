@@ -25,7 +25,7 @@ import pytest
 from optuna.storages._rdb import models
 from optuna.trial import TrialState
 
-import hydro.tuning.study as study_mod
+import hydro.tuning.bookkeeping as study_mod
 from hydro.integrations.optuna import is_void
 from hydro.tuning.storage import open_storage
 
@@ -42,7 +42,7 @@ def _put_back_by_a_dead_tuner(study: optuna.Study) -> int:
                                     "machine": study_mod.machine_id(), "pid": DEAD})  # fmt: skip
     t.set_user_attr("hydro_heartbeat", time.time())
     t.set_user_attr("hydro_taken", t._cached_frozen_trial.datetime_start.isoformat())
-    assert study_mod._reclaim_stale(study) == 1
+    assert study_mod.reclaim_stale(study) == 1
     assert study.trials[0].state == TrialState.WAITING
     return t._trial_id
 
@@ -57,19 +57,19 @@ def test_a_sweep_between_the_ask_and_the_owner_record_does_not_take_the_trial_tw
     storage = f"sqlite:///{tmp_path / 's.db'}" if kind == "sqlite" else None
     study = optuna.create_study(storage=storage, study_name="s")
     trial_id = _put_back_by_a_dead_tuner(study)
-    own = study_mod._Heartbeat.own
+    own = study_mod.Heartbeat.own
     swept = []
 
     def own_after_a_sweep(self, trial):  # noqa: ANN001, ANN202
-        swept.append(study_mod._reclaim_stale(study))  # as another tuner would, right now
+        swept.append(study_mod.reclaim_stale(study))  # as another tuner would, right now
         own(self, trial)
 
-    monkeypatch.setattr(study_mod._Heartbeat, "own", own_after_a_sweep)
-    with study_mod._Heartbeat(study) as heart:
+    monkeypatch.setattr(study_mod.Heartbeat, "own", own_after_a_sweep)
+    with study_mod.Heartbeat(study) as heart:
         if batch:  # a group callback's batch, or a fleet's ``more``
-            asked = study_mod._ask(study, 3, 10, 0, heart)
+            asked = study_mod.ask(study, 3, 10, 0, heart)
         else:  # the in-process stream and the fleet ask one trial at a time
-            asked = [t for _ in range(3) for t in study_mod._ask(study, 1, 10, 0, heart)]
+            asked = [t for _ in range(3) for t in study_mod.ask(study, 1, 10, 0, heart)]
         ids = [t._trial_id for t in asked]
         assert len(ids) == len(set(ids)) == 3, f"a trial asked twice: {ids}"
         assert ids[0] == trial_id
@@ -84,13 +84,13 @@ def test_a_trial_this_process_holds_that_is_asked_again_is_skipped_and_logged(ca
     """Whatever let it happen (a storage without an atomic take, a process taken for dead), a
     trial this process already holds is not asked a second time: skipped, with a log line."""
     study = optuna.create_study()
-    with study_mod._Heartbeat(study) as heart:
-        first = study_mod._ask(study, 1, 10, 0, heart)[0]
+    with study_mod.Heartbeat(study) as heart:
+        first = study_mod.ask(study, 1, 10, 0, heart)[0]
         # put back from under this process, as a sweep that took it for dead would
         study._storage.set_trial_state_values(first._trial_id, TrialState.WAITING)
         study_mod._rewind_queue(study, first.number)
         with caplog.at_level("INFO", logger="hydro"):
-            more = study_mod._ask(study, 2, 10, 0, heart)
+            more = study_mod.ask(study, 2, 10, 0, heart)
     assert first.number not in [t.number for t in more] and len(more) == 2
     assert study.trials[first.number].state == TrialState.RUNNING  # still this process's
     assert any(f"trial {first.number}" in r.getMessage() and "skipped" in r.getMessage()
@@ -142,9 +142,9 @@ def test_a_sweep_that_read_the_trial_before_it_was_put_back_and_taken_leaves_it(
                                     "machine": study_mod.machine_id(), "pid": DEAD})  # fmt: skip
     t.set_user_attr("hydro_heartbeat", time.time())
     slow = study._storage.get_trial(t._trial_id)  # the slow sweep's read
-    assert study_mod._reclaim_stale(study) == 1  # the fast sweep
-    with study_mod._Heartbeat(study) as heart:
-        again = study_mod._ask(study, 1, 10, 0, heart)[0]
+    assert study_mod.reclaim_stale(study) == 1  # the fast sweep
+    with study_mod.Heartbeat(study) as heart:
+        again = study_mod.ask(study, 1, 10, 0, heart)[0]
         assert again.number == t.number
         assert not study_mod._to_waiting(study, slow)
         assert study.trials[0].state == TrialState.RUNNING

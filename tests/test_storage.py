@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from optuna.trial import TrialState
 
 import hydro
-import hydro.tuning.study as study_mod
+import hydro.tuning.bookkeeping as study_mod
 from hydro.cli import main
 from tests import toy
 
@@ -234,7 +234,7 @@ def test_owners_on_another_machine_with_this_hostname_are_judged_by_heartbeat(tm
         _running(study, {"host": host, "machine": me, "pid": dead}, now),
         _running(study, {"host": host, "pid": dead}, now),
     ]
-    assert study_mod._reclaim_stale(study) == 3
+    assert study_mod.reclaim_stale(study) == 3
     trials = study.get_trials(deepcopy=False)
     assert [trials[n].state for n in kept] == [TrialState.RUNNING] * 3
     assert [trials[n].state for n in reclaimed] == [TrialState.WAITING] * 3

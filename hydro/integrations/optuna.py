@@ -33,13 +33,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning.engine import (  # noqa: F401 - re-exported: the engine's names as before
-    _INTERRUPTED,
     HEARTBEAT_SECONDS,
+    INTERRUPTED,
     STALE_SECONDS,
     GroupCallback,
-    _reclaim_stale,
     is_void,
     optimize,
+    reclaim_stale,
 )
 
 __all__ = ["GroupCallback", "TransferSampler", "is_void", "optimize"]

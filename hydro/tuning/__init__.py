@@ -1,7 +1,7 @@
 """Tuning, one module a part of a run: its options (:mod:`~hydro.tuning.options`), the one
 function that runs it (:mod:`~hydro.tuning.run`), what it trains (:mod:`~hydro.tuning.task`,
 :mod:`~hydro.tuning.loop`), the engine (:mod:`~hydro.tuning.engine`, with stream, fleet,
-slots and group), the study's bookkeeping (:mod:`~hydro.tuning.study`) and the outputs
+slots and group), the study's bookkeeping (:mod:`~hydro.tuning.bookkeeping`) and the outputs
 (:mod:`~hydro.tuning.outputs`: the result, the export and the check on the full model;
 :mod:`~hydro.tuning.report`).
 

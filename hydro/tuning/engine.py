@@ -21,6 +21,28 @@ from optuna.trial import TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning import checkpoint as _checkpoint
+from hydro.tuning.bookkeeping import (  # noqa: F401 - reclaim_stale, HEARTBEAT_SECONDS, ...: as before
+    HEARTBEAT_SECONDS,
+    INTERRUPTED,
+    POLL_SECONDS,
+    STALE_SECONDS,
+    Heartbeat,
+    after_tell,
+    ask,
+    counts,
+    fail,
+    fail_unfinished,
+    finished,
+    is_void,
+    put_back,
+    reclaim_stale,
+    report_and_ask,
+    seed_and_resume,
+    seed_sampler,
+    sweep_checkpoints,
+    tell,
+    tell_safely,
+)
 from hydro.tuning.fleet import _Fleet
 from hydro.tuning.group import check_device
 from hydro.tuning.loop import Loop
@@ -31,28 +53,6 @@ from hydro.tuning.sizing import MAX_FUSE
 from hydro.tuning.slots import Occupancy
 from hydro.tuning.space import Space, check_space, sample
 from hydro.tuning.stream import Where, _Stream, start_group  # noqa: F401 - tests patch start_group
-from hydro.tuning.study import (  # noqa: F401 - _reclaim_stale, HEARTBEAT_SECONDS, ...: as before
-    _INTERRUPTED,
-    _POLL_SECONDS,
-    HEARTBEAT_SECONDS,
-    STALE_SECONDS,
-    _after_tell,
-    _ask,
-    _counts,
-    _fail,
-    _fail_unfinished,
-    _finished,
-    _Heartbeat,
-    _put_back,
-    _reclaim_stale,
-    _report_and_ask,
-    _seed_and_resume,
-    _seed_sampler,
-    _sweep_checkpoints,
-    _tell,
-    _tell_safely,
-    is_void,
-)
 from hydro.tuning.task import Task
 
 __all__ = ["GroupCallback", "auto_first_group", "drive", "is_void", "make_executor", "optimize"]
@@ -177,29 +177,29 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
     checkpoints = _trial_checkpoints(study, o.checkpoint_dir) if every else None
     start = time.perf_counter()
     steps = trainer.steps if is_task else None  # a callback's steps are its own
-    bar = Progress(study, o.n_trials, _finished, steps) if o.progress else None
+    bar = Progress(study, o.n_trials, finished, steps) if o.progress else None
     occupancy = Occupancy(1 if fuse == "auto" else fuse)  # auto: the largest size, once known
     engine = o.replace(timeout=timeout, first_group=first_group, checkpoint_every=every)
     if checkpoints is not None:  # a dead run's files whose trials were re-asked and told
-        _sweep_checkpoints(study, checkpoints)
+        sweep_checkpoints(study, checkpoints)
     # SIGTERM, while the run is active, stops it as Ctrl-C does (trials requeued, workers
     # stopped, scratch removed); a handler the user installed is left in place
-    with terminate_as_interrupt(), _Heartbeat(study) as heart:
+    with terminate_as_interrupt(), Heartbeat(study) as heart:
         try:
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
                     break
                 if study.user_attrs.get("hydro_sampler_exhausted"):
                     break
-                _reclaim_stale(study)
-                finished, running = _counts(study)
-                budget = o.n_trials - finished - running
+                reclaim_stale(study)
+                done, running = counts(study)
+                budget = o.n_trials - done - running
                 if budget <= 0:
                     if running == 0:
                         break
                     # other live processes are training the rest: wait for them, or for them
                     # to die, in which case their trials are reclaimed above
-                    time.sleep(_POLL_SECONDS)
+                    time.sleep(POLL_SECONDS)
                     if bar is not None:
                         bar.update()
                     continue
@@ -210,7 +210,7 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
                 elif is_task:
                     _Fleet(trainer, space, engine, where).run()
                 else:
-                    trials = _ask(study, min(fuse, budget), o.n_trials, o.base_seed, heart)
+                    trials = ask(study, min(fuse, budget), o.n_trials, o.base_seed, heart)
                     if trials:
                         _run_batch(study, trainer, space, trials, heart, o.callbacks)
                 if bar is not None:
@@ -224,7 +224,7 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
             if bar is not None:
                 bar.close()
             if checkpoints is not None:
-                _sweep_checkpoints(study, checkpoints)
+                sweep_checkpoints(study, checkpoints)
                 checkpoints.tidy()
             if occupancy.steps:
                 study.set_user_attr("hydro_occupancy", occupancy.as_dict())
@@ -280,7 +280,7 @@ def auto_first_group(pruner: optuna.pruners.BasePruner, fuse: int, device: str =
     return startup if startup < int(fuse) else 0
 
 
-def _requeue_owned(study: optuna.Study, heart: _Heartbeat) -> None:
+def _requeue_owned(study: optuna.Study, heart: Heartbeat) -> None:
     """Put back to WAITING every trial this run asked that is still RUNNING: an interrupt can
     land between a trial's ask and the bookkeeping of the group that would have told it, and
     a rerun should not have to wait for such a trial to go stale."""
@@ -288,7 +288,7 @@ def _requeue_owned(study: optuna.Study, heart: _Heartbeat) -> None:
         owned = set(heart.owned)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t._trial_id in owned:
-            _put_back(study, t._trial_id)
+            put_back(study, t._trial_id)
 
 
 def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheckpoints | None:
@@ -310,9 +310,9 @@ def _run_batch(study, callback, space, trials, heart, callbacks=()) -> None:  # 
     try:
         _run_callback_batch(study, callback, space, trials, told)
         for t in trials:
-            _after_tell(study, t, callbacks)
+            after_tell(study, t, callbacks)
     except BaseException as exc:
-        _fail_unfinished(study, [t for t in trials if t.number not in told], exc)
+        fail_unfinished(study, [t for t in trials if t.number not in told], exc)
         raise
     finally:
         heart.release(t._trial_id for t in trials)
@@ -347,10 +347,10 @@ def _run_callback_batch(study, callback, space, trials, told) -> None:  # noqa: 
                           f"{len(trials)} trials")  # fmt: skip
     for t, r in zip(trials, results):
         if isinstance(r, optuna.TrialPruned):
-            _tell_safely(study, t, state=TrialState.PRUNED)
+            tell_safely(study, t, state=TrialState.PRUNED)
         elif isinstance(r, BaseException):
             t.set_user_attr("fail_reason", f"{type(r).__name__}: {r}")
-            _tell_safely(study, t, state=TrialState.FAIL)
+            tell_safely(study, t, state=TrialState.FAIL)
         else:
-            _tell_safely(study, t, float(r))
+            tell_safely(study, t, float(r))
         told.add(t.number)

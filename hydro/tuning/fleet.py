@@ -18,15 +18,15 @@ import optuna
 
 from hydro.errors import HydroWarning
 from hydro.tuning import checkpoint as _checkpoint
+from hydro.tuning.bookkeeping import (
+    report_and_ask,
+)
 from hydro.tuning.group import Outcome, group_key
 from hydro.tuning.sizing import MAX_FUSE
 from hydro.tuning.slots import (
     _stream_in_worker,
 )
 from hydro.tuning.stream import _Stream
-from hydro.tuning.study import (
-    _report_and_ask,
-)
 from hydro_fluid.executors.protocol import PlacingExecutor
 
 __all__: list[str] = []
@@ -160,7 +160,7 @@ class _Fleet(_Stream):
             pruned = []
             for number, step, value in payload[1]:
                 t = self.running.get(number)  # told already: a retried group replaying it
-                if t is None or _report_and_ask(t, step, value, self.hook):
+                if t is None or report_and_ask(t, step, value, self.hook):
                     pruned.append(number)
             return {"pruned": pruned, "asking": self.asking}
         _, told, wants, any_key, _ = payload

@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 from hydro._version import __version__
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
+from hydro.tuning.bookkeeping import trial_seed
 from hydro.tuning.engine import refuse_directions
 from hydro.tuning.fingerprint import recipe_for
 from hydro.tuning.group import group_key
@@ -26,7 +27,6 @@ from hydro.tuning.lockstep import train_group
 from hydro.tuning.options import DEFAULT_STORAGE
 from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import trained_params
-from hydro.tuning.study import trial_seed
 from hydro.tuning.task import Task
 
 __all__ = ["TuneResult", "best_trial", "check_writable", "export", "open_study", "spearman",

@@ -28,7 +28,7 @@ def is_interrupted(trial: optuna.trial.FrozenTrial) -> bool:
 
 def is_put_back(trial: optuna.trial.FrozenTrial) -> bool:
     """A trial interrupted with its process and put back in the queue (WAITING): the next run
-    takes it up again, same number (:func:`hydro.tuning.study._put_back`)."""
+    takes it up again, same number (:func:`hydro.tuning.bookkeeping.put_back`)."""
     return trial.state == TrialState.WAITING and bool(trial.user_attrs.get("hydro_interrupted"))
 
 

@@ -25,7 +25,7 @@ from typing import Any
 __all__ = ["Terminated", "terminate_as_interrupt"]
 
 # modules inside which an exception would break something half done: storage, atomic writes
-_UNSAFE = ("sqlalchemy", "sqlite3", "alembic", "optuna", "hydro.tuning.study",
+_UNSAFE = ("sqlalchemy", "sqlite3", "alembic", "optuna", "hydro.tuning.bookkeeping",
            "hydro.tuning.checkpoint")  # fmt: skip
 _RETRY_SECONDS = 0.05
 _MAX_TRIES = 200  # then raised wherever it lands: ten seconds in storage code is a hang

@@ -22,6 +22,17 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from hydro.tuning.bookkeeping import (
+    after_tell,
+    ask,
+    counts,
+    fail_unfinished,
+    reclaim_stale,
+    report_and_ask,
+    seed_and_resume,
+    seed_sampler,
+    tell,
+)
 from hydro.tuning.faults import Faults, describe
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key
 from hydro.tuning.loop import make_group
@@ -29,17 +40,6 @@ from hydro.tuning.options import TuneOptions
 from hydro.tuning.sizing import FuseSize, fuse_sizes
 from hydro.tuning.slots import Seat, play_round, resume_slot
 from hydro.tuning.space import check_names, sample
-from hydro.tuning.study import (
-    _after_tell,
-    _ask,
-    _counts,
-    _fail_unfinished,
-    _reclaim_stale,
-    _report_and_ask,
-    _seed_and_resume,
-    _seed_sampler,
-    _tell,
-)
 from hydro.tuning.task import Task
 
 __all__ = ["Where"]
@@ -130,7 +130,7 @@ class _Stream:
             return self.fuse
         if params is None:
             raise RuntimeError(f"fuse='auto': key {key[0]!r} is sized from a trial's parameters")
-        finished, _ = _counts(self.study)
+        finished, _ = counts(self.study)
         sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
                            remaining=self.n_trials - finished, memory=self.fuse_memory,
                            depth=self.depth, seed=self.seed)  # fmt: skip
@@ -342,7 +342,7 @@ class _Stream:
         try:
             work()
         except BaseException as exc:
-            _fail_unfinished(self.study, list(self.running.values()), exc)
+            fail_unfinished(self.study, list(self.running.values()), exc)
             raise
         finally:
             self.heart.release(t._trial_id for t in self.running.values())
@@ -358,21 +358,21 @@ class _Stream:
             self.asking = False
             return None
         trials = self.study.get_trials(deepcopy=False)  # one read serves the three below
-        if _reclaim_stale(self.study, trials):
+        if reclaim_stale(self.study, trials):
             trials = self.study.get_trials(deepcopy=False)
-        finished, running = _counts(self.study, trials)
-        got = _ask(self.study, 1, self.n_trials, self.seed, self.heart, trials) \
+        finished, running = counts(self.study, trials)
+        got = ask(self.study, 1, self.n_trials, self.seed, self.heart, trials) \
             if finished + running < self.n_trials else []  # fmt: skip
         if not got:
             self.asking = False
             return None
         t = got[0]
         self.running[t.number] = t
-        _seed_sampler(self.study.sampler, self.seed, t.number)
+        seed_sampler(self.study.sampler, self.seed, t.number)
         params = sample(t, self.space)
         if isinstance(self.task, Task):  # your own loop reads any name
             check_names(params, self.task.model_args())
-        self.seeds[t.number] = _seed_and_resume(self.study, t, params, self.seed,
+        self.seeds[t.number] = seed_and_resume(self.study, t, params, self.seed,
                                                 self.checkpoints)  # fmt: skip
         t.set_user_attr("ratio", self.ratio)
         if self.task.data_mode == "shared":  # its result depends on its group's data stream
@@ -406,7 +406,7 @@ class _Stream:
              fault: bool = False) -> None:  # fmt: skip
         """Tell ``trial``'s ``outcome`` (``fault``: it failed because user code raised), then
         call the run's callbacks with the finished trial."""
-        told = _tell(self.study, trial, outcome, info)
+        told = tell(self.study, trial, outcome, info)
         self.faults.told(fault)
         if self.checkpoints is not None:
             self.checkpoints.remove(trial.number)
@@ -416,7 +416,7 @@ class _Stream:
         if self.bar is not None:
             self.bar.ended(trial.number)
         if told:
-            _after_tell(self.study, trial, self.callbacks)
+            after_tell(self.study, trial, self.callbacks)
 
 
 def start_group(
@@ -436,7 +436,7 @@ def start_group(
     group = make_group(stream.task, [(t.number, p, stream.seeds[t.number]) for t, p in members],
                        stream.options, device=stream.device, like=like,
                        compile=like.compile if like is not None else stream.compile,
-                       trials_left=stream.n_trials - _counts(stream.study)[0],
+                       trials_left=stream.n_trials - counts(stream.study)[0],
                        note=stream.say_compile, capacity=stream.fuse_for(key))  # fmt: skip
     stream.built[key] = group  # a key's next group reuses its capture (seconds per group)
     for slot in range(group.n):  # a trial re-asked after its tuner died goes on from there
@@ -464,7 +464,7 @@ class _InProcess(Seat):
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         hook = self.stream.hook
-        return {n for n, step, v in items if _report_and_ask(self.trials[n], step, v, hook)}
+        return {n for n, step, v in items if report_and_ask(self.trials[n], step, v, hook)}
 
     def add(self, t: optuna.Trial, params: dict) -> None:
         """Trial ``t`` joins this group in a new slot."""

@@ -17,8 +17,8 @@ from optuna.distributions import FloatDistribution
 
 import hydro
 from hydro.errors import ConfigError
+from hydro.tuning.bookkeeping import trial_seed
 from hydro.tuning.loop import Loop, LoopGroup
-from hydro.tuning.study import trial_seed
 from tests.tuning import loops
 
 ROOT = Path(__file__).resolve().parents[2]

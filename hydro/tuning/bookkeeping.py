@@ -1,9 +1,11 @@
-"""The study side of tuning: asking and telling trials of a study that processes share.
+"""The study's bookkeeping: asking and telling the trials of a study that processes share.
 
-Every trial the driver runs carries its owner (host, machine id, pid, process start time) and a
-heartbeat; a trial left RUNNING by a dead owner is failed as interrupted and its parameters
-asked again.
-Telling goes through here too, so a trial's end is recorded the same way wherever it trained.
+Every trial the engine runs carries its owner (host, machine id, pid, process start time) and a
+heartbeat (:class:`Heartbeat`); a trial left RUNNING by a dead owner is put back to WAITING
+(:func:`reclaim_stale`) and asked again (:func:`ask`) with the same number, parameters and seed
+(:func:`seed_and_resume`), taken by one process only. Telling goes through here too
+(:func:`tell`, :func:`report_and_ask` for the pruner), so a trial's end is recorded the same way
+wherever it trained.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ from hydro.tuning.group import GroupInfo, Outcome
 from hydro.tuning.storage import put_back_if_same
 from hydro_fluid.executors.local import start_ticks
 
-__all__ = ["HEARTBEAT_SECONDS", "STALE_SECONDS", "is_void", "trial_seed"]
+__all__ = ["HEARTBEAT_SECONDS", "INTERRUPTED", "POLL_SECONDS", "STALE_SECONDS", "Heartbeat",
+           "after_tell", "ask", "counts", "fail", "fail_unfinished", "finished", "is_void",
+           "put_back", "reclaim_stale", "report_and_ask", "seed_and_resume", "seed_sampler",
+           "sweep_checkpoints", "tell", "tell_safely", "trial_seed"]  # fmt: skip
 
-_INTERRUPTED = "interrupted: the process running it stopped; re-asked with the same parameters"
+INTERRUPTED = "interrupted: the process running it stopped; re-asked with the same parameters"
 
 
-def _tell(
+def tell(
     study: optuna.Study, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None
 ) -> bool:
     """Record ``outcome`` for ``trial``; False when it is no longer this process's: another
@@ -52,18 +57,18 @@ def _tell(
             trial.set_user_attr("worker_pid", info.pid)
         if outcome.state == "complete" and outcome.value is not None \
                 and math.isfinite(outcome.value):  # fmt: skip
-            _tell_safely(study, trial, outcome.value)
+            tell_safely(study, trial, outcome.value)
         elif outcome.state == "pruned":
-            _tell_safely(study, trial, state=TrialState.PRUNED)
+            tell_safely(study, trial, state=TrialState.PRUNED)
         else:
             trial.set_user_attr("fail_reason", outcome.reason or "no finite value")
-            _tell_safely(study, trial, state=TrialState.FAIL)
+            tell_safely(study, trial, state=TrialState.FAIL)
     except UpdateFinishedTrialError:
         return False  # finished by another process meanwhile
     return True
 
 
-def _after_tell(study: optuna.Study, trial: optuna.Trial, callbacks: Any) -> None:
+def after_tell(study: optuna.Study, trial: optuna.Trial, callbacks: Any) -> None:
     """Call Optuna-style ``callbacks(study, frozen_trial)`` for a trial just told, as
     ``study.optimize`` does after each trial. An exception in one propagates (as in Optuna);
     the trials still training then are put back to resume, not failed for it."""
@@ -77,13 +82,13 @@ def _after_tell(study: optuna.Study, trial: optuna.Trial, callbacks: Any) -> Non
             callback(study, frozen)
         except BaseException as exc:
             try:
-                exc._hydro_resume_others = True  # type: ignore[attr-defined]  # see _fail_unfinished
+                exc._hydro_resume_others = True  # type: ignore[attr-defined]  # see fail_unfinished
             except AttributeError:
                 pass  # an exception with __slots__: its others fail with its reason
             raise
 
 
-def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:
+def tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> None:
     """``study.tell``, for a sampler that asks to stop when told (GridSampler, exhausted).
 
     Such a sampler calls ``study.stop()``, which Optuna allows only inside ``study.optimize``;
@@ -98,7 +103,7 @@ def _tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> 
         study.set_user_attr("hydro_sampler_exhausted", True)
 
 
-def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
+def report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
     """Give the study a member's intermediate value; True when its pruner prunes it.
     ``hook(number, step, value)`` is then told of the report (the progress bar)."""
     try:
@@ -123,7 +128,7 @@ def _report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> 
 
 HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0
-_POLL_SECONDS = 0.5
+POLL_SECONDS = 0.5
 _OWNER, _BEAT, _RETRY_OF = "hydro_owner", "hydro_heartbeat", "hydro_retry_of"
 _TAKEN = "hydro_taken"  # the datetime_start of the take the owner record belongs to
 _INTERRUPTIONS = "hydro_interrupted"  # times a trial was put back to WAITING
@@ -136,14 +141,14 @@ def is_void(trial: FrozenTrial) -> bool:
     """Whether a finished row does not count as a trial: interrupted (and asked again) or a
     surplus ask of a shared study."""
     return trial.state == TrialState.FAIL and trial.user_attrs.get("fail_reason") in (
-        _INTERRUPTED, _SURPLUS)  # fmt: skip
+        INTERRUPTED, _SURPLUS)  # fmt: skip
 
 
-def _finished(study: optuna.Study) -> int:
-    return _counts(study)[0]
+def finished(study: optuna.Study) -> int:
+    return counts(study)[0]
 
 
-def _counts(study: optuna.Study, trials: list[FrozenTrial] | None = None) -> tuple[int, int]:
+def counts(study: optuna.Study, trials: list[FrozenTrial] | None = None) -> tuple[int, int]:
     """(finished trials that count, RUNNING trials), of ``trials`` if given (a snapshot just
     read: each read of an SQLite study costs tens of milliseconds)."""
     finished = running = 0
@@ -218,7 +223,7 @@ def _owner_alive(t: FrozenTrial, now: float) -> bool:
     return now - float(beat) < STALE_SECONDS
 
 
-def _reclaim_stale(study: optuna.Study, trials: list[FrozenTrial] | None = None) -> int:
+def reclaim_stale(study: optuna.Study, trials: list[FrozenTrial] | None = None) -> int:
     """Put the RUNNING trials whose owner is gone back to WAITING: the next ask takes them up
     again, same number and parameters. ``trials``: a snapshot of the study just read, else
     this reads one. Returns how many this call put back."""
@@ -228,11 +233,11 @@ def _reclaim_stale(study: optuna.Study, trials: list[FrozenTrial] | None = None)
         trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     for t in trials:
         if t.state == TrialState.RUNNING and not _owner_alive(t, now):
-            n += _put_back(study, t._trial_id, owner=t.user_attrs.get(_OWNER))
+            n += put_back(study, t._trial_id, owner=t.user_attrs.get(_OWNER))
     return n
 
 
-def _put_back(study: optuna.Study, trial_id: int, *, owner: Any = None) -> bool:
+def put_back(study: optuna.Study, trial_id: int, *, owner: Any = None) -> bool:
     """Set a RUNNING trial back to WAITING (Optuna's queue): it was only interrupted, so it
     is no FAIL row; the next ``study.ask()`` of any process takes it up again with its
     number, parameters, seed, reported values and checkpoint. ``owner``: only if the trial
@@ -283,28 +288,28 @@ def _rewind_queue(study: optuna.Study, number: int) -> None:
             cursor[study._study_id] = min(cursor[study._study_id], number)
 
 
-def _fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> None:
+def fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> None:
     """End the RUNNING ``trials`` a run stopped by ``exc`` cannot finish: back to WAITING
-    (:func:`_put_back`: resumed by the next run) after Ctrl-C, SIGTERM, a storage failure or a
+    (:func:`put_back`: resumed by the next run) after Ctrl-C, SIGTERM, a storage failure or a
     callback's exception, else FAIL with the error as the reason. One the storage cannot
     update now stays RUNNING, owned by this process: once it has exited, the next run
     reclaims it."""
     again = isinstance(exc, (KeyboardInterrupt, StorageError)) or \
         getattr(exc, "_hydro_resume_others", False)  # fmt: skip
     # one line, never a traceback
-    reason = _INTERRUPTED if again else \
+    reason = INTERRUPTED if again else \
         (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:500]  # fmt: skip
     for t in trials:
         try:
             if again:
-                _put_back(study, t._trial_id)
+                put_back(study, t._trial_id)
             else:
-                _fail(study, t._trial_id, t.number, t.params, reason, requeue=False)
+                fail(study, t._trial_id, t.number, t.params, reason, requeue=False)
         except StorageError:
             pass  # still failing: the error on its way out says so, and the next run reclaims it
 
 
-def _fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
+def fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
     """Fail a RUNNING trial (True if this call did it: of racing processes one wins), and with
     ``requeue`` enqueue its parameters to be asked again."""
     storage = study._storage
@@ -328,7 +333,7 @@ def trial_seed(trial: FrozenTrial | optuna.Trial, base: int) -> int:
     return int(trial.user_attrs.get(_SEED, base + trial.number))
 
 
-def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any],
+def seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any],
                      base: int, checkpoints: Any) -> int:  # fmt: skip
     """Give a newly asked trial its seed (``hydro_seed``) and, if it re-asks a trial whose
     tuner died (``hydro_retry_of``), that trial's seed and last checkpoint: the checkpoint is
@@ -359,7 +364,7 @@ def _seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str,
     return seed
 
 
-def _sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
+def sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     """Remove the trial checkpoints no trial will resume from: those of finished trials,
     except an interrupted trial's while its re-ask waits (or was just asked by another
     process, which is about to take the file over), and the half-written files of killed
@@ -378,7 +383,7 @@ def _sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     return removed
 
 
-def _ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  # noqa: ANN001
+def ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  # noqa: ANN001
     """Ask up to ``k`` trials, keeping only those within ``n_trials`` over the whole study.
     ``trials``: a snapshot of the study read just before (it serves the first ask).
 
@@ -396,7 +401,7 @@ def _ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  #
         if trials is None:
             trials = study.get_trials(deepcopy=False)
         # multivariate samplers draw when asked: seed by the number the trial will most likely get
-        _seed_sampler(study.sampler, seed, len(trials))
+        seed_sampler(study.sampler, seed, len(trials))
         trials = None
         t = study.ask()
         with heart.lock:
@@ -414,7 +419,7 @@ def _ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  #
             continue
         below = sum(1 for u in now if u.number < t.number and not is_void(u))
         if below >= n_trials:
-            _fail(study, t._trial_id, t.number, {}, _SURPLUS, requeue=False)
+            fail(study, t._trial_id, t.number, {}, _SURPLUS, requeue=False)
             heart.release([t._trial_id])
             break
         asked.append(t)
@@ -426,7 +431,7 @@ def _clash(trial: optuna.Trial, why: str) -> None:
     logging.getLogger("hydro").info(f"trial {trial.number} skipped: {why}")
 
 
-class _Heartbeat:
+class Heartbeat:
     """Marks the trials this process runs with their owner and refreshes their heartbeat."""
 
     def __init__(self, study: optuna.Study) -> None:
@@ -436,7 +441,7 @@ class _Heartbeat:
         self.stop = threading.Event()
         self.me = _me()
 
-    def __enter__(self) -> _Heartbeat:
+    def __enter__(self) -> Heartbeat:
         self.thread = threading.Thread(target=self._beat, name="hydro-heartbeat", daemon=True)
         self.thread.start()
         return self
@@ -450,7 +455,7 @@ class _Heartbeat:
             try:
                 storage = self.study._storage
                 left = [storage.get_trial(i) for i in ids]
-                _fail_unfinished(self.study, [t for t in left if t.state == TrialState.RUNNING],
+                fail_unfinished(self.study, [t for t in left if t.state == TrialState.RUNNING],
                                  exc)  # fmt: skip
             except StorageError:
                 pass  # the next run reclaims them
@@ -491,7 +496,7 @@ class _Heartbeat:
                     pass
 
 
-def _seed_sampler(sampler: Any, seed: int, number: int) -> None:
+def seed_sampler(sampler: Any, seed: int, number: int) -> None:
     """Re-seed the random state of ``sampler`` (and of samplers inside it) from ``seed`` and a
     trial number.
 
