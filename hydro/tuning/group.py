@@ -246,6 +246,21 @@ class Member:
     history: list[tuple[int, float]] = field(default_factory=list)
 
 
+def set_recipe(group: Any, task: Any, members: Sequence[tuple[Any, dict[str, Any], int]],
+               ratio: int, device: Any, depth_ratio: int, depth_alpha: float) -> tuple:  # fmt: skip
+    """What makes a group (of :class:`FusedGroup` or :class:`hydro.tuning.loop.LoopGroup`): its
+    task, ratio, device, depth cut, key and batch size set on ``group``; returns the first
+    member's parameters, whether a readout multiplier is searched, and the recipe a later group
+    of the key must match to reuse this one's capture (``like=``)."""
+    group.task, group.ratio, group.device = task, ratio, device
+    group.depth_ratio, group.depth_alpha = depth_ratio, depth_alpha
+    first = dict(members[0][1])
+    group.key = group_key(first, task)
+    group.batch_size = int(first.get("batch_size", task.batch_size))
+    readout = any("output_mult" in m[1] for m in members)
+    return first, readout, (group.key, ratio, depth_ratio, depth_alpha, readout)
+
+
 class FusedGroup:
     """A fused group whose slots train independent trials, each at its own step.
 
@@ -294,13 +309,8 @@ class FusedGroup:
         trials_left: int | None = None,
         note: Callable[[str], None] | None = None,
     ) -> None:
-        self.task, self.ratio, self.device = task, ratio, device
-        self.depth_ratio, self.depth_alpha = depth_ratio, depth_alpha
-        first = dict(members[0][1])
-        self.key = group_key(first, task)
-        self.batch_size = int(first.get("batch_size", task.batch_size))
-        readout = any("output_mult" in m[1] for m in members)
-        same = (self.key, ratio, depth_ratio, depth_alpha, readout)
+        first, readout, same = set_recipe(self, task, members, ratio, device, depth_ratio,
+                                          depth_alpha)  # fmt: skip
         if like is not None and like.task is task and like.recipe == same:
             # an earlier group of this key: its capture and width analysis serve this one (a
             # member's surrogate depends only on its own arguments and seed)

@@ -17,7 +17,6 @@ its loop. Autocast, ``no_grad`` and other thread-local torch state are the funct
 
 from __future__ import annotations
 
-import inspect
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,10 +26,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydro.errors import ConfigError, DataError, ModelError
+from hydro.errors import ConfigError, DataError
 from hydro.fusion.model import FusedModel
-from hydro.tuning.group import Member, _blocks, _Builder, _target, _widths, group_key
-from hydro.tuning.task import check_data, stack_batches, train_stream, val_stream
+from hydro.tuning.group import (
+    Member,
+    _blocks,
+    _Builder,
+    _target,
+    _widths,
+    group_key,
+    set_recipe,
+)
+from hydro.tuning.task import (
+    Task,
+    check_data,
+    factory_args,
+    stack_batches,
+    train_stream,
+    val_stream,
+)
 
 __all__ = ["Loop", "LoopGroup", "Run", "make_group"]
 
@@ -120,24 +134,12 @@ class Loop:
 
     def model_args(self) -> set[str]:
         """Keyword arguments of a model factory (searchable architecture choices)."""
-        if isinstance(self.model, nn.Module):
-            return set()
-        params = inspect.signature(self.model).parameters.values()
-        return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        return factory_args(self.model)
 
     def build_model(self, **arch: Any) -> nn.Module:
-        """The target model for the given architecture choices (:meth:`hydro.Task.build_model`)."""
-        if isinstance(self.model, nn.Module):
-            return self.model
-        try:
-            model = self.model(**arch)
-        except Exception as exc:  # noqa: BLE001 - user code, reported with its call
-            raise ModelError(f"the model factory {getattr(self.model, '__name__', self.model)}"
-                             f"(**{arch}) raised {type(exc).__name__}: {exc}") from exc  # fmt: skip
-        if not isinstance(model, nn.Module):
-            raise ModelError(f"the model factory returned {type(model).__name__}, not an "
-                             "nn.Module")  # fmt: skip
-        return model
+        """The target model for the given architecture choices (:meth:`hydro.Task.build_model`:
+        a factory's error is a :class:`~hydro.errors.ModelError` naming its call)."""
+        return Task.build_model(self, **arch)  # reads only .model
 
     def example(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of one batch, for capture."""
@@ -431,13 +433,8 @@ class LoopGroup:
                  ratio: int, device: str | torch.device = "cpu", depth_ratio: int = 1,
                  depth_alpha: float = 1.0, like: LoopGroup | None = None,
                  capacity: int | None = None, **_: Any) -> None:  # fmt: skip
-        self.task, self.ratio, self.device = task, ratio, device
-        self.depth_ratio, self.depth_alpha = depth_ratio, depth_alpha
-        first = dict(members[0][1])
-        self.key = group_key(first, task)
-        self.batch_size = int(first.get("batch_size", task.batch_size))
-        readout = any("output_mult" in m[1] for m in members)
-        same = (self.key, ratio, depth_ratio, depth_alpha, readout)
+        first, readout, same = set_recipe(self, task, members, ratio, device, depth_ratio,
+                                          depth_alpha)  # fmt: skip
         if like is not None and like.task is task and like.recipe == same:
             self.builder = like.builder
         else:

@@ -180,10 +180,7 @@ class Task:
 
     def model_args(self) -> set[str]:
         """Keyword arguments of a model factory (searchable architecture choices)."""
-        if isinstance(self.model, nn.Module):
-            return set()
-        params = inspect.signature(self.model).parameters.values()
-        return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        return factory_args(self.model)
 
     def build_model(self, **arch: Any) -> nn.Module:
         """The target model, for the given architecture choices.
@@ -428,6 +425,15 @@ class Task:
                 "loss='mse' for regression, or pass torch.nn.functional.cross_entropy for "
                 "class probabilities"
             )
+
+
+def factory_args(model: Any) -> set[str]:
+    """The keyword arguments of a model factory (searchable architecture choices); none for a
+    module."""
+    if isinstance(model, nn.Module):
+        return set()
+    params = inspect.signature(model).parameters.values()
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def train_stream(data: Data, batch_size: int, seed: int) -> Iterator[Batch]:
