@@ -124,8 +124,7 @@ class TuneOptions:
     )
     device: str = _opt("cpu", "where groups train in this process: cpu, cuda, cuda:N", kind="str")
     depth_ratio: int = _opt(
-        1, "surrogates keep every k-th block of repeated residual stacks", kind="count"
-    )
+        1, "surrogates keep every k-th block of repeated residual stacks", kind="int")
     depth_alpha: float = _opt(
         1.0, "the depth cut's residual exponent: 1 CompleteP, 0.5 Depth-muP", kind="float"
     )

@@ -93,8 +93,7 @@ def config_data() -> dict[str, Any]:
     return {"train": (x[:192], y[:192]), "val": (x[192:], y[192:])}
 
 
-def precision_train(run: hydro.Run) -> None:
-    """:func:`train`, after writing the process's float32 matmul precision to the file
-    ``HYDRO_TEST_PRECISION`` names."""
-    Path(os.environ["HYDRO_TEST_PRECISION"]).write_text(torch.get_float32_matmul_precision())
+def precision_train(run: hydro.Run, path: str) -> None:
+    """:func:`train`, after writing the process's float32 matmul precision to ``path``."""
+    Path(path).write_text(torch.get_float32_matmul_precision())
     train(run)

@@ -3,6 +3,7 @@ table's, bad values are one clear error, and an option reaches the workers."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -64,12 +65,12 @@ def test_the_defaults_are_one_set():
         (32, "auto", "auto", 0, False)  # fmt: skip
 
 
-def test_an_option_reaches_the_workers(tmp_path, monkeypatch):
+def test_an_option_reaches_the_workers(tmp_path):
     """matmul_precision is set where groups train: here in a worker process."""
     out = tmp_path / "precision"
-    monkeypatch.setenv("HYDRO_TEST_PRECISION", str(out))
     x, y = loops.data()
-    loop = Loop(train=loops.precision_train, model=loops.mlp(), steps=2, train_data=(x, y),
+    train = functools.partial(loops.precision_train, path=str(out))
+    loop = Loop(train=train, model=loops.mlp(), steps=2, train_data=(x, y),
                 val_data=(x, y), batch_size=16)  # fmt: skip
     before = torch.get_float32_matmul_precision()
     hydro.tune(loop, {"lr": __import__("optuna").distributions.FloatDistribution(1e-3, 1e-1)},
