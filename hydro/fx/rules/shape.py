@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int
+from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int, op_name
 
 SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
             "new_ones": "size", "new_zeros": "size", "new_empty": "size", "new_full": "size",
@@ -47,19 +47,31 @@ def size_args(a, node, out) -> None:  # noqa: ANN001
             a.union(o, sym.sym, node)
 
 
-def permute(a, node, out) -> None:  # noqa: ANN001
-    x = a.syms_of(node.args[0])
-    rank = len(x)
-    name = a.name(node)
+TRANSPOSES = ("permute", "transpose", "t", "swapaxes", "swapdims", "numpy_T", "mT", "mH",
+              "adjoint")  # fmt: skip
+
+
+def transpose_perm(node: Any, rank: int) -> list[int]:
+    """Which input dimension each output dimension of a transposing op is (``out[o] =
+    x[perm[o]]``): ``permute``, ``transpose``/``swapaxes``, ``t`` and ``.T`` (all reversed),
+    ``.mT``/``.mH``/``adjoint`` (the last two swapped)."""
+    name = op_name(node)
     perm = list(range(rank))
     if name == "permute":
-        perm = [d % rank for d in node.args[1]]
-    elif name == "t":
-        perm = perm[::-1]
+        return [d % rank for d in node.args[1]]
+    if name in ("t", "numpy_T"):
+        return perm[::-1]
+    if name in ("mT", "mH", "adjoint"):
+        i, j = rank - 2, rank - 1
     else:
         i, j = node.args[1] % rank, node.args[2] % rank
-        perm[i], perm[j] = perm[j], perm[i]
-    for o, i in enumerate(perm):
+    perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def permute(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    for o, i in enumerate(transpose_perm(node, len(x))):
         a.union(out[o], x[i], node)
 
 
@@ -209,7 +221,7 @@ RULES = {
     "unflatten": reshape, "squeeze": reshape, "unsqueeze": reshape, "view_as": reshape,
     "contiguous": identity, "clone": identity, "alias": identity, "detach": identity,
     "to": identity, "_to_copy": identity, "type_as": identity, "lift_fresh_copy": identity,
-    "permute": permute, "transpose": permute, "t": permute, "swapaxes": permute,
+    **{name: permute for name in TRANSPOSES},
     "expand": expand, "new_ones": size_args, "new_zeros": size_args, "new_empty": size_args,
     "new_full": size_args, "zeros": size_args, "ones": size_args, "empty": size_args,
     "full": size_args, "rand": size_args, "randn": size_args,
