@@ -94,7 +94,7 @@ class InspectReport:
     depth_multipliers: dict[str, float] = field(default_factory=dict)
     floors: list[LayerWidth] = field(default_factory=list)
     auto: str | None = None  # why ratio="auto" chose ``ratio``
-    rotary: list[str] = field(default_factory=list)  # rotary tables rebuilt for a new head dim
+    rotary: list[str] = field(default_factory=list)  # rotary and other tables rebuilt by rule
 
     @property
     def totals(self) -> dict[str, int]:
@@ -265,6 +265,7 @@ def inspect(
     report.floors = layer_widths(plan)
     report.auto = str(sur.hydro.auto) if sur.hydro.auto else None
     report.rotary = [str(table) for table in plan.rotary.values()]
+    report.rotary += [str(table) for table in plan.structured.values()]
     by_path = {lw.path: lw.floor for lw in report.floors}
     for row in report.rows:
         row.floor = by_path.get(row.path.split(":")[0] if row.kind == "scaled_dot_product_attention"

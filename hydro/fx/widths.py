@@ -39,6 +39,7 @@ from hydro.fx.rules import RULES
 from hydro.fx.rules.common import IntSym, TensorSyms, op_name
 from hydro.fx.rules.rotary import RotaryTable
 from hydro.fx.rules.shape import INT_RULES, TRANSPOSES, transpose_perm
+from hydro.fx.rules.tables import Table
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -110,6 +111,8 @@ class WidthPlan:
             the cut width), as ``(dimension in words, size, reason)`` (:mod:`hydro.fx.pins`).
         tables: ids of the parameters read by index (``table[index]``): not layers of a width.
         rotary: rotary frequency buffers rebuilt for a smaller head dim, by tensor id.
+        structured: parameters and buffers rebuilt by the rule of their values (sinusoids,
+            sequences, identities: :mod:`hydro.fx.rules.tables`), by tensor id.
     """
 
     root: torch.nn.Module
@@ -131,6 +134,7 @@ class WidthPlan:
     int_rewrites: dict = field(default_factory=dict)
     literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
     rotary: dict[int, RotaryTable] = field(default_factory=dict)
+    structured: dict[int, Table] = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
