@@ -297,8 +297,31 @@ def _width_sources(a: Analysis) -> set[int]:
     head policy), they do not make a width of their own.
     """
     tables = _table_keys(a)
+    counts = _counts(a)
     return {a.find(s) for key, syms in a.param_syms.items() if key not in tables for s in syms
-            if s in a.param_dim_syms}  # fmt: skip
+            if s in a.param_dim_syms and a.find(s) not in counts}  # fmt: skip
+
+
+def _counts(a: Analysis) -> set[int]:
+    """Classes that count things rather than measure a width: a parameter dimension that no
+    other parameter shares, that no layer contracts or produces (no fan-in or fan-out of any
+    use) and that only concatenations relate to the rest of the graph, such as the 4 register
+    tokens of ``reg_token [1, 4, D]`` or DETR's learned queries concatenated with the patch
+    tokens. Cutting them would change the model's structure, not its width."""
+    owners: dict[int, set[tuple[int, int]]] = {}
+    for key, syms in a.param_syms.items():
+        for i, s in enumerate(syms):
+            if s in a.param_dim_syms:
+                owners.setdefault(a.find(s), set()).add((key, i))
+    used = {(key, d) for key, uses in a.uses.items() for u in uses for d in u.fan_in + u.fan_out}
+    contracted = {r for r, own in owners.items() if own & used}  # a layer's fan-in or fan-out
+    # parts of concatenations along a dimension no layer contracts (tokens, not channels)
+    in_sums = {a.find(s) for c in a.sums if a.find(c.out) not in contracted for s in c.parts}
+    in_other = {a.find(s) for c in a.products for s in c.lhs + c.rhs}
+    in_other |= {a.find(s) for c in a.parts for s in (c.part, c.whole)}
+    in_other |= {a.find(s) for c in a.sums if a.find(c.out) in contracted for s in c.parts}
+    return {r for r, own in owners.items() if len(own) == 1 and r not in contracted
+            and r in in_sums and r not in in_other}  # fmt: skip
 
 
 def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:

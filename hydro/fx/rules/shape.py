@@ -198,11 +198,36 @@ def loss(a, node, out) -> None:  # noqa: ANN001
         a.tie_all(out, target, node)
 
 
+# ops that turn an arange's values into constants of a rule of their count (ALiBi's slopes
+# ``base ** arange(1, H + 1)`` with ``base = 2 ** (-8 / H)`` computed in Python)
+_EXPONENTIALS = ("pow", "exp", "exp2", "float_power")
+
+
 def arange(a, node, out) -> None:  # noqa: ANN001
     b = bound(node)
     end = a.syms_of(b.get("end"))
     if isinstance(end, IntSym) and end.sym is not None:
         a.union(out[0], end.sym, node)
+    if _feeds_exponential(node):
+        # per-head constants built in Python: their count is structure, kept whole (a cut
+        # arange would keep the target's first slopes, not the slopes of the new count)
+        a.fix_syms([out[0]])
+
+
+def _feeds_exponential(node: Any) -> bool:
+    """Whether an ``arange``'s values reach an exponential through casts and scalings."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        name = op_name(user)
+        if name in _EXPONENTIALS:
+            return True
+        if name in ("to", "_to_copy", "mul", "div", "neg", "sub", "add", "unsqueeze", "view"):
+            todo.extend(user.users)
+    return False
 
 
 def identity(a, node, out) -> None:  # noqa: ANN001
