@@ -82,51 +82,60 @@ class _LSTMLayer(torch.autograd.Function):
         hid = four // 4
         w_t = w_hh.transpose(1, 2)
         order = range(steps - 1, -1, -1) if reverse else range(steps)
+        pre_all = gi if b_hh is None else gi + b_hh.unsqueeze(1)  # once, not once a step
         acts = gi.new_empty(gi.shape)
         cs = gi.new_empty(steps, n, batch, hid)
+        tcs = gi.new_empty(steps, n, batch, hid)  # tanh(c), which the backward reads
         hs = gi.new_empty(steps, n, batch, hid)
         h, c = h0, c0
         for t in order:
-            pre = gi[t] if b_hh is None else gi[t] + b_hh.unsqueeze(1)
-            pre = torch.baddbmm(pre, h, w_t)
+            pre = torch.baddbmm(pre_all[t], h, w_t)
             act = acts[t]
             torch.sigmoid(pre, out=act)
             torch.tanh(pre[..., 2 * hid : 3 * hid], out=act[..., 2 * hid : 3 * hid])
             i, f, g, o = act.chunk(4, -1)
-            c = f * c + i * g
-            h = o * torch.tanh(c)
-            cs[t], hs[t] = c, h
-        ctx.save_for_backward(acts, cs, hs, h0, c0, w_hh)
+            torch.mul(f, c, out=cs[t])
+            c = cs[t].addcmul_(i, g)
+            torch.tanh(c, out=tcs[t])
+            h = torch.mul(o, tcs[t], out=hs[t])
+        ctx.save_for_backward(acts, cs, tcs, hs, h0, c0, w_hh)
         ctx.reverse, ctx.has_bias = reverse, b_hh is not None
-        return hs, h, c
+        return hs, h.clone(), c.clone()
 
     @staticmethod
     def backward(ctx, grad_hs, grad_h, grad_c):  # noqa: ANN001, ANN205
-        acts, cs, hs, h0, c0, w_hh = ctx.saved_tensors
-        steps = acts.shape[0]
+        acts, cs, tcs, hs, h0, c0, w_hh = ctx.saved_tensors
+        steps, hid = acts.shape[0], hs.shape[-1]
         order = list(range(steps - 1, -1, -1) if ctx.reverse else range(steps))
+        # each gate's derivative and o * tanh'(c), for every step at once
+        slope = acts * (1 - acts)
+        g = acts[..., 2 * hid : 3 * hid]
+        slope[..., 2 * hid : 3 * hid] = 1 - g * g
+        o_slope = acts[..., 3 * hid :] * (1 - tcs * tcs)
         dh = torch.zeros_like(h0) if grad_h is None else grad_h.clone()
         dc = torch.zeros_like(c0) if grad_c is None else grad_c.clone()
         dgates = torch.empty_like(acts)
-        prev_h = torch.empty_like(hs)  # the h each step read, for the weight's gradient
+        grad_hs = None if grad_hs is None else grad_hs.contiguous()
         for k in range(steps - 1, -1, -1):
             t = order[k]
             before = order[k - 1] if k else None
             c_prev = c0 if before is None else cs[before]
-            prev_h[t] = h0 if before is None else hs[before]
             if grad_hs is not None:
                 dh = dh + grad_hs[t]
-            i, f, g, o = acts[t].chunk(4, -1)
-            tc = torch.tanh(cs[t])
-            dc = dc + dh * o * (1 - tc * tc)
+            dc = torch.addcmul(dc, dh, o_slope[t])
+            i, f, g, _ = acts[t].chunk(4, -1)
             dg = dgates[t]
             di, df, dgg, do = dg.chunk(4, -1)
-            torch.mul(dc * g, i * (1 - i), out=di)
-            torch.mul(dc * c_prev, f * (1 - f), out=df)
-            torch.mul(dc * i, 1 - g * g, out=dgg)
-            torch.mul(dh * tc, o * (1 - o), out=do)
+            torch.mul(dc, g, out=di)
+            torch.mul(dc, c_prev, out=df)
+            torch.mul(dc, i, out=dgg)
+            torch.mul(dh, tcs[t], out=do)
+            dg.mul_(slope[t])
             dc = dc * f
             dh = torch.bmm(dg, w_hh)
+        # the h each step read, in time order, for the weight's gradient: one op
+        first = h0.unsqueeze(0)
+        prev_h = torch.cat([hs[1:], first]) if ctx.reverse else torch.cat([first, hs[:-1]])
         _, n, batch, four = dgates.shape
         rows = dgates.transpose(0, 1).reshape(n, steps * batch, four)
         dw = torch.bmm(rows.transpose(1, 2), prev_h.transpose(0, 1).reshape(n, steps * batch, -1))

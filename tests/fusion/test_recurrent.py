@@ -49,6 +49,7 @@ CONFIGS = {
     "lstm_proj_batch_first": dict(proj=32, batch_first=True, layers=3),
     "rnn": dict(kind="RNN", layers=1),
     "lstm_bidirectional_proj": dict(bidirectional=True, proj=32),
+    "lstm_bidirectional": dict(bidirectional=True, batch_first=True),
 }
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
@@ -106,7 +107,7 @@ def test_the_input_size_is_a_width_unless_fixed():
 
 
 @pytest.mark.parametrize("name", ["lstm_tied", "gru_bidirectional", "lstm_proj_batch_first",
-                                  "rnn"])  # fmt: skip
+                                  "rnn", "lstm_bidirectional"])  # fmt: skip
 def test_fused_recurrent_training_equals_separate_training(name):
     seeds = itertools.count()
 
