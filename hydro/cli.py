@@ -90,11 +90,12 @@ def _first_group(text: str) -> int | str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hydro.inspection import inspect
+    from hydro.inspection import factory_inputs, inspect
 
-    model, inputs = _model_and_inputs(args.model)
-    report = inspect(model, args.ratio, example_inputs=inputs, head_policy=args.head_policy,
-                     depth_ratio=args.depth_ratio, depth_alpha=args.depth_alpha)  # fmt: skip
+    model, inputs, kwargs = factory_inputs(load_callable(args.model)(), args.model)
+    report = inspect(model, args.ratio, example_inputs=inputs, example_kwargs=kwargs,
+                     head_policy=args.head_policy, depth_ratio=args.depth_ratio,
+                     depth_alpha=args.depth_alpha)  # fmt: skip
     print(report)
     if args.json:
         from hydro.files import write_text

@@ -11,11 +11,57 @@ import torch
 import torch.fx
 from torch import nn
 
+from hydro.errors import ConfigError, ScaleError
 from hydro.fx.floor import LayerWidth, bounding, layer_widths
 from hydro.fx.nodes import module_of
 from hydro.fx.rules.common import bound
 from hydro.fx.widths import HeadPolicy, op_name, propagate
-from hydro.scaling import build
+from hydro.scaling import build, guess_inputs
+
+_FACTORY_FORMS = ("a model, (model, (x, ...)), (model, {'input_ids': x, ...}) or "
+                  "(model, (x, ...), {'input_ids': x, ...})")  # fmt: skip
+
+
+def factory_inputs(made: Any, spec: str) -> tuple[nn.Module, tuple[Any, ...] | None,
+                                                   dict[str, Any] | None]:  # fmt: skip
+    """``(model, args, kwargs)`` from what a ``hydro inspect`` model factory returned.
+
+    A factory returns the model alone (Hydro guesses one input, where the model takes a single
+    tensor that feeds a Linear, Conv or Embedding layer), ``(model, args)``, ``(model, kwargs)``
+    with a dict of keyword inputs, or ``(model, args, kwargs)``. Anything else, or a model whose
+    inputs cannot be guessed, is a :class:`hydro.errors.ConfigError` naming ``spec`` and these
+    forms.
+    """
+    parts = made if isinstance(made, tuple) else (made,)
+    ok = 1 <= len(parts) <= 3 and isinstance(parts[0], nn.Module)
+    args: Any = None
+    kwargs: Any = None
+    if ok and len(parts) == 2:
+        if isinstance(parts[1], Mapping):
+            kwargs = parts[1]
+        else:
+            args = parts[1]
+    elif ok and len(parts) == 3:
+        args, kwargs = parts[1], parts[2]
+    ok = ok and (args is None or isinstance(args, (tuple, list)))
+    named = isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)
+    ok = ok and (kwargs is None or named)
+    if not ok:
+        shown = ", ".join(type(p).__name__ for p in parts)
+        raise ConfigError(f"{spec} returned ({shown}); a model factory for `hydro inspect` "
+                          f"returns {_FACTORY_FORMS}")  # fmt: skip
+    model = parts[0]
+    if args is None and kwargs is None:
+        try:
+            guess_inputs(model)
+        except ScaleError as exc:
+            raise ConfigError(
+                f"{spec} returned {type(model).__name__} alone and Hydro cannot guess its inputs "
+                "(it guesses one tensor for a forward taking a single required input); make "
+                f"the factory return the model with one example batch: "
+                f"{_FACTORY_FORMS.split(', ', 1)[1]}"
+            ) from exc
+    return model, None if args is None else tuple(args), None if kwargs is None else dict(kwargs)
 
 
 @dataclass
@@ -49,7 +95,7 @@ class InspectReport:
     depth_multipliers: dict[str, float] = field(default_factory=dict)
     floors: list[LayerWidth] = field(default_factory=list)
     auto: str | None = None  # why ratio="auto" chose ``ratio``
-    rotary: list[str] = field(default_factory=list)  # rotary tables rebuilt for a new head dim
+    rotary: list[str] = field(default_factory=list)  # rotary and other tables rebuilt by rule
 
     @property
     def totals(self) -> dict[str, int]:
@@ -220,6 +266,7 @@ def inspect(
     report.floors = layer_widths(plan)
     report.auto = str(sur.hydro.auto) if sur.hydro.auto else None
     report.rotary = [str(table) for table in plan.rotary.values()]
+    report.rotary += [str(table) for table in plan.structured.values()]
     by_path = {lw.path: lw.floor for lw in report.floors}
     for row in report.rows:
         row.floor = by_path.get(row.path.split(":")[0] if row.kind == "scaled_dot_product_attention"

@@ -195,6 +195,8 @@ class SurrogateInfo:
             blocks are kept, or why a stack was left whole.
         depth_multipliers: the residual-branch multipliers inserted, by buffer name
             (``depth_residual.scale``).
+        structured: parameters rebuilt by the rule of their values rather than drawn (a
+            sinusoid table, ``log(arange(1, N + 1))``, an identity), with the rule in words.
     """
 
     ratio: int
@@ -210,6 +212,7 @@ class SurrogateInfo:
     depth_alpha: float = 1.0
     stacks: list = field(default_factory=list)
     depth_multipliers: dict[str, float] = field(default_factory=dict)
+    structured: dict[str, str] = field(default_factory=dict)
 
 
 def role_of(width_mask: tuple[bool, ...], uses: list) -> Role:
@@ -320,7 +323,10 @@ def apply(
         by_fan_in = role == "hidden" or (standard and role == "output")
         mult = _fan_in_ratio(old_shape, new_shape, uses, mask) ** 0.5 if by_fan_in else 1.0
         stats = source.values(old)
-        if stats is None:
+        if id(old) in plan.structured:  # rebuilt by the rule of its values (scaling.py)
+            info.structured[sur_name] = str(plan.structured[id(old)])
+            new_std = float(new.detach().to(torch.float64).std()) if new.numel() > 1 else 0.0
+        elif stats is None:
             new.detach().zero_()
             new_std = 0.0
         else:
@@ -368,8 +374,8 @@ def redraw(
     cache = {} if cache is None else cache
     source = None
     for name, p in sur.named_parameters():
-        if name not in info.source:
-            continue
+        if name not in info.source or name in info.structured:
+            continue  # (a table of a rule keeps its values: every trial starts from them)
         if name not in cache:
             source = source or _InitSource(target)
             values = source.values(target.get_parameter(info.source[name]))

@@ -404,7 +404,11 @@ def _new_tensor(t: torch.Tensor, plan: WidthPlan, cache: dict[int, torch.Tensor]
         return cache[id(t)]
     old_shape, new_shape = plan.param_shape(t) if id(t) in plan.param_syms else (t.shape,) * 2
     device = "cpu" if t.is_meta else t.device
-    if isinstance(t, nn.Parameter):
+    if id(t) in plan.structured:  # values of a rule (a sinusoid, a sequence): rebuilt, not cut
+        new = plan.structured[id(t)].build(tuple(new_shape), t.dtype).to(device)
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=t.requires_grad)
+    elif isinstance(t, nn.Parameter):
         new = nn.Parameter(torch.empty(new_shape, dtype=t.dtype, device=device),
                            requires_grad=t.requires_grad)  # fmt: skip
     elif tuple(old_shape) == tuple(new_shape):

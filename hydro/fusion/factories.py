@@ -36,4 +36,30 @@ def shared_factory(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: s
     return True
 
 
+def batch_arange(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set) -> bool:  # noqa: ANN001
+    """``arange`` as long as the batch (in-batch labels ``arange(B)``, a contrastive loss's
+    targets): each trial counts its own samples, ``0 .. B-1``, not the folded batch's
+    ``0 .. n*B-1``. Returns ``False`` for any other ``arange`` (positions along a sequence)."""
+    from hydro.fusion.ops import from_trials
+    from hydro.fusion.facts import Batch
+
+    fact = rw.facts.get(node)
+    args = list(node.args)
+    if not isinstance(fact, Batch) or node.name in rw.literals or len(args) > 2:
+        return False
+    if len(args) == 2 and args[0] != 0:
+        return False
+    end = rw.env[args[-1]] if isinstance(args[-1], torch.fx.Node) else args[-1]
+    spec = ("F", fact.dim, rw.outer(fact))
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "pin_memory"}
+    per = rw.fn(torch.floor_divide, end, rw.n) if isinstance(end, torch.fx.Node) else end // rw.n
+    counted = rw.fn(torch.arange, per, **kwargs)
+    grown = rw.graph.call_method("expand", (rw.graph.call_method("unsqueeze", (counted, 0)),
+                                            rw.n, -1))  # fmt: skip
+    rw.env[node] = rw.fn(from_trials, grown, spec)
+    rw.spec[node] = spec
+    return True
+
+
 HANDLERS = dict.fromkeys(METADATA_ONLY, shared_factory)
+HANDLERS.update({aten.arange.default: batch_arange, aten.arange.start: batch_arange})

@@ -38,6 +38,9 @@ class Batch:
 
 
 FREE = "free"  # a tensor without the batch
+# the batch in several dimensions: every sample against every other (in-batch negatives, a
+# contrastive loss's similarity matrix): each trial's own, computed per trial by the rewrite
+MIXED = "mixed"
 
 _VIEWS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -57,17 +60,13 @@ def batch_symbols(gm: torch.fx.GraphModule) -> set:
     return syms
 
 
-def _locate(node: Node, val: torch.Tensor, syms: set) -> tuple[int, sympy.Expr] | None:
+def _locate(val: torch.Tensor, syms: set) -> list[tuple[int, sympy.Expr]]:
+    """The dimensions of ``val`` that carry the batch, with their sizes."""
     found = []
     for d, size in enumerate(val.shape):
         if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & syms:
             found.append((d, size.node.expr))
-    if len(found) > 1:
-        raise FuseError(
-            f"cannot fuse node '{node.name}' ({node.format_node()}): the batch appears in "
-            f"several dimensions {[d for d, _ in found]}; fusion stacks trials along the batch"
-        )
-    return found[0] if found else None
+    return found
 
 
 def _coefficient(node: Node, expr: sympy.Expr, syms: set) -> sympy.Expr:
@@ -113,10 +112,12 @@ def _fact(node: Node, val: object, syms: set, facts: dict) -> object:
         return [_fact(node, v, syms, facts) for v in val]
     if not isinstance(val, torch.Tensor):
         return None
-    loc = _locate(node, val, syms)
-    if loc is None:
+    loc = _locate(val, syms)
+    if not loc:
         return FREE
-    d, expr = loc
+    if len(loc) > 1:
+        return MIXED
+    d, expr = loc[0]
     coeff = _coefficient(node, expr, syms)
     inner = None
     src = node.args[0] if node.args else None
@@ -145,8 +146,9 @@ def batch_facts(gm: torch.fx.GraphModule) -> dict[Node, object]:
     """Where every value of a captured graph carries the batch.
 
     Returns:
-        For every node: a :class:`Batch`, ``FREE`` (a tensor without the batch), ``None`` (not a
-        tensor) or a list of these (ops returning several tensors).
+        For every node: a :class:`Batch`, ``FREE`` (a tensor without the batch), ``MIXED`` (the
+        batch in several dimensions: samples against samples), ``None`` (not a tensor) or a
+        list of these (ops returning several tensors).
 
     Raises:
         FuseError: a value whose batch fusion cannot follow, naming the node.

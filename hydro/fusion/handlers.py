@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from hydro.fusion import factories, ops
+from hydro.fusion import factories, ops, recurrent
 from hydro.fusion import random as rng
 
 if TYPE_CHECKING:
@@ -296,6 +296,47 @@ def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
     return True
 
 
+def _recurrent(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    """``nn.LSTM``/``nn.GRU``/``nn.RNN``: every trial's stack in one loop over time
+    (:func:`hydro.fusion.recurrent.trial_rnn`)."""
+    x, hx, params, has_biases, layers, dropout, train, bidir, batch_first = node.args[:9]
+    if dropout and train:
+        raise rw.error(node, f"dropout {dropout} between the layers of a recurrent stack has "
+                       "no fused form; set the layer's dropout to 0 and apply nn.Dropout to "
+                       "its output (or stack one-layer modules with nn.Dropout between)")
+    hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    out = [("T",) if s in ("?", None) else s for s in rw.out_spec(node)]
+    kind = node.target.overloadpacket.__name__
+    rw.env[node] = rw.fn(
+        recurrent.trial_rnn, kind, rw.env[x], [rw.env[h] for h in hx],
+        [rw.env[p] for p in params], has_biases, layers, bidir, batch_first, rw.n,
+        rw.spec.get(x), [rw.spec.get(h) for h in hx], [rw.spec.get(p) for p in params], out,
+    )  # fmt: skip
+    rw.spec[node] = out
+    return True
+
+
+def _recurrent_cell(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
+    """``nn.LSTMCell``/``nn.GRUCell``/``nn.RNNCell``: one step for every trial at once."""
+    x, hx, w_ih, w_hh = node.args[:4]
+    biases = [arg(node, 4, "b_ih"), arg(node, 5, "b_hh")]
+    hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    out = rw.out_spec(node)
+    out = [("T",) if s in ("?", None) else s for s in (out if isinstance(out, list) else [out])]
+    weights = [w_ih, w_hh, *biases]
+    kind = node.target.overloadpacket.__name__.removesuffix("_cell")
+    new = rw.fn(
+        recurrent.trial_cell, kind, rw.env[x], [rw.env[h] for h in hx],
+        [None if w is None else rw.env[w] for w in weights], rw.n, rw.spec.get(x),
+        [rw.spec.get(h) for h in hx], [rw.spec.get(w) for w in weights], out,
+    )  # fmt: skip
+    if kind == "lstm":
+        rw.env[node], rw.spec[node] = new, out
+    else:  # a single tensor
+        rw.env[node], rw.spec[node] = rw.fn(operator.getitem, new, 0), out[0]
+    return True
+
+
 def _batched(spec: object) -> bool:
     return isinstance(spec, tuple) and spec[0] in ("F", "SB")
 
@@ -326,5 +367,13 @@ HANDLERS = {
     aten.dropout.default: _dropout,
     **dict.fromkeys(SAMPLERS, _sample),
     aten.scaled_dot_product_attention.default: _attention,
+    aten.lstm.input: _recurrent,
+    aten.gru.input: _recurrent,
+    aten.rnn_tanh.input: _recurrent,
+    aten.rnn_relu.input: _recurrent,
+    aten.lstm_cell.default: _recurrent_cell,
+    aten.gru_cell.default: _recurrent_cell,
+    aten.rnn_tanh_cell.default: _recurrent_cell,
+    aten.rnn_relu_cell.default: _recurrent_cell,
     **factories.HANDLERS,
 }

@@ -717,8 +717,9 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     rescaled per tensor to the standard deviation of ``model``'s tensor, so a custom init scale
     (GPT-2's 0.02, muP's width-scaled std) carries over. A captured model (no user code to run):
     every tensor is redrawn from the statistics of the given one (mean, std, normal or uniform:
-    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases) and
-    frozen parameters (``requires_grad=False``: a pretrained backbone) stay.
+    :func:`hydro.parametrize.init_like`). Constant tensors (norm weights, zero biases),
+    frozen parameters (``requires_grad=False``: a pretrained backbone) and a surrogate's tables
+    rebuilt by rule (``sur.hydro.structured``) stay.
     """
     from hydro.parametrize import init_like
 
@@ -726,8 +727,10 @@ def _reinitialize(model: nn.Module, seed: int) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if isinstance(model, Captured):
-            for (_, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
-                if old.numel() >= 2 and old.requires_grad:
+            # a surrogate's tables of a rule (sinusoids, log(arange)) are not draws: they stay
+            rules = getattr(getattr(model, "hydro", None), "structured", {})
+            for (name, old), (_, new) in zip(model.named_parameters(), fresh.named_parameters()):
+                if old.numel() >= 2 and old.requires_grad and name not in rules:
                     draw = torch.empty(new.shape, dtype=torch.float64)
                     init_like(draw, old, 1.0, generator)
                     new.copy_(draw)

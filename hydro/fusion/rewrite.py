@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from hydro.errors import FuseError
 from hydro.fusion import ops
-from hydro.fusion.facts import FREE, Batch, batch_facts, batch_symbols
+from hydro.fusion.facts import FREE, MIXED, Batch, batch_facts, batch_symbols
 from hydro.fusion.handlers import HANDLERS as _HANDLERS
 from hydro.fusion.handlers import SAMPLERS as _SAMPLERS
 from hydro.fusion.handlers import arg as _arg
@@ -317,6 +317,10 @@ class _Rewriter(_StackedLayout):
                 self.vmap(node, found)
             return
         if kinds & {"F", "SB"}:
+            fact = self.facts[node]
+            if fact == MIXED or (isinstance(fact, list) and MIXED in fact):
+                self.per_trial(node, found, "pairs every sample with every other")
+                return
             self.batched(node, found, kinds)
             return
         self.env[node] = self.copy(node, self.env.__getitem__)
@@ -428,20 +432,16 @@ class _Rewriter(_StackedLayout):
             and not _random(node.target)
             and all(isinstance(self.spec.get(a), tuple) for a in found)
         )
-        if not keeps_shared:
-            self._check_batch_dim(node, found)
         fact = self.facts[node]
         if not keeps_shared and "F" in kinds | ({"F"} if "SB" in kinds else set()):
             if fact == FREE or (isinstance(fact, list) and FREE in fact):
                 if node.target in _LOSSES or _full_reduction(node):
                     self.trial_reduction(node, found)
                     return
-                raise self.error(
-                    node,
-                    "it reduces over the batch (or mixes the samples of a batch), which would mix "
-                    "trials. Reduce over the batch only in the loss (a full mean/sum or a loss "
-                    "function), or outside the model",
-                )
+                self.per_trial(node, found, "reduces over the samples of a batch")
+                return
+        if not keeps_shared:
+            self._check_batch_dim(node, found)
         convert = self.env.__getitem__ if keeps_shared else self.folded
         self.env[node] = self.copy(node, convert)
         self.spec[node] = self.out_spec(node, shared_ok=keeps_shared)
@@ -564,6 +564,11 @@ class _Rewriter(_StackedLayout):
                 return False
             idx = [None, *rest[0]]
             args = (new_x, idx)
+        elif target in (aten.sum.default, aten.mean.default):  # (before "sum" of _SHIFTABLE)
+            self.env[node] = self.fn(ops.trial_reduce, target._overloadpacket.__name__, new_x,
+                                     self.n, ("T",))  # fmt: skip
+            self.spec[node] = ("T",)
+            return True
         elif target._overloadpacket.__name__ in _SHIFTABLE:
             if any(isinstance(a, Node) for a in rest) or isinstance(fact, Batch):
                 return False
@@ -576,17 +581,20 @@ class _Rewriter(_StackedLayout):
             args = (new_x, *shifted)
             if node.kwargs:
                 return False
-        elif target in (aten.sum.default, aten.mean.default):
-            self.env[node] = self.fn(ops.trial_reduce, target._overloadpacket.__name__, new_x,
-                                     self.n, ("T",))  # fmt: skip
-            self.spec[node] = ("T",)
-            return True
         else:
             return False
         self.env[node] = self.graph.call_function(target, tuple(args), dict(node.kwargs))
         spec = self.out_spec(node)
         self.spec[node] = [("T",)] * len(spec) if isinstance(spec, list) else ("T",)
         return True
+
+    def per_trial(self, node: Node, found: list[Node], what: str) -> None:
+        """An op that mixes the samples of a batch (a contrastive loss's similarity matrix,
+        batch statistics): folded, it would mix the trials too, so it runs on each trial's own
+        batch (``torch.func.vmap`` over the trials) and its value is per trial from here on."""
+        logger.info("hydro.fuse: node '%s' (%s) %s: computed per trial", node.name,
+                    node.format_node(), what)  # fmt: skip
+        self.vmap(node, found)
 
     def vmap(self, node: Node, found: list[Node]) -> None:
         """Anything else with per-trial operands: ``torch.func.vmap`` over the trials."""

@@ -60,6 +60,7 @@ import types
 import warnings
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,15 +139,44 @@ _VOLATILE = frozenset({"_original_object_hash"})
 _MAX_ITEMS = 200_000  # a walk this long is not a model's configuration: not cached
 
 
-def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any) -> str | None:
-    """The cache key of exporting ``model`` on ``(args, kwargs)`` with ``dynamic`` shapes in its
-    current mode, or ``None`` when the model cannot be keyed (then it is not cached)."""
+@dataclass(frozen=True)
+class ModelState:
+    """A model's part of a cache key (its modules' attributes, tensors' shapes and classes),
+    taken before a capture runs its forward: a forward may set attributes (BERT sets
+    ``config.problem_type`` on its first call with labels), and a capture whose first program
+    was loaded from the cache never ran it, so every program of one capture is keyed on the
+    model as the capture found it."""
+
+    model: list
+    classes: dict
+
+
+def model_state(model: nn.Module) -> ModelState | None:
+    """``model``'s part of the key in its current mode; ``None`` when it cannot be keyed."""
     try:
         walk = _Walk()
+        return ModelState(walk.model(model), dict(walk.classes))
+    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+        return None
+
+
+def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any,
+        state: ModelState | None = None) -> str | None:  # fmt: skip
+    """The cache key of exporting ``model`` on ``(args, kwargs)`` with ``dynamic`` shapes in its
+    current mode, or ``None`` when the model cannot be keyed (then it is not cached).
+    ``state``: :func:`model_state` taken earlier (before an earlier export of the same capture
+    ran the forward); by default the model as it is now."""
+    try:
+        walk = _Walk()
+        if state is None:
+            model_part = walk.model(model)
+        else:
+            model_part = state.model
+            walk.classes.update(state.classes)
         parts = [
             ("schema", SCHEMA, torch.__version__, sys.version_info[:3], _hydro_version()),
             ("modes", torch.is_grad_enabled(), str(torch.get_default_dtype()), _autocast()),
-            ("model", walk.model(model)),
+            ("model", model_part),
             ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
             ("dynamic", walk.value(dynamic)),
         ]

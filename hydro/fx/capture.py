@@ -486,6 +486,7 @@ def capture_graph(
     prefix: str = "",
     dynamic: Dynamic = None,
     cache: bool | None = None,
+    state: _cache.ModelState | None = None,
 ) -> torch.fx.GraphModule:
     """The ATen graph of one call ``model(*args, **kwargs)`` in the model's current mode.
 
@@ -493,19 +494,20 @@ def capture_graph(
     (:func:`dynamic_shapes`). With ``"auto"`` a sequence length is tried, and the batch alone
     kept if export fails with it; a dimension asked for explicitly that the model fixes is an
     error. ``cache``: read and write the capture cache (:mod:`hydro.fx.cache`; ``None``: unless
-    ``HYDRO_CACHE=0``).
+    ``HYDRO_CACHE=0``); ``state``: the model's part of the cache key, taken before this
+    capture's first export (:func:`hydro.fx.cache.model_state`); ``None``: the model as it is.
     """
     args, kwargs = _unalias(tuple(args), dict(kwargs or {}))
     names = [n for n, _ in _arg_names(model, len(args), args)]
     shapes, asked = dynamic_shapes(names, args, kwargs, dynamic)
     try:
-        gm = _export(model, args, kwargs, shapes, prefix, cache)
+        gm = _export(model, args, kwargs, shapes, prefix, cache, state)
     except TraceError:
         if dynamic != "auto":
             raise
         # the sequence length was only a guess: a model may fail with it and pass without
         shapes, _ = dynamic_shapes(names, args, kwargs, None)
-        gm = _export(model, args, kwargs, shapes, prefix, cache)
+        gm = _export(model, args, kwargs, shapes, prefix, cache, state)
     fixed = _fixed(gm, asked)
     if fixed:
         name, d, size = fixed[0]
@@ -524,9 +526,10 @@ def _export(
     dynamic: dict,
     prefix: str,
     cache: bool | None = None,
+    state: _cache.ModelState | None = None,
 ) -> torch.fx.GraphModule:
     # keyed before export runs the forward (which may change the model's attributes)
-    key = _cache.key(model, args, kwargs, dynamic) if _cache.enabled(cache) else None
+    key = _cache.key(model, args, kwargs, dynamic, state) if _cache.enabled(cache) else None
     gm = _cache.load(key, model, type(model).__name__) if key else None
     keyed = gm is not None
     if gm is None:
@@ -759,7 +762,11 @@ def capture(
         )
     was_training = model.training
     graphs = {}
+    states: dict[str, _cache.ModelState | None] = {}
     try:
+        for mode in modes:  # every mode keyed on the model as found, before any forward runs
+            model.train(mode == "train")
+            states[mode] = _cache.model_state(model) if _cache.enabled(cache) else None
         for mode in modes:
             model.train(mode == "train")
             # host randomness (random, NumPy) would be frozen into the graph: say where
@@ -771,6 +778,7 @@ def capture(
                     prefix=f"{mode}_",
                     dynamic=dynamic,
                     cache=cache,
+                    state=states[mode],
                 )
     finally:
         model.train(was_training)

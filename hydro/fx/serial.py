@@ -72,6 +72,17 @@ def _public(name: Any) -> bool:
     return identifier(name) and not name.startswith("__")
 
 
+def _op_named(ns: Any, op: Any, overload: Any) -> bool:
+    """``ns::op.overload`` names a registered ATen/prims operator: a public name, or a dunder
+    that is itself an operator's name (``aten.__and__.Tensor``, what ``&`` on tensors records;
+    checked against the registry before any attribute is looked up)."""
+    if ns not in _NAMESPACES or not _public(overload):
+        return False
+    if _public(op):
+        return True
+    return identifier(op) and bool(torch._C._jit_get_schemas_for_operator(f"{ns}::{op}"))
+
+
 def attr_path(path: Any) -> bool:
     """A dotted attribute path of identifiers or digits (``h.0.attn``, ``0.weight``)."""
     if not isinstance(path, str) or not path:
@@ -136,7 +147,10 @@ class _Writer:
             ns = t.namespace
             if ns not in _NAMESPACES:
                 raise Unsupported(f"an op of namespace {ns}")
-            return ["op", ns, t._schema.name.split("::", 1)[1], t._overloadname]
+            op = t._schema.name.split("::", 1)[1]
+            if not _op_named(ns, op, t._overloadname):  # what the reader would refuse
+                raise Unsupported(f"the op {t}")
+            return ["op", ns, op, t._overloadname]
         if isinstance(t, torch._ops.HigherOrderOperator):
             if t.name() not in _HIGHER_ORDER:
                 raise Unsupported(f"the higher-order op {t.name()}")
@@ -206,7 +220,7 @@ class _Writer:
         return self.expr(node.expr, node.shape_env)
 
     def expr(self, e: Any, env: Any) -> Any:
-        from torch.utils._sympy.functions import FloorDiv
+        from torch.utils._sympy.functions import FloorDiv, Max, Min
 
         if e.is_Integer:
             return int(e)
@@ -230,6 +244,8 @@ class _Writer:
             return {"//": [self.expr(a, env) for a in e.args]}
         if e.is_Pow and e.args[1].is_Integer and int(e.args[1]) > 0:
             return {"**": [self.expr(e.args[0], env), int(e.args[1])]}
+        if isinstance(e, (Min, Max)):  # a stride of a reshaped broadcast, a clamped slice end
+            return {"min" if isinstance(e, Min) else "max": [self.expr(a, env) for a in e.args]}
         raise Unsupported(f"a symbolic size {e}")
 
 
@@ -333,11 +349,12 @@ class _Reader:
         kind = t[0]
         if kind == "op":
             _, ns, op, overload = t
-            ok = ns in _NAMESPACES and _public(op) and _public(overload)
-            _check(ok, f"a bad op {t!r}")
+            _check(_op_named(ns, op, overload), f"a bad op {t!r}")
             packet = getattr(getattr(torch.ops, ns), op)
             found = getattr(packet, overload)
-            _check(isinstance(found, torch._ops.OpOverload), f"not an op: {t!r}")
+            ok = isinstance(found, torch._ops.OpOverload)
+            ok = ok and (found._schema.name, found._overloadname) == (f"{ns}::{op}", overload)
+            _check(ok, f"not an op: {t!r}")
             return found
         if kind == "hop":
             _check(len(t) == 2 and t[1] in _HIGHER_ORDER, f"a bad higher-order op {t!r}")
@@ -435,7 +452,7 @@ class _Reader:
         return torch.SymInt(SymNode(e, self.env, int, hint))
 
     def expr(self, s: Any) -> Any:
-        from torch.utils._sympy.functions import FloorDiv
+        from torch.utils._sympy.functions import FloorDiv, Max, Min
 
         if type(s) is int:
             return sympy.Integer(s)
@@ -448,8 +465,11 @@ class _Reader:
             base, n = x
             _check(type(n) is int and 0 < n < 64, "a bad power")
             return sympy.Pow(self.expr(base), n)
-        _check(kind in ("+", "*", "//") and isinstance(x, list) and x, f"a bad size {s!r}")
+        _check(kind in ("+", "*", "//", "min", "max") and isinstance(x, list) and x,
+               f"a bad size {s!r}")  # fmt: skip
         parts = [self.expr(y) for y in x]
+        if kind in ("min", "max"):
+            return (Min if kind == "min" else Max)(*parts)
         if kind == "+":
             return sympy.Add(*parts)
         if kind == "*":

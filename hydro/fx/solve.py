@@ -20,6 +20,7 @@ import torch.fx
 from hydro.errors import ScaleError
 from hydro.fx import pins
 from hydro.fx.paths import get_path
+from hydro.fx.rules import tables
 from hydro.fx.rules.common import TensorSyms, bound, op_name
 from hydro.fx.rules.rotary import RotaryTable, rotary_base
 from hydro.fx.widths import (
@@ -69,9 +70,10 @@ def analyze(
 
     Raises:
         ScaleError: a width that ``ratio`` does not divide, a head split that cannot shrink, or
-            a buffer derived from a width that would have to be cut (other than a rotary
-            table, which is rebuilt for the new head dim), naming the node, module or buffer
-            and the ratios that would work.
+            a buffer spanning a width that would have to be cut whose values follow no rule
+            Hydro rebuilds (rotary and sinusoid tables, sequences, identities, constants), or a
+            parameter visibly structured by no such rule, naming the node, module, parameter or
+            buffer and what would work.
     """
     a = analysis(root, example_inputs, example_kwargs, values)
     return _solve(a, ratio, head_policy)
@@ -269,7 +271,7 @@ def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
         width=dep, fixed=fixed, uses=a.uses, head_decisions=decisions,
     )  # fmt: skip
     _verify(a, plan, node_error)
-    _check_buffers(a, plan, touching)
+    _check_tables(a, plan, touching)
     plan.literal_rewrites = _attention_scales(a, plan, decisions)
     for key, syms in a.param_syms.items():
         name = a.tensor_names[key][0]
@@ -295,8 +297,31 @@ def _width_sources(a: Analysis) -> set[int]:
     head policy), they do not make a width of their own.
     """
     tables = _table_keys(a)
+    counts = _counts(a)
     return {a.find(s) for key, syms in a.param_syms.items() if key not in tables for s in syms
-            if s in a.param_dim_syms}  # fmt: skip
+            if s in a.param_dim_syms and a.find(s) not in counts}  # fmt: skip
+
+
+def _counts(a: Analysis) -> set[int]:
+    """Classes that count things rather than measure a width: a parameter dimension that no
+    other parameter shares, that no layer contracts or produces (no fan-in or fan-out of any
+    use) and that only concatenations relate to the rest of the graph, such as the 4 register
+    tokens of ``reg_token [1, 4, D]`` or DETR's learned queries concatenated with the patch
+    tokens. Cutting them would change the model's structure, not its width."""
+    owners: dict[int, set[tuple[int, int]]] = {}
+    for key, syms in a.param_syms.items():
+        for i, s in enumerate(syms):
+            if s in a.param_dim_syms:
+                owners.setdefault(a.find(s), set()).add((key, i))
+    used = {(key, d) for key, uses in a.uses.items() for u in uses for d in u.fan_in + u.fan_out}
+    contracted = {r for r, own in owners.items() if own & used}  # a layer's fan-in or fan-out
+    # parts of concatenations along a dimension no layer contracts (tokens, not channels)
+    in_sums = {a.find(s) for c in a.sums if a.find(c.out) not in contracted for s in c.parts}
+    in_other = {a.find(s) for c in a.products for s in c.lhs + c.rhs}
+    in_other |= {a.find(s) for c in a.parts for s in (c.part, c.whole)}
+    in_other |= {a.find(s) for c in a.sums if a.find(c.out) in contracted for s in c.parts}
+    return {r for r, own in owners.items() if len(own) == 1 and r not in contracted
+            and r in in_sums and r not in in_other}  # fmt: skip
 
 
 def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:
@@ -371,27 +396,75 @@ def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
             raise node_error(c.node, "a concatenation's parts do not add up after scaling")
 
 
-def _check_buffers(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
-    """A buffer computed from a width is never cut: a rotary table (``1 / base ** (2i / d)``,
-    recognized by its values) is rebuilt for the new head dim (``plan.rotary``); any other
-    is an error."""
-    for s, (name, dim) in a.buffer_dim_syms.items():
-        r = a.find(s)
-        if r in touching or plan.new_dim(s) == a.sizes[s]:
-            continue  # running statistics follow their layer's channels; fine
-        t = get_path(a.root, name)
-        base = rotary_base(t) if isinstance(t, torch.Tensor) else None
-        if base is not None:
-            new = plan.new_dim(s)
-            plan.rotary[id(t)] = RotaryTable(name, 2 * a.sizes[s], 2 * new, base)
+_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "instance_norm",
+                "_native_batch_norm_legit_functional", "cudnn_batch_norm")  # fmt: skip
+
+
+def _running_stats(a: Analysis) -> set[int]:
+    """Ids of the buffers a batch norm reads as running statistics: state the graph updates,
+    not a table (their leading entries are the surrogate's, as its channels are)."""
+    found = set()
+    for node in a.node_syms:
+        if node.op == "call_function" and op_name(node) in _BATCH_NORMS:
+            b = bound(node)
+            for key in ("running_mean", "running_var"):
+                t = a.param_of(b.get(key))
+                if t is not None:
+                    found.add(id(t))
+    return found
+
+
+def _check_tables(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
+    """Parameters and buffers whose values are not a random draw are never cut or redrawn: a
+    rotary table (``1 / base ** (2i / d)``) is rebuilt for the new head dim (``plan.rotary``), a
+    table of a rule of :mod:`hydro.fx.rules.tables` (sinusoids, arange/log sequences,
+    identities) for the new width (``plan.structured``); a constant stays that constant, running
+    statistics keep their leading entries. Any other buffer spanning a width that shrinks, or a
+    parameter whose values are visibly structured by no known rule, is an error naming it."""
+    params = {id(p) for p in a.root.parameters()}
+    running = _running_stats(a)
+    for key, syms in a.param_syms.items():
+        shrinking = [i for i, s in enumerate(syms) if plan.new_dim(s) != a.sizes[s]]
+        if not shrinking or key in running:
             continue
+        name = a.tensor_names[key][0]
+        t = get_path(a.root, name)
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        is_param = key in params
+        base = None if is_param or len(syms) != 1 else rotary_base(t)
+        if base is not None:
+            s = syms[0]
+            plan.rotary[key] = RotaryTable(name, 2 * a.sizes[s], 2 * plan.new_dim(s), base)
+            continue
+        table = tables.recognize(name, t, shrinking)
+        if table is not None:
+            if table.kind != "constant":  # a constant is drawn (parameters) or cut as it is
+                plan.structured[key] = table
+            continue
+        dim = shrinking[0]
+        old, new = a.sizes[syms[dim]], plan.new_dim(syms[dim])
+        where = f"'{name}' (dimension {dim}, size {old} -> {new} at ratio {plan.ratio})"
+        rules = ("not a rotary table 1 / base ** (arange(0, d, 2) / d), a sinusoid table, an "
+                 "arange or log(arange) sequence, an identity or a constant")  # fmt: skip
+        if is_param:
+            if tables.looks_structured(t, shrinking):
+                raise ScaleError(
+                    f"parameter {where} holds structured values (repeated or sorted along that "
+                    f"dimension), not a random draw, and follow no rule Hydro can rebuild "
+                    f"({rules}); the surrogate would replace them with random numbers. Compute "
+                    "them in forward from the width (x.size(-1)), or initialize the parameter "
+                    "by one of those rules."
+                )
+            continue
+        heads = "" if a.find(syms[dim]) in touching else (
+            " Or keep the head dim: use head_policy='keep_head_dim' with a ratio that divides "
+            "the head count (and the key/value head count), or give the model more heads.")
         raise ScaleError(
-            f"buffer '{name}' (dimension {dim}, size {a.sizes[s]}) is computed from a width "
-            f"that would shrink to {plan.new_dim(s)} at ratio {plan.ratio}, and its values are "
-            "not a rotary table 1 / base ** (arange(0, d, 2) / d) that Hydro could rebuild; "
-            "cutting it would change what it encodes. Keep the head dim: use "
-            "head_policy='keep_head_dim' with a ratio that divides the head count (and the "
-            "key/value head count), or give the model more heads."
+            f"buffer {where} spans a width that shrinks, and its values follow no rule Hydro can "
+            f"rebuild ({rules}); cutting it would change what it encodes. Compute it in forward "
+            "from the width (x.size(-1)), or register it as a parameter with "
+            f"requires_grad=False if it is a random draw.{heads}"
         )
 
 

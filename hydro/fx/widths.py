@@ -38,7 +38,8 @@ from hydro.fx.paths import get_path
 from hydro.fx.rules import RULES
 from hydro.fx.rules.common import IntSym, TensorSyms, op_name
 from hydro.fx.rules.rotary import RotaryTable
-from hydro.fx.rules.shape import INT_RULES
+from hydro.fx.rules.shape import INT_RULES, TRANSPOSES, transpose_perm
+from hydro.fx.rules.tables import Table
 
 HeadPolicy = Literal["keep_head_dim", "keep_head_count"]
 
@@ -108,6 +109,8 @@ class WidthPlan:
             the cut width), as ``(dimension in words, size, reason)`` (:mod:`hydro.fx.pins`).
         tables: ids of the parameters read by index (``table[index]``): not layers of a width.
         rotary: rotary frequency buffers rebuilt for a smaller head dim, by tensor id.
+        structured: parameters and buffers rebuilt by the rule of their values (sinusoids,
+            sequences, identities: :mod:`hydro.fx.rules.tables`), by tensor id.
     """
 
     root: torch.nn.Module
@@ -129,6 +132,7 @@ class WidthPlan:
     int_rewrites: dict = field(default_factory=dict)
     literal_rewrites: dict[torch.fx.Node, tuple[int, float]] = field(default_factory=dict)
     rotary: dict[int, RotaryTable] = field(default_factory=dict)
+    structured: dict[int, Table] = field(default_factory=dict)
 
     def find(self, s: int) -> int:
         while self.parent[s] != s:
@@ -445,23 +449,42 @@ class Analysis:
             self.products.append(Product(node, [channels], [per_group], 1, groups))
 
     def use_param(self, w_node: Any, node: torch.fx.Node, fan_in, fan_out, act) -> None:  # noqa: ANN001
-        t = self.param_of(w_node)
-        if t is not None:
-            self.uses.setdefault(id(t), []).append(
-                ParamUse(node, tuple(fan_in), tuple(fan_out), act))  # fmt: skip
+        """Record that ``node`` uses the parameter ``w_node`` reads, with ``fan_in`` and
+        ``fan_out`` given as dimensions of ``w_node`` (mapped back to the parameter's own
+        through transposes: ``x @ W.T`` uses ``W`` as ``F.linear`` does)."""
+        found = self.param_dims(w_node)
+        if found is not None:
+            t, dims = found
+            fan_in, fan_out = tuple(dims[d] for d in fan_in), tuple(dims[d] for d in fan_out)
+            self.uses.setdefault(id(t), []).append(ParamUse(node, fan_in, fan_out, act))
 
     def param_of(self, arg: Any) -> torch.Tensor | None:
-        """The parameter an argument reads (through dtype casts), if any."""
+        """The parameter an argument reads (through dtype casts and transposes), if any."""
+        found = self.param_dims(arg)
+        return found[0] if found is not None else None
+
+    def param_dims(self, arg: Any) -> tuple[torch.Tensor, list[int]] | None:
+        """``(parameter, dims)`` when ``arg`` reads a parameter or buffer through dtype casts,
+        copies and transposes (``W.T``, ``W.mT``, ``W.t()``, ``permute``): ``dims[i]`` is the
+        parameter's dimension that dimension ``i`` of ``arg`` is."""
+        perms: list[list[int]] = []
         while isinstance(arg, torch.fx.Node):
             if arg.op == "get_attr":
                 t = get_path(self.root, arg.target)
-                return t if isinstance(t, torch.Tensor) else None
+                if not isinstance(t, torch.Tensor):
+                    return None
+                dims = list(range(t.dim()))
+                for perm in reversed(perms):  # from the parameter out to the argument
+                    dims = [dims[p] for p in perm]
+                return t, dims
             # a weight-normalized weight is read as its direction ``v`` (rules/weight_norm.py)
-            if op_name(arg) in ("to", "_to_copy", "alias", "detach", "contiguous", "clone",
-                                "_weight_norm"):  # fmt: skip
-                arg = arg.args[0]
-                continue
-            return None
+            name = op_name(arg)
+            if name in TRANSPOSES and isinstance(self.values.get(arg), torch.Tensor):
+                perms.append(transpose_perm(arg, self.values[arg].dim()))
+            elif name not in ("to", "_to_copy", "alias", "detach", "contiguous", "clone",
+                              "_weight_norm"):  # fmt: skip
+                return None
+            arg = arg.args[0]
         return None
 
     def generic(self, node: torch.fx.Node, out: Any) -> None:

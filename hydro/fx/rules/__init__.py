@@ -18,6 +18,7 @@ from hydro.fx.rules import (
     embedding,
     linear,
     norm,
+    recurrent,
     shape,
     weight_norm,
 )  # fmt: skip
@@ -25,7 +26,8 @@ from hydro.fx.rules import (
 Rule = Callable[[Any, Any, Any], None]
 
 RULES: dict[str, Rule] = {}
-for _family in (linear, conv, norm, embedding, attention, shape, weight_norm, elementwise):
+for _family in (linear, conv, norm, embedding, attention, shape, weight_norm, elementwise,
+                recurrent):  # fmt: skip
     RULES.update(_family.RULES)
 
 __all__ = ["RULES", "Rule"]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int
+from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int, op_name
 
 SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
             "new_ones": "size", "new_zeros": "size", "new_empty": "size", "new_full": "size",
@@ -47,19 +47,31 @@ def size_args(a, node, out) -> None:  # noqa: ANN001
             a.union(o, sym.sym, node)
 
 
-def permute(a, node, out) -> None:  # noqa: ANN001
-    x = a.syms_of(node.args[0])
-    rank = len(x)
-    name = a.name(node)
+TRANSPOSES = ("permute", "transpose", "t", "swapaxes", "swapdims", "numpy_T", "mT", "mH",
+              "adjoint")  # fmt: skip
+
+
+def transpose_perm(node: Any, rank: int) -> list[int]:
+    """Which input dimension each output dimension of a transposing op is (``out[o] =
+    x[perm[o]]``): ``permute``, ``transpose``/``swapaxes``, ``t`` and ``.T`` (all reversed),
+    ``.mT``/``.mH``/``adjoint`` (the last two swapped)."""
+    name = op_name(node)
     perm = list(range(rank))
     if name == "permute":
-        perm = [d % rank for d in node.args[1]]
-    elif name == "t":
-        perm = perm[::-1]
+        return [d % rank for d in node.args[1]]
+    if name in ("t", "numpy_T"):
+        return perm[::-1]
+    if name in ("mT", "mH", "adjoint"):
+        i, j = rank - 2, rank - 1
     else:
         i, j = node.args[1] % rank, node.args[2] % rank
-        perm[i], perm[j] = perm[j], perm[i]
-    for o, i in enumerate(perm):
+    perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def permute(a, node, out) -> None:  # noqa: ANN001
+    x = a.syms_of(node.args[0])
+    for o, i in enumerate(transpose_perm(node, len(x))):
         a.union(out[o], x[i], node)
 
 
@@ -186,11 +198,36 @@ def loss(a, node, out) -> None:  # noqa: ANN001
         a.tie_all(out, target, node)
 
 
+# ops that turn an arange's values into constants of a rule of their count (ALiBi's slopes
+# ``base ** arange(1, H + 1)`` with ``base = 2 ** (-8 / H)`` computed in Python)
+_EXPONENTIALS = ("pow", "exp", "exp2", "float_power")
+
+
 def arange(a, node, out) -> None:  # noqa: ANN001
     b = bound(node)
     end = a.syms_of(b.get("end"))
     if isinstance(end, IntSym) and end.sym is not None:
         a.union(out[0], end.sym, node)
+    if _feeds_exponential(node):
+        # per-head constants built in Python: their count is structure, kept whole (a cut
+        # arange would keep the target's first slopes, not the slopes of the new count)
+        a.fix_syms([out[0]])
+
+
+def _feeds_exponential(node: Any) -> bool:
+    """Whether an ``arange``'s values reach an exponential through casts and scalings."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        name = op_name(user)
+        if name in _EXPONENTIALS:
+            return True
+        if name in ("to", "_to_copy", "mul", "div", "neg", "sub", "add", "unsqueeze", "view"):
+            todo.extend(user.users)
+    return False
 
 
 def identity(a, node, out) -> None:  # noqa: ANN001
@@ -209,7 +246,7 @@ RULES = {
     "unflatten": reshape, "squeeze": reshape, "unsqueeze": reshape, "view_as": reshape,
     "contiguous": identity, "clone": identity, "alias": identity, "detach": identity,
     "to": identity, "_to_copy": identity, "type_as": identity, "lift_fresh_copy": identity,
-    "permute": permute, "transpose": permute, "t": permute, "swapaxes": permute,
+    **{name: permute for name in TRANSPOSES},
     "expand": expand, "new_ones": size_args, "new_zeros": size_args, "new_empty": size_args,
     "new_full": size_args, "zeros": size_args, "ones": size_args, "empty": size_args,
     "full": size_args, "rand": size_args, "randn": size_args,
