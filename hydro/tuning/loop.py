@@ -194,9 +194,13 @@ class _Turns:
         if self.finished:
             return
         self._to_user.release()
-        while not self._to_engine.acquire(timeout=1.0):
-            if not self.thread.is_alive():
-                break
+        try:
+            while not self._to_engine.acquire(timeout=1.0):
+                if not self.thread.is_alive():
+                    break
+        except BaseException:  # Ctrl-C, SIGTERM: the function stops at its next pause
+            self.stop()
+            raise
         if self.error is not None:
             error, self.error = self.error, None
             raise error.with_traceback(error.__traceback__)
@@ -212,6 +216,18 @@ class _Turns:
         """Stop the function at its next pause (it unwinds with :class:`_Stop`)."""
         self.closing = True
         if not self.finished:
+            self._to_user.release()
+            self.thread.join(timeout=5.0)
+
+    def stop(self) -> None:
+        """The engine was interrupted while the function ran: let it finish its iteration
+        (torch must not be computing in a thread while the process tears down), then unwind
+        it. A second interrupt while it finishes gives up waiting."""
+        self.closing = True
+        try:
+            while self.thread.is_alive() and not self._to_engine.acquire(timeout=0.5):
+                pass
+        finally:
             self._to_user.release()
             self.thread.join(timeout=5.0)
 

@@ -235,3 +235,30 @@ def test_both_doors_record_the_same_study(tmp_path):
     assert fp_a == fp_b
     assert a.user_attrs["hydro_fuse"]["fuse"] == b.user_attrs["hydro_fuse"]["fuse"] == "auto"
     assert {t.user_attrs["ratio"] for t in a.trials} == {t.user_attrs["ratio"] for t in b.trials}
+
+
+def test_ctrl_c_stops_a_training_function_cleanly_and_puts_its_trials_back(tmp_path):
+    """Ctrl-C lands while the function computes (in its own thread): the run waits for its
+    iteration, unwinds it, puts the trials back to WAITING, says so and exits 130."""
+    config = _config(tmp_path).read_text().replace("slow_train", "train").replace(
+        "steps: 12", "steps: 100000")  # fmt: skip
+    (tmp_path / "tune.yaml").write_text(config)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hydro.cli", "tune", str(tmp_path / "tune.yaml"), "--storage",
+         f"sqlite:///{tmp_path / 'loop.db'}", "--no-progress"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    storage = f"sqlite:///{tmp_path / 'loop.db'}"
+    deadline = time.monotonic() + 240 * float(os.environ.get("HYDRO_TEST_SLOW", "1"))
+    while True:  # until the group trains: its trials RUNNING, a checkpoint written
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the group never started"
+        if list(tmp_path.glob("loop.db.checkpoints/*/*")):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    study = optuna.load_study(study_name="hydro", storage=storage)
+    assert {t.state.name for t in study.trials} == {"WAITING"}
