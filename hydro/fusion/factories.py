@@ -40,8 +40,8 @@ def batch_arange(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set
     """``arange`` as long as the batch (in-batch labels ``arange(B)``, a contrastive loss's
     targets): each trial counts its own samples, ``0 .. B-1``, not the folded batch's
     ``0 .. n*B-1``. Returns ``False`` for any other ``arange`` (positions along a sequence)."""
-    from hydro.fusion.ops import from_trials
     from hydro.fusion.facts import Batch
+    from hydro.fusion.ops import from_trials
 
     fact = rw.facts.get(node)
     args = list(node.args)
