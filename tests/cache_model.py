@@ -17,7 +17,7 @@ class Net(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.drop = nn.Dropout(p)
         self.fc2 = nn.Linear(width, 3)
-        self.register_buffer("shift", torch.linspace(0, 1, width), persistent=False)
+        self.register_buffer("shift", torch.full((width,), 0.25), persistent=False)
         self.act = "relu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

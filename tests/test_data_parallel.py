@@ -18,6 +18,7 @@ from hydro.errors import ConfigError, HydroWarning
 from hydro.integrations.optuna import optimize
 from hydro.tuning.group import FusedGroup
 from hydro.tuning.lockstep import train_group
+from hydro.tuning.options import TuneOptions
 from hydro.tuning.slots import _stream_in_worker
 from hydro_fluid import LocalExecutor, TrialGroup
 from tests.test_continuous import make_task
@@ -148,7 +149,8 @@ class Driver:
 
 
 def stream(world_size: int, driver: Driver, checkpoints) -> None:  # noqa: ANN001
-    fn = functools.partial(_stream_in_worker, make_task(steps=8), 2, 2, (1, 1.0), 3)
+    options = TuneOptions(ratio=2, fuse=2, checkpoint_every=3)  # what the workers read
+    fn = functools.partial(_stream_in_worker, make_task(steps=8), options, 2)
     ex = LocalExecutor(devices=[], num_workers=2, threads=2, checkpoint_dir=checkpoints)
     ex.run([TrialGroup("g", (0, 1), (8, 8))], fn, world_size=world_size, request=driver)
 
