@@ -502,15 +502,29 @@ def _rewrite_literals(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -
 
 
 def _rewrite_int(node: torch.fx.Node, want: int, plan: WidthPlan) -> None:
-    """Make a size computed as ``batch * k`` (a literal ``k``) evaluate to ``want``."""
-    if node.target is not operator.mul or len(node.args) != 2:
-        return
-    x, k = node.args
+    """Make a size computed as ``batch * k`` (a literal ``k``) evaluate to ``want``; in a chain
+    ``batch * k1 * k2`` (MobileViT's unfold: ``B * C * patches``) the outermost literal whose
+    scaled value is whole, else an inner one no other size reads (the channels' ``C`` where the
+    patch count cannot shrink)."""
+    chain = []  # (mul node, its literal), outermost first
+    x = node
+    while isinstance(x, torch.fx.Node) and x.target is operator.mul and len(x.args) == 2:
+        if not is_int(x.args[1]):
+            break
+        chain.append((x, x.args[1]))
+        x = x.args[0]
     got = plan.values.get(node)
     xv = plan.values.get(x) if isinstance(x, torch.fx.Node) else None
-    if not is_int(k) or not is_int(xv) or got == want or not xv or want % xv:
+    if not chain or not is_int(xv) or not is_int(got) or got == want or not xv or want % xv:
         return
-    plan.int_rewrites[node] = want // xv
+    old_total, new_total = got // xv, want // xv
+    # the outermost literal where it scales to a whole number (it is this size's alone); an
+    # inner one only where no other size reads its product
+    fits = [(k, m) for i, (m, k) in enumerate(chain)
+            if (k * new_total) % old_total == 0 and (i == 0 or len(m.users) == 1)]  # fmt: skip
+    if fits:
+        k, m = fits[0]
+        plan.int_rewrites[m] = k * new_total // old_total
 
 
 def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:  # noqa: ANN001

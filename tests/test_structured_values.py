@@ -211,3 +211,18 @@ def test_constants_stay_constants():
     sur = hydro.scale(Constants(), RATIO, example_inputs=(torch.randn(2, 16),))
     assert torch.equal(sur.shift, torch.full((8,), 0.25))
     assert torch.equal(sur.get_parameter("gain"), torch.full((8,), 1.5))
+
+
+def test_a_float32_linspace_cast_to_float64_keeps_both_ends():
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(16, 64)
+            self.register_buffer("shift", torch.linspace(0, 1, 64))  # float32, then .double()
+            self.out = nn.Linear(64, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out((self.inp(x) + self.shift).relu())
+
+    sur = hydro.scale(Shifted().double(), 2, example_inputs=(torch.randn(2, 16).double(),))
+    torch.testing.assert_close(sur.shift, torch.linspace(0, 1, 32, dtype=torch.float64))

@@ -585,7 +585,8 @@ class Analysis:
                 name = self.tensor_names[id(t)][0]
                 raise ScaleError(
                     f"{describe(node)} reads the parameter '{name}' but Hydro has no width rule "
-                    f"for {node.target}. Supported with parameters: linear, addmm, matmul, "
-                    "convolutions, batch/layer/group/RMS norm, embedding, elementwise ops. Write "
-                    "the layer with those (nn.Linear, nn.Conv2d...), or keep its width fixed."
+                    f"for {node.target}. Supported with parameters: linear, addmm, matmul (also "
+                    "through a transpose), convolutions, batch/layer/group/RMS norm, embedding, "
+                    "recurrent layers (LSTM, GRU, RNN and their cells), elementwise ops. Write "
+                    "the layer with those (nn.Linear, nn.Conv2d...)."
                 )
