@@ -1,7 +1,8 @@
 """The ``hydro`` command: tune, export, report, inspect and coord-check.
 
-Models are named as ``module:callable`` (the callable returns an ``nn.Module``, or a
-``(model, example_inputs)`` pair); the current directory is importable, as for ``python -m``.
+Models are named as ``module:callable`` (the callable returns an ``nn.Module``; for ``inspect``
+also ``(model, args)``, ``(model, {kwargs})`` or ``(model, args, kwargs)``, for ``coord-check``
+a ``(model, example_inputs)`` pair); the current directory is importable, as for ``python -m``.
 Bad input exits with status 2 and a one-paragraph error, a study database that fails in use
 (locked too long, read-only) with status 3 and one line; ``--debug`` shows the traceback.
 
@@ -381,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
-    p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
+    p.add_argument("model", help="module:callable returning the model, or (model, args), "
+                   "(model, {kwargs}) or (model, args, kwargs)")  # fmt: skip
     p.add_argument(
         "--ratio",
         type=_ratio,
