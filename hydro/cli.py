@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroError
-from hydro.tuning.options import TuneOptions
+from hydro.tuning.options import DEFAULT_STORAGE, TuneOptions
 from hydro_fluid.policies import policy_help, policy_names
 
 if TYPE_CHECKING:
@@ -207,13 +207,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
     given = {meta["config"]: getattr(args, name, None) for name, _, meta in TuneOptions.rows()
              if meta["flag"] and meta["config"]}  # fmt: skip
-    if args.compile is not None:
-        given["compile"] = args.compile
     cfg = config_module.load(args.config, steps=args.steps, cache=args.cache, **given)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     _say_hydro_lines()
     options = cfg.options(progress=args.progress)
-    where = f"study '{cfg.study}' of {cfg.storage or 'sqlite:///hydro.db'}"
+    where = f"study '{cfg.study}' of {cfg.storage or DEFAULT_STORAGE}"
     args.resume_hint = f"the finished trials are saved in {where}: run the same command " \
         "again to resume"  # fmt: skip
     try:

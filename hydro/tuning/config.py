@@ -19,9 +19,10 @@ import optuna
 import yaml
 
 from hydro.errors import ConfigError, HydroError
-from hydro.tuning.options import TuneOptions, _check_placement
+from hydro.tuning.options import TuneOptions
 from hydro.tuning.space import check_names, check_warmup, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
+from hydro_fluid.policies import check_policy
 
 # the run's options (hydro.tuning.options: their config keys), what to train, and the space
 TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space"}
@@ -232,7 +233,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     flags = {k: f"--{k}" for k in ("sampler", "pruner") if k in given}
     raw = {**raw, **given}
     try:  # before the task is built: a typo here should not wait for the data
-        _check_placement(raw.get("policy", "dynamic"), raw.get("deadline"))
+        check_policy(raw.get("policy", "dynamic"), raw.get("deadline"))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     task = _task(raw["task"], path)

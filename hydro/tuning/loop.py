@@ -40,6 +40,7 @@ from hydro.tuning.group import (
 from hydro.tuning.task import (
     Task,
     check_data,
+    check_settings,
     factory_args,
     stack_batches,
     train_stream,
@@ -98,29 +99,10 @@ class Loop:
     def __post_init__(self) -> None:
         if not callable(self.train):
             raise ConfigError(f"train must be a function train(run), got {self.train!r}")
-        if not isinstance(self.model, nn.Module) and not callable(self.model):
-            raise ConfigError("model must be an nn.Module or a function returning one")
-        for name in ("steps",):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.eval_every is None:
-            self.eval_every = max(1, self.steps // 4)
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) \
-                or self.eval_every < 1:  # fmt: skip
-            raise ConfigError(f"eval_every must be a positive integer, got {self.eval_every!r}")
-        if self.direction not in ("minimize", "maximize"):
-            raise ConfigError(f"direction must be 'minimize' or 'maximize', not {self.direction!r}")
-        ce = self.checkpoint_every
-        if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
-            raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
+        check_settings(self)  # as a Task's: steps, eval_every, batch_size, direction...
         for name in ("train_data", "val_data"):
             if getattr(self, name) is not None:
                 check_data(name, getattr(self, name))
-        if self.batch_size is None:
-            loader = self.train_data
-            self.batch_size = int(getattr(loader, "batch_size", None) or 32) \
-                if isinstance(loader, torch.utils.data.DataLoader) else 32  # fmt: skip
         if self.example_inputs is None and self.example_kwargs is None and self.train_data is None:
             raise ConfigError("a training function needs example inputs for capture: pass "
                               "example_inputs=(x,) or example_kwargs={...} (a batch's model "
@@ -150,12 +132,6 @@ class Loop:
             return (), dict(batch)
         x = batch[0]
         return (tuple(x) if isinstance(x, (tuple, list)) else (x,)), {}
-
-    def train_batches(self, batch_size: int, seed: int) -> Iterator[Any]:
-        if self.train_data is None:
-            raise ConfigError("run.batch() needs data: pass train_data to hydro.tune, or give "
-                              "run.batch(data)")  # fmt: skip
-        return train_stream(self.train_data, batch_size, seed)
 
 
 class _Stop(BaseException):
@@ -478,8 +454,8 @@ class LoopGroup:
         self.turns = _Turns(lambda: self._call(), name=f"hydro-train-{members[0][0]}")
         for k in range(len(members), self.capacity):
             self._idle(k)
-        self.turns.resume()  # the function's set-up, up to its first step
-        self._check_running("before its first step")
+        # the function's set-up, up to its first step (returning without one is its error)
+        self.turns.resume()
 
     def _call(self) -> None:
         self.task.train(self.run)
@@ -491,13 +467,6 @@ class LoopGroup:
             raise ConfigError(f"train(run) returned while trial {first.id} was at step "
                               f"{first.step} of {self.task.steps}: loop `for step in run:` "
                               "to its end (Hydro ends it when no trial is left)")  # fmt: skip
-
-    def _check_running(self, when: str) -> None:
-        if self.turns.finished and self.live_slots:
-            raise ConfigError(f"train(run) returned {when}: loop `for step in run:` until it "
-                              "ends")  # fmt: skip
-        if not self.run._iterating and self.live_slots:
-            raise ConfigError("train(run) must loop `for step in run:`")
 
     # --- the engine's view ---------------------------------------------------------------
 
@@ -511,8 +480,7 @@ class LoopGroup:
 
     def step(self) -> None:
         """One step of every slot: the function's next iteration."""
-        self.turns.resume()
-        self._check_running(f"at step {self.steps}")
+        self.turns.resume()  # a function that returned early raised, in _call
 
     def after_step(self) -> None:
         """Called in the function's thread at the end of an iteration."""

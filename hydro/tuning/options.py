@@ -20,21 +20,18 @@ from typing import Any
 from hydro.errors import ConfigError
 
 DEFAULT_STORAGE = "sqlite:///hydro.db"
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 
 
 def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None = "",  # noqa: A002
-         kind: str = "", choices: Sequence[str] | None = None,
-         metavar: str | None = None) -> Any:  # fmt: skip
+         kind: str = "", choices: Sequence[str] | None = None) -> Any:  # fmt: skip
     """A field of :class:`TuneOptions`: its default and its row of the options table.
 
     ``flag``/``config``: the CLI flag and the config key (``""``: derived from the name;
     ``None``: none, a Python-only option). ``kind`` names the CLI parser of the value
     (:data:`PARSERS`).
     """
-    meta = {"help": help, "flag": flag, "config": config, "kind": kind, "choices": choices,
-            "metavar": metavar}  # fmt: skip
-    if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    meta = {"help": help, "flag": flag, "config": config, "kind": kind, "choices": choices}
     return field(default=default, metadata=meta)
 
 
@@ -124,7 +121,8 @@ class TuneOptions:
     )
     device: str = _opt("cpu", "where groups train in this process: cpu, cuda, cuda:N", kind="str")
     depth_ratio: int = _opt(
-        1, "surrogates keep every k-th block of repeated residual stacks", kind="int")
+        1, "surrogates keep every k-th block of repeated residual stacks", kind="int"
+    )
     depth_alpha: float = _opt(
         1.0, "the depth cut's residual exponent: 1 CompleteP, 0.5 Depth-muP", kind="float"
     )
@@ -183,7 +181,7 @@ class TuneOptions:
         "groups train: highest, high (TF32 matmuls on NVIDIA "
         "GPUs), medium (default: torch's own)",
         kind="str",
-        choices=("highest", "high", "medium"),
+        choices=MATMUL_PRECISIONS,
     )
     world_size: int = _opt(
         1, "with an executor, train each group data parallel on this many devices", kind="count"
@@ -214,7 +212,7 @@ class TuneOptions:
     def rows(cls) -> Iterator[tuple[str, Any, dict[str, Any]]]:
         """``(name, default, metadata)`` of every option, in order."""
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = f.default
             meta = dict(f.metadata)
             if meta["config"] == "":
                 meta["config"] = f.name
@@ -256,6 +254,7 @@ class TuneOptions:
         from hydro.fx.floor import check_ratio
         from hydro.tuning.compiling import check_compile
         from hydro.tuning.sizing import MAX_FUSE, check_fuse, check_memory
+        from hydro_fluid.policies import check_policy, get_policy
 
         n = self.n_trials
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -268,7 +267,7 @@ class TuneOptions:
         self.catch = _catch(self.catch)
         self.callbacks = _callbacks(self.callbacks)
         _check_depth(self.depth_ratio, self.depth_alpha)
-        _check_placement(self.policy, self.deadline)
+        check_policy(self.policy, self.deadline)  # a ConfigError naming the registered ones
         most = MAX_FUSE if self.fuse == "auto" else self.fuse
         fg = self.first_group
         if fg != "auto" and (isinstance(fg, bool) or not isinstance(fg, int)
@@ -279,7 +278,7 @@ class TuneOptions:
             raise ConfigError("first_group trains a first group alone in this process, before "
                               "any other: with an executor every other slot would wait for it. "
                               "Use executor=None, or first_group=0")  # fmt: skip
-        if self.matmul_precision not in (None, "highest", "high", "medium"):
+        if self.matmul_precision not in (None, *MATMUL_PRECISIONS):
             raise ConfigError(f"matmul_precision must be highest, high or medium, got "
                               f"{self.matmul_precision!r}")  # fmt: skip
         ws = self.world_size
@@ -309,8 +308,6 @@ class TuneOptions:
             raise ConfigError(f"world_size {self.world_size} trains each group on several "
                               "worker processes: pass an executor (local, ray), or use "
                               "world_size 1")  # fmt: skip
-        from hydro_fluid.policies import get_policy
-
         if get_policy(self.policy).uses_deadline and self.executor in (None, "inline"):
             raise ConfigError(f"policy {self.policy!r} places groups on an executor's devices "
                               "by a deadline: use executor='local' (or 'ray'), or another "
@@ -359,15 +356,6 @@ def _callbacks(callbacks: Any) -> list[Callable[..., Any]]:
         if not callable(c):
             raise ConfigError(f"callbacks must be callables f(study, frozen_trial), got {c!r}")
     return items
-
-
-def _check_placement(policy: Any, deadline: Any) -> None:
-    from hydro_fluid.policies import check_policy
-
-    try:
-        check_policy(policy, deadline)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
 
 
 def _check_depth(depth_ratio: Any, depth_alpha: Any) -> None:

@@ -48,7 +48,7 @@ def run(
         door: ``"python"`` or ``"cli"``: only the wording of the hints in errors.
     """
     from hydro.fx.floor import task_ratio
-    from hydro.tuning.engine import drive, make_executor
+    from hydro.tuning.engine import check_single_objective, drive, make_executor
     from hydro.tuning.fingerprint import check_study, fingerprint
     from hydro.tuning.group import check_device
     from hydro.tuning.outputs import TuneResult, open_study, task_recipe, verify
@@ -67,6 +67,9 @@ def run(
             "compile applies to Hydro's own training step: with your own "
             "training function, compile inside it (torch.compile(run.model))"
         )
+    if isinstance(trainer, Loop) and options.verify_top_k:  # said now, not after the search
+        raise ConfigError("verify_top_k trains the full model with Hydro's recipe: with your "
+                          "own loop, train the exported configurations yourself")  # fmt: skip
     executor = make_executor(options.executor)
     check_space(space, _names(trainer), steps=trainer.steps if isinstance(trainer, Task) else None)
     try:
@@ -76,8 +79,6 @@ def run(
         raise
     if is_study:
         study = options.study
-        from hydro.tuning.engine import check_single_objective
-
         check_single_objective(study)
     else:
         sampler = options.sampler or optuna.samplers.TPESampler(seed=options.seed,
@@ -103,10 +104,6 @@ def run(
         drive(study, trainer, space, options)
         result = TuneResult(study, ratio)
         if options.verify_top_k:
-            if isinstance(trainer, Loop):
-                raise ConfigError("verify_top_k trains the full model with Hydro's recipe: "
-                                  "with your own loop, train the exported configurations "
-                                  "yourself")  # fmt: skip
             result.verification = verify(trainer, study, options.verify_top_k,
                                          seed=options.base_seed, device=options.device)  # fmt: skip
             study.set_user_attr("hydro_verification", result.verification)

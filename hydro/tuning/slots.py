@@ -288,7 +288,6 @@ class _Hosted:
     def __init__(self, task: Any, options: Any, device: Any, fuse: int, source: _Remote,
                  checkpoints: TrialCheckpoints | None) -> None:  # fmt: skip
         self.task, self.options, self.device = task, options, device
-        self.ratio, self.depth = options.ratio, (options.depth_ratio, options.depth_alpha)
         self.compile = options.compile  # "auto": each key's first group here decides (not said)
         self.every = options.checkpoint_every or 0
         self.fuse, self.source, self.checkpoints = fuse, source, checkpoints

@@ -143,36 +143,14 @@ class Task:
             self.scheduler = "none"
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}: use one of {SCHEDULERS}")
-        if self.direction not in ("minimize", "maximize"):
-            raise ConfigError(f"direction must be 'minimize' or 'maximize', not {self.direction!r}")
         if self.data_mode not in DATA_MODES:
             raise ConfigError(
                 f"data_mode must be 'per_trial' (each trial its own batches, the default) or "
                 f"'shared' (one batch per step for the whole fused group), got {self.data_mode!r}"
             )
-        if not isinstance(self.cache, bool):
-            raise ConfigError(f"cache must be true (the on-disk capture cache, the default) "
-                              f"or false (capture afresh, write nothing), got "
-                              f"{self.cache!r}")  # fmt: skip
-        _positive(self.steps, "steps")
-        if self.batch_size is None:  # a DataLoader's own, else 32
-            loader = self.train_data if isinstance(self.train_data, DataLoader) else None
-            self.batch_size = int(loader.batch_size or 32) if loader is not None else 32
-        _positive(self.batch_size, "batch_size")
-        if self.eval_every is None:
-            self.eval_every = max(1, self.steps // 4)
-        _positive(self.eval_every, "eval_every")
-        ce = self.checkpoint_every
-        if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
-            raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
+        check_settings(self)
         if not isinstance(self.target_key, str):
             raise ConfigError(f"target_key must be a string, got {self.target_key!r}")
-        try:
-            check_dynamic(self.dynamic)
-        except TraceError as exc:
-            raise ConfigError(str(exc)) from exc
-        if not isinstance(self.model, nn.Module) and not callable(self.model):
-            raise ConfigError("model must be an nn.Module or a function returning one")
         for name, data in (("train_data", self.train_data), ("val_data", self.val_data)):
             self._check_data(name, data)
 
@@ -425,6 +403,40 @@ class Task:
                 "loss='mse' for regression, or pass torch.nn.functional.cross_entropy for "
                 "class probabilities"
             )
+
+
+def check_settings(obj: Any) -> None:
+    """Check, and default, the settings a :class:`Task` and your own training function
+    (:class:`hydro.tuning.loop.Loop`) share: ``direction``, ``cache``, ``steps``,
+    ``batch_size`` (a ``DataLoader``'s own, else 32), ``eval_every`` (``steps // 4``),
+    ``checkpoint_every``, ``dynamic`` and ``model``.
+
+    Raises:
+        ConfigError: the first setting that is wrong, naming it.
+    """
+    if obj.direction not in ("minimize", "maximize"):
+        raise ConfigError(f"direction must be 'minimize' or 'maximize', not {obj.direction!r}")
+    if not isinstance(obj.cache, bool):
+        raise ConfigError(f"cache must be true (the on-disk capture cache, the default) "
+                          f"or false (capture afresh, write nothing), got "
+                          f"{obj.cache!r}")  # fmt: skip
+    _positive(obj.steps, "steps")
+    if obj.batch_size is None:  # a DataLoader's own, else 32
+        loader = obj.train_data if isinstance(obj.train_data, DataLoader) else None
+        obj.batch_size = int(loader.batch_size or 32) if loader is not None else 32
+    _positive(obj.batch_size, "batch_size")
+    if obj.eval_every is None:
+        obj.eval_every = max(1, obj.steps // 4)
+    _positive(obj.eval_every, "eval_every")
+    ce = obj.checkpoint_every
+    if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
+        raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
+    try:
+        check_dynamic(obj.dynamic)
+    except TraceError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not isinstance(obj.model, nn.Module) and not callable(obj.model):
+        raise ConfigError("model must be an nn.Module or a function returning one")
 
 
 def factory_args(model: Any) -> set[str]:

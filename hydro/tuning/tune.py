@@ -99,9 +99,6 @@ def tune(
                               "steps of each trial (the iterations of "
                               "`for step in run`)")  # fmt: skip
         trainer = Loop(train=trainer, model=model, **loop_args)
-    else:
-        raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "
-                          f"{type(trainer).__name__}")  # fmt: skip
     opts = (options or TuneOptions()).replace(**kwargs)
     return run(trainer, space, opts)
 
