@@ -147,6 +147,12 @@ def test_a_training_function_that_breaks_its_contract_is_one_clear_error():
         hydro.tune(no_report, SPACE, model=loops.mlp())
     with pytest.raises(ConfigError, match="unknown option.*ratoi"):
         hydro.tune(no_report, SPACE, model=loops.mlp(), steps=2, ratoi=2)
+    x = loops.data()[0]
+    for option, words in (({"verify_top_k": 1}, "verify_top_k trains the full model"),
+                          ({"compile": True}, "compile inside it")):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):  # before any trial is asked
+            hydro.tune(no_report, SPACE, model=loops.mlp(), steps=2, example_inputs=(x,),
+                       storage="sqlite:///:memory:", **option)  # fmt: skip
     with pytest.raises(ConfigError, match="example inputs for capture"):
         hydro.tune(no_report, SPACE, model=loops.mlp(), steps=2)
 
