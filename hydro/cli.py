@@ -18,13 +18,13 @@ import json
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hydro.collector import collector_paused
 from hydro.errors import ConfigError, HydroError
 from hydro.tuning.options import DEFAULT_STORAGE, TuneOptions
+from hydro.tuning.signals import Terminated, interrupt_at_a_clean_point, terminate_as_interrupt
 from hydro_fluid.policies import policy_help, policy_names
 
 if TYPE_CHECKING:
@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 
 
 def load_callable(spec: str, what: str = "model factory") -> Any:
-    """Import ``module:attribute`` (the current directory is on the path), refused as a
-    config's callables are (:func:`hydro.tuning.config.resolve_callable`) before any call."""
-    from hydro.tuning.config import resolve_callable
+    """Import ``module:attribute`` (the current directory is on the path), checked as a
+    config's callables are (:mod:`hydro.tuning.trust`); the module named on the command line
+    is trusted (you typed it), what it reaches through attributes is not."""
+    from hydro.tuning.trust import resolve_callable
 
-    return resolve_callable(spec, what, (os.getcwd(),))
+    module = spec.split(":")[0] if isinstance(spec, str) else ""
+    return resolve_callable(spec, what, (os.getcwd(),), trust=(module,) if module else ())
 
 
 def _model_and_inputs(spec: str) -> tuple[nn.Module, tuple[Any, ...] | None]:
@@ -207,7 +209,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
     given = {meta["config"]: getattr(args, name, None) for name, _, meta in TuneOptions.rows()
              if meta["flag"] and meta["config"]}  # fmt: skip
-    cfg = config_module.load(args.config, steps=args.steps, cache=args.cache, **given)
+    cfg = config_module.load(args.config, trust=args.trust, steps=args.steps, cache=args.cache,
+                             **given)  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     _say_hydro_lines()
     options = cfg.options(progress=args.progress)
@@ -363,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(overrides the config's task.cache; HYDRO_CACHE=0 does the same)")  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar or lines, no table of the best trials")  # fmt: skip
+    p.add_argument("--trust", action="append", default=[], metavar="PACKAGE",
+                   help="an installed package whose callables the config may name, besides "
+                   "your own code (repeatable; adds to the config's trust list; docs/cli.md, "
+                   "'A config is code')")  # fmt: skip
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 
@@ -436,49 +443,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Ctrl-C can land inside a library that turns it into another error (a half-done import,
     # a tracer that wraps what it catches): remember that it came, to say "interrupted" anyway
     stopped: list[int] = []
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-
-            def on_sigint(signum: int, frame: Any) -> None:
-                stopped.append(signum)
-                signal.default_int_handler(signum, frame)
-
-            previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        check_args(args)
-        # hydro.tuning's package imports torch (and all of Hydro a command runs): only once the
-        # arguments are known to be good. A process that had not loaded torch yet (the console
-        # script; not a test or notebook calling main) freezes what the imports leave
-        with collector_paused(freeze="torch" not in sys.modules):
-            import hydro.tuning.tune  # noqa: F401 - torch, Optuna and Hydro's tuning, frozen
-            from hydro.tuning.signals import terminate_as_interrupt
+        # Ctrl-C and SIGTERM (kill, Slurm, Docker, systemd) stop a run at a clean point (never
+        # between a trial's ask and its bookkeeping): exit 130 and 143, the shell's convention
+        with interrupt_at_a_clean_point(stopped), terminate_as_interrupt(stopped):
+            check_args(args)
+            # hydro.tuning's package imports torch (and all of Hydro a command runs): only once
+            # the arguments are known to be good. A process that had not loaded torch yet (the
+            # console script; not a test or notebook calling main) freezes what imports leave
+            with collector_paused(freeze="torch" not in sys.modules):
+                import hydro.tuning.tune  # noqa: F401 - torch, Optuna and Hydro's tuning, frozen
 
-            if args.command == "tune":
-                # every tune loads it (its optimizer, a capture, a cached graph's fake tensors):
-                # here, to be frozen with the rest
-                import torch._dynamo  # noqa: F401
-
-        # SIGTERM (kill, Slurm, Docker, systemd) takes Ctrl-C's path: a clean stop, exit 143
-        with terminate_as_interrupt(stopped):
+                if args.command == "tune":
+                    # every tune loads it (its optimizer, a capture, a cached graph's fake
+                    # tensors): here, to be frozen with the rest
+                    import torch._dynamo  # noqa: F401
             return args.func(args)
     except (KeyboardInterrupt, Exception) as exc:
         if args.debug or not (stopped or isinstance(exc, (KeyboardInterrupt, HydroError))):
             raise
         if stopped or isinstance(exc, KeyboardInterrupt):
-            signals = sys.modules.get("hydro.tuning.signals")  # not imported: no SIGTERM handler
-            term = signal.SIGTERM in stopped or (
-                signals is not None and isinstance(exc, signals.Terminated)
-            )
+            term = signal.SIGTERM in stopped or isinstance(exc, Terminated)
             hint = getattr(args, "resume_hint", None)
             word = "terminated" if term else "interrupted"
             print(f"\nhydro {args.command}: {word}{f'; {hint}' if hint else ''}", file=sys.stderr)
             return 128 + (signal.SIGTERM if term else signal.SIGINT)  # the shell's convention
         print(f"hydro {args.command}: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)  # 3: the study's database failed in use
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ class StorageError(HydroError, RuntimeError):
     """An Optuna storage could not be opened."""
 
 
+class ExecutorError(HydroError, RuntimeError):
+    """An executor could not start (Ray did not come up): ``hydro tune`` exits 3."""
+
+    exit_code = 3  # read by hydro.cli.main: the environment failed, not the input
+
+
 class DataError(HydroError, ValueError):
     """Training or validation data are malformed (lengths, keys, labels, NaN)."""
 

@@ -222,6 +222,7 @@ def test_auto_with_a_group_callback_is_refused():
 CONFIG = """
 trials: 2
 ratio: 2
+trust: [torch.nn]
 task:
   model: torch.nn:Identity
   data: {data}

@@ -66,6 +66,7 @@ class Data:
 
 CONFIG = """
 study: names
+trust: [torch]  # a trusted package still cannot lead into the standard library
 storage: sqlite:///names.db
 trials: 2
 ratio: 2
@@ -157,8 +158,8 @@ def test_inspect_refuses_the_same_names(project, capsys, spec, message):
 
 
 def test_legitimate_dotted_names_still_work(project, capsys):
-    assert resolve_callable("torch.nn:Linear", "model") is torch.nn.Linear
-    assert resolve_callable("torch.nn.functional:cross_entropy", "loss") is (
+    assert resolve_callable("torch.nn:Linear", "model", trust=["torch"]) is torch.nn.Linear
+    assert resolve_callable("torch.nn.functional:cross_entropy", "loss", trust=["torch.nn"]) is (
         torch.nn.functional.cross_entropy
     )
     made = resolve_callable("pkg.mod:small", "model")
@@ -176,13 +177,13 @@ def test_legitimate_dotted_names_still_work(project, capsys):
 
 def test_a_resolved_module_or_non_callable_is_refused(project):
     with pytest.raises(ConfigError, match="reaches the module 'torch.nn' through an attribute"):
-        resolve_callable("torch:nn", "model")
+        resolve_callable("torch:nn", "model", trust=["torch"])
     with pytest.raises(ConfigError, match="reads the property 'opener' of an object"):
         resolve_callable("pkg.mod:box.opener", "model")
     assert not (project / "property_read").exists()
     assert resolve_callable("pkg.mod:Box.opener.fget", "model")(None) is not None  # on a class
     with pytest.raises(ConfigError, match="model: torch:float32 is not callable"):
-        resolve_callable("torch:float32", "model")
+        resolve_callable("torch:float32", "model", trust=["torch"])
     # a standard-library class, bound method, C method or partial, reached from the user's module
     for spec, home in [("pkg.mod:OrderedDict", "collections"), ("pkg.mod:log.info", "logging"),
                        ("pkg.mod:table.get", "builtins"), ("pkg.mod:evil", "posix")]:  # fmt: skip

@@ -6,11 +6,8 @@ Every mistake is a :class:`hydro.ConfigError` naming the file and the key.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import os
-import sys
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,10 +19,11 @@ from hydro.errors import ConfigError, HydroError
 from hydro.tuning.options import TuneOptions
 from hydro.tuning.space import check_names, check_warmup, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
+from hydro.tuning.trust import check_trust, resolve_callable
 from hydro_fluid.policies import check_policy
 
 # the run's options (hydro.tuning.options: their config keys), what to train, and the space
-TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space"}
+TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space", "trust"}
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "batch_size",
              "target_key", "checkpoint_every", "dynamic", "data_mode", "cache",
@@ -92,124 +90,24 @@ class TuneConfig:
         ).replace(**{**self.extra, **changes})  # fmt: skip
 
 
-def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
-    """Split ``module:attribute`` and refuse what a config must not name.
-
-    A config is code, like a Python script: naming a callable imports its module and calls it.
-    Names from the standard library (``os:system``, ``subprocess:run``, ``builtins:eval`` ...)
-    are refused: a model, data set or loss never comes from there, and a shared config that
-    names one is an attack, not a typo.
-    """
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ConfigError(f"{where} must look like 'package.module:callable', got {spec!r}")
-    module_name, attr = spec.split(":", 1)
-    if (
-        not module_name
-        or not attr
-        or not all(part.isidentifier() for part in [*module_name.split("."), *attr.split(".")])
-    ):
-        raise ConfigError(f"{where} must look like 'package.module:callable', got {spec!r}")
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
-        raise ConfigError(
-            f"{where}: {spec!r} names the standard library module {top!r}; a config may only "
-            "name your own code or an installed ML library (e.g. mypkg.model:build). A config "
-            "runs code like a Python script: only run configs you trust."
-        )
-    if any(part.startswith("_") for part in attr.split(".")):
-        raise ConfigError(f"{where}: {spec!r} names a private attribute; name a public callable")
-    return module_name, attr
-
-
-def import_object(spec: str, key: str, path: str) -> Any:
-    """``package.module:attribute`` (the config's directory and the working directory import)."""
+def import_object(spec: str, key: str, path: str, trust: Sequence[str] = ()) -> Any:
+    """``package.module:attribute``, if the config may name it (:mod:`hydro.tuning.trust`); the
+    config's directory and the working directory import."""
     folders = (os.getcwd(), os.path.dirname(os.path.abspath(path)))
-    return resolve_callable(spec, f"{path}: {key}", folders)
+    return resolve_callable(spec, f"{path}: {key}", folders, trust)
 
 
-_TRUST = ("a config may only name your own code or an installed ML library (e.g. "
-          "mypkg.model:build). A config runs code like a Python script: only run configs you "
-          "trust.")  # fmt: skip
+def load(path: str, trust: Sequence[str] = (), **overrides: Any) -> TuneConfig:
+    """Read and check a config file; ``overrides`` (from the command line) win when not None.
 
-
-def resolve_callable(spec: Any, where: str, folders: Sequence[str] = ()) -> Any:
-    """Import ``package.module:attribute`` and return it, refusing what a config must not name.
-
-    Checked before anything named is called: the name itself (:func:`check_callable_name`),
-    every attribute on the way (a module reached through an attribute, as in
-    ``torch:os.system``, is refused: a config names modules before the colon, where the
-    standard library is refused), and the object found: a module, something that is not
-    callable, or a callable whose home is the standard library (``mymod:run`` where ``mymod``
-    did ``from subprocess import run``). ``folders`` go on ``sys.path`` first.
+    ``trust`` (``--trust``) adds to the packages the config's ``trust`` key names: the installed
+    packages whose callables the config may name besides your own code (:mod:`hydro.tuning.trust`).
     """
-    module_name, attr = check_callable_name(spec, where)
-    for folder in folders:
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"{where}: cannot import module {module_name!r} ({exc}). Run from the directory "
-            "that contains it, or install it."
-        ) from exc
-    parts = attr.split(".")
-    for i, part in enumerate(parts):
-        if not isinstance(obj, (types.ModuleType, type)) and isinstance(
-            inspect.getattr_static(obj, part, None), (property, functools.cached_property)
-        ):  # reading it would run its getter: code called before any check of what it returns
-            raise ConfigError(f"{where}: {spec!r} reads the property {part!r} of an object; "
-                              "name a function or class")  # fmt: skip
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where}: module {module_name!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-        if isinstance(obj, types.ModuleType):
-            name = obj.__name__
-            if _is_stdlib(name):
-                raise ConfigError(f"{where}: {spec!r} reaches the standard library module "
-                                  f"{name.split('.')[0]!r} through the attribute {part!r}; "
-                                  + _TRUST)  # fmt: skip
-            rest = ".".join(parts[i + 1 :])
-            hint = f"name it {name}:{rest}" if rest else f"name a callable in it, {name}:NAME"
-            raise ConfigError(f"{where}: {spec!r} reaches the module {name!r} through an "
-                              f"attribute; a module goes before the colon: {hint}")  # fmt: skip
-    home = _home(obj)
-    if home is not None and _is_stdlib(home):
-        raise ConfigError(f"{where}: {spec!r} is a callable of the standard library module "
-                          f"{home.split('.')[0]!r}; " + _TRUST)  # fmt: skip
-    if not callable(obj):
-        raise ConfigError(f"{where}: {spec} is not callable")
-    return obj
-
-
-def _is_stdlib(module_name: str) -> bool:
-    top = module_name.split(".")[0]
-    return top in sys.stdlib_module_names or top in sys.builtin_module_names
-
-
-def _home(obj: Any) -> str | None:
-    """The module a callable comes from: a partial's function's, a bound method's function's,
-    a C method's class's (``dict.get``) or its object's (``{}.get``, ``os.system``)."""
-    while isinstance(obj, functools.partial):
-        obj = obj.func
-    if inspect.ismethod(obj):
-        obj = obj.__func__
-    home = getattr(obj, "__module__", None)
-    if isinstance(home, str):
-        return home
-    owner = getattr(obj, "__objclass__", None) or getattr(obj, "__self__", None)
-    if isinstance(owner, types.ModuleType):
-        return owner.__name__
-    if owner is not None:
-        home = getattr(owner if isinstance(owner, type) else type(owner), "__module__", None)
-    return home if isinstance(home, str) else None
-
-
-def load(path: str, **overrides: Any) -> TuneConfig:
-    """Read and check a config file; ``overrides`` (from the command line) win when not None."""
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {path!r} does not exist") from exc
     except yaml.YAMLError as exc:
@@ -236,7 +134,8 @@ def load(path: str, **overrides: Any) -> TuneConfig:
         check_policy(raw.get("policy", "dynamic"), raw.get("deadline"))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    task = _task(raw["task"], path)
+    trusted = (*check_trust(raw.get("trust"), f"{path}: trust"), *check_trust(trust, "--trust"))
+    task = _task(raw["task"], path, trusted)
     space = from_config(raw["space"], where=f"{path}: space")
     try:
         if isinstance(task, Task):  # your own training function reads any name
@@ -248,7 +147,7 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     seed = _int(raw.get("seed", 0), "seed", path, minimum=0)
     cfg = TuneConfig(
         path=path,
-        study=str(raw.get("study", "hydro")),
+        study=_study(raw.get("study", "hydro"), path),
         storage=raw.get("storage"),
         trials=_int(raw.get("trials", 32), "trials", path),
         ratio=_ratio(raw.get("ratio", "auto"), path),
@@ -286,6 +185,32 @@ def load(path: str, **overrides: Any) -> TuneConfig:
     return cfg
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last
+    value without a word: ``trials: 4`` ... ``trials: 2`` would run 2)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.setdefault(key, line)
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if first != line:
+                raise ConfigError(f"key {key!r} is given twice (lines {first} and {line}); "
+                                  "keep one")  # fmt: skip
+        return super().construct_mapping(node, deep=deep)
+
+
+def _study(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: study must be a name (a string), got {value!r}; quote it "
+                          "if YAML reads it as something else (study: 'yes')")  # fmt: skip
+    return value
+
+
 def _compile(value: Any, path: str) -> bool | str:
     from hydro.tuning.compiling import check_compile
 
@@ -300,26 +225,26 @@ def _directory(value: Any, key: str, path: str) -> str | None:
     return value
 
 
-def _task(spec: Any, path: str) -> Any:
+def _task(spec: Any, path: str, trust: Sequence[str] = ()) -> Any:
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{path}: task must be a mapping")
     _unknown(spec, TASK_KEYS, path, "task.")
     for key in ("model", "data"):
         if key not in spec:
             raise ConfigError(f"{path}: missing key 'task.{key}'")
-    model = import_object(spec["model"], "task.model", path)
+    model = import_object(spec["model"], "task.model", path, trust)
     model_args = _mapping(spec.get("model_args", {}), "task.model_args", path)
     _check_arguments(model, model_args, f"{path}: task.model_args", spec["model"])
-    data_fn = import_object(spec["data"], "task.data", path)
+    data_fn = import_object(spec["data"], "task.data", path, trust)
     data_args = _mapping(spec.get("data_args", {}), "task.data_args", path)
     _check_arguments(data_fn, data_args, f"{path}: task.data_args", spec["data"])
     # every name is resolved (and refused) before the first call into the config's code
     loss = spec.get("loss", "cross_entropy")
     if loss not in LOSSES and loss != MODEL_LOSS:
-        loss = import_object(loss, "task.loss", path)
+        loss = import_object(loss, "task.loss", path, trust)
     metric = spec.get("metric")
     if metric is not None:
-        metric = import_object(metric, "task.metric", path)
+        metric = import_object(metric, "task.metric", path, trust)
     train = None
     if "train" in spec:
         mixed = [k for k in RECIPE_KEYS if k in spec]
@@ -327,7 +252,7 @@ def _task(spec: Any, path: str) -> Any:
             raise ConfigError(f"{path}: task.train names your own training function, which "
                               f"does its own {', '.join(mixed)}: remove "
                               f"task.{mixed[0]}")  # fmt: skip
-        train = import_object(spec["train"], "task.train", path)
+        train = import_object(spec["train"], "task.train", path, trust)
     try:
         data = data_fn(**data_args)
     except Exception as exc:  # noqa: BLE001 - user code: say which call failed

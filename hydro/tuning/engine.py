@@ -19,7 +19,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hydro.errors import ConfigError
+from hydro.errors import ConfigError, ExecutorError
 from hydro.tuning import checkpoint as _checkpoint
 from hydro.tuning.bookkeeping import (  # noqa: F401 - reclaim_stale, HEARTBEAT_SECONDS, ...: as before
     HEARTBEAT_SECONDS,
@@ -49,7 +49,7 @@ from hydro.tuning.loop import Loop
 from hydro.tuning.options import TuneOptions
 from hydro.tuning.progress import Progress, wanted
 from hydro.tuning.signals import terminate_as_interrupt
-from hydro.tuning.sizing import MAX_FUSE
+from hydro.tuning.sizing import MAX_FUSE, check_budget
 from hydro.tuning.slots import Occupancy
 from hydro.tuning.space import Space, check_space, sample
 from hydro.tuning.stream import Where, _Stream, start_group  # noqa: F401 - tests patch start_group
@@ -165,6 +165,11 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
     elif fuse == "auto":
         raise ConfigError("fuse='auto' sizes Hydro's fused groups: with a group callback, give "
                           "fuse a number")  # fmt: skip
+    if is_task and not isinstance(trainer, Loop) and fuse == "auto" \
+            and o.fuse_memory is not None and isinstance(space, dict):  # fmt: skip
+        # a budget no trial fits is a mistake in the options: said before a trial is asked
+        check_budget(trainer, space, ratio=o.ratio, device=o.device, memory=o.fuse_memory,
+                     depth=(o.depth_ratio, o.depth_alpha), seed=o.base_seed)  # fmt: skip
     if study.user_attrs.get("hydro_occupancy") is not None:
         study.set_user_attr("hydro_occupancy", None)  # describes the last run only
     if study.user_attrs.get("hydro_sampler_exhausted"):
@@ -186,8 +191,10 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
     # stopped, scratch removed); a handler the user installed is left in place
     with terminate_as_interrupt(), Heartbeat(study) as heart:
         try:
+            asked_before = len(study.get_trials(deepcopy=False, states=_ASKED))
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
+                    _check_time_left(study, o, timeout, start, asked_before)
                     break
                 if study.user_attrs.get("hydro_sampler_exhausted"):
                     break
@@ -230,6 +237,26 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
                 study.set_user_attr("hydro_occupancy", occupancy.as_dict())
 
 
+_ASKED = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+def _check_time_left(
+    study: optuna.Study, o: TuneOptions, timeout: float, start: float, asked_before: int
+) -> None:
+    """A deadline or timeout that ran out before this run asked its first trial (while the
+    study still wanted some) is a mistake in the options, not an empty result."""
+    done, running = counts(study)
+    if done + running >= o.n_trials:
+        return
+    if len(study.get_trials(deepcopy=False, states=_ASKED)) > asked_before:
+        return
+    which = "deadline" if o.deadline is not None and timeout == o.deadline else "timeout"
+    raise ConfigError(f"the {which} of {timeout:g} s ran out {time.perf_counter() - start:.2g} s "
+                      "into the search, before its first trial was asked: give it more "
+                      "seconds (they count from the start of the search, after the model is "
+                      "built)")  # fmt: skip
+
+
 def make_executor(executor: Any) -> Any:
     """``None``/"inline", "local", "ray" or an executor object -> an executor (or None)."""
     if executor in (None, "inline"):
@@ -239,9 +266,12 @@ def make_executor(executor: Any) -> Any:
 
         return LocalExecutor()
     if executor == "ray":
-        from hydro_fluid.executors.ray import RayExecutor
+        from hydro_fluid.executors.ray import RayExecutor, RayStartError
 
-        return RayExecutor()
+        try:
+            return RayExecutor()
+        except RayStartError as exc:
+            raise ExecutorError(str(exc)) from exc
     if isinstance(executor, str):
         raise ConfigError(f"unknown executor {executor!r}: use 'inline', 'local', 'ray' or a "
                           "hydro_fluid executor")  # fmt: skip

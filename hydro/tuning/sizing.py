@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +177,30 @@ def fuse_size(
     if remaining is not None and n > max(1, remaining):
         n, limit = max(1, remaining), "trials"
     return FuseSize(n, per_trial, fixed, budget, device, capacity, limit)
+
+
+def check_budget(task: Task, space: Mapping[str, Any], **kwargs: Any) -> None:
+    """Raise :class:`ConfigError` if not even the cheapest trial of ``space`` fits the memory
+    budget: the smallest batch size and the smallest value of each architecture choice.
+    ``kwargs`` go to :func:`fuse_size` (``ratio``, ``device``, ``memory``, ``depth``,
+    ``seed``)."""
+    names = {*task.model_args(), "batch_size"}
+    params: dict[str, Any] = {}
+    for name, dist in space.items():
+        if name not in names:
+            continue
+        if hasattr(dist, "choices"):
+            numbers = [c for c in dist.choices if isinstance(c, (int, float))]
+            params[name] = min(numbers) if len(numbers) == len(dist.choices) else dist.choices[0]
+        elif hasattr(dist, "low"):
+            params[name] = dist.low
+    try:
+        fuse_size(task, params, **kwargs)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc} (even the cheapest trial of the space does not fit; checked "
+            "before any trial was asked)"
+        ) from exc
 
 
 def fuse_sizes(

@@ -6,11 +6,14 @@ Ray is an optional dependency, imported only when a RayExecutor is created.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import shutil
+import signal
+import threading
 import warnings
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +91,49 @@ def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa
     pass its address.
     """
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None and not _is_loopback(address):
-        ray.init(address=address, **kwargs)
-        return
-    kwargs.setdefault("_node_ip_address", "127.0.0.1")
+    local = address is None or _is_loopback(address)
+    if local:
+        kwargs.setdefault("_node_ip_address", "127.0.0.1")
     if address is None:
         kwargs.setdefault("include_dashboard", False)
+        # a private Ray: its start-up notices (token authentication ...) are not the user's
+        kwargs.setdefault("logging_level", logging.ERROR)
         # "local": a new Ray, not whichever cluster this machine last started (Ray's default)
         address = "local"
-    with _loopback_only():
-        ray.init(address=address, **kwargs)
+    # ray.init sets its own SIGTERM handler (sys.exit, mid-anything): the caller's, which
+    # stops a run cleanly and requeues its trials, is put back once Ray is up
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    # A Ray started here runs in this process group, so a SIGTERM sent to the group (timeout,
+    # Slurm, systemd) would kill it under the run, and the driver would abort in Ray's C++
+    # before it could put its trials back. Its processes inherit a mask that blocks SIGTERM:
+    # this process stops cleanly and takes them down (ray.shutdown ends them with SIGKILL
+    # one second after the blocked SIGTERM)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) \
+        if main and address == "local" else None  # fmt: skip
+    try:
+        with _loopback_only() if local else nullcontext():
+            ray.init(address=address, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - Ray's start-up fails in many ways: one line each
+        try:
+            ray.shutdown()  # what it did start
+        except Exception:  # noqa: BLE001, S110 - nothing more to clean up
+            pass
+        first = (str(exc).strip().splitlines() or [""])[0]
+        where = "a new local Ray" if address == "local" else f"Ray at {address!r}"
+        raise RayStartError(
+            f"{where} did not start: {type(exc).__name__}: {first}. Start Ray yourself "
+            "(`ray start --head`) and set RAY_ADDRESS, or use another executor (local)"
+        ) from exc
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class RayStartError(RuntimeError):
+    """Ray could not be started or reached by :class:`RayExecutor` (``ray.init`` failed)."""
 
 
 def _import_ray():
