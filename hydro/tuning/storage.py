@@ -32,8 +32,8 @@ from sqlalchemy import exc as sa_exc
 
 from hydro.errors import ConfigError, StorageError
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "open_storage", "put_back_if_same",
-           "storage_timeout"]  # fmt: skip
+__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "check_driver", "open_storage",
+           "put_back_if_same", "storage_timeout"]  # fmt: skip
 
 ENV_TIMEOUT = "HYDRO_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -270,11 +270,63 @@ def put_back_if_same(storage: RDBStorage, trial_id: int, started: datetime) -> b
     return storage._retry(update) if isinstance(storage, GuardedStorage) else update()
 
 
+# (dialect, driver) as SQLAlchemy names them -> the driver, how to install it, the other way in.
+# SQLAlchemy 2 maps ``postgresql://`` to psycopg 3 and ``mysql://`` to mysqlclient (MySQLdb).
+_EXTRA = "pip install 'hydro-surrogate[postgres]'"
+_DRIVERS: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("postgresql", "psycopg"): (
+        "the PostgreSQL driver psycopg", _EXTRA,
+        "use postgresql+psycopg2:// with psycopg2 installed (pip install psycopg2-binary)",
+    ),
+    ("postgresql", "psycopg2"): (
+        "the PostgreSQL driver psycopg2", "pip install psycopg2-binary",
+        f"use postgresql:// (psycopg 3): {_EXTRA}",
+    ),
+    ("postgresql", "pg8000"): (
+        "the PostgreSQL driver pg8000", "pip install pg8000",
+        f"use postgresql:// (psycopg 3): {_EXTRA}",
+    ),
+    ("mysql", "mysqldb"): (
+        "the MySQL driver MySQLdb", "pip install mysqlclient",
+        "use mysql+pymysql:// with pymysql installed (pip install pymysql)",
+    ),
+    ("mysql", "pymysql"): ("the MySQL driver pymysql", "pip install pymysql", ""),
+}  # fmt: skip
+
+
+def check_driver(url: str) -> None:
+    """Raise a one-line :class:`~hydro.errors.StorageError` naming the package to install when
+    the database driver that SQLAlchemy picks for ``url`` does not import.
+
+    Optuna's own error for it ("Failed to import DB access module") names no module. A URL
+    SQLAlchemy cannot parse, or whose dialect it does not know, is left to the storage's own
+    error.
+    """
+    from sqlalchemy.engine import make_url
+
+    try:
+        dialect = make_url(url).get_dialect()
+    except Exception:  # noqa: BLE001 - malformed URL, unknown dialect: said when it is opened
+        return
+    try:
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 2, else 1.4
+    except ImportError as exc:
+        name, driver = dialect.name, dialect.driver
+        what, install, other = _DRIVERS.get((name, driver), (
+            f"the database driver {exc.name or driver} (SQLAlchemy's {name}+{driver})",
+            "install the package that provides it", ""))  # fmt: skip
+        why = (str(exc) or type(exc).__name__).splitlines()[0]
+        raise StorageError(f"storage {_where(url)} needs {what} ({why}): {install}"
+                           f"{'; or ' + other if other else ''}") from exc  # fmt: skip
+
+
 def open_storage(url: str) -> GuardedStorage:
     """The storage at ``url`` (any SQLAlchemy URL Optuna takes), guarded as described above.
 
     Raises:
-        StorageError: the database is locked past the timeout, or cannot be read or written.
+        StorageError: the database is locked past the timeout, or cannot be read or written;
+            or the URL's database driver is not installed (:func:`check_driver`).
         ConfigError: ``$HYDRO_STORAGE_TIMEOUT`` is not a number of seconds.
     """
+    check_driver(url)
     return GuardedStorage(url)
