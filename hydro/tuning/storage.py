@@ -150,7 +150,24 @@ class GuardedStorage(RDBStorage):
             kwargs["connect_args"] = {"timeout": max(self.timeout / 4, 0.01)}
         self.url = url
         # opening: a malformed URL or a missing directory stays the caller's to explain
-        self._retry(lambda: RDBStorage.__init__(self, url, engine_kwargs=kwargs), only_lock=True)
+        self._retry(lambda: self._create(kwargs), only_lock=True)
+
+    def _create(self, engine_kwargs: dict[str, Any]) -> None:
+        """Optuna's opening, which creates the tables of a new database. Two processes doing
+        that at once on a database server (tuners started together on a fresh PostgreSQL
+        database) clash: one gets "duplicate key" or "already exists" once the other commits
+        its tables. Those are there now: open again, and find them."""
+        for attempt in range(5):
+            try:
+                RDBStorage.__init__(self, self.url, engine_kwargs=engine_kwargs)
+                return
+            except (sa_exc.IntegrityError, sa_exc.ProgrammingError) as exc:
+                text = str(exc).lower()
+                if attempt == 4 or not ("already exists" in text or "duplicate" in text):
+                    raise
+                if getattr(self, "engine", None) is not None:
+                    self.engine.dispose()
+                time.sleep(0.05 * (attempt + 1) * (0.5 + random.random()))
 
     def _retry(self, call: Callable[[], _T], only_lock: bool = False) -> _T:
         thread = threading.get_ident()
