@@ -37,9 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 6
 DASHBOARD = shutil.which("optuna-dashboard")
 
-# the loss a config names: with $PG_TEST_BLOCK set, the process that makes the 3rd training call
-# (a worker of the local executor, mid-group) writes its pid there and blocks, for the test to
-# SIGKILL its tuner at a known point
+# the loss a config names, steered by the test through the environment: with $PG_TEST_BLOCK set,
+# the process that makes the 3rd training call (a worker of the local executor, mid-group)
+# writes its pid there and blocks, for the test to SIGKILL its tuner at a known point; with
+# $PG_TEST_HOLD set, training waits while that file exists
 LOSS = """
 import os, time
 from pathlib import Path
@@ -54,6 +55,8 @@ def loss(out, y):
             Path(marker).write_text(str(os.getpid()))
             while True:
                 time.sleep(60)
+        while os.path.exists(os.environ.get("PG_TEST_HOLD", "/nonexistent")):
+            time.sleep(0.05)
     return torch.nn.functional.cross_entropy(out, y)
 """
 
@@ -170,19 +173,22 @@ def test_two_tuners_share_a_postgres_study_one_killed_restarted_then_exported(
     postgres, tmp_path, monkeypatch
 ):
     """Two ``hydro tune --executor local`` processes on one PostgreSQL study; one is SIGKILLed
-    mid-group (its worker blocked in a known training step) and started again. Every
-    configuration is trained once: none lost, none duplicated, none FAIL, none left RUNNING,
-    as many trials as the budget. The study then resumes (nothing to go) and exports."""
+    mid-group (its worker blocked in a known training step) and started again while the other
+    holds trials of its own. Every configuration is trained once: none lost, none duplicated,
+    none FAIL, none left RUNNING, as many trials as the budget, and both live tuners trained
+    some. ``hydro export`` then writes the best of the resumed study."""
     url = postgres.createdb("shared")
     _project(tmp_path, url)
-    marker, logs = tmp_path / "blocked", [tmp_path / "victim.log", tmp_path / "other.log"]
-    victim = _tune(tmp_path, logs[0], PG_TEST_BLOCK=str(marker))
-    other = _tune(tmp_path, logs[1])
+    marker, hold = tmp_path / "blocked", tmp_path / "hold"
+    logs = {name: tmp_path / f"{name}.log" for name in ("victim", "other", "again")}
+    hold.touch()  # the other tuner trains once the restarted one is up: both share the rest
+    victim = _tune(tmp_path, logs["victim"], PG_TEST_BLOCK=str(marker))
+    other = _tune(tmp_path, logs["other"], PG_TEST_HOLD=str(hold))
     procs = [victim, other]
     try:
         deadline = time.monotonic() + patience(120)
         while not marker.exists() or not marker.read_text():
-            assert victim.poll() is None, logs[0].read_text()
+            assert victim.poll() is None, logs["victim"].read_text()
             assert time.monotonic() < deadline, "the tuner to kill never reached its step"
             time.sleep(0.05)
         blocked = int(marker.read_text())
@@ -193,14 +199,20 @@ def test_two_tuners_share_a_postgres_study_one_killed_restarted_then_exported(
             os.kill(blocked, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        procs.append(again := _tune(tmp_path, logs[0]))
+        procs.append(again := _tune(tmp_path, logs["again"]))
+        deadline = time.monotonic() + patience(120)
+        while "resuming study 'toy'" not in logs["again"].read_text():
+            assert again.poll() is None, logs["again"].read_text()
+            assert time.monotonic() < deadline, "the restarted tuner never opened the study"
+            time.sleep(0.05)
+        hold.unlink()
         codes = [p.wait(timeout=patience(180)) for p in (other, again)]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    text = "\n".join(f"--- {log.name}\n{log.read_text()}" for log in logs)
+    text = "\n".join(f"--- {log.name}\n{log.read_text()}" for log in logs.values())
     assert codes == [0, 0], text
     assert "Traceback" not in text, text
 
@@ -214,10 +226,12 @@ def test_two_tuners_share_a_postgres_study_one_killed_restarted_then_exported(
     assert len(configs) == len(set(configs)), f"a configuration trained twice: {configs}"
     assert len(complete) == len(counted) == TRIALS, text  # none lost, the budget exactly
     assert any(t.user_attrs.get("hydro_interrupted") for t in complete), "the kill put none back"
+    owners = {t.user_attrs["hydro_owner"]["pid"] for t in complete}
+    assert owners == {other.pid, again.pid}, (owners, text)
 
-    # the same command again resumes the study: nothing to train; then export the best
-    _in_folder(monkeypatch, tmp_path)
-    assert main(["tune", "tune.yaml", "--no-progress"]) == 0
+    # the restarted tuner resumed the study; what it holds exports
+    assert "resuming study 'toy'" in logs["again"].read_text()
+    monkeypatch.chdir(tmp_path)
     assert main(["export", "--storage", url, "--study", "toy", "-o", "best.yaml"]) == 0
     best = yaml.safe_load((tmp_path / "best.yaml").read_text())
     assert set(best["hyperparameters"]) == {"lr"}
