@@ -32,8 +32,8 @@ from sqlalchemy import exc as sa_exc
 
 from hydro.errors import ConfigError, StorageError
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "check_driver", "open_storage",
-           "put_back_if_same", "storage_timeout"]  # fmt: skip
+__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "cannot_open", "check_driver",
+           "open_storage", "put_back_if_same", "redact", "storage_timeout"]  # fmt: skip
 
 ENV_TIMEOUT = "HYDRO_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -85,6 +85,32 @@ def _kind(exc: BaseException) -> str | None:
     if "disk" in text:  # "disk I/O error", "database or disk is full"
         return "disk"
     return "other"
+
+
+def redact(url: str) -> str:
+    """``url`` as a message may show it: a password in it replaced by ``***``."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+        return url
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
+
+
+def cannot_open(url: Any, exc: BaseException) -> StorageError:
+    """One :class:`~hydro.errors.StorageError` line for a storage that does not open (a
+    malformed URL, a missing directory, a server that does not answer): the URL (password
+    hidden), what failed, without SQLAlchemy's SQL and links, and what to check."""
+    shown = redact(url) if isinstance(url, str) else url
+    lines = [line.strip() for line in str(exc).splitlines()]
+    detail = " ".join(line for line in lines if line and not line.startswith(
+        ("[SQL:", "[parameters:", "(Background on this error")))  # fmt: skip
+    if not detail.startswith("("):  # SQLAlchemy's own text names the driver's error type
+        detail = f"{type(exc).__name__}: {detail}"
+    return StorageError(f"cannot open Optuna storage {shown!r}: {detail}. Check the URL "
+                        "(e.g. sqlite:///path/to/hydro.db, postgresql://user@host/db) and that "
+                        "its directory or server is reachable.")  # fmt: skip
 
 
 def _where(url: str) -> str:

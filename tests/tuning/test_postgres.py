@@ -130,6 +130,16 @@ def test_other_missing_drivers_name_their_package(monkeypatch, capsys, url, modu
     assert install in err and "secret" not in err  # the password is not shown
 
 
+def test_an_unreachable_server_is_one_line_without_the_password(capsys):
+    """Nothing listens on the port: exit 2 and one line naming the URL, its password hidden."""
+    assert main(["export", "--storage", "postgresql://u:secret@127.0.0.1:1/hydro"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("hydro export: error: cannot open Optuna storage "
+                          "'postgresql://u:***@127.0.0.1:1/hydro'"), err  # fmt: skip
+    assert "secret" not in err
+
+
 def test_two_tuners_creating_a_fresh_database_at_once_both_open_it(postgres, monkeypatch):
     """Tuners started together on a new database both create its tables: on PostgreSQL the
     second's CREATE waits for the first's and then fails ("duplicate key value violates unique
