@@ -37,18 +37,19 @@ ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 6
 DASHBOARD = shutil.which("optuna-dashboard")
 
-# the loss a config names, steered by the test through the environment: with $PG_TEST_BLOCK set,
-# the process that makes the 3rd training call (a worker of the local executor, mid-group)
-# writes its pid there and blocks, for the test to SIGKILL its tuner at a known point; with
-# $PG_TEST_HOLD set, training waits while that file exists
+# the loss a config names, steered by the test through the environment, in the local executor's
+# workers only (the tuner itself runs the loss once before any trial, as a check): with
+# $PG_TEST_BLOCK set, the worker that makes the 3rd training call (mid-group) writes its pid
+# there and blocks, for the test to SIGKILL its tuner at a known point; with $PG_TEST_HOLD
+# set, training waits while that file exists
 LOSS = """
-import os, time
+import multiprocessing, os, time
 from pathlib import Path
 
 _calls = [0]
 
 def loss(out, y):
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and multiprocessing.parent_process() is not None:
         _calls[0] += 1
         marker = os.environ.get("PG_TEST_BLOCK")
         if marker and _calls[0] == 3:
@@ -89,6 +90,13 @@ def _in_folder(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.delitem(sys.modules, "toymod", raising=False)
+
+
+def _running(url: str, pid: int) -> list[int]:
+    """The RUNNING trials of study ``toy`` that process ``pid`` holds."""
+    trials = optuna.load_study(study_name="toy", storage=url).get_trials(
+        deepcopy=False, states=(TrialState.RUNNING,))  # fmt: skip
+    return [t.number for t in trials if t.user_attrs.get("hydro_owner", {}).get("pid") == pid]
 
 
 def _free_port() -> int:
@@ -203,6 +211,10 @@ def test_two_tuners_share_a_postgres_study_one_killed_restarted_then_exported(
             time.sleep(0.05)
         blocked = int(marker.read_text())
         assert blocked != victim.pid, "blocked in the tuner itself, not in a group's worker"
+        while not _running(url, other.pid):  # the kill lands while the other holds trials too
+            assert other.poll() is None, logs["other"].read_text()
+            assert time.monotonic() < deadline, "the other tuner never took a trial"
+            time.sleep(0.2)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         try:  # its worker: the watchdog on the tuner's pid may have ended it already
