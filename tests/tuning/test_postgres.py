@@ -92,9 +92,9 @@ def _in_folder(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
     monkeypatch.delitem(sys.modules, "toymod", raising=False)
 
 
-def _running(url: str, pid: int) -> list[int]:
+def _running(storage: optuna.storages.BaseStorage, pid: int) -> list[int]:
     """The RUNNING trials of study ``toy`` that process ``pid`` holds."""
-    trials = optuna.load_study(study_name="toy", storage=url).get_trials(
+    trials = optuna.load_study(study_name="toy", storage=storage).get_trials(
         deepcopy=False, states=(TrialState.RUNNING,))  # fmt: skip
     return [t.number for t in trials if t.user_attrs.get("hydro_owner", {}).get("pid") == pid]
 
@@ -211,7 +211,8 @@ def test_two_tuners_share_a_postgres_study_one_killed_restarted_then_exported(
             time.sleep(0.05)
         blocked = int(marker.read_text())
         assert blocked != victim.pid, "blocked in the tuner itself, not in a group's worker"
-        while not _running(url, other.pid):  # the kill lands while the other holds trials too
+        polled = optuna.storages.RDBStorage(url)  # one engine for every poll
+        while not _running(polled, other.pid):  # the kill lands while the other holds trials
             assert other.poll() is None, logs["other"].read_text()
             assert time.monotonic() < deadline, "the other tuner never took a trial"
             time.sleep(0.2)
