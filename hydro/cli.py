@@ -295,7 +295,7 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
     import optuna
 
     from hydro.errors import StorageError
-    from hydro.tuning.storage import open_storage
+    from hydro.tuning.storage import cannot_open, open_storage
 
     url = find_storage(storage)
     try:
@@ -304,7 +304,7 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
     except (StorageError, ConfigError):
         raise
     except Exception as exc:  # noqa: BLE001
-        raise StorageError(f"cannot open Optuna storage {url!r}: {exc}") from exc
+        raise cannot_open(url, exc) from exc
     if name is None:
         if len(names) != 1:
             listed = ", ".join(names) or "none"

@@ -41,3 +41,20 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[object]:
+    """A PostgreSQL server of this test process's own on 127.0.0.1 (:mod:`tests.pg_server`),
+    stopped at the end of the session; each xdist worker that asks starts its own. Skips only
+    where the server binaries are not installed (``.ci/run`` installs them)."""
+    from tests import pg_server
+
+    why = pg_server.missing()
+    if why:
+        pytest.skip(why)
+    server = pg_server.Server(timeout=pg_server.patience(60))
+    try:
+        yield server.start()
+    finally:
+        server.stop()

@@ -253,7 +253,7 @@ def open_study(
     The storage retries a locked database and turns what still fails into one
     :class:`StorageError` line (:mod:`hydro.tuning.storage`, ``HYDRO_STORAGE_TIMEOUT``).
     """
-    from hydro.tuning.storage import open_storage
+    from hydro.tuning.storage import cannot_open, open_storage
 
     url = storage or DEFAULT_STORAGE
     try:
@@ -267,11 +267,7 @@ def open_study(
     except (StorageError, ConfigError):
         raise  # already one line saying what to do
     except Exception as exc:  # noqa: BLE001 - SQLAlchemy, file system, journal errors...
-        raise StorageError(
-            f"cannot open Optuna storage {url!r}: {type(exc).__name__}: {exc}. Check the URL "
-            "(e.g. sqlite:///path/to/hydro.db, postgresql://user@host/db) and that its "
-            "directory or server is reachable."
-        ) from exc
+        raise cannot_open(url, exc) from exc
 
 
 def _refuse_multi_objective(storage: Any, study_name: str) -> None:

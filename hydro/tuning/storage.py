@@ -32,8 +32,8 @@ from sqlalchemy import exc as sa_exc
 
 from hydro.errors import ConfigError, StorageError
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "open_storage", "put_back_if_same",
-           "storage_timeout"]  # fmt: skip
+__all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "cannot_open", "check_driver",
+           "open_storage", "put_back_if_same", "redact", "storage_timeout"]  # fmt: skip
 
 ENV_TIMEOUT = "HYDRO_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -85,6 +85,32 @@ def _kind(exc: BaseException) -> str | None:
     if "disk" in text:  # "disk I/O error", "database or disk is full"
         return "disk"
     return "other"
+
+
+def redact(url: str) -> str:
+    """``url`` as a message may show it: a password in it replaced by ``***``."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+        return url
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
+
+
+def cannot_open(url: Any, exc: BaseException) -> StorageError:
+    """One :class:`~hydro.errors.StorageError` line for a storage that does not open (a
+    malformed URL, a missing directory, a server that does not answer): the URL (password
+    hidden), what failed, without SQLAlchemy's SQL and links, and what to check."""
+    shown = redact(url) if isinstance(url, str) else url
+    lines = [line.strip() for line in str(exc).splitlines()]
+    detail = " ".join(line for line in lines if line and not line.startswith(
+        ("[SQL:", "[parameters:", "(Background on this error")))  # fmt: skip
+    if not detail.startswith("("):  # SQLAlchemy's own text names the driver's error type
+        detail = f"{type(exc).__name__}: {detail}"
+    return StorageError(f"cannot open Optuna storage {shown!r}: {detail}. Check the URL "
+                        "(e.g. sqlite:///path/to/hydro.db, postgresql://user@host/db) and that "
+                        "its directory or server is reachable.")  # fmt: skip
 
 
 def _where(url: str) -> str:
@@ -150,7 +176,24 @@ class GuardedStorage(RDBStorage):
             kwargs["connect_args"] = {"timeout": max(self.timeout / 4, 0.01)}
         self.url = url
         # opening: a malformed URL or a missing directory stays the caller's to explain
-        self._retry(lambda: RDBStorage.__init__(self, url, engine_kwargs=kwargs), only_lock=True)
+        self._retry(lambda: self._create(kwargs), only_lock=True)
+
+    def _create(self, engine_kwargs: dict[str, Any]) -> None:
+        """Optuna's opening, which creates the tables of a new database. Two processes doing
+        that at once on a database server (tuners started together on a fresh PostgreSQL
+        database) clash: one gets "duplicate key" or "already exists" once the other commits
+        its tables. Those are there now: open again, and find them."""
+        for attempt in range(5):
+            try:
+                RDBStorage.__init__(self, self.url, engine_kwargs=engine_kwargs)
+                return
+            except (sa_exc.IntegrityError, sa_exc.ProgrammingError) as exc:
+                text = str(exc).lower()
+                if attempt == 4 or not ("already exists" in text or "duplicate" in text):
+                    raise
+                if getattr(self, "engine", None) is not None:
+                    self.engine.dispose()
+                time.sleep(0.05 * (attempt + 1) * (0.5 + random.random()))
 
     def _retry(self, call: Callable[[], _T], only_lock: bool = False) -> _T:
         thread = threading.get_ident()
@@ -270,11 +313,63 @@ def put_back_if_same(storage: RDBStorage, trial_id: int, started: datetime) -> b
     return storage._retry(update) if isinstance(storage, GuardedStorage) else update()
 
 
+# (dialect, driver) as SQLAlchemy names them -> the driver, how to install it, the other way in.
+# SQLAlchemy 2 maps ``postgresql://`` to psycopg 3 and ``mysql://`` to mysqlclient (MySQLdb).
+_EXTRA = "pip install 'hydro-surrogate[postgres]'"
+_DRIVERS: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("postgresql", "psycopg"): (
+        "the PostgreSQL driver psycopg", _EXTRA,
+        "use postgresql+psycopg2:// with psycopg2 installed (pip install psycopg2-binary)",
+    ),
+    ("postgresql", "psycopg2"): (
+        "the PostgreSQL driver psycopg2", "pip install psycopg2-binary",
+        f"use postgresql:// (psycopg 3): {_EXTRA}",
+    ),
+    ("postgresql", "pg8000"): (
+        "the PostgreSQL driver pg8000", "pip install pg8000",
+        f"use postgresql:// (psycopg 3): {_EXTRA}",
+    ),
+    ("mysql", "mysqldb"): (
+        "the MySQL driver MySQLdb", "pip install mysqlclient",
+        "use mysql+pymysql:// with pymysql installed (pip install pymysql)",
+    ),
+    ("mysql", "pymysql"): ("the MySQL driver pymysql", "pip install pymysql", ""),
+}  # fmt: skip
+
+
+def check_driver(url: str) -> None:
+    """Raise a one-line :class:`~hydro.errors.StorageError` naming the package to install when
+    the database driver that SQLAlchemy picks for ``url`` does not import.
+
+    Optuna's own error for it ("Failed to import DB access module") names no module. A URL
+    SQLAlchemy cannot parse, or whose dialect it does not know, is left to the storage's own
+    error.
+    """
+    from sqlalchemy.engine import make_url
+
+    try:
+        dialect = make_url(url).get_dialect()
+    except Exception:  # noqa: BLE001 - malformed URL, unknown dialect: said when it is opened
+        return
+    try:
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 2, else 1.4
+    except ImportError as exc:
+        name, driver = dialect.name, dialect.driver
+        what, install, other = _DRIVERS.get((name, driver), (
+            f"the database driver {exc.name or driver} (SQLAlchemy's {name}+{driver})",
+            "install the package that provides it", ""))  # fmt: skip
+        why = (str(exc) or type(exc).__name__).splitlines()[0]
+        raise StorageError(f"storage {_where(url)} needs {what} ({why}): {install}"
+                           f"{'; or ' + other if other else ''}") from exc  # fmt: skip
+
+
 def open_storage(url: str) -> GuardedStorage:
     """The storage at ``url`` (any SQLAlchemy URL Optuna takes), guarded as described above.
 
     Raises:
-        StorageError: the database is locked past the timeout, or cannot be read or written.
+        StorageError: the database is locked past the timeout, or cannot be read or written;
+            or the URL's database driver is not installed (:func:`check_driver`).
         ConfigError: ``$HYDRO_STORAGE_TIMEOUT`` is not a number of seconds.
     """
+    check_driver(url)
     return GuardedStorage(url)
