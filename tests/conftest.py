@@ -49,11 +49,12 @@ def postgres() -> Iterator[object]:
     stopped at the end of the session; each xdist worker that asks starts its own. Skips only
     where the server binaries are not installed (``.ci/run`` installs them)."""
     from tests import pg_server
+    from tests.waiting import patience
 
     why = pg_server.missing()
     if why:
         pytest.skip(why)
-    server = pg_server.Server(timeout=pg_server.patience(60))
+    server = pg_server.Server(timeout=patience(60))
     try:
         yield server.start()
     finally:

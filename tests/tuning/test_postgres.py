@@ -31,7 +31,7 @@ from hydro.cli import main
 from hydro.tuning.bookkeeping import is_void
 from hydro.tuning.storage import open_storage
 from tests import toy
-from tests.pg_server import patience
+from tests.waiting import patience
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 6

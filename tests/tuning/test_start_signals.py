@@ -20,17 +20,13 @@ from optuna.trial import TrialState
 
 from tests import toy
 from tests.test_signals import _alive, _descendants
+from tests.waiting import patience
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = toy.source(n=384, n_train=256, width=64)
 # enough trials that no run ends by itself within a test
 CONFIG = toy.config("toymod", trials=400, steps=2000, eval_every=100, top="pruner: none\n")
 linux = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
-
-
-def patience(seconds: float) -> float:
-    """``seconds`` on a quiet machine, stretched by the load (the suite runs beside itself)."""
-    return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 @pytest.fixture
