@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 import hydro.tuning.bookkeeping as study_mod
 from hydro.integrations.optuna import is_void
 from hydro.tuning.storage import open_storage
+from tests.waiting import patience
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,11 +162,16 @@ def _tuner(storage: str, *extra: str) -> list[str]:
             "--steps", "8", "--executor", "local", *extra]  # fmt: skip
 
 
-def test_four_tuners_share_a_study_one_killed_and_restarted(tmp_path):
-    """Four real tuners (local executor) on one SQLite study, started a moment apart; one is
-    SIGKILLed mid-group and started again. Every trial is trained and told once: none lost,
-    none duplicated, none FAIL, none left RUNNING."""
-    storage = f"sqlite:///{tmp_path / 'hydro.db'}"
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_four_tuners_share_a_study_one_killed_and_restarted(tmp_path, request, kind):
+    """Four real tuners (local executor) on one study (an SQLite file, or a real PostgreSQL
+    server started by the test), started a moment apart; one is SIGKILLed mid-group and
+    started again. Every trial is trained and told once: none lost, none duplicated, none
+    FAIL, none left RUNNING."""
+    if kind == "sqlite":
+        storage = f"sqlite:///{tmp_path / 'hydro.db'}"
+    else:
+        storage = request.getfixturevalue("postgres").createdb(f"race_{tmp_path.name[-20:]}")
     optuna.create_study(storage=storage, study_name="hydro")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     marker = tmp_path / "blocked"
@@ -176,14 +182,16 @@ def test_four_tuners_share_a_study_one_killed_and_restarted(tmp_path):
     try:
         while not marker.exists():  # it trains (its worker blocks at a known step): kill it
             assert victim.poll() is None, f"the tuner to kill ended ({victim.returncode})"
-            assert time.monotonic() - start < 240, "the tuner to kill never reached its step"
+            assert time.monotonic() - start < patience(240), (
+                "the tuner to kill never reached its step"
+            )
             time.sleep(0.05)
     finally:
         victim.send_signal(signal.SIGKILL)
         victim.wait()
     _kill_blocked_worker(marker)
     again = subprocess.Popen(_tuner(storage), cwd=ROOT, env=env)
-    codes = [p.wait(timeout=300) for p in [*others, again]]
+    codes = [p.wait(timeout=patience(300)) for p in [*others, again]]
     assert codes == [0, 0, 0, 0]
     trials = optuna.load_study(study_name="hydro", storage=storage).get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
