@@ -252,7 +252,9 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
     task = hydro.Task(model=functools.partial(gpt, **model_args(args)), train_data=data["train"],
                       val_data=data["val"], loss="cross_entropy", optimizer="adamw",
                       scheduler="cosine", steps=args.steps, eval_every=args.eval_every,
-                      batch_size=args.batch)  # fmt: skip
+                      batch_size=args.batch,
+                      **({"eval_samples": args.eval_samples}
+                         if getattr(args, "eval_samples", None) else {}))  # fmt: skip
     # plain's storage (Optuna's in-memory one), unless --storage sqlite
     storage = "sqlite:///:memory:" if args.storage == "sqlite" else \
         optuna.storages.InMemoryStorage()  # fmt: skip
@@ -267,6 +269,7 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
     )  # fmt: skip
     return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
             "first_eval": clock.get("first_eval"), "best": result.best_params,
+            "best_value": result.best_value,
             "states": states(result.study), "occupancy": getattr(result, "occupancy", None),
             "hydro": hydro.__file__, "compile": compile_ if has_compile else None,
             "cache": dict(cache.stats)}  # fmt: skip

@@ -45,6 +45,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trials", type=int, default=32)
     p.add_argument("--ratio", type=int, default=8)
+    p.add_argument("--chars", type=int, default=50_000, help="text characters (0: all)")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=None,
+        help="validation samples of the intermediate evaluations (Task.eval_samples)",
+    )
     p.add_argument("--root", default=str(HERE.parent), help="the tree whose hydro is timed")
     a = p.parse_args()
     sys.path[:0] = [a.root, str(HERE)]
@@ -80,12 +87,14 @@ def main() -> None:
         setattr(owner, name, timed(getattr(owner, name), label))
     args = argparse.Namespace(trials=a.trials, ratio=a.ratio, fuse=16, width=256, layers=4, heads=4,
                               block=64, batch=8, steps=a.steps, eval_every=min(8, a.steps),
-                              chars=50_000, threads=1, first_group=a.first_group, seed=a.seed,
-                              storage=a.storage, device="cpu")  # fmt: skip
+                              chars=a.chars or None, threads=1, first_group=a.first_group,
+                              seed=a.seed, storage=a.storage, device="cpu",
+                              eval_samples=a.eval_samples)  # fmt: skip
     out = e2e.search_hydro(args, set())
     print(f"hydro from {out['hydro']}: ratio {a.ratio}, {a.steps} steps, first_group "
-          f"{a.first_group}, storage {a.storage}, seed {a.seed}: {out['cpu']:.2f} CPU s, "
-          f"{out['states']}")  # fmt: skip
+          f"{a.first_group}, storage {a.storage}, seed {a.seed}, eval_samples "
+          f"{a.eval_samples}: {out['cpu']:.2f} CPU s, {out['states']}, "
+          f"best {out.get('best_value')}")  # fmt: skip
     for label, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {label:24s} {s:7.2f} s  {calls[label]:4d} calls")
     print(f"  {'the rest':24s} {out['cpu'] - sum(spent.values()):7.2f} s")

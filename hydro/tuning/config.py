@@ -25,11 +25,19 @@ from hydro_fluid.policies import check_policy
 # the run's options (hydro.tuning.options: their config keys), what to train, and the space
 TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space", "trust"}
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
-             "optimizer", "scheduler", "steps", "eval_every", "batch_size",
-             "target_key", "checkpoint_every", "dynamic", "data_mode", "cache",
+             "optimizer", "scheduler", "steps", "eval_every", "eval_samples",
+             "batch_size", "target_key", "checkpoint_every", "dynamic", "data_mode", "cache",
              "train"}  # fmt: skip
 # what only Hydro's own recipe reads: refused beside your own training function (task.train)
-RECIPE_KEYS = ("loss", "metric", "optimizer", "scheduler", "target_key", "data_mode")
+RECIPE_KEYS = (
+    "loss",
+    "metric",
+    "optimizer",
+    "scheduler",
+    "target_key",
+    "data_mode",
+    "eval_samples",
+)
 SAMPLERS = {
     "tpe": lambda seed, **kw: optuna.samplers.TPESampler(
         seed=seed, **{"constant_liar": True, **kw}
@@ -266,6 +274,7 @@ def _task(spec: Any, path: str, trust: Sequence[str] = ()) -> Any:
     # keyword arguments are the searchable architecture choices
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
+                                   "eval_samples",
                                    "batch_size", "target_key", "checkpoint_every", "dynamic",
                                    "data_mode", "cache")
               if k in spec}  # fmt: skip

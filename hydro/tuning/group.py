@@ -603,9 +603,11 @@ class FusedGroup:
         every, last = self.task.eval_every, self.task.steps
         return [k for k, m in enumerate(self.members) if m.step % every == 0 or m.step == last]
 
-    def evaluate(self) -> list[float]:
-        """Every slot's validation value (data parallel replicas: rank 0's, on every rank)."""
-        values = evaluate(self.task, self.fused, self.batch_size, self.device) \
+    def evaluate(self, full: Sequence[int] | None = None) -> list[float]:
+        """Every slot's validation value (data parallel replicas: rank 0's, on every rank);
+        with ``task.eval_samples``, over the fixed subsample except for the slots in ``full``
+        (default: all), which read the whole split (see :func:`hydro.tuning.recipe.evaluate`)."""
+        values = evaluate(self.task, self.fused, self.batch_size, self.device, full) \
             if self.rank == 0 else None  # fmt: skip
         return parallel.share(values, self.rank, self.world_size)
 

@@ -91,7 +91,7 @@ def train_group(
                 last = history[k][-1][1] if history[k] else None
                 outcomes[k] = Outcome("pruned", last, step, "", history[k])
         if due:
-            values = group.evaluate()
+            values = group.evaluate(full=None if step >= task.steps else [])
             for pos, k in enumerate(alive):
                 if k not in outcomes:
                     _evaluated(k, step, float(values[pos]), history[k], outcomes, report,

@@ -502,7 +502,9 @@ class LoopGroup:
         every, last = self.task.eval_every, self.task.steps
         return [k for k, m in enumerate(self.members) if m.step % every == 0 or m.step == last]
 
-    def evaluate(self) -> list[float]:
+    def evaluate(self, full: Sequence[int] | None = None) -> list[float]:
+        """The values your loop reported (``full``: as for a FusedGroup; your loop evaluates
+        as it likes)."""
         reported = self.run._reported
         if reported is None:
             return [math.nan] * self.n

@@ -71,17 +71,36 @@ def _whole_step(task: Task, fused: nn.Module, opt: fused_optim.FusedOptimizer, s
 
 
 @torch.no_grad()
-def evaluate(task: Task, fused: nn.Module, batch_size: int, device: Any) -> list[float]:
-    """Each member's metric (or loss) averaged over the validation data."""
+def evaluate(
+    task: Task, fused: nn.Module, batch_size: int, device: Any, full: Sequence[int] | None = None
+) -> list[float]:
+    """Each member's metric (or loss) averaged over the validation data.
+
+    With ``task.eval_samples`` set, members not in ``full`` (default: all are) get the mean over
+    the fixed subsample (:meth:`Task.val_sample`), those in ``full`` the mean over all of it,
+    computed exactly as without a subsample. Only what some member needs is read, and each value
+    depends on its own member only, whatever the others need.
+    """
     fused.eval()
+    sample = task.val_sample()
+    whole = set(range(fused.n)) if sample is None or full is None else set(full)
+    values: dict[str, list[float]] = {}
+    if whole:
+        values["all"] = _mean(task, fused, task.val_batches(max(batch_size, 64)), device)
+    if sample is not None and len(whole) < fused.n:
+        values["sample"] = _mean(task, fused, sample, device)
+    fused.train()
+    return [values["all"][k] if k in whole else values["sample"][k] for k in range(fused.n)]
+
+
+def _mean(task: Task, fused: nn.Module, batches: Any, device: Any) -> list[float]:
     total, count = None, 0
-    for batch in task.val_batches(max(batch_size, 64)):
+    for batch in batches:
         args, kwargs, y = task.split(batch, device)
         size = task.batch_len(batch)
         v = task.trial_metrics(fused(*args, **kwargs), y).double() * size
         total = v if total is None else total + v
         count += size
-    fused.train()
     return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n
 
 

@@ -173,7 +173,10 @@ def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dic
                                   "loss or gradient", group.members[slot].history)  # fmt: skip
     due = [slot for slot in due if slot not in ended]
     if due:
-        values = [float(v) for v in group.evaluate()]
+        # a trial's last evaluation reads the whole validation split, the others may read a
+        # fixed subsample of it (task.eval_samples)
+        last = [slot for slot in due if group.members[slot].step >= steps]
+        values = [float(v) for v in group.evaluate(full=last)]
         finite = []
         for slot in due:
             m = group.members[slot]

@@ -71,6 +71,11 @@ class Task:
             ``warmup`` hyperparameter adds a linear warm-up in front.
         steps: training steps per trial.
         eval_every: steps between evaluations (the intermediate values pruners see).
+        eval_samples: validation samples the intermediate evaluations read: a fixed subsample
+            of the validation data (the same for every trial, group and resume: drawn from
+            seed 0), so the values pruners compare cost less; a trial's last evaluation, its
+            reported value, reads all of it. ``None`` (default): all of it every time. Data
+            that cannot be indexed (a ``DataLoader``, a function) gives its first batches.
         batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it);
             default a ``DataLoader``'s own, else 32.
         example_inputs: inputs shaped like a batch, for capture; by default the first
@@ -118,6 +123,7 @@ class Task:
     scheduler: Literal["none", "cosine", "linear", "step"] = "cosine"
     steps: int = 100
     eval_every: int | None = None
+    eval_samples: int | None = None
     batch_size: int | None = None
     example_inputs: tuple[Any, ...] | None = None
     target_key: str = "labels"
@@ -263,6 +269,13 @@ class Task:
         """The validation data in order, in batches."""
         return val_stream(self.val_data, batch_size)
 
+    def val_sample(self) -> Iterator[Batch] | None:
+        """The fixed validation subsample of the intermediate evaluations (``eval_samples``),
+        in blocks of :data:`SAMPLE_BLOCK`; ``None`` where every evaluation reads everything."""
+        if self.eval_samples is None:
+            return None
+        return val_sample(self.val_data, self.eval_samples)
+
     def inputs_of(self, batch_inputs: Any) -> tuple[Any, ...]:
         """The positional model inputs of the inputs part of an ``(inputs, targets)`` batch."""
         return tuple(batch_inputs) if isinstance(batch_inputs, (tuple, list)) else (batch_inputs,)
@@ -292,9 +305,7 @@ class Task:
 
     def batch_len(self, batch: Batch) -> int:
         """Examples in a batch."""
-        if isinstance(batch, Mapping):
-            return len(next(iter(batch.values())))
-        return len(batch[1])
+        return _batch_len(batch)
 
     # --- losses of a fused model ----------------------------------------------------------
 
@@ -428,6 +439,8 @@ def check_settings(obj: Any) -> None:
     if obj.eval_every is None:
         obj.eval_every = max(1, obj.steps // 4)
     _positive(obj.eval_every, "eval_every")
+    if getattr(obj, "eval_samples", None) is not None:
+        _positive(obj.eval_samples, "eval_samples")
     ce = obj.checkpoint_every
     if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
@@ -485,6 +498,54 @@ def val_stream(data: Data, batch_size: int) -> Iterator[Batch]:
     else:
         for batch in _loader(data, batch_size, shuffle=False, seed=0):
             yield _batch(batch)
+
+
+SAMPLE_BLOCK = 64  # samples per block of the validation subsample (its unit, and the batch)
+
+
+def sample_blocks(size: int, samples: int) -> list[int] | None:
+    """Which blocks of :data:`SAMPLE_BLOCK` samples (in order) of a split of ``size`` make up
+    its subsample of about ``samples``: drawn once from seed 0, so every trial, group, process
+    and resume reads the same; ``None`` where that is the whole split.
+
+    >>> sample_blocks(726, 128)
+    [0, 8]
+    >>> sample_blocks(100, 128) is None
+    True
+    """
+    blocks = -(-size // SAMPLE_BLOCK)
+    k = -(-samples // SAMPLE_BLOCK)
+    if k >= blocks:
+        return None
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))
+    return sorted(order[:k].tolist())
+
+
+def val_sample(data: Data, samples: int) -> Iterator[Batch] | None:
+    """The validation subsample (:func:`sample_blocks`), one block a batch; data that cannot be
+    indexed (a ``DataLoader``, a function) gives its first batches of 64 holding ``samples``.
+    ``None``: the subsample would be the whole split."""
+    if isinstance(data, (tuple, Mapping)):
+        chosen = sample_blocks(_length(data), samples)
+        if chosen is None:
+            return None
+        return (_take(data, slice(i * SAMPLE_BLOCK, (i + 1) * SAMPLE_BLOCK)) for i in chosen)
+
+    def first() -> Iterator[Batch]:
+        seen = 0
+        for batch in val_stream(data, SAMPLE_BLOCK):
+            if seen >= samples:
+                return
+            seen += _batch_len(batch)
+            yield batch
+
+    return first()
+
+
+def _batch_len(batch: Batch) -> int:
+    if isinstance(batch, Mapping):
+        return len(next(iter(batch.values())))
+    return len(batch[1])
 
 
 def check_data(name: str, data: Any) -> None:
