@@ -26,8 +26,8 @@ from hydro_fluid.policies import check_policy
 TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space", "trust"}
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "eval_samples",
-             "batch_size", "target_key", "checkpoint_every", "dynamic", "data_mode", "cache",
-             "train"}  # fmt: skip
+             "precision", "batch_size", "target_key", "checkpoint_every", "dynamic", "data_mode",
+             "cache", "train"}  # fmt: skip
 # what only Hydro's own recipe reads: refused beside your own training function (task.train)
 RECIPE_KEYS = (
     "loss",
@@ -274,7 +274,7 @@ def _task(spec: Any, path: str, trust: Sequence[str] = ()) -> Any:
     # keyword arguments are the searchable architecture choices
     factory = functools.partial(model, **model_args)
     kwargs = {k: spec[k] for k in ("direction", "optimizer", "scheduler", "steps", "eval_every",
-                                   "eval_samples",
+                                   "eval_samples", "precision",
                                    "batch_size", "target_key", "checkpoint_every", "dynamic",
                                    "data_mode", "cache")
               if k in spec}  # fmt: skip

@@ -14,8 +14,8 @@ with the first script's best. So the study keeps a *fingerprint* of its definiti
   config also the data callable and its ``data_args``;
 - ``loss``, ``metric``: names and bound arguments;
 - ``recipe``: direction, optimizer, scheduler, steps, eval_every, batch_size, target_key,
-  ``eval_samples`` when set, and ``data_mode`` when it is ``"shared"`` (a trial's batches then
-  come from its group);
+  ``eval_samples`` when set, ``precision`` when not fp32, and ``data_mode`` when it is
+  ``"shared"`` (a trial's batches then come from its group);
 - ``space``: every distribution; for a space function, its name, the distributions and fixed
   values it gives a few probe trials of a throw-away in-memory study (seeded, so the same in
   every process);
@@ -105,7 +105,8 @@ def fingerprint(
                    "target_key": task.target_key,
                    # shared data only: studies recorded before the option keep their fingerprint
                    **({"data_mode": task.data_mode} if task.data_mode != "per_trial" else {}),
-                   **({"eval_samples": task.eval_samples} if task.eval_samples else {})},
+                   **({"eval_samples": task.eval_samples} if task.eval_samples else {}),
+                   **({"precision": task.precision} if task.precision != "fp32" else {})},
         "space": _space(space),
         "ratio": scale,
     }  # fmt: skip

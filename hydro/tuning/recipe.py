@@ -18,7 +18,7 @@ from torch import nn
 
 import hydro.optim as fused_optim
 from hydro.errors import ConfigError
-from hydro.tuning.task import Task
+from hydro.tuning.task import Task, autocast
 
 DEFAULTS = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "adam": {"lr": 1e-3, "weight_decay": 0.0},
             "sgd": {"lr": 1e-2, "weight_decay": 0.0}}  # fmt: skip
@@ -38,9 +38,12 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None)
     (``reduce``) average between backward and update, so they keep the step below.
     """
     args, kwargs, y = task.split(batch, device)
-    if reduce is None and getattr(fused, "_compiler", None) is not None:
+    if reduce is None and getattr(fused, "_compiler", None) is not None \
+            and task.precision == "fp32":  # fmt: skip
         return _whole_step(task, fused, opt, shared, clip)(args, y, kwargs, shared=shared)
-    losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
+    with autocast(task.precision, device):  # the forward and the losses; not the update
+        losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
+    losses = losses.float()
     opt.zero_grad(set_to_none=True)
     losses.sum().backward()
     if reduce is not None:
@@ -98,7 +101,9 @@ def _mean(task: Task, fused: nn.Module, batches: Any, device: Any) -> list[float
     for batch in batches:
         args, kwargs, y = task.split(batch, device)
         size = task.batch_len(batch)
-        v = task.trial_metrics(fused(*args, **kwargs), y).double() * size
+        with autocast(task.precision, device):
+            out = fused(*args, **kwargs)
+        v = task.trial_metrics(out, y).double() * size
         total = v if total is None else total + v
         count += size
     return (total / max(count, 1)).tolist() if total is not None else [math.nan] * fused.n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -76,6 +77,10 @@ class Task:
             seed 0), so the values pruners compare cost less; a trial's last evaluation, its
             reported value, reads all of it. ``None`` (default): all of it every time. Data
             that cannot be indexed (a ``DataLoader``, a function) gives its first batches.
+        precision: ``"fp32"`` (default), or ``"bf16"``: the forward pass and the losses run
+            under ``torch.autocast`` with bfloat16 (parameters, gradients and the optimizer
+            stay float32), in training and evaluation. float16 needs loss scaling per trial,
+            which Hydro does not have: it is refused.
         batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it);
             default a ``DataLoader``'s own, else 32.
         example_inputs: inputs shaped like a batch, for capture; by default the first
@@ -125,6 +130,7 @@ class Task:
     eval_every: int | None = None
     eval_samples: int | None = None
     batch_size: int | None = None
+    precision: Literal["fp32", "bf16"] = "fp32"
     example_inputs: tuple[Any, ...] | None = None
     target_key: str = "labels"
     checkpoint_every: int = 50
@@ -441,6 +447,12 @@ def check_settings(obj: Any) -> None:
     _positive(obj.eval_every, "eval_every")
     if getattr(obj, "eval_samples", None) is not None:
         _positive(obj.eval_samples, "eval_samples")
+    if getattr(obj, "precision", "fp32") not in PRECISIONS:
+        extra = (": float16 needs loss scaling per trial (one overflow must skip only its own "
+                 "trial's step), which Hydro does not have; bf16 needs none"
+                 if obj.precision in ("fp16", "float16") else "")  # fmt: skip
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                          f"{obj.precision!r}{extra}")  # fmt: skip
     ce = obj.checkpoint_every
     if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
@@ -498,6 +510,17 @@ def val_stream(data: Data, batch_size: int) -> Iterator[Batch]:
     else:
         for batch in _loader(data, batch_size, shuffle=False, seed=0):
             yield _batch(batch)
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # Task.precision -> autocast's dtype
+
+
+def autocast(precision: str, device: Any) -> Any:
+    """The autocast context of ``precision`` on ``device`` (a no-op context for fp32)."""
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 SAMPLE_BLOCK = 64  # samples per block of the validation subsample (its unit, and the batch)
