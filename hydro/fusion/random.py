@@ -30,9 +30,11 @@ Two element draws, two versions:
   ones), where ``c[j] = mix(j)`` depends on the index alone and is computed once per size and
   device (then cached). Its low 16 bits decide element ``2j``, its high 16 bits element
   ``2j + 1`` (read as ``int16`` halves of the little-endian word: every machine torch runs
-  on); an element is kept when its half, as an unsigned 16-bit uniform, is at least
-  ``ceil(p * 2**16)``: **the rate is quantized up to a multiple of 2**-16** (0.1 keeps
-  ``1 - 6554 / 65536``, 0.1000061 dropped), a rate below 1 drops at most ``65535 / 65536``.
+  on). A half ``s`` stands for the 16-bit uniform ``u = s + 2**15`` (the half with its top bit
+  flipped: a bijection, so ``u`` is as uniform as the hash), and an element is kept when
+  ``u >= ceil(p * 2**16)``, one ``int16`` compare. **The rate is quantized up to a multiple
+  of 2**-16** (0.1 drops 6554 / 65536 = 0.1000061 of the elements; a rate below 1 drops at
+  most 65535 / 65536); the version-1 draw had 24 bits.
   About 12 ``int32`` ops per pair against 20 ``int64`` ops per element before: the draw is a
   fifth of the dropout's cost, the rest is the mask and the multiply, as in torch's own.
 
@@ -177,7 +179,8 @@ def _as_int32(v: torch.Tensor) -> torch.Tensor:
 
 def drop_bits(keys: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """Each trial's dropout draws for a tensor of one trial's ``shape``: ``int16 [n, *shape]``,
-    each ``u - 2**15`` for a uniform 16-bit ``u`` (draw version 2, see the module's notes).
+    each the signed half ``s = u - 2**15`` of a uniform 16-bit ``u`` (draw version 2, see the
+    module's notes).
 
     Args:
         keys: one op's keys, ``int64 [2, n]`` (a row of :func:`stream_keys`); the first is used.
