@@ -19,7 +19,7 @@ from optuna.distributions import FloatDistribution
 from torch import nn
 
 import hydro
-from hydro.errors import FuseError
+from hydro.errors import FuseError, HydroWarning
 from hydro.fusion import fuse, trial_loss
 from hydro.fusion import random as rng
 from hydro.integrations.optuna import optimize
@@ -491,3 +491,54 @@ def test_a_state_of_the_older_draw_is_refused_where_the_model_drops() -> None:
     again.load_state_dict(state)
     again.load_trial_state(1, {k: v for k, v in plain.trial_state(0).items() if k != rng.DRAW})
     assert again.trial_draw.tolist() == [rng.DRAW_VERSION] * 2
+
+
+@pytest.mark.filterwarnings("ignore:ratio 2 takes")  # the tiny MLP is below the width floor
+def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_aside(tmp_path):
+    """Through the tuner: a group checkpoint written with draw version 1 refuses to resume a
+    group with dropout (one line, before any step); a trial checkpoint of version 1 is set
+    aside and its trial starts afresh (``resume_slot``). Without dropout either resumes (the
+    test above, and tests/test_faults.py's checkpoint from before random streams)."""
+    from hydro.tuning import checkpoint
+    from hydro.tuning.lockstep import train_group
+    from hydro.tuning.slots import resume_slot
+    from tests.test_data_parallel import dropout_task
+
+    task, params = dropout_task(steps=8), [{"lr": 1e-2}, {"lr": 3e-2}]
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_8(k: int, step: int, value: float) -> bool:
+        if step == 8:
+            raise Stop
+        return False
+
+    with pytest.raises(Stop):
+        train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=tmp_path,
+                    checkpoint_every=5)  # fmt: skip
+    saved = checkpoint.load(tmp_path)
+    del saved["model"][rng.DRAW]  # as the hydro before draw version 2 wrote it
+    checkpoint.save(tmp_path, saved)
+    with pytest.raises(FuseError, match="dropout draw version 1"):
+        train_group(task, params, ratio=2, seeds=[0, 1], checkpoint=tmp_path, checkpoint_every=5)
+
+    group = FusedGroup(task, [(0, {"lr": 1e-2}, 0)], ratio=2)
+    group.step()
+    state = group.trial_state(0)
+    del state["model"][rng.DRAW]
+
+    class Files:
+        def __init__(self) -> None:
+            self.aside: list[str] = []
+
+        def load(self, number, seed, params):  # noqa: ANN001, ANN202
+            return state
+
+        def path(self, number):  # noqa: ANN001, ANN202
+            (tmp_path / "trial-0.pt").touch()
+            return tmp_path / "trial-0.pt"
+
+    fresh = FusedGroup(task, [(0, {"lr": 1e-2}, 0)], ratio=2)
+    with pytest.warns(HydroWarning, match="dropout draw version 1"):
+        assert resume_slot(fresh, 0, Files()) == 0  # afresh: step 0
