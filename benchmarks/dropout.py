@@ -16,8 +16,9 @@ load inflates least).
    sites) at ratio 4, ``n`` fused trials with rates spread over the search space's range, one
    step = forward, per-trial loss, backward, ``hydro.optim.AdamW``: with no dropout (rate 0,
    nothing drawn: the floor), with torch's generator (the path before per-trial streams: a
-   trial's masks depended on its slot), with the streams of version 1, and with this tree's.
-   A column's share is ``(step - no dropout) / step``.
+   trial's masks depended on its slot), with the streams of version 1, and with this tree's;
+   then one rate (0.1) for all trials: torch's own ``aten.dropout`` over the folded batch
+   against this tree's streams. A row's share is ``(step - no dropout) / step``.
 
     python benchmarks/dropout.py --threads 1 --n 16 --repeats 7
 """
@@ -181,6 +182,9 @@ def group_steps(n: int, batch: int, ratio: int) -> dict[str, Callable[[], None]]
         "torch RNG": build(rates(n), graph=torch_rng),
         "streams v1": build(rates(n), call=lambda: draw(dropout_v1)),
         "streams": build(rates(n)),
+        # one rate for all: torch's own aten.dropout over the folded batch, against the streams
+        "torch F.dropout, 0.1 for all": build([0.1] * n, graph=torch_rng),
+        "streams, 0.1 for all": build([0.1] * n),
     }
 
 

@@ -1,7 +1,8 @@
 """The GPU run in one script: what to measure the first time a GPU is lent, in at most 8 minutes.
 
 Sections, in this order (the cheap and decisive first; each is skipped with a line when the
-time left, ``--budget-s``, cannot hold it):
+time left of ``--budget-s`` cannot hold what it is expected to need, :data:`NEEDS`; a section
+that starts runs to its end, so the budget is a soft one):
 
 1. **fusion**: one training step of ``n`` trials, as trial-steps per second, for the models of
    ``benchmarks/fusion.py --compile`` (the MLP of width 64 with 32 trials, the charlm GPT
@@ -366,7 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit("--device cuda: this process sees no GPU; use --device cpu --small")
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as the CPU computes it
+        # torch's default, said here: fp32 matmuls, so the figures and the data parallel check
+        # are those of float32 whatever the environment set
+        torch.backends.cuda.matmul.allow_tf32 = False
     else:
         torch.set_num_threads(1)
     warnings.simplefilter("ignore")
