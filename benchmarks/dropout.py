@@ -114,13 +114,16 @@ def rates(n: int, low: float = 0.0, high: float = 0.2) -> list[float]:
     return [low + (high - low) * (k + 0.5) / n for k in range(n)]
 
 
-def site_steps(n: int, shape: tuple[int, ...]) -> dict[str, Callable[[], None]]:
-    """One dropout site's forward + backward and forward alone, per method."""
+def site_steps(
+    n: int, shape: tuple[int, ...], device: torch.device | str = "cpu"
+) -> dict[str, Callable[[], None]]:
+    """One dropout site's forward + backward and forward alone, per method, on ``device``."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, *shape, generator=g).requires_grad_()
-    grad = torch.randn(n, *shape, generator=g)
-    p = torch.tensor(rates(n), dtype=torch.float64)
-    keys = rng.stream_keys(torch.arange(n), torch.zeros(n, dtype=torch.int64), 1)[0]
+    x = torch.randn(n, *shape, generator=g).to(device).requires_grad_()
+    grad = torch.randn(n, *shape, generator=g).to(device)
+    p = torch.tensor(rates(n), dtype=torch.float64, device=device)
+    steps = torch.zeros(n, dtype=torch.int64)
+    keys = rng.stream_keys(torch.arange(n), steps, 1)[0].to(device)
     folded = (n * shape[0], *shape[1:])
     methods = {
         "torch": lambda v: F.dropout(v.view(folded), 0.1),

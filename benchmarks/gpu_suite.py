@@ -4,6 +4,8 @@ Sections, in this order (the cheap and decisive first; each is skipped with a li
 time left of ``--budget-s`` cannot hold what it is expected to need, :data:`NEEDS`; a section
 that starts runs to its end, so the budget is a soft one):
 
+0. **dropout**: the dropout draw on this device against the CPU's, bit for bit, and fused
+   dropout's cost per element against torch's ``F.dropout`` (``benchmarks/dropout.py``).
 1. **fusion**: one training step of ``n`` trials, as trial-steps per second, for the models of
    ``benchmarks/fusion.py --compile`` (the MLP of width 64 with 32 trials, the charlm GPT
    surrogate at ratio 8 and 4 with 16): ``n`` separate models one after another
@@ -57,13 +59,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+import dropout as drop  # noqa: E402
 import end_to_end as e2e  # noqa: E402
 import fuse_auto  # noqa: E402
 import fusion as B  # noqa: E402
 
 BUDGET_S = 480  # 8 minutes on one GPU
 # seconds a section is expected to need at most (GPU, full sizes): it starts only with this left
-NEEDS = {"fusion eager": 60, "fuse auto": 30, "data parallel": 60, "end to end": 150,
+NEEDS = {"dropout": 20, "fusion eager": 60, "fuse auto": 30, "data parallel": 60, "end to end": 150,
          "compiled": 45}  # fmt: skip
 
 
@@ -171,6 +174,30 @@ def compiled_table(device: torch.device, small: bool, clock: Clock) -> list[dict
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
     return rows
+
+
+def dropout_rows(device: torch.device, small: bool) -> dict:
+    """Section 0: the dropout draw on this device equals the CPU's bit for bit (it relies on
+    ``int32`` multiplies wrapping, and on little-endian halves), and its cost per element,
+    forward + backward, against torch's ``F.dropout`` (``benchmarks/dropout.py``'s steps)."""
+    from hydro.fusion import random as rng
+
+    n, shapes = (4, [(2, 16, 15)]) if small else (16, [(8, 64, 64), (8, 64, 256)])
+    keys = rng.stream_keys(torch.arange(n), torch.arange(n) * 7, 3)[2]
+    same = all(torch.equal(rng.drop_bits(keys.to(device), s).cpu(), rng.drop_bits(keys, s))
+               for s in shapes)  # fmt: skip
+    repeats, min_time = (2, 0.02) if small else (5, 0.3)
+    rows = []
+    for shape in shapes:
+        steps = drop.site_steps(n, shape, device)
+        t = B.timed({k: synced(s, device) for k, s in steps.items()}, repeats, min_time)
+        per = n * math.prod(shape)
+        for m in ("torch", "streams v1", "streams"):
+            both, fwd = t[f"{m} fwd+bwd"], t[f"{m} fwd"]
+            rows.append({"shape": list(shape), "n": n, "method": m,
+                         "fwd_bwd_ns_per_el": 1e9 * both / per, "fwd_ns_per_el": 1e9 * fwd / per,
+                         "fwd_bwd_vs_torch": both / t["torch fwd+bwd"]})  # fmt: skip
+    return {"same_as_cpu": same, "rows": rows}
 
 
 def fuse_auto_row(device: torch.device, small: bool) -> dict:
@@ -300,6 +327,17 @@ def markdown(result: dict) -> str:
             f"{r.get('trial_steps_per_s', math.nan):.1f} | {r.get('ms_per_step', math.nan):.2f} "
             f"| {r.get('compile_s', math.nan):.1f} | {note} |"
         )
+    d = result["dropout"]
+    lines += ["", "## Dropout per element (forward + backward, wall)", ""]
+    if "rows" in d:
+        lines += [f"The draw on this device equals the CPU's: {d['same_as_cpu']}", "",
+                  "| per-trial shape | n | method | fwd+bwd ns/el | fwd ns/el | vs torch |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['shape']} | {r['n']} | {r['method']} | {r['fwd_bwd_ns_per_el']:.3f} | "
+                  f"{r['fwd_ns_per_el']:.3f} | {r['fwd_bwd_vs_torch']:.2f}x |"
+                  for r in d["rows"]]  # fmt: skip
+    else:
+        lines.append(d.get("skipped") or f"error: {d.get('error')}")
     a = result["fuse_auto"]
     lines += ["", "## fuse='auto' against the measured peak", ""]
     if "skipped" in a or "error" in a:
@@ -388,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
                               "torch": torch.__version__, "small": a.small,
                               "budget_s": a.budget_s, "section_s": {}}  # fmt: skip
     sections = [
+        ("dropout", NEEDS["dropout"], lambda: dropout_rows(device, a.small)),
         ("fusion", NEEDS["fusion eager"], lambda: fusion_table(device, a.small, clock)),
         ("fuse_auto", NEEDS["fuse auto"], lambda: fuse_auto_row(device, a.small)),
         ("data_parallel", NEEDS["data parallel"],

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 
@@ -234,12 +235,40 @@ def dropout(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> tor
     if not isinstance(p, torch.Tensor):  # plain numbers: no tensor made on the device
         keep = bits >= _threshold(float(p))
         return t * keep.to(t.dtype).mul_(_keep_scale(float(p), t.dtype))
-    p = p.to(torch.float64).view(n, *[1] * rank)
-    units = torch.ceil(p * (1 << _DROP_BITS)).clamp_(0, (1 << _DROP_BITS) - 1)
-    threshold = (units - (1 << 15)).to(torch.int16)
-    q = (1.0 - p).to(t.dtype)
-    scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(t.dtype).tiny), 0.0)
+    threshold, scale = _rates(p, n, rank, t.dtype)
     return t * (bits >= threshold).to(t.dtype).mul_(scale)
+
+
+# per-trial rates -> (key, threshold, scale): a fused graph reads its rates from one constant
+# tensor at every step, and the dozen tiny ops that turn them into a threshold and a scale
+# cost as much as a tenth of the dropout's time at every site (dispatch, not arithmetic)
+# (keyed by identity, checked through a weak reference: tensors compare elementwise, so they
+# cannot be the keys of a WeakKeyDictionary)
+_RATES: dict[int, tuple] = {}
+
+
+def _rates(
+    p: torch.Tensor, n: int, rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-trial rates ``p [n]`` as the ``int16`` threshold their draws must reach and the
+    scale ``1 / (1 - p)`` in ``dtype``, both ``[n, 1, ...]`` (``rank`` ones), kept per rate
+    tensor while it is unchanged (its version), except under tracing."""
+    traced = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    key = (p._version, n, rank, dtype, p.device)
+    if not traced:
+        hit = _RATES.get(id(p))
+        if hit is not None and hit[0]() is p and hit[1] == key:
+            return hit[2], hit[3]
+    q64 = p.to(torch.float64).view(n, *[1] * rank)
+    units = torch.ceil(q64 * (1 << _DROP_BITS)).clamp_(0, (1 << _DROP_BITS) - 1)
+    threshold = (units - (1 << 15)).to(torch.int16)
+    q = (1.0 - q64).to(dtype)
+    scale = torch.where(q > 0, 1.0 / q.clamp_min(torch.finfo(dtype).tiny), 0.0)
+    if not traced and not p.requires_grad:
+        if len(_RATES) >= 256:  # rates of graphs long gone (ids of dead tensors)
+            _RATES.clear()
+        _RATES[id(p)] = (weakref.ref(p), key, threshold, scale)
+    return threshold, scale
 
 
 # marked a constant of the graph for torch.compile (no graph break) by hydro.fusion.compiled when

@@ -26,6 +26,9 @@ def test_gpu_suite_runs_on_the_cpu_and_writes_its_json_and_table(tmp_path: Path)
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"] == "cpu" and result["small"]
+    drops = result["dropout"]
+    assert drops["same_as_cpu"]
+    assert [r["method"] for r in drops["rows"]] == ["torch", "streams v1", "streams"]
     eager = {r["method"]: r for r in result["fusion"] if r.get("mode") == "eager"}
     assert set(eager) == {"sequential", "vmap", "fused"}
     assert all(r["trial_steps_per_s"] > 0 for r in eager.values())
@@ -36,14 +39,15 @@ def test_gpu_suite_runs_on_the_cpu_and_writes_its_json_and_table(tmp_path: Path)
     assert dp["backend"] == "gloo" and dp["equal"], dp
     methods = [r["method"] for r in result["end_to_end"]]
     assert methods == ["plain", "hydro"], result["end_to_end"]
-    for title in ("## Fusion", "## fuse='auto'", "## Data parallel", "## End to end"):
+    for title in ("## Dropout", "## Fusion", "## fuse='auto'", "## Data parallel",
+                  "## End to end"):  # fmt: skip
         assert title in table
     assert "| MLP w64 | 4 | fused | eager |" in table
 
 
 def test_gpu_suite_skips_data_parallel_with_fewer_than_two_gpus(tmp_path: Path) -> None:
     _run("benchmarks/gpu_suite.py", "--device", "cpu", "--small", "--no-compile", "--skip",
-         "fusion,fuse_auto,end_to_end", "--out", str(tmp_path), timeout=60)  # fmt: skip
+         "dropout,fusion,fuse_auto,end_to_end", "--out", str(tmp_path), timeout=60)  # fmt: skip
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert "needs 2" in result["data_parallel"]["skipped"]
     assert "needs 2" in (tmp_path / "gpu_suite.md").read_text()

@@ -542,3 +542,14 @@ def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_asi
     fresh = FusedGroup(task, [(0, {"lr": 1e-2}, 0)], ratio=2)
     with pytest.warns(HydroWarning, match="dropout draw version 1"):
         assert resume_slot(fresh, 0, Files()) == 0  # afresh: step 0
+
+
+def test_per_trial_rates_kept_per_tensor_are_read_again_when_they_change() -> None:
+    keys, x = _keys([1, 2])[0], torch.randn(2, 1000, dtype=torch.float64)
+    p = torch.tensor([0.1, 0.5], dtype=torch.float64)
+    a = rng.dropout(x, p, keys)
+    assert torch.equal(rng.dropout(x, p, keys), a)  # kept: the same threshold and scale
+    p[1] = 0.0  # in place: a new version of the tensor
+    b = rng.dropout(x, p, keys)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], x[1])
+    assert torch.equal(rng.dropout(x.float(), p, keys), rng.dropout(x, p, keys).float())
