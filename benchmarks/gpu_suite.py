@@ -106,7 +106,8 @@ def models(small: bool) -> dict[str, tuple[Callable, int]]:
 
 def compiled_builders(make: Callable, n: int, device: torch.device) -> dict[str, Callable]:
     """``method: build`` of the compiled rows: ``build()`` returns the step (compiling at its
-    first call). CUDA graphs on a GPU only (``reduce-overhead`` is inductor's default there)."""
+    first call). CUDA graphs (inductor's ``mode="reduce-overhead"``: CUDA graph trees) on a
+    GPU only."""
     builders = {"vmap": lambda: torch.compile(B.vmap_step(make, n)),
                 "fused": lambda: B.compiled_pair(make, n, True)[0]}  # fmt: skip
     if device.type == "cuda":  # static shapes: the step's kernels recorded once, replayed
