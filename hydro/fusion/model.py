@@ -20,7 +20,7 @@ from hydro.fx.capture import Captured, _check_shapes, capture_graph, register_at
 
 MODES = ("train", "eval")
 # buffers of the fused model itself, not of any trial's module
-OWN = frozenset({"diverged", _random.SEED, _random.STEP})
+OWN = frozenset({"diverged", _random.SEED, _random.STEP, _random.DRAW})
 
 
 def _signature(model: nn.Module) -> str:
@@ -42,6 +42,20 @@ def _signature(model: nn.Module) -> str:
                 attrs.append((key, repr(sorted(value.to_dict().items(), key=str))))
         parts.append((name, type(m).__name__, attrs))
     return repr(parts)
+
+
+def _draws_nothing(node: torch.fx.Node) -> bool:
+    """A dropout (or attention) node whose literal rate is 0, or that is not in training: no
+    mask drawn (``aten.dropout`` is then aten's identity)."""
+    aten = torch.ops.aten
+    if node.target is aten.dropout.default:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return train is False or (isinstance(p, (int, float)) and p == 0)
+    if node.target is aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return isinstance(p, (int, float)) and p == 0
+    return False
 
 
 def _example_key(args: tuple, kwargs: Mapping[str, Any]) -> str:
@@ -89,7 +103,8 @@ class FusedModel(nn.Module):
 
     Random ops (dropout) draw from each trial's own stream (:mod:`hydro.fusion.random`): the
     ``int64 [n]`` buffers ``trial_seed`` and ``trial_step`` (training forwards run), so a trial's
-    masks depend on its seed and step only (:meth:`reseed_trial`).
+    masks depend on its seed and step only (:meth:`reseed_trial`); ``trial_draw`` names the
+    dropout draw they were made with (a checkpoint of an older one is refused when it matters).
 
     The model's graph is captured (:func:`hydro.fx.capture.capture`) at the first call, from that
     call's inputs, unless it was captured before (a :class:`~hydro.fx.capture.Captured` model, or
@@ -166,6 +181,8 @@ class FusedModel(nn.Module):
         seeds = [_random.as_int64(seed + k) for k in range(n)]
         self.register_buffer(_random.SEED, torch.tensor(seeds, dtype=torch.int64))
         self.register_buffer(_random.STEP, torch.zeros(n, dtype=torch.int64))
+        # the dropout draw of each trial's stream: a checkpoint of another one cannot go on
+        self.register_buffer(_random.DRAW, torch.full((n,), _random.DRAW_VERSION))
         for p in self.parameters():
             p.hydro_diverged = self.diverged  # lets hydro.optim freeze diverged trials
 
@@ -436,10 +453,18 @@ class FusedModel(nn.Module):
         exactly (its random stream included), whichever slot or group it came from.
 
         Raises:
-            FuseError: ``state`` names other tensors, or other shapes, than this model's trials.
+            FuseError: ``state`` names other tensors, or other shapes, than this model's trials;
+                or it was drawn with an older dropout draw and this model draws random numbers
+                (its masks could not go on bit-identically).
         """
         k = self._check_index(k)
         mine = self.state_dict(keep_vars=True)
+        state = dict(state)
+        if _random.DRAW not in state and _random.SEED in state:  # written before the tag
+            state[_random.DRAW] = torch.tensor(1)
+        if _random.DRAW in state and int(state[_random.DRAW]) != _random.DRAW_VERSION:
+            self._refuse_older_draw(int(state[_random.DRAW]), "this trial's state")
+            state[_random.DRAW] = torch.tensor(_random.DRAW_VERSION)  # it draws nothing
         if set(state) != set(mine):
             raise FuseError(
                 f"load_trial_state: the state's keys differ from the fused model's (missing "
@@ -480,6 +505,51 @@ class FusedModel(nn.Module):
         with torch.no_grad():
             self.trial_seed[k] = _random.as_int64(seed)
             self.trial_step[k] = 0
+            self.trial_draw[k] = _random.DRAW_VERSION
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """:meth:`torch.nn.Module.load_state_dict`, with a check of the random streams' draw: a
+        state written with an older dropout draw (or before the draw was recorded) is refused
+        when this model draws random numbers (:class:`FuseError`), and taken as this draw's
+        when it does not (nothing it trains depends on the draw)."""
+        state = dict(state_dict)
+        if _random.DRAW not in state and _random.SEED in state and "diverged" in state:
+            state[_random.DRAW] = torch.ones_like(state[_random.SEED])  # before the tag
+        draw = state.get(_random.DRAW)
+        if isinstance(draw, torch.Tensor) and bool((draw != _random.DRAW_VERSION).any()):
+            self._refuse_older_draw(int(draw[draw != _random.DRAW_VERSION][0]), "this state")
+            state[_random.DRAW] = torch.full_like(draw, _random.DRAW_VERSION)
+        return super().load_state_dict(state, strict=strict, assign=assign)
+
+    def _refuse_older_draw(self, version: int, what: str) -> None:
+        """A :class:`FuseError` if this model may draw random numbers in training: ``what``
+        was drawn with dropout draw ``version``, which this hydro no longer makes."""
+        if not self._may_draw():
+            return
+        raise FuseError(
+            f"{what} was trained with hydro's dropout draw version {version}; this hydro draws "
+            f"version {_random.DRAW_VERSION} (a cheaper hash), so its dropout masks cannot go on "
+            "bit-identically from the checkpoint. Finish the run with the hydro that started "
+            "it, or delete the checkpoint to train the trials afresh"
+        )
+
+    def _may_draw(self) -> bool:
+        """Whether a training forward may draw dropout masks (the draw that changed; sampling
+        ops draw as before), from the graphs captured so far (every member's; ``True`` while
+        none is)."""
+        graphs = [g for found in self._captures.values() for d in found for g in d.values()]
+        graphs += [g for src in self._sources if isinstance(src, Captured)
+                   for g in src.graphs.values()]  # fmt: skip
+        if not graphs:
+            return True
+        drops = (
+            torch.ops.aten.dropout.default,
+            torch.ops.aten.scaled_dot_product_attention.default,
+        )
+        return any(node.op == "call_function" and node.target in drops and not _draws_nothing(node)
+                   for g in graphs for node in g.graph.nodes)  # fmt: skip
 
     def _unshare(self, name: str) -> None:
         """One copy per trial again for a frozen shared parameter (a trial loads other values):

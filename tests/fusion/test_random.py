@@ -19,7 +19,7 @@ from optuna.distributions import FloatDistribution
 from torch import nn
 
 import hydro
-from hydro.errors import FuseError
+from hydro.errors import FuseError, HydroWarning
 from hydro.fusion import fuse, trial_loss
 from hydro.fusion import random as rng
 from hydro.integrations.optuna import optimize
@@ -414,3 +414,142 @@ def test_aten_ops_of_a_step_with_dropout_do_not_grow_with_n(per_trial) -> None: 
     assert len(small) == len(large), (len(small), len(large))
     assert sorted(small) == sorted(large)
     assert any("bitwise_xor" in op for op in small)  # the streams are in the count
+
+
+def _reference_drop_bits(seed: int, step: int, salt: int, numel: int) -> list[int]:
+    """Draw version 2 in plain Python integers: pair j hashes to lowbias32(lowbias32(j) ^ key),
+    its low half deciding element 2j and its high half element 2j + 1, each read as a signed
+    16-bit integer (``u - 2**15`` for the uniform ``u``: the half with its top bit flipped)."""
+    key = int(rng.stream_keys(torch.tensor([seed]), torch.tensor([step]), salt + 1)[salt, 0, 0])
+    out = []
+    for j in range((numel + 1) // 2):
+        h = _lowbias32(_lowbias32(j) ^ key)
+        out += [((h & 0xFFFF) ^ 0x8000) - 2**15, ((h >> 16) ^ 0x8000) - 2**15]
+    return out[:numel]
+
+
+@pytest.mark.parametrize("numel", [1, 7, 64])
+def test_dropout_draw_equals_its_python_reference(numel: int) -> None:
+    seeds = [3, 2**40 + 1]
+    keys = _keys(seeds, step=5, count=2)[1]
+    bits = rng.drop_bits(keys, (numel,))
+    assert bits.dtype == torch.int16 and bits.shape == (2, numel)
+    for k, seed in enumerate(seeds):
+        assert bits[k].tolist() == _reference_drop_bits(rng.as_int64(seed), 5, 1, numel)
+
+
+def test_dropout_halves_are_uniform_16_bit_draws_and_rates_are_quantized_to_16_bits() -> None:
+    bits = rng.drop_bits(_keys([9, 10])[0], (300_001,)).to(torch.int64) + 2**15
+    assert bits.min() >= 0 and bits.max() < 2**16
+    for row in bits:
+        for part in (row >> 8, row & 0xFF, row[0::2] >> 8, row[1::2] >> 8):  # high, low bytes
+            counts = torch.bincount(part, minlength=256).double()
+            expected = part.numel() / 256
+            chi2 = float(((counts - expected) ** 2 / expected).sum())
+            assert chi2 < 255 + 5 * 22.6, chi2
+    # an element is kept iff its 16-bit uniform reaches ceil(p * 2**16): exactly, per element
+    x = torch.ones(2, 300_001, dtype=torch.float64)
+    for p in (0.1, 1e-6, 0.99999):
+        kept = rng.dropout(x, p, _keys([9, 10])[0]) != 0
+        assert torch.equal(kept, bits >= min(math.ceil(p * 2**16), 2**16 - 1))
+
+
+def test_the_cached_index_half_is_not_taken_from_a_trace() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rng._cached_counters.cache_clear()
+    keys, x = _keys([1, 2])[0], torch.ones(2, 999)
+    traced = make_fx(lambda t, k: rng.dropout(t, 0.5, k), tracing_mode="fake")(x, keys)
+    assert rng._cached_counters.cache_info().currsize == 0  # nothing fake was kept
+    assert torch.equal(traced(x, keys), rng.dropout(x, 0.5, keys))
+    assert rng._cached_counters.cache_info().currsize == 1
+
+
+def test_a_state_of_the_older_draw_is_refused_where_the_model_drops() -> None:
+    """A checkpoint written with draw version 1 (no ``trial_draw``) cannot go on bit-identically
+    where the model draws dropout masks: refused with a line that says why and what to do. A
+    model without dropout takes it (nothing it trains depends on the draw)."""
+    x = torch.randn(8, 6, dtype=torch.float64)
+    fused = fuse([_mlp(0.2, 0), _mlp(0.3, 1)], seed=1)
+    fused(x)
+    assert fused.trial_draw.tolist() == [rng.DRAW_VERSION] * 2
+    old = {k: v for k, v in fused.state_dict().items() if k != rng.DRAW}
+    with pytest.raises(FuseError, match="dropout draw version 1.*delete the checkpoint"):
+        fuse([_mlp(0.2, 0), _mlp(0.3, 1)]).load_state_dict(old)
+    trial = {k: v for k, v in fused.trial_state(1).items() if k != rng.DRAW}
+    with pytest.raises(FuseError, match="dropout draw version 1"):
+        fused.load_trial_state(0, trial)
+    with pytest.raises(FuseError, match="draw version 7"):
+        fused.load_trial_state(0, {**trial, rng.DRAW: torch.tensor(7)})
+    fused.load_trial_state(0, fused.trial_state(1))  # this draw's: taken
+    # no dropout (rate 0 everywhere): the state is taken, and marked this draw's
+    plain = fuse([_mlp(0.0, 0), _mlp(0.0, 1)], seed=1)
+    plain(x)
+    state = {k: v for k, v in plain.state_dict().items() if k != rng.DRAW}
+    again = fuse([_mlp(0.0, 0), _mlp(0.0, 1)])
+    again(x)
+    again.load_state_dict(state)
+    again.load_trial_state(1, {k: v for k, v in plain.trial_state(0).items() if k != rng.DRAW})
+    assert again.trial_draw.tolist() == [rng.DRAW_VERSION] * 2
+
+
+@pytest.mark.filterwarnings("ignore:ratio 2 takes")  # the tiny MLP is below the width floor
+def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_aside(tmp_path):
+    """Through the tuner: a group checkpoint written with draw version 1 refuses to resume a
+    group with dropout (one line, before any step); a trial checkpoint of version 1 is set
+    aside and its trial starts afresh (``resume_slot``). Without dropout either resumes (the
+    test above, and tests/test_faults.py's checkpoint from before random streams)."""
+    from hydro.tuning import checkpoint
+    from hydro.tuning.lockstep import train_group
+    from hydro.tuning.slots import resume_slot
+    from tests.test_data_parallel import dropout_task
+
+    task, params = dropout_task(steps=8), [{"lr": 1e-2}, {"lr": 3e-2}]
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_8(k: int, step: int, value: float) -> bool:
+        if step == 8:
+            raise Stop
+        return False
+
+    with pytest.raises(Stop):
+        train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=tmp_path,
+                    checkpoint_every=5)  # fmt: skip
+    saved = checkpoint.load(tmp_path)
+    del saved["model"][rng.DRAW]  # as the hydro before draw version 2 wrote it
+    checkpoint.save(tmp_path, saved)
+    with pytest.raises(FuseError, match="dropout draw version 1"):
+        train_group(task, params, ratio=2, seeds=[0, 1], checkpoint=tmp_path, checkpoint_every=5)
+
+    group = FusedGroup(task, [(0, {"lr": 1e-2}, 0)], ratio=2)
+    group.step()
+    state = group.trial_state(0)
+    del state["model"][rng.DRAW]
+
+    class Files:
+        def __init__(self) -> None:
+            self.aside: list[str] = []
+
+        def load(self, number, seed, params):  # noqa: ANN001, ANN202
+            return state
+
+        def path(self, number):  # noqa: ANN001, ANN202
+            (tmp_path / "trial-0.pt").touch()
+            return tmp_path / "trial-0.pt"
+
+    fresh = FusedGroup(task, [(0, {"lr": 1e-2}, 0)], ratio=2)
+    with pytest.warns(HydroWarning, match="dropout draw version 1"):
+        assert resume_slot(fresh, 0, Files()) == 0  # afresh: step 0
+
+
+def test_per_trial_rates_kept_per_tensor_are_read_again_when_they_change() -> None:
+    keys, x = _keys([1, 2])[0], torch.randn(2, 1000, dtype=torch.float64)
+    p = torch.tensor([0.1, 0.5], dtype=torch.float64)
+    a = rng.dropout(x, p, keys)
+    assert torch.equal(rng.dropout(x, p, keys), a)  # kept: the same threshold and scale
+    p[1] = 0.0  # in place: a new version of the tensor
+    b = rng.dropout(x, p, keys)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], x[1])
+    assert torch.equal(rng.dropout(x.float(), p, keys), rng.dropout(x, p, keys).float())
