@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
 from typing import Any
 
 from hydro.errors import ConfigError
+from hydro.tuning import compile_record
 
 # compile seconds ~ BASE + PER_NODE * nodes of the fused graph (cold inductor cache), fitted to
 # the whole training step as one graph (hydro.fusion.step: forward, backward and optimizer) of
@@ -103,3 +106,59 @@ def decide(
         f"~{fused_steps_left:.0f} fused steps left = {eager_step_s * fused_steps_left:.0f} s; "
         f"compile est. {compile_s:.0f} s, pays back after ~{payback} steps)"
     )
+
+
+def time_eager_step(group: Any, start: float) -> None:
+    """``compile="auto"``: time an eager step; after a few, decide and say so."""
+    if str(group.device).startswith("cuda"):
+        _sync(group.device)
+    group._timings.append(time.perf_counter() - start)
+    if len(group._timings) < MEASURED_STEPS:
+        return
+    step_s = statistics.median(group._timings)
+    group._timings = None
+    left = max(group._trials_left * group.task.steps / max(group.n, 1) - group.steps, 0.0)
+    graphs = group.fused._graphs.values()
+    nodes = sum(len(gm.graph.nodes) for gm in graphs)
+    k = compile_record.key((gm.code for gm in graphs), group.n, group.device, True)
+    measured = compile_record.load(k)
+    if measured is None:
+        on, line = decide(step_s, left, estimate_compile_seconds(nodes))
+    else:  # what compiling this graph took (and gave) here last time: inductor caches it
+        speedup = measured["speedup"] or SPEEDUP
+        on, line = decide(step_s, left, measured["compile_s"], speedup)
+        line += f"; measured here before (x{speedup:.2f})"
+    if on and unavailable():
+        on, line = False, f"compile: auto -> off ({unavailable()})"
+    group._note(line)
+    group.compile = on
+    if on:
+        compile_record.use_private_inductor_cache()
+        group.fused.compile(True)
+        group.opt.set_compile(True)  # its compiled update, from now on
+        group._compiled = {"key": k, "mode": True, "eager_s": step_s, "times": []}
+
+
+def time_compiled_step(group: Any, start: float) -> None:
+    """After ``compile="auto"`` turned on: the first compiled step (which compiles) and a
+    few more, kept as what compiling this graph cost and bought here
+    (:mod:`hydro.tuning.compile_record`)."""
+    if str(group.device).startswith("cuda"):
+        _sync(group.device)
+    c = group._compiled
+    c["times"].append(time.perf_counter() - start)
+    if c["key"] is None:  # compile=True: the graphs exist once the first step built them
+        graphs = group.fused._graphs.values()
+        c["key"] = compile_record.key((gm.code for gm in graphs), group.n, group.device, c["mode"])
+    if len(c["times"]) <= MEASURED_STEPS:
+        return
+    group._compiled = None
+    step_s = statistics.median(c["times"][1:])
+    speedup = c["eager_s"] / max(step_s, 1e-9) if c["eager_s"] else None
+    compile_record.store(c["key"], c["times"][0] - step_s, speedup)
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    torch.cuda.synchronize(device)

@@ -12,7 +12,6 @@ fixed group to the end is :func:`hydro.tuning.lockstep.train_group`.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 import uuid
 import warnings
@@ -32,7 +31,7 @@ from hydro.fx import cache as _capture_cache
 from hydro.fx.capture import _copy_graph_module
 from hydro.parametrize import READOUT
 from hydro.scaling import build
-from hydro.tuning import compiling, parallel
+from hydro.tuning import compile_record, compiling, parallel
 
 # DEFAULTS and _schedule are re-exported for the tuner and benchmarks that import them from here
 from hydro.tuning.recipe import (  # noqa: F401
@@ -353,7 +352,13 @@ class FusedGroup:
             self._note(f"compile: {self.compile} -> off ({compiling.unavailable()})")
             self.compile = False
         self._timings: list[float] | None = [] if self.compile == "auto" else None
+        self._compiled: dict[str, Any] | None = None  # timing the first compiled steps
         model_compile = self.compile if self.compile != "auto" else False
+        if model_compile:
+            compile_record.use_private_inductor_cache()
+            if like is None:  # compiles at its first step: timed, kept for "auto" to read
+                self._compiled = {"key": None, "mode": model_compile, "eager_s": None,
+                                  "times": []}  # fmt: skip
         # fuse's FusedModel, handed the fresh surrogates rather than copying them
         self.fused = FusedModel(modules, own=True).compile(model_compile).to(device)
         self.compiled_graphs = None  # set when a resize turned compiling off
@@ -527,7 +532,8 @@ class FusedGroup:
         data: all on the next batch of the group's); returns the slots' losses ``[n]``, on the
         device (reading them waits for the step to finish). A data parallel replica trains on
         its shard and returns the whole batch's losses."""
-        start = time.perf_counter() if self._timings is not None else 0.0
+        timing = self._timings is not None or self._compiled is not None
+        start = time.perf_counter() if timing else 0.0
         batches = [next(self.batches)] if self.shared else [next(m.batches) for m in self.members]
         reduce = None
         if self.world_size > 1:
@@ -544,6 +550,8 @@ class FusedGroup:
         self.live_steps += self.n
         if self._timings is not None and self.steps > 1:  # the first step builds the graphs
             self._time_auto(start)
+        elif self._compiled is not None:
+            self._time_compiled(start)
         return losses
 
     def _resized(self) -> None:
@@ -556,26 +564,13 @@ class FusedGroup:
             self.opt.set_compile(False)
         elif self._timings is not None:  # "auto" still measuring: a new size, a new graph
             self._timings = []
+        self._compiled = None  # its first compiled steps were of another size
 
     def _time_auto(self, start: float) -> None:
-        """``compile="auto"``: time an eager step; after a few, decide and say so."""
-        if str(self.device).startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-        self._timings.append(time.perf_counter() - start)
-        if len(self._timings) < compiling.MEASURED_STEPS:
-            return
-        step_s = statistics.median(self._timings)
-        self._timings = None
-        left = max(self._trials_left * self.task.steps / max(self.n, 1) - self.steps, 0.0)
-        nodes = sum(len(gm.graph.nodes) for gm in self.fused._graphs.values())
-        on, line = compiling.decide(step_s, left, compiling.estimate_compile_seconds(nodes))
-        if on and compiling.unavailable():
-            on, line = False, f"compile: auto -> off ({compiling.unavailable()})"
-        self._note(line)
-        self.compile = on
-        if on:
-            self.fused.compile(True)
-            self.opt.set_compile(True)  # its compiled update, from now on
+        compiling.time_eager_step(self, start)
+
+    def _time_compiled(self, start: float) -> None:
+        compiling.time_compiled_step(self, start)
 
     def _replica(self, batches: list[Any]) -> tuple[list[Any], Callable]:
         """This replica's shards of ``batches``, and the reduction of its losses and gradients
