@@ -30,6 +30,8 @@ runs slower (448 MB of logits at once against 28 MB per trial, out of cache).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import statistics
 import sys
 import time
@@ -128,17 +130,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kinds", default="LSTM,GRU")
+    keep = "glibc keeps freed memory (no mmap, no trim), for both sides"
+    parser.add_argument("--keep-memory", action="store_true", help=keep)
+    parser.add_argument("--json", type=Path, help="append the rows to this JSON list")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.keep_memory:  # what MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... would set
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: big blocks from the heap, not fresh mmap'd pages
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory stays with the process
     print(f"n={args.n}, ratio {args.ratio}, [{args.bptt} x {args.batch}] tokens of "
           f"{args.vocab}, {args.threads} thread(s); ms per step of all n trials (median of "
           f"{args.rounds} rounds of {args.steps})")  # fmt: skip
     print(f"{'model':<10} {'hidden':<10} {'sequential':>11} {'fused':>9} {'fused/seq':>10}")
+    rows = []
     for kind in args.kinds.split(","):
         for tie in (False, True):
             r = bench(kind, tie, args.n, args)
+            r.update(vocab=args.vocab, threads=args.threads, keep_memory=args.keep_memory,
+                     rounds=args.rounds, steps=args.steps)  # fmt: skip
+            rows.append(r)
             print(f"{r['model']:<10} {r['hidden']:<10} {r['sequential_ms']:>9.1f}ms "
                   f"{r['fused_ms']:>7.1f}ms {r['ratio']:>9.2f}x")  # fmt: skip
+    if args.json:
+        old = json.loads(args.json.read_text()) if args.json.exists() else []
+        args.json.write_text(json.dumps(old + rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hydro.fusion import random as _random
 from hydro.fusion.ops import Spec, from_trials, to_trials
 
 
@@ -133,7 +134,8 @@ class _LSTMLayer(torch.autograd.Function):
         c_slope = torch.addcmul(o, o * tanh_c, tanh_c, value=-1)
         dgates = acts.new_empty(n, steps, batch, four)  # gi's layout
         dg_t, ghs = dgates.unbind(1), grad_hs.unbind(1)
-        sl_t, os_t, cl_t, f_t = slopes.unbind(0), o_slope.unbind(0), c_slope.unbind(0), f.unbind(0)  # fmt: skip
+        sl_t, os_t, cl_t = slopes.unbind(0), o_slope.unbind(0), c_slope.unbind(0)
+        f_t = f.unbind(0)
         dh, dc, dg = grad_h + ghs[order[-1]], grad_c, None
         for k in range(steps - 1, -1, -1):
             t = order[k]
@@ -147,7 +149,8 @@ class _LSTMLayer(torch.autograd.Function):
         dh0 = torch.bmm(dg, w_hh)
         # the h each step read, in time order, for the weight's gradient: one bmm
         first = h0.unsqueeze(1)
-        prev_h = torch.cat([hs[:, 1:], first], 1) if ctx.reverse else torch.cat([first, hs[:, :-1]], 1)  # fmt: skip
+        parts = [hs[:, 1:], first] if ctx.reverse else [first, hs[:, :-1]]
+        prev_h = torch.cat(parts, 1)
         rows = dgates.view(n, steps * batch, four)
         dw = torch.bmm(prev_h.view(n, steps * batch, hid).transpose(1, 2), rows).transpose(1, 2)
         return dgates, dh0, dc, dw, None
@@ -211,10 +214,16 @@ def trial_rnn(
     hx_specs: Sequence[Spec],
     param_specs: Sequence[Spec],
     out_specs: Sequence[Spec],
+    dropout: tuple[float | torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``aten.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` for ``n`` trials, each with its own
-    weights (``[n, ...]``) and inputs; outputs in the layouts ``out_specs`` (no dropout between
-    layers: the handler refuses it)."""
+    weights (``[n, ...]``) and inputs; outputs in the layouts ``out_specs``.
+
+    ``dropout``, in training, is ``(rate, keys)``: one rate or each trial's ``[n]``, and the
+    op's per-trial stream keys ``[2, n]`` (:mod:`hydro.fusion.random`). As ``nn.LSTM`` does,
+    every layer's output but the last is dropped out; the masks of all those layers are one
+    draw over ``[layers - 1, T, B, H_out]`` per trial, indexed in that trial's own tensor, so a
+    trial's masks are the same in any group and slot."""
     dirs = 2 if bidirectional else 1
     xs = per_trial(x, n, x_spec)
     unbatched = xs.dim() == 3
@@ -240,6 +249,11 @@ def trial_rnn(
             h_n.append(h)
             c_n.append(c)
         xs = outs[0] if dirs == 1 else torch.cat(outs, -1)
+        if dropout is not None and layer < layers - 1:
+            if layer == 0:  # every layer's mask (scaled by 1 / (1 - p)) in one draw
+                ones = xs.new_ones(n, layers - 1, *xs.shape[1:])
+                masks = _random.dropout(ones, dropout[0], dropout[1])
+            xs = xs * masks[:, layer]
     y = xs.squeeze(2) if unbatched else xs.transpose(1, 2) if batch_first else xs
     finals = [torch.stack(h_n, 1)] + ([torch.stack(c_n, 1)] if kind == "lstm" else [])
     finals = [f.squeeze(2) if unbatched else f for f in finals]

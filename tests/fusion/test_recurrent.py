@@ -5,14 +5,17 @@ step in float64 (losses, gradients, parameters, optimizer state)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import hydro
-from hydro.errors import FuseError
+import hydro.optim
+from hydro.fusion import random as rng
 from tests.fusion.exactness import build, train_and_compare
 
 VOCAB = 65  # the zoo's "gpt" case: token ids [4, 16] and next-token targets
@@ -120,13 +123,84 @@ def test_fused_recurrent_training_equals_separate_training(name):
     train_and_compare(run, cases, steps=3)
 
 
-def test_dropout_between_layers_is_refused_naming_the_node():
+def _dropout_lm(p: float, seed: int, kind: str = "LSTM") -> nn.Module:
+    torch.manual_seed(seed)
+    model = RecurrentLM(kind, hidden=16, emb=16, layers=3).double()
+    model.rnn.dropout = p  # nn.LSTM(..., dropout=p): between the layers, not after the last
+    return model
+
+
+def _train_slot(members: list[nn.Module], slot: int, seed: int, steps: int) -> list:
+    """``steps`` fused Adam steps; slot ``slot`` (stream ``seed``): loss, grads, weights."""
+    fused = hydro.fuse([copy.deepcopy(m) for m in members])
+    fused.reseed_trial(slot, seed)
+    lrs = [1e-2 * (k + 1) for k in range(len(members))]
+    lrs[slot] = 3e-3
+    opt = hydro.optim.Adam(fused.parameters(), lr=lrs)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (4, 8), generator=g)
+        losses = hydro.trial_loss(F.cross_entropy, fused(ids).flatten(1, 2), ids.flatten())
+        opt.zero_grad()
+        losses.sum().backward()
+        opt.step()
+        params = list(fused.named_parameters())
+        grads = {n: p.grad[slot].clone() for n, p in params}
+        out.append((losses[slot].item(), grads, {n: p[slot].detach().clone() for n, p in params}))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_dropout_between_layers_is_each_trials_own_in_any_group_and_slot(kind):
+    me = _dropout_lm(0.3, 7, kind)
+    alone = _train_slot([me], 0, seed=42, steps=3)
+    group = [_dropout_lm(0.1, 1, kind), _dropout_lm(0.0, 2, kind), me]  # per-trial rates
+    for got in (_train_slot(group, 2, seed=42, steps=3),
+                _train_slot([me, _dropout_lm(0.5, 3, kind)], 0, seed=42, steps=3)):  # fmt: skip
+        for (la, ga, wa), (lb, gb, wb) in zip(got, alone, strict=True):
+            assert la == pytest.approx(lb, rel=1e-12, abs=1e-14)
+            for name in ga:
+                torch.testing.assert_close(ga[name], gb[name], rtol=1e-12, atol=1e-14)
+                torch.testing.assert_close(wa[name], wb[name], rtol=1e-12, atol=1e-14)
+    # the masks act: another seed trains differently
+    other = _train_slot([me], 0, seed=43, steps=2)
+    assert other[1][0] != pytest.approx(alone[1][0], rel=1e-9)
+
+
+def test_dropout_between_layers_equals_the_layers_with_the_trials_masks():
+    """The fused stack is the stack run layer by layer with each trial's mask between layers
+    (scaled by 1 / (1 - p)), none after the last; eval mode draws nothing."""
     torch.manual_seed(0)
-    model = RecurrentLM()
-    model.rnn.dropout = 0.2
-    sur = hydro.scale(model, 4, example_inputs=(_ids(),))
-    with pytest.raises(FuseError, match="dropout 0.2 between the layers"):
-        hydro.fuse(sur, n=2)(_ids())
+    rnn = nn.LSTM(6, 5, num_layers=3, dropout=0.25).double()
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0]
+
+    x = torch.randn(7, 3, 6, dtype=torch.float64)
+    fused = hydro.fuse([Stack(), copy.deepcopy(Stack())], seed=5)
+    y = fused(x)  # [2, T, B, H]
+    keys = rng.stream_keys(torch.tensor([5, 6]), torch.zeros(2, dtype=torch.int64), 1)[0]
+    masks = rng.dropout(torch.ones(2, 2, 7, 3, 5, dtype=torch.float64), 0.25, keys)
+    assert (masks == 0).any() and (masks != 0).any()
+    for k in range(2):
+        h = x
+        for layer in range(3):
+            one = nn.LSTM(6 if layer == 0 else 5, 5).double()
+            with torch.no_grad():
+                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    getattr(one, f"{name}_l0").copy_(getattr(rnn, f"{name}_l{layer}"))
+            h = one(h)[0]
+            if layer < 2:
+                h = h * masks[k, layer]
+        torch.testing.assert_close(y[k], h, rtol=1e-12, atol=1e-14)
+    fused.eval()
+    torch.testing.assert_close(fused(x)[0], rnn.eval()(x)[0], rtol=1e-12, atol=1e-14)
 
 
 class Cells(nn.Module):
