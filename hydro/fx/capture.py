@@ -654,7 +654,17 @@ def explain(exc: BaseException, model: nn.Module) -> str:
         where += f" at {f.f_code.co_filename}:{line}" + (f" (`{code}`)" if code else "")
     text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     data_dependent = any(k in str(exc) or k in type(exc).__name__ for k in _DATA_DEPENDENT)
-    if data_dependent and frame is not None and _random_branch(*frame):
+    if _packed(exc):
+        advice = (
+            "a recurrent layer (nn.LSTM/GRU/RNN) is called on a PackedSequence "
+            "(pack_padded_sequence or pack_sequence): its per-step batch sizes are data, "
+            "computed from the lengths, which capture by example cannot record, and Hydro's "
+            "fused recurrent form has no packed variant. Call the layer on the padded tensor "
+            "instead and leave the padded steps out of the loss (their targets set to the "
+            "loss's ignore_index, or a mask); a last hidden state is then the output at each "
+            "sequence's length (`out[torch.arange(B), lengths - 1]`, one direction)"
+        )
+    elif data_dependent and frame is not None and _random_branch(*frame):
         f, line = frame
         what = host_random.probability_to_zero(f.f_code.co_filename, line, f.f_code.co_firstlineno)
         advice = (
@@ -677,6 +687,24 @@ def explain(exc: BaseException, model: nn.Module) -> str:
             "only tensor operations on its inputs"
         )
     return f"cannot capture {type(model).__name__}{where}: {advice}. ({text})"
+
+
+def _packed(exc: BaseException) -> bool:
+    """Whether the failure happened while a ``PackedSequence`` was being run or built (a frame
+    of the traceback holds one, or the user's line packs one)."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    tb = exc.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        if any(isinstance(v, PackedSequence) for v in f.f_locals.values()):
+            return True
+        if re.search(
+            r"\bpack_(padded_)?sequence\(", linecache.getline(f.f_code.co_filename, tb.tb_lineno)
+        ):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _random_branch(frame: Any, line: int) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 
 import hydro
 import hydro.optim
+from hydro.errors import TraceError
 from hydro.fusion import random as rng
 from tests.fusion.exactness import build, train_and_compare
 
@@ -243,3 +244,31 @@ def test_cells_scale_and_fuse_exactly():
         case.inputs = (case.inputs[0][:, :5],)
         case.target = case.target[:, :5]
     train_and_compare(run, cases, steps=2)
+
+
+class Packed(nn.Module):
+    """Variable-length sequences through ``pack_padded_sequence`` -> LSTM -> ``pad_packed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, 32)
+        self.rnn = nn.LSTM(32, 32, batch_first=True)
+        self.decoder = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(self.encoder(ids), lengths, batch_first=True,
+                                                   enforce_sorted=False)  # fmt: skip
+        out, _ = self.rnn(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True,
+                                                  total_length=ids.shape[1])  # fmt: skip
+        return self.decoder(out)
+
+
+def test_packed_sequences_are_refused_naming_the_op_and_what_to_do():
+    ids, lengths = _ids(), torch.tensor([16, 9, 4, 12])
+    for call in (lambda: hydro.scale(Packed(), 4, example_inputs=(ids, lengths)),
+                 lambda: hydro.fuse(Packed(), n=2)(ids, lengths)):  # fmt: skip
+        with pytest.raises(TraceError, match=r"self.rnn\(packed\).*PackedSequence") as err:
+            call()
+        assert "Call the layer on the padded tensor" in str(err.value)
+        assert "ignore_index" in str(err.value)
