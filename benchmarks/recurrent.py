@@ -2,7 +2,7 @@
 
 The model is PyTorch's word-language-model example as its ``main.py`` builds it by default
 (``--model LSTM --emsize 200 --nhid 200 --nlayers 2 --bptt 35 --batch_size 20``, weights tied
-or not, its dropout set to 0 since the fused form has none between layers), scaled at ratio 8
+or not, dropout 0), scaled at ratio 8
 (hidden 200 -> 25). One step is forward, backward and Adam for all n trials: n separate
 surrogates with ``torch.optim.Adam`` one after the other, against one ``hydro.fuse`` model with
 ``hydro.optim.Adam``. Timed side by side in this run, interleaved rounds, medians.
@@ -10,21 +10,37 @@ surrogates with ``torch.optim.Adam`` one after the other, against one ``hydro.fu
     python benchmarks/recurrent.py                 # n = 16, LSTM and GRU, tied and not
     python benchmarks/recurrent.py --n 4 --rounds 3 --kinds LSTM
 
-Measured on the shared 2-core CPU box (other jobs running beside it), n = 16, fused time over
-sequential time (lower is better):
+Measured on the shared 2-core CPU box (three other jobs beside it, load 2-5), n = 16, one
+thread, median of 7 rounds of 3 steps (vocabulary 10000: 3 rounds of 1), ms per step of all 16
+trials, fused over sequential (lower is better); ``benchmarks/recurrent.json`` holds the rows:
 
-    1 thread, vocabulary 50 (the recurrent part dominates):
-        LSTM 1.23x (47 ms sequential, 58 ms fused), LSTM tied 1.37x, GRU 0.29x, GRU tied 0.28x
-    2 threads, vocabulary 50: LSTM 0.60x, LSTM tied 0.45x
-    1 thread, vocabulary 10000 (PTB): LSTM 1.77x, LSTM tied 1.94x, GRU 1.63x, GRU tied 1.59x
+    vocabulary 50        sequential  fused   ratio    with --keep-memory
+    LSTM                 47.2        62.2    1.32x    42.6   35.3   0.83x
+    LSTM tied            45.8        50.0    1.09x    40.5   34.9   0.86x
+    GRU                  202.9       75.7    0.37x    149.0  50.3   0.34x
+    GRU tied             241.2       82.9    0.34x    136.1  47.8   0.35x
+    vocabulary 10000
+    LSTM                 840         1583    1.88x    802    756    0.94x
+    LSTM tied            770         1439    1.87x    726    726    1.00x
+    GRU                  941         1481    1.57x    849    719    0.85x
+    GRU tied             884         1500    1.70x    905    728    0.80x
 
-The 0.5x target is met for the GRU, and for the LSTM only with two threads: on one thread
-PyTorch runs one small LSTM through oneDNN's fused LSTM kernel (about 3 ms for forward and
-backward of a trial), which the fused loop (35 steps x 2 layers of ``baddbmm`` on
-``[16, 20, 100]`` and pointwise gates, with a hand-written backward) does not beat: at hidden 25
-the work per step is compute, not launch overhead. With a 10000-word vocabulary both sides are
-dominated by the decoder and the loss over ``[16 x 700, 10000]`` logits, which the fused model
-runs slower (448 MB of logits at once against 28 MB per trial, out of cache).
+The LSTM rows move by 20-30% between runs on this box; three runs of the LSTM alone, this
+version against the one before (hand-written backward with layout copies and ``torch.tanh``),
+alternating: before 1.38x, 1.18x, 1.17x; now 0.98x, 1.04x, 1.12x (median 1.18x -> 1.04x).
+
+The 0.5x target is met for the GRU, not for the LSTM: PyTorch runs one small LSTM through
+oneDNN's fused LSTM kernel (about 2 ms for forward and backward of a trial), and the fused
+form does the same matrix products as batched ``bmm``s of 16 small matrices (50-75 GFLOP/s
+here, K or N = 25) plus about 10 pointwise ops a step; at hidden 25 the work is compute and
+per-op overhead, which batching the trials does not remove. The GRU has no such kernel on the
+CPU, so its sequential loop pays autograd's per-op cost 16 times. ``--keep-memory``: glibc
+returns freed blocks above its mmap threshold to the system, and the fused step's tensors
+(4.5 MB for the gates, 448 MB for the logits at vocabulary 10000) are page-faulted in afresh
+every step, while the sequential models reuse theirs; keeping freed memory in the process (as
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` or jemalloc/tcmalloc would) makes the fused
+step 1.3-2x faster. With a vocabulary of 10000 the decoder and the loss over ``[16 x 700,
+10000]`` logits take most of both steps.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class AlibiLM(nn.Module):
         return self.head(x + self.proj(y))
 
 
-def _slopes(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _slopes(model: torch.nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
     """The value of the graph's ``pow`` node (the slopes) when the captured model runs."""
     gm = model.graphs["eval"]
     seen = {}
@@ -62,7 +62,7 @@ def _slopes(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
             return out
 
     model.eval()
-    Recorder(model, graph=gm.graph).run(ids)  # (get_attr reads the model's tensors)
+    Recorder(model, graph=gm.graph).run(*inputs)  # (get_attr reads the model's tensors)
     return seen["pow"]
 
 
@@ -91,23 +91,6 @@ def _bloom(seed: int) -> torch.nn.Module:
     return T.BloomForCausalLM(cfg).double()
 
 
-def _pow_value(model: torch.nn.Module, kwargs: dict) -> torch.Tensor:
-    gm = model.graphs["eval"]
-    seen = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n):  # noqa: ANN001, ANN202
-            out = super().run_node(n)
-            if n.op == "call_function" and "pow" in str(n.target):
-                seen.setdefault("pow", out)
-            return out
-
-    model.eval()
-    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    Recorder(model, graph=gm.graph).run(*[kwargs[k] for k in names])
-    return seen["pow"]
-
-
 @pytest.mark.parametrize("ratio", [2, 4])
 def test_hf_bloom_keeps_its_heads_and_trains_fused_exactly(ratio):
     from hydro.parametrize import param_groups
@@ -122,8 +105,9 @@ def test_hf_bloom_keeps_its_heads_and_trains_fused_exactly(ratio):
     one = hydro.scale(target, 1, example_kwargs=kwargs, seed=0)
     qkv = "transformer.h.0.self_attention.query_key_value.weight"
     assert sur.get_parameter(qkv).shape == (3 * 64 // ratio, 64 // ratio)
-    slopes = _pow_value(sur, kwargs)
-    assert slopes.shape == (8,) and torch.equal(slopes, _pow_value(one, kwargs))
+    inputs = [kwargs[n.target] for n in sur.graphs["eval"].graph.nodes if n.op == "placeholder"]
+    slopes = _slopes(sur, *inputs)
+    assert slopes.shape == (8,) and torch.equal(slopes, _slopes(one, *inputs))
     members = [hydro.scale(target, ratio, example_kwargs=kwargs, seed=k).train()
                for k in range(3)]  # fmt: skip
     fused = hydro.fuse([clone(m) for m in members])  # clone keeps muP's infshape
