@@ -272,3 +272,38 @@ def test_packed_sequences_are_refused_naming_the_op_and_what_to_do():
             call()
         assert "Call the layer on the padded tensor" in str(err.value)
         assert "ignore_index" in str(err.value)
+
+
+class LearnedState(nn.Module):
+    """An LSTM (bidirectional, 2 layers) from a learned initial state, read out by its outputs
+    and its final ``(h, c)``: the fused layer's gradients for ``h0``, ``c0`` and the final
+    state, both directions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(6, 8, num_layers=2, bidirectional=True)
+        self.h0 = nn.Parameter(torch.randn(4, 1, 8) * 0.5)
+        self.c0 = nn.Parameter(torch.randn(4, 1, 8) * 0.5)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = tuple(s.expand(-1, x.shape[0], -1).contiguous() for s in (self.h0, self.c0))
+        out, (h, c) = self.rnn(x.transpose(0, 1), state)
+        return self.head(out).sum(0) + (h * c).sum(0).sum(-1, keepdim=True)
+
+
+def test_fused_lstm_gradients_equal_separate_ones_with_a_given_state():
+    torch.manual_seed(0)
+    models = [LearnedState().double() for _ in range(3)]
+    fused = hydro.fuse([copy.deepcopy(m) for m in models])
+    x = torch.randn(4, 7, 6, dtype=torch.float64)  # [B, T, features]
+    y = torch.randn(4, 3, dtype=torch.float64)
+    hydro.trial_loss(F.mse_loss, fused(x), y).sum().backward()
+    params = dict(fused.named_parameters())
+    for k, m in enumerate(models):
+        out = m(x)
+        torch.testing.assert_close(fused(x)[k], out, rtol=1e-12, atol=1e-13)
+        F.mse_loss(out, y).backward()
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(params[name].grad[k], p.grad, rtol=1e-10, atol=1e-13,
+                                       msg=name)  # fmt: skip
