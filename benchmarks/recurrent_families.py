@@ -97,51 +97,31 @@ def whisper():
     return T.WhisperForAudioClassification(cfg), make
 
 
+def _lm_batch(b, g):
+    x = torch.randint(1, V, (b, 10), generator=g)
+    return (), {"input_ids": x, "labels": x}
+
+
 def mamba():
     import transformers as T
 
-    cfg = T.MambaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        state_size=16,
-        num_hidden_layers=2,
-        expand=2,
-        conv_kernel=4,
-        time_step_rank=4,
-        use_cache=False,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-
-    def make(b, g):
-        x = torch.randint(1, V, (b, 10), generator=g)
-        return (), {"input_ids": x, "labels": x}
-
-    return T.MambaForCausalLM(cfg), make
+    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, use_cache=False,
+                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = T.MambaConfig(state_size=16, expand=2, conv_kernel=4, time_step_rank=4,
+                        pad_token_id=0, **common)  # fmt: skip
+    return T.MambaForCausalLM(cfg), _lm_batch
 
 
 def rwkv():
+    import os
+
     import transformers as T
 
-    cfg = T.RwkvConfig(
-        vocab_size=V,
-        context_length=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        attention_hidden_size=32,
-        intermediate_size=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        rescale_every=int(__import__("os").environ.get("RESCALE", "0")),
-    )
-
-    def make(b, g):
-        x = torch.randint(1, V, (b, 10), generator=g)
-        return (), {"input_ids": x, "labels": x}
-
-    return T.RwkvForCausalLM(cfg), make
+    rescale = int(os.environ.get("RESCALE", "0"))  # RWKV's default is 6
+    cfg = T.RwkvConfig(vocab_size=V, context_length=16, hidden_size=32, num_hidden_layers=2,
+                       attention_hidden_size=32, intermediate_size=64, use_cache=False,
+                       bos_token_id=0, eos_token_id=0, rescale_every=rescale)  # fmt: skip
+    return T.RwkvForCausalLM(cfg), _lm_batch
 
 
 class EncoderRNN(nn.Module):
