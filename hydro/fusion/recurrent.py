@@ -67,6 +67,27 @@ def _cell(kind: str, gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
 Step = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
+def _lstm_slopes(acts: torch.Tensor, big_c: torch.Tensor, tanh_c: torch.Tensor,
+                 c0: torch.Tensor, reverse: bool) -> None:  # fmt: skip
+    """The gates' local derivatives for every step at once, written over the values the LSTM's
+    forward left (a fresh whole-sequence tensor costs page faults on the CPU, more than the
+    arithmetic): d/dc for i, f and the doubled g into the gate slots of ``acts`` (g i(1-i),
+    c_prev f(1-f), 2 i u(1-u)), d/dh for o (tanh(c) o(1-o)) into ``big_c`` (which held
+    ``C = 2c``) and dh/dc (o (1 - tanh^2 c)) into o's slot."""
+    i, f, u, o = acts.unbind(-2)
+    torch.addcmul(f, f, f, value=-1, out=f)  # times the c each step read: C / 2 or c0
+    before, after = slice(1, None), slice(None, -1)
+    now, prev, first = (after, before, -1) if reverse else (before, after, 0)
+    f[now].mul_(big_c[prev])
+    f[first].mul_(c0 * 2)
+    f.mul_(0.5)
+    g = torch.mul(u, 2, out=big_c).sub_(1)  # C is read no more: its buffer holds g
+    torch.addcmul(u, u, u, value=-1, out=u).mul_(i).mul_(2)
+    torch.addcmul(i, i, i, value=-1, out=i).mul_(g)
+    torch.addcmul(o, o, o, value=-1, out=big_c).mul_(tanh_c)
+    o.mul_(tanh_c.mul_(tanh_c).neg_().add_(1))
+
+
 class _LSTMLayer(torch.autograd.Function):
     """One LSTM layer-direction (no projection) for all trials, forward and backward by hand.
 
@@ -82,7 +103,8 @@ class _LSTMLayer(torch.autograd.Function):
     Autograd over the step loop would record ~10 nodes a step and replay them one by one; here
     the backward runs the recurrence in reverse with four pointwise ops and one ``baddbmm`` a
     step (the gates' local derivatives, which need no recurrence, are computed for every step at
-    once before the loop), and the recurrent weight's gradient is one ``bmm`` over every step.
+    once before the loop, over the forward's buffers: :func:`_lstm_slopes`), and the recurrent
+    weight's gradient is one ``bmm`` over every step.
     """
 
     @staticmethod
@@ -94,48 +116,41 @@ class _LSTMLayer(torch.autograd.Function):
         # time-major buffers (each step's slice contiguous), the output trial-major
         acts = gi.new_empty(steps, n, batch, 4, hid)  # sigmoid of i, f, 2g, o
         big_c = gi.new_empty(steps, n, batch, hid)  # C = 2c
-        sig_c = gi.new_empty(steps, n, batch, hid)  # sigmoid(C), tanh(c) = 2 sigmoid(C) - 1
+        tanh_c = gi.new_empty(steps, n, batch, hid)  # tanh(c) = 2 sigmoid(C) - 1
         hs = gi.new_empty(n, steps, batch, hid)
         gis, act_t, h_t = gi.unbind(1), acts.view(steps, n, batch, four).unbind(0), hs.unbind(1)
         i_t, f_t, u_t, o_t = (acts[..., k, :].unbind(0) for k in range(4))
-        c_t, s_t = big_c.unbind(0), sig_c.unbind(0)
+        c_t, s_t = big_c.unbind(0), tanh_c.unbind(0)
         h, c = h0, c0 * 2
         for t in order:
             torch.sigmoid(torch.baddbmm(gis[t], h, w_t), out=act_t[t])
             i, o = i_t[t], o_t[t]
             # C' = f C + 2 i g = f C + 4 i u - 2 i
             c = torch.mul(f_t[t], c, out=c_t[t]).addcmul_(i, u_t[t], value=4).sub_(i, alpha=2)
-            # h = o tanh(c) = 2 o sigmoid(C) - o
-            h = torch.mul(o, torch.sigmoid(c, out=s_t[t]), out=h_t[t]).mul_(2).sub_(o)
-        ctx.save_for_backward(acts, big_c, sig_c, hs, h0, c0, w_hh)
+            # h = o tanh(c), tanh(c) = 2 sigmoid(C) - 1
+            h = torch.mul(o, torch.sigmoid(c, out=s_t[t]).mul_(2).sub_(1), out=h_t[t])
+        ctx.save_for_backward(hs, h0, c0, w_hh)
+        # intermediates, not inputs or outputs: held by ctx itself, since the backward turns
+        # them into the gates' derivatives in place (once, however many backwards run)
+        ctx.acts, ctx.big_c, ctx.tanh_c, ctx.f = acts, big_c, tanh_c, None
         ctx.reverse = reverse
         return hs, h.clone(), c / 2
 
     @staticmethod
     def backward(ctx, grad_hs, grad_h, grad_c):  # noqa: ANN001, ANN205
-        acts, big_c, sig_c, hs, h0, c0, w_hh = ctx.saved_tensors
+        hs, h0, c0, w_hh = ctx.saved_tensors
+        acts, big_c = ctx.acts, ctx.big_c
         steps, n, batch, _, hid = acts.shape
         four = 4 * hid
         order = list(range(steps - 1, -1, -1) if ctx.reverse else range(steps))
-        i, f, u, o = acts.unbind(-2)
-        first = c0.unsqueeze(0)  # the c each step read, in time order
-        half = big_c / 2
-        c_prev = torch.cat([half[1:], first]) if ctx.reverse else torch.cat([first, half[:-1]])
-        g = u * 2 - 1
-        tanh_c = sig_c * 2 - 1
-        # the gates' local derivatives, every step at once: d/dc for i, f and the doubled g
-        # (g i(1-i), c_prev f(1-f), 2 i u(1-u)), d/dh for o (tanh(c) o(1-o)), and dh/dc
-        # (o (1 - tanh^2 c))
-        slopes = acts.new_empty(steps, n, batch, 3, hid)
-        torch.addcmul(i, i, i, value=-1, out=slopes[..., 0, :]).mul_(g)
-        torch.addcmul(f, f, f, value=-1, out=slopes[..., 1, :]).mul_(c_prev)
-        torch.addcmul(u, u, u, value=-1, out=slopes[..., 2, :]).mul_(i).mul_(2)
-        o_slope = torch.addcmul(o, o, o, value=-1).mul_(tanh_c)
-        c_slope = torch.addcmul(o, o * tanh_c, tanh_c, value=-1)
+        if ctx.f is None:  # the first backward through this node (retain_graph: more follow)
+            ctx.f = acts[..., 1, :].clone()  # the loop reads f itself
+            _lstm_slopes(acts, big_c, ctx.tanh_c, c0, ctx.reverse)
+        f_t = ctx.f.unbind(0)
         dgates = acts.new_empty(n, steps, batch, four)  # gi's layout
         dg_t, ghs = dgates.unbind(1), grad_hs.unbind(1)
-        sl_t, os_t, cl_t = slopes.unbind(0), o_slope.unbind(0), c_slope.unbind(0)
-        f_t = f.unbind(0)
+        sl_t = acts[..., :3, :].unbind(0)
+        os_t, cl_t = big_c.unbind(0), acts[..., 3, :].unbind(0)
         dh, dc, dg = grad_h + ghs[order[-1]], grad_c, None
         for k in range(steps - 1, -1, -1):
             t = order[k]
@@ -147,13 +162,14 @@ class _LSTMLayer(torch.autograd.Function):
             torch.mul(dh, os_t[t], out=dg[..., 3 * hid :])
             dc = dc * f_t[t]
         dh0 = torch.bmm(dg, w_hh)
-        # the h each step read, in time order, for the weight's gradient: one bmm
-        first = h0.unsqueeze(1)
-        parts = [hs[:, 1:], first] if ctx.reverse else [first, hs[:, :-1]]
-        prev_h = torch.cat(parts, 1)
-        rows = dgates.view(n, steps * batch, four)
-        dw = torch.bmm(prev_h.view(n, steps * batch, hid).transpose(1, 2), rows).transpose(1, 2)
-        return dgates, dh0, dc, dw, None
+        # the weight's gradient, sum over steps of h read^T dgates: the steps that read an
+        # output of this layer in one bmm (views, no copy), then the one that read h0
+        read, wrote, start = (1, -1, -1) if ctx.reverse else (-1, 1, 0)
+        outs = hs[:, read:] if ctx.reverse else hs[:, :read]
+        gates = dgates[:, :wrote] if ctx.reverse else dgates[:, wrote:]
+        dw = torch.bmm(outs.reshape(n, -1, hid).transpose(1, 2), gates.reshape(n, -1, four))
+        dw.baddbmm_(h0.transpose(1, 2), dgates[:, start])
+        return dgates, dh0, dc, dw.transpose(1, 2), None
 
 
 def _lstm_layer(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor,

@@ -307,3 +307,22 @@ def test_fused_lstm_gradients_equal_separate_ones_with_a_given_state():
         for name, p in m.named_parameters():
             torch.testing.assert_close(params[name].grad[k], p.grad, rtol=1e-10, atol=1e-13,
                                        msg=name)  # fmt: skip
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_fused_lstm_layer_passes_gradcheck(steps, reverse):
+    """The hand-written backward against finite differences, every input (the layer's input,
+    weights, summed bias, h0, c0) and output (outputs, last h, last c); gradcheck runs the
+    backward many times on one graph, as retain_graph does."""
+    from hydro.fusion.recurrent import _lstm_layer
+
+    g = torch.Generator().manual_seed(steps)
+    x, w_ih, w_hh, b, h0, c0 = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+                                for s in [(2, steps, 3, 4), (2, 20, 4), (2, 20, 5), (2, 20),
+                                          (2, 3, 5), (2, 3, 5)])  # fmt: skip
+
+    def layer(x, w_ih, w_hh, b, h0, c0):  # noqa: ANN001, ANN202
+        return _lstm_layer(x, h0, c0, [w_ih, w_hh, b, None, None], reverse)
+
+    assert torch.autograd.gradcheck(layer, (x, w_ih, w_hh, b, h0, c0))
