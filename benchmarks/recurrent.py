@@ -15,31 +15,33 @@ thread, median of 7 rounds of 3 steps (vocabulary 10000: 3 rounds of 1), ms per 
 trials, fused over sequential (lower is better); ``benchmarks/recurrent.json`` holds the rows:
 
     vocabulary 50        sequential  fused   ratio    with --keep-memory
-    LSTM                 47.2        62.2    1.32x    42.6   35.3   0.83x
-    LSTM tied            45.8        50.0    1.09x    40.5   34.9   0.86x
+    LSTM                 46.6        40.3    0.87x    70.9   51.8   0.73x
+    LSTM tied            44.2        41.3    0.93x    71.2   58.8   0.83x
     GRU                  202.9       75.7    0.37x    149.0  50.3   0.34x
     GRU tied             241.2       82.9    0.34x    136.1  47.8   0.35x
     vocabulary 10000
-    LSTM                 840         1583    1.88x    802    756    0.94x
-    LSTM tied            770         1439    1.87x    726    726    1.00x
+    LSTM                 1303        1953    1.50x    834    755    0.91x
+    LSTM tied            952         1989    2.09x    763    709    0.93x
     GRU                  941         1481    1.57x    849    719    0.85x
     GRU tied             884         1500    1.70x    905    728    0.80x
 
-The LSTM rows move by 20-30% between runs on this box; three runs of the LSTM alone, this
-version against the one before (hand-written backward with layout copies and ``torch.tanh``),
-alternating: before 1.38x, 1.18x, 1.17x; now 0.98x, 1.04x, 1.12x (median 1.18x -> 1.04x).
+The rows move by 20-30% between runs on this box. Three runs of the LSTM rows, the version
+before this one (a hand-written backward with layout copies, separate bias adds, ``torch.tanh``
+and whole-sequence derivative tensors) against this one, alternating: before 1.43x, 1.57x,
+1.14x (tied 1.32x, 1.48x, 1.43x); now 0.93x, 0.93x, 0.98x (tied 0.93x, 0.92x, 0.80x).
 
 The 0.5x target is met for the GRU, not for the LSTM: PyTorch runs one small LSTM through
-oneDNN's fused LSTM kernel (about 2 ms for forward and backward of a trial), and the fused
+oneDNN's fused LSTM kernel (about 2.3 ms for forward and backward of a trial), and the fused
 form does the same matrix products as batched ``bmm``s of 16 small matrices (50-75 GFLOP/s
-here, K or N = 25) plus about 10 pointwise ops a step; at hidden 25 the work is compute and
-per-op overhead, which batching the trials does not remove. The GRU has no such kernel on the
+here, K or N = 25) plus nine pointwise ops a step; at hidden 25 the work is compute and
+per-op overhead, which batching the trials does not remove (the fused layers alone now take
+about 0.9x the 16 oneDNN LSTMs' time). The GRU has no such kernel on the
 CPU, so its sequential loop pays autograd's per-op cost 16 times. ``--keep-memory``: glibc
 returns freed blocks above its mmap threshold to the system, and the fused step's tensors
 (4.5 MB for the gates, 448 MB for the logits at vocabulary 10000) are page-faulted in afresh
 every step, while the sequential models reuse theirs; keeping freed memory in the process (as
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` or jemalloc/tcmalloc would) makes the fused
-step 1.3-2x faster. With a vocabulary of 10000 the decoder and the loss over ``[16 x 700,
+step 1.2-2.5x faster. With a vocabulary of 10000 the decoder and the loss over ``[16 x 700,
 10000]`` logits take most of both steps.
 """
 
