@@ -28,7 +28,10 @@ trials, fused over sequential (lower is better); ``benchmarks/recurrent.json`` h
 The rows move by 20-30% between runs on this box. Three runs of the LSTM rows, the version
 before this one (a hand-written backward with layout copies, separate bias adds, ``torch.tanh``
 and whole-sequence derivative tensors) against this one, alternating: before 1.43x, 1.57x,
-1.14x (tied 1.32x, 1.48x, 1.43x); now 0.93x, 0.93x, 0.98x (tied 0.93x, 0.92x, 0.80x).
+1.14x (tied 1.32x, 1.48x, 1.43x); now 0.93x, 0.93x, 0.98x (tied 0.93x, 0.92x, 0.80x). At a
+lower load (1.5): 0.90x (tied 0.75x), keeping freed memory 0.81x (0.77x); ``--threads 2``
+0.54x (0.59x), keeping freed memory 0.50x (0.60x), though the sequential loop took 39-77 ms
+between those rows (slower on two threads than on one here), so they are not a firm figure.
 
 The 0.5x target is met for the GRU, not for the LSTM: PyTorch runs one small LSTM through
 oneDNN's fused LSTM kernel (about 2.3 ms for forward and backward of a trial), and the fused
