@@ -2,7 +2,7 @@
 
 The model is PyTorch's word-language-model example as its ``main.py`` builds it by default
 (``--model LSTM --emsize 200 --nhid 200 --nlayers 2 --bptt 35 --batch_size 20``, weights tied
-or not, its dropout set to 0 since the fused form has none between layers), scaled at ratio 8
+or not, dropout 0), scaled at ratio 8
 (hidden 200 -> 25). One step is forward, backward and Adam for all n trials: n separate
 surrogates with ``torch.optim.Adam`` one after the other, against one ``hydro.fuse`` model with
 ``hydro.optim.Adam``. Timed side by side in this run, interleaved rounds, medians.
@@ -10,26 +10,49 @@ surrogates with ``torch.optim.Adam`` one after the other, against one ``hydro.fu
     python benchmarks/recurrent.py                 # n = 16, LSTM and GRU, tied and not
     python benchmarks/recurrent.py --n 4 --rounds 3 --kinds LSTM
 
-Measured on the shared 2-core CPU box (other jobs running beside it), n = 16, fused time over
-sequential time (lower is better):
+Measured on the shared 2-core CPU box (three other jobs beside it, load 2-5), n = 16, one
+thread, median of 7 rounds of 3 steps (vocabulary 10000: 3 rounds of 1), ms per step of all 16
+trials, fused over sequential (lower is better); ``benchmarks/recurrent.json`` holds the rows:
 
-    1 thread, vocabulary 50 (the recurrent part dominates):
-        LSTM 1.23x (47 ms sequential, 58 ms fused), LSTM tied 1.37x, GRU 0.29x, GRU tied 0.28x
-    2 threads, vocabulary 50: LSTM 0.60x, LSTM tied 0.45x
-    1 thread, vocabulary 10000 (PTB): LSTM 1.77x, LSTM tied 1.94x, GRU 1.63x, GRU tied 1.59x
+    vocabulary 50        sequential  fused   ratio    with --keep-memory
+    LSTM                 46.6        40.3    0.87x    70.9   51.8   0.73x
+    LSTM tied            44.2        41.3    0.93x    71.2   58.8   0.83x
+    GRU                  202.9       75.7    0.37x    149.0  50.3   0.34x
+    GRU tied             241.2       82.9    0.34x    136.1  47.8   0.35x
+    vocabulary 10000
+    LSTM                 1303        1953    1.50x    834    755    0.91x
+    LSTM tied            952         1989    2.09x    763    709    0.93x
+    GRU                  941         1481    1.57x    849    719    0.85x
+    GRU tied             884         1500    1.70x    905    728    0.80x
 
-The 0.5x target is met for the GRU, and for the LSTM only with two threads: on one thread
-PyTorch runs one small LSTM through oneDNN's fused LSTM kernel (about 3 ms for forward and
-backward of a trial), which the fused loop (35 steps x 2 layers of ``baddbmm`` on
-``[16, 20, 100]`` and pointwise gates, with a hand-written backward) does not beat: at hidden 25
-the work per step is compute, not launch overhead. With a 10000-word vocabulary both sides are
-dominated by the decoder and the loss over ``[16 x 700, 10000]`` logits, which the fused model
-runs slower (448 MB of logits at once against 28 MB per trial, out of cache).
+The rows move by 20-30% between runs on this box. Three runs of the LSTM rows, the version
+before this one (a hand-written backward with layout copies, separate bias adds, ``torch.tanh``
+and whole-sequence derivative tensors) against this one, alternating: before 1.43x, 1.57x,
+1.14x (tied 1.32x, 1.48x, 1.43x); now 0.93x, 0.93x, 0.98x (tied 0.93x, 0.92x, 0.80x). At a
+lower load (1.5): 0.90x (tied 0.75x), keeping freed memory 0.81x (0.77x); ``--threads 2``
+0.54x (0.59x), keeping freed memory 0.50x (0.60x), though the sequential loop took 39-77 ms
+between those rows (slower on two threads than on one here), so they are not a firm figure.
+
+The 0.5x target is met for the GRU, not for the LSTM: PyTorch runs one small LSTM through
+oneDNN's fused LSTM kernel (about 2.3 ms for forward and backward of a trial), and the fused
+form does the same matrix products as batched ``bmm``s of 16 small matrices (50-75 GFLOP/s
+here, K or N = 25) plus nine pointwise ops a step; at hidden 25 the work is compute and
+per-op overhead, which batching the trials does not remove (the fused layers alone now take
+about 0.9x the 16 oneDNN LSTMs' time). The GRU has no such kernel on the
+CPU, so its sequential loop pays autograd's per-op cost 16 times. ``--keep-memory``: glibc
+returns freed blocks above its mmap threshold to the system, and the fused step's tensors
+(4.5 MB for the gates, 448 MB for the logits at vocabulary 10000) are page-faulted in afresh
+every step, while the sequential models reuse theirs; keeping freed memory in the process (as
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` or jemalloc/tcmalloc would) makes the fused
+step 1.2-2.5x faster. With a vocabulary of 10000 the decoder and the loss over ``[16 x 700,
+10000]`` logits take most of both steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import statistics
 import sys
 import time
@@ -128,17 +151,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kinds", default="LSTM,GRU")
+    keep = "glibc keeps freed memory (no mmap, no trim), for both sides"
+    parser.add_argument("--keep-memory", action="store_true", help=keep)
+    parser.add_argument("--json", type=Path, help="append the rows to this JSON list")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.keep_memory:  # what MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... would set
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: big blocks from the heap, not fresh mmap'd pages
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory stays with the process
     print(f"n={args.n}, ratio {args.ratio}, [{args.bptt} x {args.batch}] tokens of "
           f"{args.vocab}, {args.threads} thread(s); ms per step of all n trials (median of "
           f"{args.rounds} rounds of {args.steps})")  # fmt: skip
     print(f"{'model':<10} {'hidden':<10} {'sequential':>11} {'fused':>9} {'fused/seq':>10}")
+    rows = []
     for kind in args.kinds.split(","):
         for tie in (False, True):
             r = bench(kind, tie, args.n, args)
+            r.update(vocab=args.vocab, threads=args.threads, keep_memory=args.keep_memory,
+                     rounds=args.rounds, steps=args.steps)  # fmt: skip
+            rows.append(r)
             print(f"{r['model']:<10} {r['hidden']:<10} {r['sequential_ms']:>9.1f}ms "
                   f"{r['fused_ms']:>7.1f}ms {r['ratio']:>9.2f}x")  # fmt: skip
+    if args.json:
+        old = json.loads(args.json.read_text()) if args.json.exists() else []
+        args.json.write_text(json.dumps(old + rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch.fx
 from torch import nn
 
 import hydro
+import hydro.optim
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]  # fmt: skip
@@ -48,7 +49,7 @@ class AlibiLM(nn.Module):
         return self.head(x + self.proj(y))
 
 
-def _slopes(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _slopes(model: torch.nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
     """The value of the graph's ``pow`` node (the slopes) when the captured model runs."""
     gm = model.graphs["eval"]
     seen = {}
@@ -61,7 +62,7 @@ def _slopes(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
             return out
 
     model.eval()
-    Recorder(model, graph=gm.graph).run(ids)  # (get_attr reads the model's tensors)
+    Recorder(model, graph=gm.graph).run(*inputs)  # (get_attr reads the model's tensors)
     return seen["pow"]
 
 
@@ -76,3 +77,48 @@ def test_alibi_keeps_its_heads_and_slopes(ratio):
     assert torch.equal(_slopes(sur, ids), _slopes(one, ids))
     assert _slopes(sur, ids).shape == (8,)
     assert sur(ids).shape == (2, 6, 50)
+
+
+def _bloom(seed: int) -> torch.nn.Module:
+    """HuggingFace's BLOOM as published (random init, nothing downloaded): its ALiBi slopes are
+    built in Python from the head count and repeated over the batch (``slopes.repeat(B, 1,
+    1)``), added to the scores by ``baddbmm``."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = T.BloomConfig(vocab_size=50, hidden_size=64, n_layer=2, n_head=8, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    return T.BloomForCausalLM(cfg).double()
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_hf_bloom_keeps_its_heads_and_trains_fused_exactly(ratio):
+    from hydro.parametrize import param_groups
+    from tests.fusion.exactness import clone
+    from tests.fusion.real import no_dropout
+    from tests.fusion.test_real_models import LRS, batches, check
+
+    ids = torch.randint(1, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    kwargs = {"input_ids": ids, "labels": ids}
+    target = no_dropout(_bloom(0))
+    sur = hydro.scale(target, ratio, example_kwargs=kwargs, seed=0)
+    one = hydro.scale(target, 1, example_kwargs=kwargs, seed=0)
+    qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    assert sur.get_parameter(qkv).shape == (3 * 64 // ratio, 64 // ratio)
+    inputs = [kwargs[n.target] for n in sur.graphs["eval"].graph.nodes if n.op == "placeholder"]
+    slopes = _slopes(sur, *inputs)
+    assert slopes.shape == (8,) and torch.equal(slopes, _slopes(one, *inputs))
+    members = [hydro.scale(target, ratio, example_kwargs=kwargs, seed=k).train()
+               for k in range(3)]  # fmt: skip
+    fused = hydro.fuse([clone(m) for m in members])  # clone keeps muP's infshape
+    separate = members  # the originals keep their muP shapes for param_groups
+
+    def make(b: int, g: torch.Generator) -> tuple:
+        x = torch.randint(1, 50, (b, 10), generator=g)
+        return (), {"input_ids": x, "labels": x}
+
+    # muP surrogates: each separate run with muP's learning rates, as the fused optimizer has them
+    opts = [torch.optim.AdamW(param_groups(m, lr=lr, weight_decay=0.01))
+            for m, lr in zip(separate, LRS)]  # fmt: skip
+    fused_opt = hydro.optim.AdamW(fused.parameters(), lr=LRS, weight_decay=0.01)
+    check(f"bloom ratio {ratio}", fused, separate, opts, fused_opt, batches("bloom", make))

@@ -226,3 +226,53 @@ def test_a_float32_linspace_cast_to_float64_keeps_both_ends():
 
     sur = hydro.scale(Shifted().double(), 2, example_inputs=(torch.randn(2, 16).double(),))
     torch.testing.assert_close(sur.shift, torch.linspace(0, 1, 32, dtype=torch.float64))
+
+
+def fairseq_table(n_pos: int, d: int, padding_idx: int) -> torch.Tensor:
+    """fairseq's ``SinusoidalPositionalEmbedding.get_embedding`` (and M2M100's, XGLM's): sines
+    then cosines, frequencies ``10000 ** (-i / (d/2 - 1))``, the padding row zeroed."""
+    half = d // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000) / (half - 1)))
+    angle = torch.arange(n_pos, dtype=torch.float).unsqueeze(1) * freq.unsqueeze(0)
+    table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+    table[padding_idx, :] = 0
+    return table
+
+
+class PaddedPositions(nn.Module):
+    """Token embedding plus fairseq's position table (a buffer), positions counted from
+    ``padding_idx + 1`` over the non-padding tokens, padding tokens at the padding row."""
+
+    def __init__(self, d: int = 64, padding_idx: int = 1) -> None:
+        super().__init__()
+        self.pad = padding_idx
+        self.emb = nn.Embedding(VOCAB, d, padding_idx=padding_idx)
+        self.register_buffer("weights", fairseq_table(32 + padding_idx + 1, d, padding_idx),
+                             persistent=False)  # fmt: skip
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = ids.ne(self.pad).int()
+        positions = (torch.cumsum(mask, dim=1) * mask).long() + self.pad
+        pos = self.weights.index_select(0, positions.view(-1)).view(*ids.shape, -1)
+        return self.out((self.emb(ids) * 8.0 + pos).relu()).mean(1)
+
+
+@pytest.mark.parametrize("padding_idx", [1, 0])
+def test_a_fairseq_table_with_a_padding_row_is_rebuilt_with_it(padding_idx):
+    ids = _ids().clamp_min(2)
+    ids[0, -3:] = padding_idx
+    torch.manual_seed(0)
+    model = PaddedPositions(padding_idx=padding_idx)
+    sur = hydro.scale(model, RATIO, example_inputs=(ids,), seed=1)
+    want = fairseq_table(32 + padding_idx + 1, 64 // RATIO, padding_idx)
+    assert sur.weights.shape == want.shape
+    torch.testing.assert_close(sur.weights, want, rtol=0, atol=1e-6)
+    assert not sur.weights[padding_idx].any()  # the padding row stays zero
+    report = str(hydro.inspect(model, RATIO, example_inputs=(ids,)))
+    assert f"'weights': sinusoid table (base 10000, sin | cos, zero rows [{padding_idx}])" in report
+    fused = hydro.fuse(sur, n=2, seed=3)
+    for k in range(2):  # every trial keeps the table
+        torch.testing.assert_close(fused.trial(k).weights, want, rtol=0, atol=1e-6)
+    one = hydro.scale(model, 1, example_inputs=(ids,))
+    assert torch.equal(one.weights, model.weights)

@@ -193,6 +193,8 @@ def draws(node: Node) -> bool:
     return node.op == "call_function" and (
         node.target in (aten.dropout.default, aten.scaled_dot_product_attention.default)
         or node.target in SAMPLERS
+        # a stack of recurrent layers: its dropout between layers (rate 0 or not)
+        or (node.target in RECURRENT and len(node.args) > 4 and node.args[4] > 1)
     )
 
 
@@ -300,10 +302,12 @@ def _recurrent(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
     """``nn.LSTM``/``nn.GRU``/``nn.RNN``: every trial's stack in one loop over time
     (:func:`hydro.fusion.recurrent.trial_rnn`)."""
     x, hx, params, has_biases, layers, dropout, train, bidir, batch_first = node.args[:9]
-    if dropout and train:
-        raise rw.error(node, f"dropout {dropout} between the layers of a recurrent stack has "
-                       "no fused form; set the layer's dropout to 0 and apply nn.Dropout to "
-                       "its output (or stack one-layer modules with nn.Dropout between)")
+    # dropout between the layers, in training: each trial's rate (a per-trial literal when the
+    # trials' rates differ) and its own stream, as aten.dropout's handler draws
+    rate = rw.literal(node, 5)
+    drop = None
+    if train and layers > 1 and (rate is not None or dropout):
+        drop = (dropout if rate is None else rate, _stream(rw, node))
     hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
     out = [("T",) if s in ("?", None) else s for s in rw.out_spec(node)]
     kind = node.target.overloadpacket.__name__
@@ -311,6 +315,7 @@ def _recurrent(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
         recurrent.trial_rnn, kind, rw.env[x], [rw.env[h] for h in hx],
         [rw.env[p] for p in params], has_biases, layers, bidir, batch_first, rw.n,
         rw.spec.get(x), [rw.spec.get(h) for h in hx], [rw.spec.get(p) for p in params], out,
+        drop,
     )  # fmt: skip
     rw.spec[node] = out
     return True
@@ -344,6 +349,8 @@ def _batched(spec: object) -> bool:
 def _as_folded(spec: tuple) -> tuple:
     return ("F", spec[1], spec[2])
 
+
+RECURRENT = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
 
 HANDLERS = {
     aten.linear.default: _linear,

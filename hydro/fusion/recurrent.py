@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hydro.fusion import random as _random
 from hydro.fusion.ops import Spec, from_trials, to_trials
 
 
@@ -66,81 +67,130 @@ def _cell(kind: str, gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
 Step = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
+def _lstm_slopes(acts: torch.Tensor, big_c: torch.Tensor, tanh_c: torch.Tensor,
+                 c0: torch.Tensor, reverse: bool) -> None:  # fmt: skip
+    """The gates' local derivatives for every step at once, written over the values the LSTM's
+    forward left (a fresh whole-sequence tensor costs page faults on the CPU, more than the
+    arithmetic): d/dc for i, f and the doubled g into the gate slots of ``acts`` (g i(1-i),
+    c_prev f(1-f), 2 i u(1-u)), d/dh for o (tanh(c) o(1-o)) into ``big_c`` (which held
+    ``C = 2c``) and dh/dc (o (1 - tanh^2 c)) into o's slot."""
+    i, f, u, o = acts.unbind(-2)
+    torch.addcmul(f, f, f, value=-1, out=f)  # times the c each step read: C / 2 or c0
+    before, after = slice(1, None), slice(None, -1)
+    now, prev, first = (after, before, -1) if reverse else (before, after, 0)
+    f[now].mul_(big_c[prev])
+    f[first].mul_(c0 * 2)
+    f.mul_(0.5)
+    g = torch.mul(u, 2, out=big_c).sub_(1)  # C is read no more: its buffer holds g
+    torch.addcmul(u, u, u, value=-1, out=u).mul_(i).mul_(2)
+    torch.addcmul(i, i, i, value=-1, out=i).mul_(g)
+    torch.addcmul(o, o, o, value=-1, out=big_c).mul_(tanh_c)
+    o.mul_(tanh_c.mul_(tanh_c).neg_().add_(1))
+
+
 class _LSTMLayer(torch.autograd.Function):
     """One LSTM layer-direction (no projection) for all trials, forward and backward by hand.
 
-    Autograd over the step loop records ~10 nodes a step and replays them one by one; here the
-    forward keeps each step's activated gates and cell state, and the backward runs the same
-    recurrence in reverse with a fixed number of ops a step (backpropagation through time), the
-    recurrent weight's gradient then coming from one ``bmm`` over every step. Same arithmetic as
-    autograd's, so the same gradients to rounding.
+    ``gi`` is the input projection with both biases, ``[n, T, B, 4H]`` as the batched matmul
+    over the trials' ``[n, T * B, in]`` rows leaves it, so no layout is copied: the outputs are
+    ``[n, T, B, H]`` (the next layer's rows as a view) and ``gi``'s gradient is written in that
+    layout. The ``g`` block of ``gi`` and ``w_hh`` comes in doubled (see :func:`_lstm_layer`):
+    on the CPU ``torch.tanh`` costs about five times ``torch.sigmoid``, and
+    ``tanh(x) = 2 sigmoid(2x) - 1`` lets one sigmoid activate all four gates of a step; the cell
+    state is kept doubled too (``C = 2c``, so ``tanh(c) = 2 sigmoid(C) - 1``). Both doublings are
+    exact in floating point, so the values are PyTorch's to rounding.
+
+    Autograd over the step loop would record ~10 nodes a step and replay them one by one; here
+    the backward runs the recurrence in reverse with four pointwise ops and one ``baddbmm`` a
+    step (the gates' local derivatives, which need no recurrence, are computed for every step at
+    once before the loop, over the forward's buffers: :func:`_lstm_slopes`), and the recurrent
+    weight's gradient is one ``bmm`` over every step.
     """
 
     @staticmethod
-    def forward(ctx, gi, h0, c0, w_hh, b_hh, reverse):  # noqa: ANN001, ANN205
-        steps, n, batch, four = gi.shape  # time-major: every step's slice is contiguous
+    def forward(ctx, gi, h0, c0, w_hh, reverse):  # noqa: ANN001, ANN205
+        n, steps, batch, four = gi.shape
         hid = four // 4
         w_t = w_hh.transpose(1, 2)
         order = range(steps - 1, -1, -1) if reverse else range(steps)
-        pre_all = gi if b_hh is None else gi + b_hh.unsqueeze(1)  # once, not once a step
-        acts = gi.new_empty(gi.shape)
-        cs = gi.new_empty(steps, n, batch, hid)
-        tcs = gi.new_empty(steps, n, batch, hid)  # tanh(c), which the backward reads
-        hs = gi.new_empty(steps, n, batch, hid)
-        h, c = h0, c0
+        # time-major buffers (each step's slice contiguous), the output trial-major
+        acts = gi.new_empty(steps, n, batch, 4, hid)  # sigmoid of i, f, 2g, o
+        big_c = gi.new_empty(steps, n, batch, hid)  # C = 2c
+        tanh_c = gi.new_empty(steps, n, batch, hid)  # tanh(c) = 2 sigmoid(C) - 1
+        hs = gi.new_empty(n, steps, batch, hid)
+        gis, act_t, h_t = gi.unbind(1), acts.view(steps, n, batch, four).unbind(0), hs.unbind(1)
+        i_t, f_t, u_t, o_t = (acts[..., k, :].unbind(0) for k in range(4))
+        c_t, s_t = big_c.unbind(0), tanh_c.unbind(0)
+        h, c = h0, c0 * 2
         for t in order:
-            pre = torch.baddbmm(pre_all[t], h, w_t)
-            act = acts[t]
-            torch.sigmoid(pre, out=act)
-            torch.tanh(pre[..., 2 * hid : 3 * hid], out=act[..., 2 * hid : 3 * hid])
-            i, f, g, o = act.chunk(4, -1)
-            torch.mul(f, c, out=cs[t])
-            c = cs[t].addcmul_(i, g)
-            torch.tanh(c, out=tcs[t])
-            h = torch.mul(o, tcs[t], out=hs[t])
-        ctx.save_for_backward(acts, cs, tcs, hs, h0, c0, w_hh)
-        ctx.reverse, ctx.has_bias = reverse, b_hh is not None
-        return hs, h.clone(), c.clone()
+            torch.sigmoid(torch.baddbmm(gis[t], h, w_t), out=act_t[t])
+            i, o = i_t[t], o_t[t]
+            # C' = f C + 2 i g = f C + 4 i u - 2 i
+            c = torch.mul(f_t[t], c, out=c_t[t]).addcmul_(i, u_t[t], value=4).sub_(i, alpha=2)
+            # h = o tanh(c), tanh(c) = 2 sigmoid(C) - 1
+            h = torch.mul(o, torch.sigmoid(c, out=s_t[t]).mul_(2).sub_(1), out=h_t[t])
+        ctx.save_for_backward(hs, h0, c0, w_hh)
+        # intermediates, not inputs or outputs: held by ctx itself, since the backward turns
+        # them into the gates' derivatives in place (once, however many backwards run)
+        ctx.acts, ctx.big_c, ctx.tanh_c, ctx.f = acts, big_c, tanh_c, None
+        ctx.reverse = reverse
+        return hs, h.clone(), c / 2
 
     @staticmethod
     def backward(ctx, grad_hs, grad_h, grad_c):  # noqa: ANN001, ANN205
-        acts, cs, tcs, hs, h0, c0, w_hh = ctx.saved_tensors
-        steps, hid = acts.shape[0], hs.shape[-1]
+        hs, h0, c0, w_hh = ctx.saved_tensors
+        acts, big_c = ctx.acts, ctx.big_c
+        steps, n, batch, _, hid = acts.shape
+        four = 4 * hid
         order = list(range(steps - 1, -1, -1) if ctx.reverse else range(steps))
-        # each gate's derivative and o * tanh'(c), for every step at once
-        slope = acts * (1 - acts)
-        g = acts[..., 2 * hid : 3 * hid]
-        slope[..., 2 * hid : 3 * hid] = 1 - g * g
-        o_slope = acts[..., 3 * hid :] * (1 - tcs * tcs)
-        dh = torch.zeros_like(h0) if grad_h is None else grad_h.clone()
-        dc = torch.zeros_like(c0) if grad_c is None else grad_c.clone()
-        dgates = torch.empty_like(acts)
-        grad_hs = None if grad_hs is None else grad_hs.contiguous()
+        if ctx.f is None:  # the first backward through this node (retain_graph: more follow)
+            ctx.f = acts[..., 1, :].clone()  # the loop reads f itself
+            _lstm_slopes(acts, big_c, ctx.tanh_c, c0, ctx.reverse)
+        f_t = ctx.f.unbind(0)
+        dgates = acts.new_empty(n, steps, batch, four)  # gi's layout
+        dg_t, ghs = dgates.unbind(1), grad_hs.unbind(1)
+        sl_t = acts[..., :3, :].unbind(0)
+        os_t, cl_t = big_c.unbind(0), acts[..., 3, :].unbind(0)
+        dh, dc, dg = grad_h + ghs[order[-1]], grad_c, None
         for k in range(steps - 1, -1, -1):
             t = order[k]
-            before = order[k - 1] if k else None
-            c_prev = c0 if before is None else cs[before]
-            if grad_hs is not None:
-                dh = dh + grad_hs[t]
-            dc = torch.addcmul(dc, dh, o_slope[t])
-            i, f, g, _ = acts[t].chunk(4, -1)
-            dg = dgates[t]
-            di, df, dgg, do = dg.chunk(4, -1)
-            torch.mul(dc, g, out=di)
-            torch.mul(dc, c_prev, out=df)
-            torch.mul(dc, i, out=dgg)
-            torch.mul(dh, tcs[t], out=do)
-            dg.mul_(slope[t])
-            dc = dc * f
-            dh = torch.bmm(dg, w_hh)
-        # the h each step read, in time order, for the weight's gradient: one op
-        first = h0.unsqueeze(0)
-        prev_h = torch.cat([hs[1:], first]) if ctx.reverse else torch.cat([first, hs[:-1]])
-        _, n, batch, four = dgates.shape
-        rows = dgates.transpose(0, 1).reshape(n, steps * batch, four)
-        dw = torch.bmm(rows.transpose(1, 2), prev_h.transpose(0, 1).reshape(n, steps * batch, -1))
-        db = rows.sum(1) if ctx.has_bias else None
-        return dgates, dh, dc, dw, db, None
+            if dg is not None:
+                dh = torch.baddbmm(ghs[t], dg, w_hh)
+            dc = torch.addcmul(dc, dh, cl_t[t])
+            dg = dg_t[t]
+            torch.mul(dc.unsqueeze(-2), sl_t[t], out=dg[..., : 3 * hid].unflatten(-1, (3, hid)))
+            torch.mul(dh, os_t[t], out=dg[..., 3 * hid :])
+            dc = dc * f_t[t]
+        dh0 = torch.bmm(dg, w_hh)
+        # the weight's gradient, sum over steps of h read^T dgates: the steps that read an
+        # output of this layer in one bmm (views, no copy), then the one that read h0
+        read, wrote, start = (1, -1, -1) if ctx.reverse else (-1, 1, 0)
+        outs = hs[:, read:] if ctx.reverse else hs[:, :read]
+        gates = dgates[:, :wrote] if ctx.reverse else dgates[:, wrote:]
+        dw = torch.bmm(outs.reshape(n, -1, hid).transpose(1, 2), gates.reshape(n, -1, four))
+        dw.baddbmm_(h0.transpose(1, 2), dgates[:, start])
+        return dgates, dh0, dc, dw.transpose(1, 2), None
+
+
+def _lstm_layer(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+                weights: Sequence[torch.Tensor | None], reverse: bool) -> Step:  # fmt: skip
+    """An LSTM layer-direction without projection over ``x`` ``[n, T, B, in]`` by
+    :class:`_LSTMLayer`: the input projection of every step in one batched matmul, both biases
+    added by it, and the ``g`` gate's rows of the weights and bias doubled (by autograd ops, so
+    their gradients come back through the doubling)."""
+    w_ih, w_hh, b_ih, b_hh, _ = weights
+    n, steps, batch, _ = x.shape
+    hid = w_hh.shape[-1]
+    scale = w_hh.new_ones(4, hid)
+    scale[2] = 2
+    scale = scale.view(-1)
+    rows = x.reshape(n, steps * batch, x.shape[-1])
+    w_in = (w_ih * scale[:, None]).transpose(1, 2)
+    bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
+    gi = (torch.matmul(rows, w_in) if bias is None
+          else torch.baddbmm((bias * scale).unsqueeze(1), rows, w_in))  # fmt: skip
+    gi = gi.view(n, steps, batch, -1)
+    return _LSTMLayer.apply(gi, h, c, w_hh * scale[:, None], reverse)
 
 
 def _direction(kind: str, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
@@ -150,13 +200,12 @@ def _direction(kind: str, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor | No
     w_ih, w_hh, b_ih, b_hh, w_hr = weights
     n, steps, batch, _ = x.shape
     rows = x.reshape(n, steps * batch, x.shape[-1])
+    if kind == "lstm" and w_hr is None:  # the common case: a hand-written backward
+        return _lstm_layer(x, h, c, weights, reverse)
     gi = torch.matmul(rows, w_ih.transpose(1, 2))
     if b_ih is not None:
         gi = gi + b_ih.unsqueeze(1)
     gi = gi.view(n, steps, batch, -1)
-    if kind == "lstm" and w_hr is None:  # the common case: a hand-written backward
-        hs, h, c = _LSTMLayer.apply(gi.transpose(0, 1).contiguous(), h, c, w_hh, b_hh, reverse)
-        return hs.transpose(0, 1), h, c
     w_hh_t = w_hh.transpose(1, 2)
     w_hr_t = None if w_hr is None else w_hr.transpose(1, 2)
     b_hh = None if b_hh is None else b_hh.unsqueeze(1)
@@ -181,10 +230,16 @@ def trial_rnn(
     hx_specs: Sequence[Spec],
     param_specs: Sequence[Spec],
     out_specs: Sequence[Spec],
+    dropout: tuple[float | torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``aten.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` for ``n`` trials, each with its own
-    weights (``[n, ...]``) and inputs; outputs in the layouts ``out_specs`` (no dropout between
-    layers: the handler refuses it)."""
+    weights (``[n, ...]``) and inputs; outputs in the layouts ``out_specs``.
+
+    ``dropout``, in training, is ``(rate, keys)``: one rate or each trial's ``[n]``, and the
+    op's per-trial stream keys ``[2, n]`` (:mod:`hydro.fusion.random`). As ``nn.LSTM`` does,
+    every layer's output but the last is dropped out; the masks of all those layers are one
+    draw over ``[layers - 1, T, B, H_out]`` per trial, indexed in that trial's own tensor, so a
+    trial's masks are the same in any group and slot."""
     dirs = 2 if bidirectional else 1
     xs = per_trial(x, n, x_spec)
     unbatched = xs.dim() == 3
@@ -210,6 +265,11 @@ def trial_rnn(
             h_n.append(h)
             c_n.append(c)
         xs = outs[0] if dirs == 1 else torch.cat(outs, -1)
+        if dropout is not None and layer < layers - 1:
+            if layer == 0:  # every layer's mask (scaled by 1 / (1 - p)) in one draw
+                ones = xs.new_ones(n, layers - 1, *xs.shape[1:])
+                masks = _random.dropout(ones, dropout[0], dropout[1])
+            xs = xs * masks[:, layer]
     y = xs.squeeze(2) if unbatched else xs.transpose(1, 2) if batch_first else xs
     finals = [torch.stack(h_n, 1)] + ([torch.stack(c_n, 1)] if kind == "lstm" else [])
     finals = [f.squeeze(2) if unbatched else f for f in finals]

@@ -37,7 +37,6 @@ from hydro.errors import FuseError
 from hydro.fusion import ops
 from hydro.fusion.facts import FREE, MIXED, Batch, batch_facts, batch_symbols
 from hydro.fusion.handlers import HANDLERS as _HANDLERS
-from hydro.fusion.handlers import SAMPLERS as _SAMPLERS
 from hydro.fusion.handlers import arg as _arg
 from hydro.fusion.handlers import draws as _draws
 from hydro.fusion.kinds import _is_aten, _literal_dtype, _pointwise
@@ -255,9 +254,8 @@ class _Rewriter(_StackedLayout):
         if not _is_aten(target):  # SymInt arithmetic, higher-order ops (no_grad, autocast)
             self.plain(node, found, kinds)
             return
-        if node.name in self.literals and target not in (
-            aten.dropout.default, aten.scaled_dot_product_attention.default, *_SAMPLERS,
-        ) and not _pointwise(target):  # fmt: skip
+        # a random op's rate (a recurrent stack's dropout included) may differ per trial
+        if node.name in self.literals and not _draws(node) and not _pointwise(target):
             raise self.error(
                 node,
                 f"its arguments {sorted(self.literals[node.name])} differ between the trials "

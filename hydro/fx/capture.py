@@ -24,10 +24,8 @@ import contextlib
 import copy
 import functools
 import inspect
-import linecache
 import logging
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -43,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hydro.errors import TraceError
 from hydro.fx import cache as _cache
 from hydro.fx import host_random, modules
+from hydro.fx.explain import explain
 from hydro.fx.paths import register_at
 
 MODES = ("train", "eval")
@@ -620,71 +619,6 @@ def _unalias(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return x
 
     return tree_map(fresh, args), tree_map(fresh, kwargs)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_HYDRO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_DATA_DEPENDENT = ("data-dependent", "GuardOnDataDependentSymNode", "DataDependent",
-                   "could not guard on data-dependent", "Could not extract specialized integer",
-                   "unbacked")  # fmt: skip
-
-
-def explain(exc: BaseException, model: nn.Module) -> str:
-    """Why capturing ``model`` failed: the module, file and line of the user's code, and what to
-    do about it."""
-    frame = None
-    tb = exc.__traceback__
-    while tb is not None:  # the innermost frame outside torch and hydro is the user's code
-        f = tb.tb_frame
-        path = os.path.abspath(f.f_code.co_filename)
-        user = not f.f_code.co_filename.startswith("<")  # generated code has no line to show
-        if user and not path.startswith(_TORCH_DIR) and not path.startswith(_HYDRO_DIR):
-            frame = (f, tb.tb_lineno)
-        tb = tb.tb_next
-    where = ""
-    if frame is not None:
-        f, line = frame
-        owner = f.f_locals.get("self")
-        if isinstance(owner, nn.Module):
-            names = {id(m): n for n, m in model.named_modules()}
-            path = names.get(id(owner))
-            label = f"'{path}' ({type(owner).__name__})" if path else type(owner).__name__
-            where = f" in module {label}"
-        code = linecache.getline(f.f_code.co_filename, line).strip()
-        where += f" at {f.f_code.co_filename}:{line}" + (f" (`{code}`)" if code else "")
-    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    data_dependent = any(k in str(exc) or k in type(exc).__name__ for k in _DATA_DEPENDENT)
-    if data_dependent and frame is not None and _random_branch(*frame):
-        f, line = frame
-        what = host_random.probability_to_zero(f.f_code.co_filename, line, f.f_code.co_firstlineno)
-        advice = (
-            "a random branch taken only in training (layerdrop: a layer skipped when a draw "
-            "falls below a probability) cannot be captured, since capture records one run; "
-            f"{what} for tuning"
-        )
-    elif data_dependent:
-        advice = (
-            "the code reads a value computed from the input data as a Python number or "
-            "branches on it (`.item()`, `float(t)`, `if t.sum() > 0`: data-dependent control "
-            "flow). Capture by example records one run, so such a decision would be frozen. "
-            "Compute it with tensor ops instead (torch.where, masks, clamp), or move it out of "
-            "forward"
-        )
-    else:
-        advice = (
-            "the model could not run on the example inputs under torch.export; check that "
-            "it runs on them as given (shapes, dtypes, keyword names), and that forward uses "
-            "only tensor operations on its inputs"
-        )
-    return f"cannot capture {type(model).__name__}{where}: {advice}. ({text})"
-
-
-def _random_branch(frame: Any, line: int) -> bool:
-    """Whether the function at ``frame`` draws a random number before ``line`` (the branch it
-    failed on then decides on a draw, as layerdrop does)."""
-    first = frame.f_code.co_firstlineno
-    lines = (linecache.getline(frame.f_code.co_filename, n) for n in range(first, line + 1))
-    return any(re.search(r"\brand\w*\(|\brandom\.", text) for text in lines)
 
 
 def _arg_names(model: nn.Module, n: int, specs: tuple) -> list[tuple[str, Any]]:

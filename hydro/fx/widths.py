@@ -200,6 +200,17 @@ class _Recorder(torch.fx.Interpreter):
                 with self.mode:
                     result = super().run_node(n)
         except Exception as exc:
+            if (
+                sub is None
+                and "leaf Variable that requires grad is being used in an in-place" in str(exc)
+            ):
+                raise ScaleError(
+                    f"{describe(n)} writes a parameter in place during forward: a model that "
+                    "rescales or edits its own weights when called (HuggingFace RWKV in eval "
+                    "mode, with config.rescale_every > 0) cannot be scaled or fused, since "
+                    "Hydro trains the parameters as tensors of its own. Turn it off (RWKV: "
+                    "rescale_every=0) or change the weights outside forward"
+                ) from exc
             if not hasattr(exc, "hydro_node"):
                 exc.hydro_node = n  # the node that failed, for error messages
             raise

@@ -173,6 +173,29 @@ def index(a, node, out) -> None:  # noqa: ANN001
             a.tables.add(x[i])
 
 
+def repeat(a, node, out) -> None:  # noqa: ANN001
+    """``x.repeat(*reps)``: a dimension repeated ``r`` times is ``r`` times the input's (a
+    product, so ``slopes.repeat(B, 1, 1)`` of ``[H, 1, T]`` is ``B * H`` as a ``B * H`` reshape
+    is: BLOOM's ALiBi); ``r = 1`` passes it through; leading new dimensions are the counts."""
+    x = a.syms_of(node.args[0])
+    reps = list(node.args[1]) if len(node.args) > 1 else []
+    if not isinstance(x, TensorSyms) or not isinstance(out, TensorSyms) or len(reps) != len(out):
+        return
+    lead = len(out) - len(x)
+    for o, r in zip(out[:lead], reps[:lead]):
+        sym = a.syms_of(r)
+        if isinstance(sym, IntSym) and sym.sym is not None:
+            a.union(o, sym.sym, node)
+    for o, i, r in zip(out[lead:], x, reps[lead:]):
+        sym = a.syms_of(r)
+        if is_int(r) and r == 1:
+            a.union(o, i, node)
+        elif is_int(r):
+            a.product(node, [o], [i], rhs_const=int(r))
+        elif isinstance(sym, IntSym) and sym.sym is not None:
+            a.product(node, [o], [sym.sym, i])
+
+
 def pad(a, node, out) -> None:  # noqa: ANN001
     """Padding changes the last ``len(pad) // 2`` dimensions; the others pass through."""
     b = bound(node)
@@ -253,8 +276,8 @@ RULES = {
     "cat": cat, "concat": cat, "stack": stack, "split": split, "split_with_sizes": split,
     "chunk": split, "tensor_split": split, "unbind": unbind, "select": select,
     "slice": slice_, "narrow": slice_, "index": index, "arange": arange,
-    "pad": pad, "constant_pad_nd": pad, "reflection_pad1d": pad, "reflection_pad2d": pad,
-    "replication_pad1d": pad, "replication_pad2d": pad,
+    "repeat": repeat, "pad": pad, "constant_pad_nd": pad, "reflection_pad1d": pad,
+    "reflection_pad2d": pad, "replication_pad1d": pad, "replication_pad2d": pad,
     "cross_entropy_loss": loss, "nll_loss": loss, "nll_loss_nd": loss, "nll_loss2d": loss,
 }  # fmt: skip
 # Python's own operators on ints (sizes computed from ``x.size(0)``): their values are not widths

@@ -13,6 +13,8 @@ Rules (``d`` the size of a dimension that shrinks):
   ``cos(p * f_i)`` for positions ``p = 0, 1, ...`` and frequencies ``f_i = base ** (-i / (d/2 -
   k))`` (``k = 0``: Vaswani et al., the PyTorch tutorial, Marian, Pegasus; ``k = 1``: fairseq),
   sines and cosines interleaved or in two halves. Rebuilt with the same base, layout and ``k``.
+  Rows that are all zero (fairseq's and M2M100's padding row, ``padding_idx``, the positions
+  counted from ``padding_idx + 1``) stay zero.
 - ``sequence``: along one shrinking dimension ``g(a + b * j)`` with ``g`` the identity or ``log``,
   every other dimension constant (``arange``, ``log(arange(1, N + 1))`` repeated over channels).
   An integral step keeps its start and step (an ``arange`` of the new length); another keeps
@@ -45,7 +47,9 @@ class Table:
     def __str__(self) -> str:
         what = {
             "sinusoid": lambda a: (f"sinusoid table (base {_num(a['base'])}, "
-                                   f"{'interleaved' if a['interleaved'] else 'sin | cos'})"),
+                                   f"{'interleaved' if a['interleaved'] else 'sin | cos'}"
+                                   + (f", zero rows {a['zero_rows']}" if a.get("zero_rows")
+                                      else "") + ")"),
             "sequence": lambda a: (f"{'log of ' if a['log'] else ''}"
                                    f"{'arange' if a['keep'] == 'step' else 'linspace'} "
                                    f"from {_num(a['start'])} step {_num(a['step'])}"),
@@ -78,6 +82,7 @@ class Table:
             return x.reshape(view).expand(shape).to(dtype).clone()
         p, w = self.dims
         grid = sinusoid(shape[p], shape[w], a["base"], a["k"], a["interleaved"])
+        grid[list(a.get("zero_rows", ()))] = 0.0
         grid = grid if p < w else grid.T  # in the tensor's order of its two dimensions
         view = [shape[d] if d in (p, w) else 1 for d in range(len(shape))]
         return grid.reshape(view).expand(shape).to(dtype).clone()
@@ -181,16 +186,27 @@ def _sinusoid(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
     if d % 2 or d < 4 or positions < 2:
         return None
     half = d // 2
+    # padding rows (all zero, at most a few: a sinusoid row is never all zero); two adjacent
+    # rows of the table give the frequencies
+    zero_rows = [int(r) for r in torch.nonzero((grid == 0).all(1)).flatten()]
+    first = next((r for r in range(positions - 1)
+                  if r not in zero_rows and r + 1 not in zero_rows), None)  # fmt: skip
+    if first is None or len(zero_rows) > 2:
+        return None
     for interleaved in (True, False):
         s, c = (grid[:, 0::2], grid[:, 1::2]) if interleaved else (grid[:, :half], grid[:, half:])
-        if not (_close(s[0], torch.zeros(half, dtype=s.dtype), t)
-                and _close(c[0], torch.ones(half, dtype=c.dtype), t)):  # fmt: skip
+        starts = _close(s[0], torch.zeros(half, dtype=s.dtype), t) and _close(
+            c[0], torch.ones(half, dtype=c.dtype), t
+        )
+        if 0 not in zero_rows and not starts:  # position 0: sin 0, cos 1
             continue
-        freq = torch.atan2(s[1], c[1])
+        step = torch.atan2(s[first + 1], c[first + 1]) - torch.atan2(s[first], c[first])
+        freq = torch.remainder(step + math.pi, 2 * math.pi) - math.pi  # the angle's increment
         if not (abs(float(freq[0]) - 1.0) < 1e-3 and bool((freq[1:] > 0).all())
                 and bool((freq[1:] < freq[:-1]).all())):  # fmt: skip
             continue
         q = float(freq[-1]) ** (1.0 / (half - 1))  # the geometric ratio, from the last entry
+        found = []
         for k in (0, 1):
             base = q ** (-(half - k))
             if not math.isfinite(base) or base <= 1.0:
@@ -198,9 +214,22 @@ def _sinusoid(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
             if abs(base - round(base)) <= 1e-3 * base:
                 base = float(round(base))
             want = sinusoid(positions, d, base, k, interleaved)
+            want[zero_rows] = 0.0
             if _close(grid, want, t, positions):
-                return "sinusoid", (p, w), {"base": base, "k": k, "interleaved": interleaved}
+                args = {"base": base, "k": k, "interleaved": interleaved}
+                found.append(args | ({"zero_rows": zero_rows} if zero_rows else {}))
+        # at one width (10000, k = 1) and (10000 ** (h / (h - 1)), k = 0) give the same table;
+        # authors write a round base (10000), so the rule with one is the one to rebuild by
+        if found:
+            args = next((a for a in found if _round(a["base"])), found[0])
+            return "sinusoid", (p, w), args
     return None
+
+
+def _round(x: float) -> bool:
+    """A number of two significant digits at most (10000, 500000, 1e6)."""
+    digits = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return abs(x - round(x / digits) * digits) <= 1e-6 * x
 
 
 def looks_structured(t: torch.Tensor, shrinking: list[int]) -> bool:
