@@ -361,7 +361,8 @@ def toy(tmp_path, monkeypatch, exports):
 
     def write(study: str, cache_line: str = "") -> str:
         path = tmp_path / f"{study}.yaml"
-        path.write_text(toy_config("toymod", study=study, task=cache_line, steps=2))
+        # quoted: YAML reads a bare `off` as False, which a study name must not be
+        path.write_text(toy_config("toymod", study=repr(study), task=cache_line, steps=2))
         return str(path)
 
     return write

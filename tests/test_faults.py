@@ -257,14 +257,19 @@ def test_planted_pickle_is_refused(tmp_path):
     assert (saved.parent.stat().st_mode & 0o777) == 0o700
 
 
-def test_killed_tuner_leaves_no_worker_running_and_no_temp_dir(tmp_path):
+def test_killed_tuner_leaves_no_worker_running_and_no_temp_dir(tmp_path, tmp_path_factory,
+                                                                monkeypatch):  # fmt: skip
     import tempfile
 
+    # a temp folder of this test's own: another test's run would sweep the killed run's
+    # scratch (its process is dead) before this one looks (short: AF_UNIX paths end at 107)
+    temp = Path(tempfile.mkdtemp(prefix="hf-", dir=tmp_path_factory.getbasetemp()))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     storage = f"sqlite:///{tmp_path / 'hydro.db'}"
     marker = tmp_path / "m"
     proc = subprocess.Popen([*child(storage, "--steps", "100000"), "--executor", "local",
                              "--kill-worker-at", "50", "--marker", str(marker)],
-                            cwd=ROOT, env=ENV)  # fmt: skip
+                            cwd=ROOT, env={**ENV, "TMPDIR": str(temp)})  # fmt: skip
     try:
         while not marker.exists():  # the worker writes its pid at step 50, then dies, retried
             assert proc.poll() is None

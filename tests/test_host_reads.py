@@ -199,9 +199,9 @@ def test_refilled_slots_keep_every_evaluation_shared_by_all_slots() -> None:
     evaluated = []
     plain = group.evaluate
 
-    def evaluate() -> list[float]:
+    def evaluate(full=None) -> list[float]:  # noqa: ANN001
         evaluated.append((len(group.due()), group.n))
-        return plain()
+        return plain(full)
 
     group.evaluate = evaluate
     source = Refill(HostReads())

@@ -194,7 +194,8 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
             asked_before = len(study.get_trials(deepcopy=False, states=_ASKED))
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
-                    _check_time_left(study, o, timeout, start, asked_before)
+                    if o.deadline is not None and timeout == o.deadline:
+                        _check_deadline(study, o, start, asked_before)
                     break
                 if study.user_attrs.get("hydro_sampler_exhausted"):
                     break
@@ -240,21 +241,19 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
 _ASKED = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
-def _check_time_left(
-    study: optuna.Study, o: TuneOptions, timeout: float, start: float, asked_before: int
-) -> None:
-    """A deadline or timeout that ran out before this run asked its first trial (while the
-    study still wanted some) is a mistake in the options, not an empty result."""
+def _check_deadline(study: optuna.Study, o: TuneOptions, start: float, asked_before: int) -> None:
+    """A deadline that passed before this run asked its first trial (while the study still
+    wanted some) is a mistake in the options, not an empty result. (A ``timeout`` that short
+    asks nothing new and ends, as a resume that only looks.)"""
     done, running = counts(study)
     if done + running >= o.n_trials:
         return
     if len(study.get_trials(deepcopy=False, states=_ASKED)) > asked_before:
         return
-    which = "deadline" if o.deadline is not None and timeout == o.deadline else "timeout"
-    raise ConfigError(f"the {which} of {timeout:g} s ran out {time.perf_counter() - start:.2g} s "
-                      "into the search, before its first trial was asked: give it more "
-                      "seconds (they count from the start of the search, after the model is "
-                      "built)")  # fmt: skip
+    raise ConfigError(f"the deadline of {o.deadline:g} s passed "
+                      f"{time.perf_counter() - start:.2g} s into the search, before its first "
+                      "trial was asked: give it more seconds (they count from the start of the "
+                      "search, after the model is built)")  # fmt: skip
 
 
 def make_executor(executor: Any) -> Any:

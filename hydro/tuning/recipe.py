@@ -43,7 +43,8 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None)
         return _whole_step(task, fused, opt, shared, clip)(args, y, kwargs, shared=shared)
     with autocast(task.precision, device):  # the forward and the losses; not the update
         losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
-    losses = losses.float()
+    if task.precision != "fp32":
+        losses = losses.float()  # a loss autocast left in bfloat16
     opt.zero_grad(set_to_none=True)
     losses.sum().backward()
     if reduce is not None:
