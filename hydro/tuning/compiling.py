@@ -127,7 +127,9 @@ def time_eager_step(group: Any, start: float) -> None:
     else:  # what compiling this graph took (and gave) here last time: inductor caches it
         speedup = measured["speedup"] or SPEEDUP
         on, line = decide(step_s, left, measured["compile_s"], speedup)
-        line += f"; measured here before (x{speedup:.2f})"
+        said = "measured here before" if measured["speedup"] else \
+            "compile measured here before, speed-up assumed"  # fmt: skip
+        line += f"; {said} (x{speedup:.2f})"
     if on and unavailable():
         on, line = False, f"compile: auto -> off ({unavailable()})"
     group._note(line)

@@ -71,6 +71,13 @@ def test_auto_decides_from_the_record_and_says_so(folder):
     assert group.compile is False and len(lines) == 1
     assert lines[0].startswith("compile: auto -> off (") and "compile est. 1000000 s" in lines[0]
     assert lines[0].endswith("; measured here before (x1.50)")
+    # a record of compile=True (its speed-up not measured): the default assumed, and said so
+    again = FusedGroup(task, members, ratio=2, compile="auto", note=lines.append)
+    compile_record.store(k, 1e6, None)
+    for _ in range(1 + compiling.MEASURED_STEPS):
+        again.step()
+    assert lines[1].endswith(f"; compile measured here before, speed-up assumed "
+                             f"(x{compiling.SPEEDUP:.2f})")  # fmt: skip
 
 
 def test_inductor_caches_go_to_the_checked_folder(folder, monkeypatch):
