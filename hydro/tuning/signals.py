@@ -9,7 +9,8 @@ scratch removed) and the process then exits by itself.
 It is not raised wherever the main thread happens to be: inside a storage transaction or an
 atomic checkpoint write it would leave a half-written row or a temporary file (and the
 database library's own "error closing cursor" traceback), and between a trial's ask and its
-bookkeeping a trial nobody puts back. There it is put off and delivered again a moment later,
+bookkeeping a trial nobody puts back, and inside an import (torch's runs C++ that cannot take
+an exception: the process would abort). There it is put off and delivered again a moment later,
 until the main thread is out of such code. The ``hydro`` command treats Ctrl-C the same way
 (:func:`interrupt_at_a_clean_point`).
 """
@@ -27,8 +28,10 @@ from typing import Any
 __all__ = ["Terminated", "interrupt_at_a_clean_point", "terminate_as_interrupt"]
 
 # modules inside which an exception would break something half done: storage, atomic writes
+# and imports: an exception raised in a module's body that a C++ extension is running (torch's
+# import does) ends the process with "terminate called after throwing ...", exit 134
 _UNSAFE = ("sqlalchemy", "sqlite3", "alembic", "optuna", "hydro.tuning.bookkeeping",
-           "hydro.tuning.checkpoint")  # fmt: skip
+           "hydro.tuning.checkpoint", "importlib._bootstrap")  # fmt: skip
 _RETRY_SECONDS = 0.05
 _MAX_TRIES = 200  # then raised wherever it lands: ten seconds in storage code is a hang
 

@@ -84,15 +84,15 @@ def _stopped(proc: subprocess.Popen, err: Path, code: int, word: str) -> list[st
 @linux
 @pytest.mark.parametrize(
     "executor, moment",
-    [("inline", "imports"), ("inline", "opening"), ("local", "opening"),
-     ("local", "second-sigint")],
+    [("inline", 0.3), ("inline", 0.8), ("inline", 1.5), ("inline", "opening"),
+     ("local", "opening"), ("local", "second-sigint")],
 )  # fmt: skip
 def test_sigint_at_start_up_stops_with_130_even_if_the_shell_ignored_it(project, moment,
                                                                        executor):  # fmt: skip
     proc, err = _start(project, "--executor", executor, ignore_sigint=True)
     try:
-        if moment == "imports":  # before any study exists: torch and Hydro still loading
-            time.sleep(0.5)
+        if isinstance(moment, float):  # before any study exists: torch and Hydro loading (a
+            time.sleep(moment)  # SIGINT inside torch's import once aborted the process)
         else:  # the study is open: the model is being built, groups started
             _wait_for(proc, err, lambda: "study 'toy'" in err.read_text(), 60)
         proc.send_signal(signal.SIGINT)
