@@ -312,6 +312,25 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+class Stop(Exception):
+    """Raised from a report to stop a group mid-run."""
+
+
+def stopped_at_8(task, params, folder) -> None:  # noqa: ANN001
+    """Train ``params`` as one group (seeds 0, 1, ratio 2), checkpointing in ``folder`` every
+    5 steps, and stop it at step 8: its checkpoint is step 5's."""
+    from hydro.tuning.lockstep import train_group
+
+    def stop_at_8(k: int, step: int, value: float) -> bool:
+        if step == 8:
+            raise Stop
+        return False
+
+    with pytest.raises(Stop):
+        train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=folder,
+                    checkpoint_every=5)  # fmt: skip
+
+
 def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
     """Checkpoints written before per-trial random streams have no ``trial_seed`` and
     ``trial_step``: a resume still loads them, and (without dropout) ends as an uninterrupted
@@ -323,18 +342,7 @@ def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
     task = make_task(steps=12, eval_every=4)
     params = [{"lr": 1e-2}, {"lr": 3e-2}]
     full, _ = train_group(task, params, ratio=2, seeds=[0, 1])
-
-    class Stop(Exception):
-        pass
-
-    def stop_at_8(k: int, step: int, value: float) -> bool:
-        if step == 8:
-            raise Stop
-        return False
-
-    with pytest.raises(Stop):
-        train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=tmp_path,
-                    checkpoint_every=5)  # fmt: skip
+    stopped_at_8(task, params, tmp_path)
     saved = checkpoint.load(tmp_path)
     assert saved["step"] == 5
     for name in ("trial_seed", "trial_step"):  # as an older Hydro wrote it

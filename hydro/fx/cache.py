@@ -131,7 +131,7 @@ def _path(k: str) -> str:
     return os.path.join(directory(), k + SUFFIX)
 
 
-def _private() -> bool:
+def is_private() -> bool:
     """Whether the cache directory, if it exists, is this user's alone: whoever else can write
     there could plant a graph that training would run. If not, warned once: not used."""
     folder = directory()
@@ -226,7 +226,7 @@ def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphM
     live tensors, or ``None`` (not there, or not usable: then warned, and the caller exports and
     stores again)."""
     path = _path(k)
-    if not _private():
+    if not is_private():
         stats["misses"] += 1
         return None
     try:
@@ -315,13 +315,13 @@ def _store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
                 z.writestr(name, part)
             z.writestr("mac", _mac(secret, k, *parts))
 
-    if not _write(_path(k), write):
+    if not write_entry(_path(k), write):
         return False
     stats["writes"] += 1
     return True
 
 
-def _write(path: str, write: Any) -> bool:
+def write_entry(path: str, write: Any) -> bool:
     """``write(tmp, secret)`` a whole entry, then put it at ``path``; ``False`` (warned once)
     when the directory cannot be written or is not this user's alone."""
     from hydro.files import replacing
@@ -329,7 +329,7 @@ def _write(path: str, write: Any) -> bool:
     folder = directory()
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        secret = _secret(create=True) if _private() else None
+        secret = _secret(create=True) if is_private() else None
         if secret is None:
             return False
         with replacing(path) as tmp:
@@ -507,7 +507,7 @@ def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
     or not usable: then warned, and the caller runs the analysis and stores it again)."""
     path = _analysis_path(k)
     again = "running the width analysis again"
-    if not _private():
+    if not is_private():
         stats["analysis_misses"] += 1
         return None
     try:
@@ -554,7 +554,7 @@ def store_analysis(k: str, cap: nn.Module, values: Mapping[torch.fx.Node, Any]) 
         with open(tmp, "wb") as f:
             f.write(_mac(secret, k, text).encode() + b"\n" + text)
 
-    if not _write(_analysis_path(k), write):
+    if not write_entry(_analysis_path(k), write):
         return False
     stats["analysis_writes"] += 1
     return True

@@ -46,7 +46,7 @@ def load(k: str) -> dict[str, float | None] | None:
     unreadable, not this user's folder)."""
     from hydro.fx import cache
 
-    if not cache.enabled() or not os.path.isdir(cache.directory()) or not cache._private():
+    if not cache.enabled() or not os.path.isdir(cache.directory()) or not cache.is_private():
         return None
     try:
         with open(os.path.join(cache.directory(), k + SUFFIX)) as f:
@@ -78,7 +78,7 @@ def store(k: str, compile_s: float, speedup: float | None) -> bool:
         with open(tmp, "w") as f:
             json.dump(data, f)
 
-    return cache._write(path, write)
+    return cache.write_entry(path, write)
 
 
 def use_private_inductor_cache() -> None:
@@ -86,7 +86,7 @@ def use_private_inductor_cache() -> None:
     folder with ``TORCHINDUCTOR_CACHE_DIR``), where they outlive ``/tmp`` and are checked."""
     from hydro.fx import cache
 
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ or not cache.enabled() or not cache._private():
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ or not cache.enabled() or not cache.is_private():
         return
     folder = os.path.join(cache.directory(), "inductor")
     try:

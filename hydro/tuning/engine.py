@@ -191,7 +191,8 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
     # stopped, scratch removed); a handler the user installed is left in place
     with terminate_as_interrupt(), Heartbeat(study) as heart:
         try:
-            asked_before = len(study.get_trials(deepcopy=False, states=_ASKED))
+            asked_before = len(study.get_trials(deepcopy=False, states=_ASKED)) \
+                if o.deadline is not None else 0  # fmt: skip
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
                     if o.deadline is not None and timeout == o.deadline:

@@ -549,9 +549,9 @@ class FusedGroup:
         self.steps += 1
         self.live_steps += self.n
         if self._timings is not None and self.steps > 1:  # the first step builds the graphs
-            self._time_auto(start)
+            compiling.time_eager_step(self, start)
         elif self._compiled is not None:
-            self._time_compiled(start)
+            compiling.time_compiled_step(self, start)
         return losses
 
     def _resized(self) -> None:
@@ -565,12 +565,6 @@ class FusedGroup:
         elif self._timings is not None:  # "auto" still measuring: a new size, a new graph
             self._timings = []
         self._compiled = None  # its first compiled steps were of another size
-
-    def _time_auto(self, start: float) -> None:
-        compiling.time_eager_step(self, start)
-
-    def _time_compiled(self, start: float) -> None:
-        compiling.time_compiled_step(self, start)
 
     def _replica(self, batches: list[Any]) -> tuple[list[Any], Callable]:
         """This replica's shards of ``batches``, and the reduction of its losses and gradients

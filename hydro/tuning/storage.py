@@ -123,7 +123,7 @@ def _where(url: str) -> str:
         return repr(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database:
         return repr(parsed.database)
-    return repr(parsed.render_as_string(hide_password=True))
+    return repr(redact(url))
 
 
 def _message(kind: str, url: str, exc: BaseException, timeout: float) -> str:

@@ -503,20 +503,10 @@ def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_asi
     from hydro.tuning.lockstep import train_group
     from hydro.tuning.slots import resume_slot
     from tests.test_data_parallel import dropout_task
+    from tests.test_faults import stopped_at_8
 
     task, params = dropout_task(steps=8), [{"lr": 1e-2}, {"lr": 3e-2}]
-
-    class Stop(Exception):
-        pass
-
-    def stop_at_8(k: int, step: int, value: float) -> bool:
-        if step == 8:
-            raise Stop
-        return False
-
-    with pytest.raises(Stop):
-        train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=tmp_path,
-                    checkpoint_every=5)  # fmt: skip
+    stopped_at_8(task, params, tmp_path)
     saved = checkpoint.load(tmp_path)
     del saved["model"][rng.DRAW]  # as the hydro before draw version 2 wrote it
     checkpoint.save(tmp_path, saved)
