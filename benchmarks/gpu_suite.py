@@ -23,7 +23,11 @@ that starts runs to its end, so the budget is a soft one):
 4. **end to end**: the short budget of ``benchmarks/end_to_end.py`` (its functions, in this
    process): plain Optuna on the full model against ``hydro.tune``, search time, trial-steps
    and the full model's final loss from each method's best configuration.
-5. **compiled**: the fusion table's compiled rows: the vmap step through ``torch.compile``, the
+5. **precision**: a group of the charlm example at its config's ratio (``small``: the MLP)
+   stepped under each ``Task.precision`` (fp32, bf16, fp16 with a loss scale per trial): ms
+   per fused step, the speed against fp32, the first step's largest loss difference from fp32
+   (same weights), and fp16's per-trial scales after the steps.
+6. **compiled**: the fusion table's compiled rows: the vmap step through ``torch.compile``, the
    fused step compiled (``hydro.fuse(compile=True)``), and on a GPU the fused step with CUDA
    graphs (``compile="reduce-overhead"``: inductor records the step's kernels once per input
    shape and replays them; the shapes are static here). A row's ``compile s`` is its first
@@ -67,7 +71,7 @@ import fusion as B  # noqa: E402
 BUDGET_S = 480  # 8 minutes on one GPU
 # seconds a section is expected to need at most (GPU, full sizes): it starts only with this left
 NEEDS = {"dropout": 20, "fusion eager": 60, "fuse auto": 30, "data parallel": 60, "end to end": 150,
-         "compiled": 45}  # fmt: skip
+         "precision": 30, "compiled": 45}  # fmt: skip
 
 
 class Clock:
@@ -235,6 +239,41 @@ def fuse_auto_row(device: torch.device, small: bool) -> dict:
     return row
 
 
+def precision_rows(device: torch.device, small: bool) -> list[dict]:
+    """Section 5: one group of the example stepped under each precision (see the module's
+    docstring); each row times ``steps`` fused steps after a first one that builds the graphs."""
+    import dataclasses
+
+    from hydro.tuning.group import FusedGroup
+
+    name = "mlp" if small else "charlm"
+    task, params, ratio = fuse_auto.example(name)
+    dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
+    n, steps = (4, 3) if small else (16, 10)
+    members = [(k, {**params, "lr": float(params.get("lr", 1e-3)) * (1 + k / n)}, k)
+               for k in range(n)]  # fmt: skip
+    rows, first = [], None
+    for precision in ("fp32", "bf16", "fp16"):
+        group = FusedGroup(dataclasses.replace(task, precision=precision), members, ratio=ratio,
+                           device=dev)  # fmt: skip
+        step = synced(group.step, device)
+        losses = group.step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        ms = (time.perf_counter() - start) / steps * 1e3
+        first = losses if first is None else first
+        row = {"example": name, "ratio": ratio, "n": n, "precision": precision, "ms_per_step": ms,
+               "first_loss_diff": float((losses.float() - first.float()).abs().max())}  # fmt: skip
+        if group.scales is not None:
+            row["scales"] = sorted(set(group.scales.scales.tolist()))
+        rows.append(row)
+        del group
+    for r in rows:
+        r["speed_vs_fp32"] = rows[0]["ms_per_step"] / r["ms_per_step"]
+    return rows
+
+
 def _replica(steps: int, group: Any, ctx: Any) -> dict:
     """A worker's fn (module level: pickled by name): ``steps`` steps of a fused group of 4
     MLP trials on ``ctx.device``, as replica ``ctx.rank`` of ``ctx.world_size``."""
@@ -371,6 +410,16 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['method']} | {r['wall_s']:.1f} | {r['speedup']:.2f}x | "
                   f"{r['trial_steps']} | {r['full_model_loss']:.4f} | {r['gap']:+.2%} |"
                   for r in rows]  # fmt: skip
+    rows = result.get("precision", {"skipped": "not run"})
+    lines += ["", "## Precision (one fused group)", ""]
+    if isinstance(rows, dict):
+        lines.append(rows.get("skipped") or f"error: {rows.get('error')}")
+    else:
+        lines += ["| example | n | precision | ms/step | speed vs fp32 | first-step loss diff | "
+                  "fp16 scales |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['example']} | {r['n']} | {r['precision']} | {r['ms_per_step']:.1f} | "
+                  f"{r['speed_vs_fp32']:.2f}x | {r['first_loss_diff']:.2g} | "
+                  f"{r.get('scales', '')} |" for r in rows]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -433,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("data_parallel", NEEDS["data parallel"],
          lambda: data_parallel_row(device, a.small, a.dp_on_cpu)),
         ("end_to_end", NEEDS["end to end"], lambda: end_to_end_rows(device, a.small, out)),
+        ("precision", NEEDS["precision"], lambda: precision_rows(device, a.small)),
         ("compiled", NEEDS["compiled"], lambda: compiled_table(device, a.small, clock)),
     ]  # fmt: skip
     if a.no_compile:

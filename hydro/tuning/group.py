@@ -32,6 +32,7 @@ from hydro.fx.capture import _copy_graph_module
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import compile_record, compiling, parallel
+from hydro.tuning.loss_scale import LossScales
 
 # DEFAULTS and _schedule are re-exported for the tuner and benchmarks that import them from here
 from hydro.tuning.recipe import (  # noqa: F401
@@ -373,6 +374,8 @@ class FusedGroup:
                               compile=True if model_compile else "auto")  # fmt: skip
         self.sched = _scheduler(task, self.opt, self.slot_params, always=refill)
         self.clip = [p.get("grad_clip") for p in self.slot_params]
+        # float16: a loss scale per trial (an overflow skips its own trial's step only)
+        self.scales = LossScales(self.n, self.device) if task.precision == "fp16" else None
         self.steps = 0  # fused steps taken
         self.live_steps = 0  # sum over those steps of the slots that trained
         # what data parallel refuses (a group built like an earlier one: as that one found)
@@ -403,6 +406,8 @@ class FusedGroup:
                               seed=member.seed)  # fmt: skip
         hyper = _hyper(self.task, member.params)
         self.opt.reset_trial(slot, **hyper)
+        if self.scales is not None:
+            self.scales.reset(slot)
         self.slot_params[slot] = member.params
         if self.sched is None:
             if "warmup" in member.params:
@@ -430,6 +435,7 @@ class FusedGroup:
             "model": self.fused.trial_state(slot),
             "optimizer": self.opt.trial_state(slot),
             "scheduler": self.sched.trial_state(slot) if self.sched is not None else None,
+            **({"loss_scale": self.scales.trial_state(slot)} if self.scales is not None else {}),
         }  # fmt: skip
 
     def resume(self, slot: int, state: dict[str, Any]) -> None:
@@ -445,6 +451,8 @@ class FusedGroup:
         self.opt.load_trial_state(slot, state["optimizer"])
         if self.sched is not None and state["scheduler"] is not None:
             self.sched.load_trial_state(slot, state["scheduler"])
+        if self.scales is not None and "loss_scale" in state:
+            self.scales.load_trial_state(slot, state["loss_scale"])
         m = self.members[slot]
         self.skip(int(state["step"]), m)
         m.step = int(state["step"])
@@ -478,6 +486,8 @@ class FusedGroup:
         self._resized()
         self.fused.select(grown, repeat=True)
         self.opt.select(grown)
+        if self.scales is not None:
+            self.scales.select(grown)
         self.members.append(self.members[0])
         self.clip.append(None)
         self.slot_params.append(self.slot_params[0])  # in place: the schedules read this list
@@ -491,6 +501,8 @@ class FusedGroup:
             self._resized()
             self.fused.select(keep)
             self.opt.select(keep)
+            if self.scales is not None:
+                self.scales.select(keep)
         self.members = [self.members[k] for k in keep]
         self.clip = [self.clip[k] for k in keep]
         self.slot_params[:] = [self.slot_params[k] for k in keep]
@@ -541,7 +553,7 @@ class FusedGroup:
         # shared: one batch, copied to the device once, fed to every slot
         batch = batches[0] if self.shared else stack_batches(batches)
         losses = _train_step(self.task, self.fused, self.opt, batch, self.clip, self.device,
-                             shared=self.shared, reduce=reduce)  # fmt: skip
+                             shared=self.shared, reduce=reduce, scales=self.scales)  # fmt: skip
         if self.sched is not None:
             self.sched.step()
         for m in self.members:

@@ -24,10 +24,14 @@ DEFAULTS = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "adam": {"lr": 1e-3, "w
             "sgd": {"lr": 1e-2, "weight_decay": 0.0}}  # fmt: skip
 
 
-def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None) -> torch.Tensor:  # noqa: ANN001
+def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None, scales=None) -> torch.Tensor:  # noqa: ANN001, E501
     """One step of every member; returns their losses ``[n]`` (detached, on the device: no host
     synchronization). ``reduce(losses)``, run after the backward pass, averages the losses and
-    gradients of data parallel replicas and returns the averaged losses.
+    gradients of data parallel replicas and returns the averaged losses. ``scales`` (float16:
+    a :class:`~hydro.tuning.loss_scale.LossScales`) scales each member's loss before the
+    backward pass and unscales its gradients after; a member whose gradients overflowed skips
+    this step (it is held out of the update like a diverged trial, for this step only) and
+    backs off its scale.
 
     Nothing of the autograd graph outlives this function: ``select`` shrinks parameters in place,
     which autograd accepts only once no graph still refers to them.
@@ -46,14 +50,23 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None)
     if task.precision != "fp32":
         losses = losses.float()  # a loss autocast left in bfloat16
     opt.zero_grad(set_to_none=True)
-    losses.sum().backward()
+    (losses if scales is None else scales.scale(losses)).sum().backward()
     if reduce is not None:
         losses = reduce(losses.detach())
     # a non-finite loss freezes its member even where its gradients came out finite
     fused.diverged.logical_or_(~torch.isfinite(losses.detach()))
+    overflowed = None if scales is None else scales.unscale_(fused.parameters())
     if any(c is not None for c in clip):
         fused_optim.clip_grad_norm_(fused, [c if c is not None else math.inf for c in clip])
+    if overflowed is None:
+        opt.step()
+        return losses.detach()
+    # held out like a diverged trial (no update, no optimizer step counted), then let go
+    diverged = fused.diverged.clone()
+    fused.diverged.logical_or_(overflowed)
     opt.step()
+    fused.diverged.copy_(diverged)
+    scales.update(overflowed)
     return losses.detach()
 
 

@@ -77,10 +77,12 @@ class Task:
             seed 0), so the values pruners compare cost less; a trial's last evaluation, its
             reported value, reads all of it. ``None`` (default): all of it every time. Data
             that cannot be indexed (a ``DataLoader``, a function) gives its first batches.
-        precision: ``"fp32"`` (default), or ``"bf16"``: the forward pass and the losses run
-            under ``torch.autocast`` with bfloat16 (parameters, gradients and the optimizer
-            stay float32), in training and evaluation. float16 needs loss scaling per trial,
-            which Hydro does not have: it is refused.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the forward pass and the
+            losses run under ``torch.autocast`` with bfloat16 or float16 (parameters,
+            gradients and the optimizer stay float32), in training and evaluation. float16
+            scales each trial's loss on its own (:class:`hydro.tuning.loss_scale.LossScales`,
+            GradScaler's rule): an overflow skips that trial's step only. float16 is for
+            GPUs; on a CPU it runs, slowly.
         batch_size: the default batch size (a ``batch_size`` hyperparameter overrides it);
             default a ``DataLoader``'s own, else 32.
         example_inputs: inputs shaped like a batch, for capture; by default the first
@@ -130,7 +132,7 @@ class Task:
     eval_every: int | None = None
     eval_samples: int | None = None
     batch_size: int | None = None
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     example_inputs: tuple[Any, ...] | None = None
     target_key: str = "labels"
     checkpoint_every: int = 50
@@ -448,11 +450,10 @@ def check_settings(obj: Any) -> None:
     if getattr(obj, "eval_samples", None) is not None:
         _positive(obj.eval_samples, "eval_samples")
     if getattr(obj, "precision", "fp32") not in PRECISIONS:
-        extra = (": float16 needs loss scaling per trial (one overflow must skip only its own "
-                 "trial's step), which Hydro does not have; bf16 needs none"
-                 if obj.precision in ("fp16", "float16") else "")  # fmt: skip
+        names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+        hint = f" (did you mean {names[obj.precision]!r}?)" if obj.precision in names else ""
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got "
-                          f"{obj.precision!r}{extra}")  # fmt: skip
+                          f"{obj.precision!r}{hint}")  # fmt: skip
     ce = obj.checkpoint_every
     if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
@@ -512,7 +513,7 @@ def val_stream(data: Data, batch_size: int) -> Iterator[Batch]:
             yield _batch(batch)
 
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # Task.precision -> autocast's dtype
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # -> autocast dtype
 
 
 def autocast(precision: str, device: Any) -> Any:

@@ -39,15 +39,20 @@ def test_gpu_suite_runs_on_the_cpu_and_writes_its_json_and_table(tmp_path: Path)
     assert dp["backend"] == "gloo" and dp["equal"], dp
     methods = [r["method"] for r in result["end_to_end"]]
     assert methods == ["plain", "hydro"], result["end_to_end"]
+    precision = {r["precision"]: r for r in result["precision"]}
+    assert set(precision) == {"fp32", "bf16", "fp16"}, result["precision"]
+    assert precision["fp32"]["first_loss_diff"] == 0 < precision["fp16"]["first_loss_diff"] < 0.05
+    assert all(s <= 2.0**16 for s in precision["fp16"]["scales"])
     for title in ("## Dropout", "## Fusion", "## fuse='auto'", "## Data parallel",
-                  "## End to end"):  # fmt: skip
+                  "## End to end", "## Precision"):  # fmt: skip
         assert title in table
     assert "| MLP w64 | 4 | fused | eager |" in table
 
 
 def test_gpu_suite_skips_data_parallel_with_fewer_than_two_gpus(tmp_path: Path) -> None:
-    _run("benchmarks/gpu_suite.py", "--device", "cpu", "--small", "--no-compile", "--skip",
-         "dropout,fusion,fuse_auto,end_to_end", "--out", str(tmp_path), timeout=60)  # fmt: skip
+    skip = "dropout,fusion,fuse_auto,end_to_end,precision"
+    _run("benchmarks/gpu_suite.py", "--device", "cpu", "--small", "--no-compile", "--skip", skip,
+         "--out", str(tmp_path), timeout=60)  # fmt: skip
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert "needs 2" in result["data_parallel"]["skipped"]
     assert "needs 2" in (tmp_path / "gpu_suite.md").read_text()
