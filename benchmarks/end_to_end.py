@@ -272,7 +272,8 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
             "best_value": result.best_value,
             "states": states(result.study), "occupancy": getattr(result, "occupancy", None),
             "hydro": hydro.__file__, "compile": compile_ if has_compile else None,
-            "cache": dict(cache.stats)}  # fmt: skip
+            "cache": dict(cache.stats),
+            "eval_blocks": result.study.user_attrs.get("hydro_eval_blocks")}  # fmt: skip
 
 
 def states(study) -> dict:  # noqa: ANN001

@@ -48,9 +48,10 @@ def main() -> None:
     p.add_argument("--chars", type=int, default=50_000, help="text characters (0: all)")
     p.add_argument(
         "--eval-samples",
-        type=int,
+        type=lambda v: v if v == "auto" else int(v),
         default=None,
-        help="validation samples of the intermediate evaluations (Task.eval_samples)",
+        help="validation samples of the intermediate evaluations (Task.eval_samples): a "
+        "count or auto",
     )
     p.add_argument("--root", default=str(HERE.parent), help="the tree whose hydro is timed")
     a = p.parse_args()
@@ -94,7 +95,8 @@ def main() -> None:
     print(f"hydro from {out['hydro']}: ratio {a.ratio}, {a.steps} steps, first_group "
           f"{a.first_group}, storage {a.storage}, seed {a.seed}, eval_samples "
           f"{a.eval_samples}: {out['cpu']:.2f} CPU s, {out['states']}, "
-          f"best {out.get('best_value')}")  # fmt: skip
+          f"best {out.get('best_value')}"
+          + (f", subsample {out['eval_blocks']} blocks" if out.get("eval_blocks") else ""))
     for label, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {label:24s} {s:7.2f} s  {calls[label]:4d} calls")
     print(f"  {'the rest':24s} {out['cpu'] - sum(spent.values()):7.2f} s")

@@ -156,6 +156,8 @@ class _Fleet(_Stream):
                 "capacity": self.capacity.get(name, len(self.logs[name][0])),
             }
         self._count(name, payload[-1])
+        if kind == "eval_blocks":
+            return {"blocks": self.eval_blocks(payload[1])}
         if kind == "report":
             pruned = []
             for number, step, value in payload[1]:

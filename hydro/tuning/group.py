@@ -32,6 +32,7 @@ from hydro.fx.capture import _copy_graph_module
 from hydro.parametrize import READOUT
 from hydro.scaling import build
 from hydro.tuning import compile_record, compiling, parallel
+from hydro.tuning.eval_sample import choose_blocks, prefix_means
 from hydro.tuning.loss_scale import LossScales
 
 # DEFAULTS and _schedule are re-exported for the tuner and benchmarks that import them from here
@@ -42,9 +43,10 @@ from hydro.tuning.recipe import (  # noqa: F401
     _schedule,
     _scheduler,
     _train_step,
+    block_means,
     evaluate,
 )
-from hydro.tuning.task import Task, stack_batches
+from hydro.tuning.task import SAMPLE_BLOCK, Task, stack_batches
 
 
 @dataclass
@@ -376,6 +378,11 @@ class FusedGroup:
         self.clip = [p.get("grad_clip") for p in self.slot_params]
         # float16: a loss scale per trial (an overflow skips its own trial's step only)
         self.scales = LossScales(self.n, self.device) if task.precision == "fp16" else None
+        # eval_samples="auto": the blocks the study's subsample holds (None: not yet known),
+        # and what this group measured at its last evaluation, for the slot loop to record
+        self.eval_blocks: int | None = None
+        self.measured: int | None = None
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.steps = 0  # fused steps taken
         self.live_steps = 0  # sum over those steps of the slots that trained
         # what data parallel refuses (a group built like an earlier one: as that one found)
@@ -604,13 +611,52 @@ class FusedGroup:
         every, last = self.task.eval_every, self.task.steps
         return [k for k, m in enumerate(self.members) if m.step % every == 0 or m.step == last]
 
+    @property
+    def wants_eval_blocks(self) -> bool:
+        """``eval_samples="auto"`` and the size of the study's subsample not known here yet."""
+        return self.task.eval_samples == "auto" and self.eval_blocks is None
+
     def evaluate(self, full: Sequence[int] | None = None) -> list[float]:
         """Every slot's validation value (data parallel replicas: rank 0's, on every rank);
         with ``task.eval_samples``, over the fixed subsample except for the slots in ``full``
-        (default: all), which read the whole split (see :func:`hydro.tuning.recipe.evaluate`)."""
-        values = evaluate(self.task, self.fused, self.batch_size, self.device, full) \
-            if self.rank == 0 else None  # fmt: skip
+        (default: all), which read the whole split (see :func:`hydro.tuning.recipe.evaluate`).
+
+        With ``"auto"`` and no size known yet (:attr:`eval_blocks`), the slots not in ``full``
+        read every block once: the size they measure is :attr:`measured` (``None``: they could
+        not tell it), and their values are over that many blocks.
+        """
+        self.measured = None
+        values = None
+        if self.rank == 0:
+            if self.wants_eval_blocks and full is not None and len(set(full)) < self.n:
+                values = self._measure(full)
+            else:
+                samples = self.eval_blocks * SAMPLE_BLOCK if self.eval_blocks else None
+                values = evaluate(self.task, self.fused, self.batch_size, self.device, full,
+                                  samples=samples)  # fmt: skip
+        values, self.measured = parallel.share((values, self.measured), self.rank,
+                                               self.world_size)  # fmt: skip
+        return values
+
+    def _measure(self, full: Sequence[int]) -> list[float]:
+        """:meth:`evaluate` measuring the subsample's size (rank 0)."""
+        means, sizes = self._blocks = block_means(self.task, self.fused, self.device)
+        rows = [k for k in range(self.n) if k not in set(full)]
+        self.measured = choose_blocks(means[:, rows], sizes)
+        return self._values_over(self.measured or len(sizes), full)
+
+    def values_over(self, blocks: int, full: Sequence[int]) -> list[float]:
+        """The values of the last measuring evaluation with a subsample of ``blocks`` blocks
+        (another tuner of the study recorded its size first); ``full`` slots read the whole
+        split as :func:`~hydro.tuning.recipe.evaluate` reads it."""
+        values = self._values_over(blocks, full) if self.rank == 0 else None
         return parallel.share(values, self.rank, self.world_size)
+
+    def _values_over(self, blocks: int, full: Sequence[int]) -> list[float]:
+        means, sizes = self._blocks
+        sub = prefix_means(means, sizes, min(blocks, len(sizes))).tolist()
+        whole = evaluate(self.task, self.fused, self.batch_size, self.device) if full else []
+        return [whole[k] if k in set(full) else sub[k] for k in range(self.n)]
 
 
 def _target(task: Task, params: dict[str, Any]) -> nn.Module:

@@ -89,17 +89,19 @@ def _whole_step(task: Task, fused: nn.Module, opt: fused_optim.FusedOptimizer, s
 
 @torch.no_grad()
 def evaluate(
-    task: Task, fused: nn.Module, batch_size: int, device: Any, full: Sequence[int] | None = None
+    task: Task, fused: nn.Module, batch_size: int, device: Any, full: Sequence[int] | None = None,
+    samples: int | None = None,
 ) -> list[float]:
     """Each member's metric (or loss) averaged over the validation data.
 
     With ``task.eval_samples`` set, members not in ``full`` (default: all are) get the mean over
-    the fixed subsample (:meth:`Task.val_sample`), those in ``full`` the mean over all of it,
+    the fixed subsample (:meth:`Task.val_sample`; ``samples``: its size where
+    ``eval_samples="auto"``, else none is read), those in ``full`` the mean over all of it,
     computed exactly as without a subsample. Only what some member needs is read, and each value
     depends on its own member only, whatever the others need.
     """
     fused.eval()
-    sample = task.val_sample()
+    sample = task.val_sample(samples)
     whole = set(range(fused.n)) if sample is None or full is None else set(full)
     values: dict[str, list[float]] = {}
     if whole:
@@ -108,6 +110,25 @@ def evaluate(
         values["sample"] = _mean(task, fused, sample, device)
     fused.train()
     return [values["all"][k] if k in whole else values["sample"][k] for k in range(fused.n)]
+
+
+@torch.no_grad()
+def block_means(task: Task, fused: nn.Module, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every member's mean over each block of the validation split, in the subsamples' order
+    (:meth:`Task.val_blocks`): ``[blocks, n]`` and each block's samples ``[blocks]``, on the
+    CPU (what ``eval_samples="auto"`` measures, :mod:`hydro.tuning.eval_sample`)."""
+    fused.eval()
+    means, sizes = [], []
+    for batch in task.val_blocks():
+        args, kwargs, y = task.split(batch, device)
+        with autocast(task.precision, device):
+            out = fused(*args, **kwargs)
+        means.append(task.trial_metrics(out, y).double())
+        sizes.append(task.batch_len(batch))
+    fused.train()
+    if not means:
+        return torch.empty(0, fused.n, dtype=torch.float64), torch.empty(0, dtype=torch.long)
+    return torch.stack(means).cpu(), torch.tensor(sizes)
 
 
 def _mean(task: Task, fused: nn.Module, batches: Any, device: Any) -> list[float]:

@@ -45,6 +45,11 @@ class TrialSource(Protocol):
         """Report every ``(trial, step, value)`` evaluated at one step; returns the trials the
         pruner prunes."""
 
+    def eval_blocks(self, measured: int | None) -> int | None:
+        """The blocks of the study's evaluation subsample (``eval_samples="auto"``), ``None``
+        while unknown; ``measured`` (a group's measurement) is recorded if none is yet, and the
+        recorded size is returned."""
+
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         """Tell the ended trials ``(trial, outcome, info)``; return, for each freed slot, the
         next ``(trial, params, seed)`` of ``key`` or ``None`` (the slot is dropped)."""
@@ -176,7 +181,14 @@ def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dic
         # a trial's last evaluation reads the whole validation split, the others may read a
         # fixed subsample of it (task.eval_samples)
         last = [slot for slot in due if group.members[slot].step >= steps]
-        values = [float(v) for v in group.evaluate(full=last)]
+        if getattr(group, "wants_eval_blocks", False):  # a Loop's group evaluates as it likes
+            group.eval_blocks = source.eval_blocks(None)
+        values = group.evaluate(full=last)
+        if getattr(group, "measured", None) is not None:  # the study records one size: the first
+            group.eval_blocks = source.eval_blocks(group.measured)
+            if group.eval_blocks != group.measured:
+                values = group.values_over(group.eval_blocks, last)
+        values = [float(v) for v in values]
         finite = []
         for slot in due:
             m = group.members[slot]
@@ -265,6 +277,11 @@ class _Remote:
         got = _ask_driver(self.ctx, ("report", items, self.occupancy.counts()), self.world_size)
         self.asking = got["asking"]
         return set(got["pruned"])
+
+    def eval_blocks(self, measured: int | None) -> int | None:
+        got = _ask_driver(self.ctx, ("eval_blocks", measured, self.occupancy.counts()),
+                          self.world_size)  # fmt: skip
+        return got["blocks"]
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]

@@ -33,6 +33,7 @@ from hydro.tuning.bookkeeping import (
     seed_sampler,
     tell,
 )
+from hydro.tuning.eval_sample import STUDY_ATTR
 from hydro.tuning.faults import Faults, describe
 from hydro.tuning.group import FusedGroup, GroupInfo, Outcome, group_key
 from hydro.tuning.loop import make_group
@@ -40,7 +41,7 @@ from hydro.tuning.options import TuneOptions
 from hydro.tuning.sizing import FuseSize, fuse_sizes
 from hydro.tuning.slots import Seat, play_round, resume_slot
 from hydro.tuning.space import check_names, sample
-from hydro.tuning.task import Task
+from hydro.tuning.task import SAMPLE_BLOCK, Task
 
 __all__ = ["Where"]
 
@@ -101,6 +102,25 @@ class _Stream:
         self.faults = Faults(o.catch)  # user code raised: stop once every trial failed alike
         self.callbacks = list(o.callbacks)  # Optuna's (study, frozen_trial), after each trial ends
         self.compile = o.compile  # the tuner's setting; "auto": decided per key by its first group
+        self.recorded_blocks: int | None = None  # eval_samples="auto": the study's, once known
+
+    def eval_blocks(self, measured: int | None) -> int | None:
+        """The study's ``eval_samples="auto"`` size in blocks (:mod:`hydro.tuning.eval_sample`),
+        recording ``measured`` when the study has none: the first recorded holds for every
+        group, process and resume."""
+        if self.recorded_blocks is None:
+            got = self.study.user_attrs.get(STUDY_ATTR)
+            if got is None and measured is not None:
+                self.study.set_user_attr(STUDY_ATTR, int(measured))
+                got = int(measured)
+                line = (f"validation subsample of the intermediate evaluations: {got} blocks "
+                        f"of {SAMPLE_BLOCK} samples (measured)")  # fmt: skip
+                if self.bar is not None:
+                    self.bar.note(line)
+                else:
+                    logging.getLogger("hydro").info(line)
+            self.recorded_blocks = got
+        return self.recorded_blocks
 
     def say_compile(self, line: str) -> None:
         """Say a group's compile decision: on the progress display (else to the ``hydro``
@@ -461,6 +481,9 @@ class _InProcess(Seat):
 
     def stepped(self, live: int) -> None:
         """Nothing: the stream counts occupancy per round, over all its groups."""
+
+    def eval_blocks(self, measured: int | None) -> int | None:
+        return self.stream.eval_blocks(measured)
 
     def report(self, items: list[tuple[int, int, float]]) -> set[int]:
         hook = self.stream.hook

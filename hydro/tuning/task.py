@@ -77,6 +77,10 @@ class Task:
             seed 0), so the values pruners compare cost less; a trial's last evaluation, its
             reported value, reads all of it. ``None`` (default): all of it every time. Data
             that cannot be indexed (a ``DataLoader``, a function) gives its first batches.
+            ``"auto"``: the size is measured: the first evaluation of two trials or more reads
+            every block and picks the fewest that rank the trials as the whole split does
+            (:mod:`hydro.tuning.eval_sample`); the study records it for every later group,
+            process and resume.
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the forward pass and the
             losses run under ``torch.autocast`` with bfloat16 or float16 (parameters,
             gradients and the optimizer stay float32), in training and evaluation. float16
@@ -130,7 +134,7 @@ class Task:
     scheduler: Literal["none", "cosine", "linear", "step"] = "cosine"
     steps: int = 100
     eval_every: int | None = None
-    eval_samples: int | None = None
+    eval_samples: int | Literal["auto"] | None = None
     batch_size: int | None = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     example_inputs: tuple[Any, ...] | None = None
@@ -277,12 +281,23 @@ class Task:
         """The validation data in order, in batches."""
         return val_stream(self.val_data, batch_size)
 
-    def val_sample(self) -> Iterator[Batch] | None:
-        """The fixed validation subsample of the intermediate evaluations (``eval_samples``),
-        in blocks of :data:`SAMPLE_BLOCK`; ``None`` where every evaluation reads everything."""
-        if self.eval_samples is None:
+    def val_sample(self, samples: int | None = None) -> Iterator[Batch] | None:
+        """The fixed validation subsample of the intermediate evaluations (``eval_samples``, or
+        ``samples`` where given: with ``"auto"``, the size the study measured), in blocks of
+        :data:`SAMPLE_BLOCK`; ``None`` where every evaluation reads everything."""
+        samples = samples if samples is not None else self.eval_samples
+        if samples is None or samples == "auto":
             return None
-        return val_sample(self.val_data, self.eval_samples)
+        return val_sample(self.val_data, samples)
+
+    def val_blocks(self) -> Iterator[Batch]:
+        """Every block of the validation split in the subsamples' fixed order
+        (:func:`sample_order`; data that cannot be indexed: its batches of 64 in order)."""
+        if isinstance(self.val_data, (tuple, Mapping)):
+            size = _length(self.val_data)
+            return (_take(self.val_data, slice(i * SAMPLE_BLOCK, (i + 1) * SAMPLE_BLOCK))
+                    for i in sample_order(size))  # fmt: skip
+        return val_stream(self.val_data, SAMPLE_BLOCK)
 
     def inputs_of(self, batch_inputs: Any) -> tuple[Any, ...]:
         """The positional model inputs of the inputs part of an ``(inputs, targets)`` batch."""
@@ -447,7 +462,10 @@ def check_settings(obj: Any) -> None:
     if obj.eval_every is None:
         obj.eval_every = max(1, obj.steps // 4)
     _positive(obj.eval_every, "eval_every")
-    if getattr(obj, "eval_samples", None) is not None:
+    if getattr(obj, "eval_samples", None) not in (None, "auto"):
+        if isinstance(obj.eval_samples, str):
+            raise ConfigError(f"eval_samples must be a positive integer or 'auto', got "
+                              f"{obj.eval_samples!r}")  # fmt: skip
         _positive(obj.eval_samples, "eval_samples")
     if getattr(obj, "precision", "fp32") not in PRECISIONS:
         names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -537,12 +555,22 @@ def sample_blocks(size: int, samples: int) -> list[int] | None:
     >>> sample_blocks(100, 128) is None
     True
     """
-    blocks = -(-size // SAMPLE_BLOCK)
     k = -(-samples // SAMPLE_BLOCK)
-    if k >= blocks:
+    order = sample_order(size)
+    if k >= len(order):
         return None
-    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))
-    return sorted(order[:k].tolist())
+    return sorted(order[:k])
+
+
+def sample_order(size: int) -> list[int]:
+    """The fixed order (seed 0) in which subsamples take the blocks of a split of ``size``
+    samples: a subsample of ``k`` blocks is the first ``k``.
+
+    >>> sorted(sample_order(726)[:2]) == sample_blocks(726, 128)
+    True
+    """
+    blocks = -(-size // SAMPLE_BLOCK)
+    return torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def val_sample(data: Data, samples: int) -> Iterator[Batch] | None:
