@@ -1,4 +1,6 @@
-"""Every fenced code block of README.md and docs/*.md runs, or says in the markdown why not.
+"""Every fenced code block of README.md and the user pages of docs/ runs, or says in the markdown
+why not. The user pages are docs/**/*.md but the dated measurement logs of docs/evidence/, which
+show past runs as they were made.
 
 Rules, block by block (one test per block, so xdist spreads them):
 
@@ -11,7 +13,8 @@ Rules, block by block (one test per block, so xdist spreads them):
   cluster commands (``ray start``, ``RAY_ADDRESS=...``) and the long benchmark scripts (which
   must exist) are not run, by rule. Any other command fails the test.
 * ``yaml``: a tune config (``task`` and ``space``) is loaded by Hydro's config loader; a
-  ``best.yaml`` (``training``) has the keys the training recipe of docs/tuning.md reads.
+  ``best.yaml`` (``training``) has the keys the training recipe of
+  docs/how-to/tune-your-model.md reads.
 * no language or ``text``: output shown to the reader, not code.
 * Any other language fails: a new kind of block must get a rule here.
 
@@ -19,7 +22,8 @@ Markers, an HTML comment on the line right above the fence (sparingly, with a re
 ``<!-- docs-test: skip (reason) -->``; ``<!-- docs-test: setup NAME -->``, which first runs
 ``SETUPS[NAME]`` below (the names a fragment assumes, built from the project's examples);
 ``<!-- docs-test: continue -->``, which runs the page's previous python block first, in the
-same namespace. ``SHRINK`` lists the numbers replaced to keep a block fast.
+same namespace (for a shell block: the page's previous shell block that is not skipped, in the
+same directory). ``SHRINK`` lists the numbers replaced to keep a block fast.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+EVIDENCE = DOCS / "evidence"
+USER_PAGES = sorted(p for p in DOCS.rglob("*.md") if EVIDENCE not in p.parents)
+PAGES = [ROOT / "README.md", *USER_PAGES]
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(skip|setup|continue)\b\s*(.*?)\s*-->\s*$")
 SHELLS = {"bash", "console", "sh", "shell"}
@@ -98,15 +105,15 @@ my_model, x_train, y_train, x_val, y_val = model, x, y, xv, yv
 
 
 def _best_yaml() -> str:
-    """The best.yaml that docs/tuning.md shows."""
+    """The best.yaml that docs/how-to/tune-your-model.md shows."""
     [block] = [b for b in BLOCKS if b.lang == "yaml" and b.code.startswith("hyperparameters:")]
     return block.code
 
 
 SETUPS = {
-    # the README's and docs/tuning.md's model and data: the charlm GPT of the Quickstart
+    # the charlm GPT of the tutorial, small: the model and data fragments of the how-to pages use
     "charlm": _CHARLM,
-    # a Task and a search space over it (docs/tuning.md's first block, small)
+    # a Task and a search space over it (docs/how-to/tune-your-model.md's first block, small)
     "charlm-task": _CHARLM
     + """
 import optuna, hydro
@@ -114,7 +121,7 @@ task = hydro.Task(model=model, train_data=(x, y), val_data=(xv, yv), steps=2,
                   eval_every=2, batch_size=8)
 space = {"lr": optuna.distributions.FloatDistribution(1e-4, 3e-2, log=True)}
 """,
-    # a HuggingFace model with dict batches (docs/tuning.md, "Dict batches")
+    # a HuggingFace model with dict batches (docs/how-to/tune-your-model.md, "Dict batches")
     "hf-gpt2": """
 import torch, hydro
 from examples.hf_gpt2.model import gpt2
@@ -124,7 +131,7 @@ ids = torch.randint(0, model.config.vocab_size, (64, 16))
 mask, labels = torch.ones_like(ids), ids.clone()
 val = {"input_ids": ids[:16], "attention_mask": mask[:16], "labels": labels[:16]}
 """,
-    # models to fuse and their batches (docs/fusion.md): the CNN example on its shapes
+    # models to fuse and their batches (docs/explanation/fusion.md): the CNN example on its shapes
     "cnn": """
 import torch
 from examples.cnn.data import load
@@ -134,7 +141,8 @@ _x, _y = load(n_train=64, n_val=16, size=16)["train"]
 make_model = lambda: cnn(width=8)
 loader = [(_x[:32], _y[:32]), (_x[32:], _y[32:])]
 """,
-    # a pretrained backbone with a fresh head (docs/fusion.md, "Shared frozen computation")
+    # a pretrained backbone with a fresh head (docs/explanation/fusion.md, "Shared frozen
+    # computation")
     "finetune": """
 import torch, hydro
 from examples.models import ResNet
@@ -148,7 +156,7 @@ class FineTune(torch.nn.Module):
 torch.manual_seed(0)
 pretrained = FineTune().backbone.state_dict()
 """,
-    # best.yaml as docs/tuning.md shows it (fewer steps), and the charlm GPT to train with it
+    # best.yaml as docs/how-to/tune-your-model.md shows it (fewer steps), and the charlm GPT
     "recipe": _CHARLM
     + """
 import yaml
@@ -161,7 +169,8 @@ def next_batch(b):
     i = torch.randint(len(x), (b,))
     return x[i], y[i]
 """.replace("BEST_YAML", repr(_best_yaml())),
-    # a fused optimizer with a warm-up + cosine schedule (docs/fusion.md, "Refilling a slot")
+    # a fused optimizer with a warm-up + cosine schedule (docs/explanation/fusion.md, "Refilling a
+    # slot")
     "reset": """
 import torch, hydro
 from hydro.optim import lr_scheduler as ls
@@ -174,16 +183,23 @@ sched = ls.SequentialLR(opt, [ls.LinearLR(opt, start_factor=0.1, total_iters=10)
 
 # numbers too slow for a test, replaced (each must still be in one of its page's blocks)
 SHRINK = {
-    "README.md": [("n_trials=64", "n_trials=2"), ("steps=300", "steps=2"), ("fuse=16", "fuse=2")],
-    "docs/tuning.md": [("n_trials=64", "n_trials=2"), ("steps=300", "steps=2"),
-                       ("eval_every=50", "eval_every=2"), ("fuse=16", "fuse=2"),
-                       ("IntDistribution(0, 50)", "IntDistribution(0, 1)")],
-    "docs/cli.md": [("gpt -o coord.png", "gpt --ratios 1,8 --steps 2 -o coord.png"),
-                    ("--parametrization sp", "--ratios 1,8 --parametrization sp")],
-    "docs/models.md": [("num_hidden_layers=4", "num_hidden_layers=1")],
-    "docs/coordinator.md": [("steps=6, micro_batches=4", "steps=2, micro_batches=2"),
-                            ("width=1024, batch=128", "width=128, batch=16")],
-    "docs/examples.md": [("n_layer=4, n_head=4, n_embd=256", "n_layer=1, n_head=4, n_embd=64")],
+    "README.md": [("n_trials=32", "n_trials=2"), ("steps=100", "steps=2"),
+                  ("eval_every=20", "eval_every=2"), ("fuse=16", "fuse=2")],
+    "docs/tutorial.md": [("n_layer=4, n_head=4, n_embd=256, block_size=64",
+                          "n_layer=1, n_head=4, n_embd=64, block_size=16"),
+                         ("load(block_size=64)", "load(block_size=16, max_chars=4_000)"),
+                         ("steps=200", "steps=2"), ("eval_every=50", "eval_every=2"),
+                         ("batch_size=32", "batch_size=8"), ("n_trials=32", "n_trials=2, fuse=2")],
+    "docs/how-to/tune-your-model.md": [("n_trials=64", "n_trials=2"), ("steps=300", "steps=2"),
+                                       ("eval_every=50", "eval_every=2"), ("fuse=16", "fuse=2"),
+                                       ("IntDistribution(0, 50)", "IntDistribution(0, 1)")],
+    "docs/reference/cli.md": [("gpt -o coord.png", "gpt --ratios 1,8 --steps 2 -o coord.png"),
+                              ("--parametrization sp", "--ratios 1,8 --parametrization sp")],
+    "docs/reference/models.md": [("num_hidden_layers=4", "num_hidden_layers=1")],
+    "docs/how-to/pipeline-bubbles.md": [("steps=6, micro_batches=4", "steps=2, micro_batches=2"),
+                                        ("width=1024, batch=128", "width=128, batch=16")],
+    "docs/reference/examples.md": [("n_layer=4, n_head=4, n_embd=256",
+                                    "n_layer=1, n_head=4, n_embd=64")],
 }  # fmt: skip
 
 
@@ -195,11 +211,15 @@ def _shrunk(block: Block) -> str:
 
 
 def _chain(block: Block) -> list[Block]:
-    """The python blocks this block runs after (``continue``), then the block itself."""
-    page = [b for b in BLOCKS if b.page == block.page and b.lang == "python"]
+    """The blocks this block runs after (``continue``), then the block itself: the page's
+    python blocks before it, or for a shell block the shell blocks before it that run."""
+    kinds = SHELLS if block.lang in SHELLS else {block.lang}
+    page = [b for b in BLOCKS if b.page == block.page and b.lang in kinds]
     same = [b for b in page if b.line < block.line]
+    if block.lang in SHELLS:
+        same = [b for b in same if not (b.marker and b.marker[0] == "skip")]
     if block.marker and block.marker[0] == "continue":
-        assert same, f"{block.id}: 'continue' with no python block before it on the page"
+        assert same, f"{block.id}: 'continue' with no {block.lang} block before it on the page"
         return [*_chain(same[-1]), block]
     return [block]
 
@@ -319,7 +339,7 @@ def _run_shell(block: Block, tmp_path: Path, monkeypatch, capsys) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for command in commands(_shrunk(block)):
+        for command in [c for b in _chain(block) for c in commands(_shrunk(b))]:
             for part in re.split(r"\s*&&\s*", command):
                 if part.startswith("hydro "):
                     _run_hydro(part, tmp_path, capsys)
@@ -396,14 +416,25 @@ def test_every_page_is_in_the_site_nav():
         return out
 
     listed = files(nav)
-    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
     assert sorted(listed) == pages, f"nav {sorted(listed)} != docs/ {pages}"
     assert listed[0] == "index.md", "the site opens at docs/index.md: list it first"
 
 
-def test_the_front_page_links_to_pages_that_exist():
-    text = (ROOT / "docs" / "index.md").read_text()
-    links = re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", text)
-    assert len(set(links)) >= 11, links  # every page of the site is in its table
-    missing = [link for link in links if not (ROOT / "docs" / link).is_file()]
+def test_the_front_page_links_to_every_user_page():
+    text = (DOCS / "index.md").read_text()
+    links = set(re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", text))
+    users = {p.relative_to(DOCS).as_posix() for p in PAGES if p.is_relative_to(DOCS)}
+    assert users - {"index.md"} <= links, f"not on the front page: {users - links - {'index.md'}}"
+    missing = [link for link in links if not (DOCS / link).is_file()]
     assert not missing, f"docs/index.md links to missing pages: {missing}"
+
+
+def test_the_options_page_is_the_code_table():
+    """Each default is stated once, in the options reference, generated from TuneOptions."""
+    from hydro.tuning.options import TuneOptions
+
+    page = (DOCS / "reference" / "options.md").read_text()
+    found = re.search(r"<!-- options-table:[^\n]*-->\n(.*?)\n<!-- /options-table -->", page, re.S)
+    assert found, "docs/reference/options.md lost its generated table"
+    assert found.group(1) == TuneOptions.table(), "regenerate the table: TuneOptions.table()"
