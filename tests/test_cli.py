@@ -298,7 +298,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
 
 
 def _docs_snippet() -> str:
-    text = (ROOT / "docs" / "tuning.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "tune-your-model.md").read_text()
     blocks = text.split("```python\n")[1:]
     return next(b.split("```")[0] for b in blocks if 'yaml.safe_load(f)["training"]' in b)
 

@@ -146,7 +146,7 @@ def test_the_examples_in_docs_coordinator_md_run():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).parents[2] / "docs" / "coordinator.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "how-to" / "pipeline-bubbles.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 3
     scope: dict = {}
