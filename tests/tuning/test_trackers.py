@@ -121,7 +121,10 @@ def test_the_config_trackers_key_logs_a_cli_tune(tmp_path, monkeypatch):
     runs = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["trial 0", "trial 1"]
     assert all("lr" in r.data.params for r in runs)
-    assert sorted(p.name for p in (tmp_path / "tb" / "toy").iterdir()) == ["trial-0000", "trial-0001"]
+    assert sorted(p.name for p in (tmp_path / "tb" / "toy").iterdir()) == [
+        "trial-0000",
+        "trial-0001",
+    ]
 
 
 @pytest.mark.parametrize(
