@@ -29,7 +29,7 @@ def fake_study(n: int, seed: int = 0, first_prune: float = 0.6) -> optuna.Study:
     """``n`` trials over SPACE reporting at steps 25..100; from trial 5 on, a trial whose report
     is above 3 is pruned there (with chance ``first_prune`` at its first report, 0.15 later)."""
     rng = random.Random(seed)
-    study = optuna.create_study(study_name="fake", sampler=optuna.samplers.RandomSampler(seed))
+    study = optuna.create_study(study_name="synthetic", sampler=optuna.samplers.RandomSampler(seed))
     for i in range(n):
         t = study.ask(SPACE)
         final = 2 + (math.log10(t.params["lr"]) + 2.3) ** 2 + 2 * t.params["dropout"]
