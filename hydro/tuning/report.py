@@ -219,7 +219,7 @@ def _history(ax: Any, complete: list, pruned: list, best: Any, maximize: bool) -
     """Each complete trial's value by trial number, the best so far, and each pruned trial
     at the value of its last report (what the pruner judged it by)."""
     marks = [(t.number, r[1]) for t in pruned if (r := _last_report(t)) is not None]
-    clamp = _fit(ax, [t.value for t in complete] + [v for _, v in marks])
+    clamp = _fit(ax, [[t.value] for t in complete] + [[v] for _, v in marks])
     ax.scatter(
         [t.number for t in complete],
         clamp([t.value for t in complete]),
@@ -274,7 +274,7 @@ def _curves(ax: Any, complete: list, pruned: list, best: Any, total: int) -> Non
         if segs := segments(ts):
             ax.add_collection(LineCollection(segs, colors=color, alpha=alpha, lw=1))
     ends = [r for t in pruned if (r := _last_report(t)) is not None]
-    clamp = _fit(ax, [v for t in complete + pruned for v in t.intermediate_values.values()])
+    clamp = _fit(ax, [list(t.intermediate_values.values()) for t in complete + pruned])
     ax.plot([], [], color=_COMPLETE, lw=1, label=f"complete ({len(complete)})")
     if pruned:
         by_step: dict[int, int] = {}
@@ -304,12 +304,12 @@ def _curves(ax: Any, complete: list, pruned: list, best: Any, total: int) -> Non
             label=label,
         )
     if best is not None and best.intermediate_values:
-        steps = sorted(best.intermediate_values)
+        [points] = segments([best]) or [sorted(best.intermediate_values.items())]
         ax.plot(
-            steps,
-            [best.intermediate_values[s] for s in steps],
+            [s for s, _ in points],
+            [v for _, v in points],
             color=_BEST,
-            lw=2,
+            lw=1.6,
             zorder=4,
             label=f"best (trial {best.number})",
         )
@@ -319,28 +319,32 @@ def _curves(ax: Any, complete: list, pruned: list, best: Any, total: int) -> Non
     _legend(ax)
 
 
-def _fit(ax: Any, values: list[float]) -> Callable[[list[float]], list[float]]:
-    """Fit ``ax``'s value axis to the bulk of ``values``: a few far outliers (a diverged trial's
-    loss of 1e3 beside values near 1) would flatten every other mark into a line. Returns the
-    function that moves a mark beyond the limits onto the nearest edge, and notes on the
-    axes how many lie beyond."""
+def _fit(ax: Any, trials: list[list[float]]) -> Callable[[list[float]], list[float]]:
+    """Fit ``ax``'s value axis to the bulk of the values (``trials``: each trial's values on
+    this panel): a few far outliers (a diverged trial's loss of 1e3 beside values near 1)
+    would flatten every other mark into a line. Returns the function that moves a mark beyond
+    the limits onto the nearest edge, and notes on the axes how many trials lie beyond.
+
+    A trial counts with its lowest and highest value only, so a long curve, dense where it
+    flattens out, does not make its own early steps look like outliers."""
     import numpy as np
 
-    finite = np.asarray([v for v in values if math.isfinite(v)], dtype=float)
-    if finite.size < 5:
+    spans = [(min(f), max(f)) for vs in trials if (f := [v for v in vs if math.isfinite(v)])]
+    if len(spans) < 5:
         return lambda ys: ys
+    finite = np.asarray([v for span in spans for v in span], dtype=float)
     q10, q90 = np.quantile(finite, [0.1, 0.9])
     spread = (q90 - q10) or abs(q90) or 1.0
     lo = max(float(finite.min()), q10 - 1.5 * spread)
     hi = min(float(finite.max()), q90 + 1.5 * spread)
-    beyond = int(((finite < lo) | (finite > hi)).sum())
+    beyond = sum(bool(a < lo or b > hi) for a, b in spans)
     if not beyond:
         return lambda ys: ys
     pad = (hi - lo) * 0.06
     lo, hi = lo - pad, hi + pad
     ax.set_ylim(lo, hi)
     ax.annotate(
-        f"{beyond} beyond the scale: marks at its edge",
+        f"{beyond} trial{'s' * (beyond != 1)} beyond the scale: marks at its edge",
         (0.01, 0.99),
         xycoords="axes fraction",
         ha="left",
@@ -407,7 +411,7 @@ def _param_panel(
         xs = [v for _, v in pts]
         cut_xs = list(cut)
         kind = ("log" if log else "linear") + (", int" if isinstance(dist, IntDistribution) else "")
-    clamp = _fit(ax, [t.value for t, _ in pts])
+    clamp = _fit(ax, [[t.value] for t, _ in pts])
     ax.scatter(
         xs,
         clamp([t.value for t, _ in pts]),

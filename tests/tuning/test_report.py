@@ -113,7 +113,7 @@ def test_a_far_outlier_does_not_flatten_the_rest():
     assert curves.get_ylim()[1] < 100
     offsets = gid(curves, "pruned")[0].get_offsets()
     assert offsets[-1][1] == pytest.approx(curves.get_ylim()[1])  # drawn at the edge
-    assert any("beyond the scale" in a.get_text() for a in curves.texts)
+    assert any("1 trial beyond the scale" in a.get_text() for a in curves.texts)
 
 
 def test_five_hundred_trials_render_in_bounded_time(tmp_path):
