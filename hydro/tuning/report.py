@@ -114,8 +114,10 @@ def write_report(study: optuna.Study, path: str) -> None:
 <title>Hydro study {html.escape(study.study_name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head><body>
-<h1>Study {html.escape(study.study_name)}</h1><p>{best}</p>
+<h1>Study {html.escape(study.study_name)}</h1>
+<p>{html.escape(_summary(trial_counts(study)))}<br>{best}</p>
 <img src="data:image/png;base64,{image}" style="max-width:100%">
+<p style="font-size:13px">{_KEY}</p>
 <h2>Trials</h2>{trials_table(study)}</body></html>"""
     write_text(path, page)
 
@@ -138,6 +140,16 @@ def trials_table(study: optuna.Study) -> str:
         f"</tr>{rows}</table>"
     )
 
+
+# what the figure's marks mean, under it on the HTML page
+_KEY = (
+    "Blue: complete trials (dots: final values; lines: learning curves). Red crosses: pruned "
+    "trials at their last report, the value the pruner stopped them on (a trial pruned at its "
+    "first report is a cross without a line); red ticks along a panel's bottom: where pruned "
+    "trials sat on that axis. Orange: the best trial (star, thick curve) and the best value so "
+    "far. Each hyperparameter's axis follows its distribution (log, linear, integer or one "
+    "column per choice) over the searched range."
+)
 
 # the figure's marks, one style each, so the legend, the page and the docs say the same
 _COMPLETE = "C0"

@@ -130,3 +130,22 @@ def test_a_study_without_trials_or_reports_still_draws(tmp_path):
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)  # no reports at all
     write_report(study, str(tmp_path / "plain.html"))
     assert "3 trials: 3 complete" in _figure(study)._suptitle.get_text()
+
+
+def test_a_pruned_trial_without_reports_is_counted_and_a_maximized_study_draws(tmp_path):
+    study = optuna.create_study(study_name="acc", direction="maximize")
+    for i in range(6):
+        t = study.ask(SPACE)
+        t.report(0.1 * i, 1)
+        study.tell(t, 0.1 * i + 0.05)
+    study.tell(study.ask(SPACE), state=TrialState.PRUNED)  # told pruned before any report
+    fig = _figure(study)
+    curves = panels(fig)["learning curves"]
+    texts = [t.get_text() for t in curves.get_legend().get_texts()]
+    assert any(t.startswith("pruned (1)") and "1 pruned before any report" in t for t in texts)
+    history = panels(fig)["optimization history"]
+    (best_line,) = [ln for ln in history.get_lines() if ln.get_label() == "best so far"]
+    assert list(best_line.get_ydata()) == pytest.approx([0.05, 0.15, 0.25, 0.35, 0.45, 0.55])
+    write_report(study, str(tmp_path / "acc.html"))
+    page = (tmp_path / "acc.html").read_text()
+    assert "7 trials: 6 complete, 1 pruned" in page and "Red crosses: pruned trials" in page
