@@ -93,7 +93,7 @@ class MLflowTracker:
 
     def _log(self, study: optuna.Study, trial: FrozenTrial) -> None:
         from mlflow import MlflowClient
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Metric, Param
 
         if self._client is None:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
@@ -111,10 +111,7 @@ class MLflowTracker:
         params = [Param(k, str(v)[:6000]) for k, v in sorted(_params(trial).items())]
         for i in range(0, max(len(metrics), 1), 1000):  # MLflow's batch limit
             self._client.log_batch(
-                run.info.run_id,
-                metrics=metrics[i : i + 1000],
-                params=params if i == 0 else [],
-                tags=[RunTag(k, v) for k, v in tags.items()] if i == 0 else [],
+                run.info.run_id, metrics=metrics[i : i + 1000], params=params if i == 0 else []
             )
         self._client.set_terminated(run.info.run_id, status=_RUN_STATUS[trial.state])
 
