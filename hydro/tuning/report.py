@@ -180,7 +180,7 @@ def _figure(study: optuna.Study) -> Any:
     ranked = sorted(complete, key=lambda t: t.value, reverse=maximize)  # type: ignore[arg-type]
     best = ranked[0] if ranked else None
     _history(axes[0], complete, pruned, best, maximize)
-    _curves(axes[1], complete, pruned, best, len(trials))
+    _curves(axes[1], complete, pruned, best)
     for ax, (name, dist) in zip(axes[2:], dists.items()):
         _param_panel(ax, name, dist, complete, pruned, best)
     if verification:
@@ -265,10 +265,11 @@ def _history(ax: Any, complete: list, pruned: list, best: Any, maximize: bool) -
     _legend(ax)
 
 
-def _curves(ax: Any, complete: list, pruned: list, best: Any, total: int) -> None:
+def _curves(ax: Any, complete: list, pruned: list, best: Any) -> None:
     """Learning curves: complete trials in blue, pruned ones in red ending in a cross at their
     last report (a trial pruned at its first report is a cross alone), the best trial on top."""
     from matplotlib.collections import LineCollection
+    from matplotlib.ticker import MaxNLocator
 
     def segments(ts: list) -> list:
         out = []
@@ -280,13 +281,24 @@ def _curves(ax: Any, complete: list, pruned: list, best: Any, total: int) -> Non
                 out.append([(s, t.intermediate_values[s]) for s in kept])
         return out
 
-    lines = segments(complete) + segments(pruned)
+    drawn = [(segments(complete), _COMPLETE), (segments(pruned), _PRUNED)]
+    lines = [line for segs, _ in drawn for line in segs]
     alpha = _alpha(len(lines), full=0.6, floor=0.08)
-    for ts, color in ((complete, _COMPLETE), (pruned, _PRUNED)):
-        if segs := segments(ts):
+    for segs, color in drawn:
+        if segs:
             ax.add_collection(LineCollection(segs, colors=color, alpha=alpha, lw=1))
     ends = [r for t in pruned if (r := _last_report(t)) is not None]
     clamp = _fit(ax, [list(t.intermediate_values.values()) for t in complete + pruned])
+    singles = [r for t in complete if len(t.intermediate_values) == 1 and (r := _last_report(t))]
+    if singles:  # a complete trial that reported once draws a dot, not a line
+        ax.scatter(
+            [s for s, _ in singles],
+            clamp([v for _, v in singles]),
+            s=10,
+            color=_COMPLETE,
+            alpha=_alpha(len(singles) / 4, floor=0.35),
+            gid="complete",
+        )
     ax.plot([], [], color=_COMPLETE, lw=1, label=f"complete ({len(complete)})")
     if pruned:
         by_step: dict[int, int] = {}
@@ -327,6 +339,10 @@ def _curves(ax: Any, complete: list, pruned: list, best: Any, total: int) -> Non
         )
     if lines or ends:
         ax.autoscale_view()  # a collection does not scale the axes by itself
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    steps = {s for t in complete + pruned for s in t.intermediate_values}
+    if steps and max(steps) - min(steps) < 2:  # one or two steps: whole numbers around them
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
     ax.set(title="learning curves", xlabel="step", ylabel="reported value")
     _legend(ax)
 
@@ -398,18 +414,24 @@ def _param_panel(
     pts = [(t, t.params[name]) for t in complete if name in t.params]
     cut = [t.params[name] for t in pruned if name in t.params]
     if isinstance(dist, CategoricalDistribution):
-        index = {_choice_key(c): i for i, c in enumerate(dist.choices)}
+        choices = list(dist.choices)  # a study keeps one set of choices per name (Optuna)
+        index = {_choice_key(c): i for i, c in enumerate(choices)}
 
         def x_of(v: Any, number: int = 0) -> float:
-            return index.get(_choice_key(v), -1) + ((number * 0.618) % 1 - 0.5) * 0.3
+            return index[_choice_key(v)] + ((number * 0.618) % 1 - 0.5) * 0.3
 
-        ax.set_xticks(range(len(dist.choices)), [_cell(c) for c in dist.choices])
-        ax.set_xlim(-0.5, len(dist.choices) - 0.5)
+        labels = ["None" if c is None else _cell(c) for c in choices]
+        ax.set_xticks(range(len(choices)), labels)
+        if len(choices) > 6 or sum(map(len, labels)) > 40:
+            ax.tick_params(axis="x", labelrotation=45)
+        ax.set_xlim(-0.5, len(choices) - 0.5)
         xs = [x_of(v, t.number) for t, v in pts]
         cut_xs = [x_of(v) for v in cut]
         kind = "categorical"
     else:
-        low, high = float(dist.low), float(dist.high)  # type: ignore[attr-defined]
+        seen = [float(v) for v in [v for _, v in pts] + cut]
+        low = min([float(dist.low), *seen])  # type: ignore[attr-defined]
+        high = max([float(dist.high), *seen])  # type: ignore[attr-defined]
         log = bool(getattr(dist, "log", False))
         if log:
             ax.set_xscale("log")
@@ -418,8 +440,8 @@ def _param_panel(
         else:
             pad = (high - low) * 0.03 or 0.5
             ax.set_xlim(low - pad, high + pad)
-        if isinstance(dist, IntDistribution):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if isinstance(dist, IntDistribution):
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         xs = [v for _, v in pts]
         cut_xs = list(cut)
         kind = ("log" if log else "linear") + (", int" if isinstance(dist, IntDistribution) else "")

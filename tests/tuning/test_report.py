@@ -149,3 +149,21 @@ def test_a_pruned_trial_without_reports_is_counted_and_a_maximized_study_draws(t
     write_report(study, str(tmp_path / "acc.html"))
     page = (tmp_path / "acc.html").read_text()
     assert "7 trials: 6 complete, 1 pruned" in page and "Red crosses: pruned trials" in page
+
+
+def test_a_range_an_earlier_space_offered_stays_on_the_axis_and_none_is_a_choice():
+    """A study whose float range changed between runs: every trial's value is inside the
+    panel. (Optuna keeps one set of choices per categorical name.)"""
+    study = optuna.create_study(study_name="changed")
+    act = CategoricalDistribution([None, "relu"])
+    old = {"act": act, "lr": FloatDistribution(1e-5, 1.0)}
+    new = {"act": act, "lr": FloatDistribution(1e-3, 0.1)}
+    for i, space in enumerate([old] * 3 + [new] * 3):
+        t = study.ask(space)
+        t.report(float(i), 1)
+        study.tell(t, float(i))
+    by_title = panels(_figure(study))
+    assert [t.get_text() for t in by_title["value per act"].get_xticklabels()] == ["None", "relu"]
+    lo, hi = by_title["value per lr"].get_xlim()
+    assert all(lo <= t.params["lr"] <= hi for t in study.trials)
+    assert by_title["learning curves"].get_xlim() == (0, 2)  # one step: whole numbers around it
