@@ -75,10 +75,11 @@ def check_report_path(path: str) -> None:
 
 
 def write_report(study: optuna.Study, path: str) -> None:
-    """Optimization history, value per hyperparameter, learning curves and, when the study was
-    verified on the full model, surrogate-vs-target agreement. ``.png``, ``.pdf`` and ``.svg``
-    write one figure; ``.html`` a self-contained page; other suffixes are refused
-    (``ConfigError``)."""
+    """Optimization history, learning curves (each pruned trial marked at its last report),
+    value per hyperparameter on the axis its distribution implies and, when the study was
+    verified on the full model, surrogate-vs-target agreement (docs/how-to/read-the-report.md
+    says what each mark means). ``.png``, ``.pdf`` and ``.svg`` write one figure; ``.html`` a
+    self-contained page; other suffixes are refused (``ConfigError``)."""
     import matplotlib
 
     check_report_path(path)
@@ -155,8 +156,8 @@ _KEY = (
 _COMPLETE = "C0"
 _PRUNED = "C3"
 _BEST = "C1"
-# a learning curve is drawn through at most this many of its reports (every report of a pruned
-# trial's last one is kept), so a study of long runs still draws in bounded time
+# a learning curve is drawn through at most this many of its reports (evenly spaced, its last
+# one always kept), so a study of long runs still draws in bounded time
 _CURVE_POINTS = 200
 
 
