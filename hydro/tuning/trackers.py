@@ -29,8 +29,11 @@ from hydro.errors import ConfigError
 from hydro.tuning.space import trained_params
 
 # a trial's end state as MLflow names a run's
-_RUN_STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "KILLED",
-               TrialState.FAIL: "FAILED"}  # fmt: skip
+_RUN_STATUS = {
+    TrialState.COMPLETE: "FINISHED",
+    TrialState.PRUNED: "KILLED",
+    TrialState.FAIL: "FAILED",
+}
 
 
 def _require(module: str, package: str, who: str) -> None:
@@ -97,8 +100,11 @@ class MLflowTracker:
 
         if self._client is None:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-        tags = {"hydro.study": study.study_name, "hydro.trial": str(trial.number),
-                "hydro.state": trial.state.name}  # fmt: skip
+        tags = {
+            "hydro.study": study.study_name,
+            "hydro.trial": str(trial.number),
+            "hydro.state": trial.state.name,
+        }
         if trial.state == TrialState.FAIL:
             tags["hydro.fail_reason"] = str(trial.user_attrs.get("fail_reason", ""))[:5000]
         experiment = self._experiment_id(self.experiment or study.study_name)
