@@ -19,11 +19,13 @@ from hydro.errors import ConfigError, HydroError
 from hydro.tuning.options import TuneOptions
 from hydro.tuning.space import check_names, check_warmup, from_config
 from hydro.tuning.task import LOSSES, MODEL_LOSS, Task
+from hydro.tuning.trackers import from_config as trackers_from_config
 from hydro.tuning.trust import check_trust, resolve_callable
 from hydro_fluid.policies import check_policy
 
 # the run's options (hydro.tuning.options: their config keys), what to train, and the space
-TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space", "trust"}
+TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "space", "trust",
+            "trackers"}
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "eval_samples",
              "precision", "batch_size", "target_key", "checkpoint_every", "dynamic", "data_mode",
@@ -85,6 +87,8 @@ class TuneConfig:
     compile: bool | str = False  # torch.compile the fused groups: True, False, 'auto' or a mode
     data_source: dict | None = None  # task.data and its data_args: part of the study's fingerprint
     extra: dict = field(default_factory=dict)  # the other options the file sets, by name
+    # callbacks logging each finished trial (the trackers key: hydro.tuning.trackers)
+    trackers: list = field(default_factory=list)
 
     def options(self, **changes: Any) -> TuneOptions:
         """The run's :class:`TuneOptions` as this file (and its overrides) set them."""
@@ -95,6 +99,7 @@ class TuneConfig:
             depth_alpha=self.depth_alpha, first_group=self.first_group, policy=self.policy,
             deadline=self.deadline, checkpoint_dir=self.checkpoint_dir,
             fuse_memory=self.fuse_memory, timeout=self.timeout, compile=self.compile,
+            callbacks=list(self.trackers),
         ).replace(**{**self.extra, **changes})  # fmt: skip
 
 
@@ -177,6 +182,7 @@ def load(path: str, trust: Sequence[str] = (), **overrides: Any) -> TuneConfig:
         timeout=_timeout(raw.get("timeout"), path),
         compile=_compile(raw.get("compile", False), path),
         data_source={"name": raw["task"]["data"], "args": dict(raw["task"].get("data_args") or {})},
+        trackers=trackers_from_config(raw.get("trackers"), f"{path}: trackers"),
     )
     handled = {f for f in TuneConfig.__dataclass_fields__} | {"trials", "sampler_args",
                                                                "pruner_args"}  # fmt: skip
