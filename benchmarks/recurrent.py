@@ -12,7 +12,8 @@ surrogates with ``torch.optim.Adam`` one after the other, against one ``hydro.fu
 
 Measured on the shared 2-core CPU box (three other jobs beside it, load 2-5), n = 16, one
 thread, median of 7 rounds of 3 steps (vocabulary 10000: 3 rounds of 1), ms per step of all 16
-trials, fused over sequential (lower is better); ``benchmarks/recurrent.json`` holds the rows:
+trials, fused over sequential (lower is better); ``benchmarks/results/recurrent.json`` holds
+the rows:
 
     vocabulary 50        sequential  fused   ratio    with --keep-memory
     LSTM                 46.6        40.3    0.87x    70.9   51.8   0.73x

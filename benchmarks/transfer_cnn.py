@@ -57,6 +57,7 @@ from examples.cnn.model import deep_cnn  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
 from hydro.tuning.outputs import spearman  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 WIDTH, BLOCKS = 64, 4
 # name -> ("hydro", ratio, depth_ratio) or ("naive", width, blocks)
 MODELS: dict[str, tuple[str, int, int]] = {
@@ -283,7 +284,7 @@ def main() -> None:
     p.add_argument("--phases", nargs="+", default=["lr", "hp"],
                    choices=["lr", "hp", "wd", "warmup"], help="hp = wd and warmup in one fused "
                    "model; wd and warmup apart (2 processes)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("transfer_cnn.jsonl"))
+    p.add_argument("--out", type=Path, default=RESULTS / "transfer_cnn.jsonl")
     p.add_argument("--combine", type=Path, nargs="+", help="report the rows of these files")
     p.add_argument("--report", action="store_true", help="only print the tables from --out")
     p.add_argument("--step-times", action="store_true", help="only the interleaved step times")

@@ -35,7 +35,7 @@ Not a test. Sized for a busy, shared 2-core CPU (see docs/transfer.md for the ti
     python benchmarks/width_floor.py                    # all kinds, 3 seeds
     python benchmarks/width_floor.py --kinds heads headdim linear2 conv2 --jobs 1
     python benchmarks/width_floor.py --kinds conv --seeds 2
-    python benchmarks/width_floor.py --report           # the tables from width_floor.jsonl
+    python benchmarks/width_floor.py --report           # the tables from --out
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ import hydro  # noqa: E402
 from benchmarks.transfer import lr_lambda  # noqa: E402
 from hydro.errors import HydroWarning  # noqa: E402
 from hydro.tuning.outputs import spearman  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 
 
 @dataclass
@@ -319,7 +321,7 @@ def main() -> None:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("width_floor.jsonl"),
+        default=RESULTS / "width_floor.jsonl",
         help="one line per finished cell; a rerun skips the cells found there",
     )
     p.add_argument("--report", action="store_true", help="only print the tables from --out")
