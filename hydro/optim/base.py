@@ -7,9 +7,10 @@ Every parameter has a leading trial dimension ``[n, ...]``. Each hyperparameter 
 A step is a fixed sequence of ``torch._foreach_*`` ops over all parameters, with every per-trial
 value (learning rate, betas, bias corrections, weight decay, momentum) a tensor ``[n, 1, ...]``
 broadcast over the trial dimension: the number of ops does not depend on ``n`` (asserted in
-``tests/test_optim_ops.py``), there is no Python loop over trials and no host synchronization.
+``tests/optim/test_step_ops.py``), there is no Python loop over trials and no host synchronization.
 The arithmetic is ``torch.optim``'s single-tensor implementation with trial ``k``'s values
-(checked step by step against ``torch.optim`` in ``tests/test_optim.py`` and ``tests/fusion``).
+(checked step by step against ``torch.optim`` in ``tests/optim/test_against_torch.py`` and
+``tests/fusion``).
 Eagerly, the update runs parameter by parameter (a fixed handful of ops each, whatever ``n``)
 with its intermediates in two scratch buffers shared by all parameters, so each parameter's
 passes hit the cache; ``compile=True`` runs the step through ``torch.compile`` as two graphs, the
@@ -588,7 +589,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         with re-initializing slot ``k`` of the fused model's parameters, and with
         :meth:`hydro.optim.lr_scheduler.TrialScheduler.reset_trial` (after this call) when a
         scheduler drives the learning rate: the new trial then trains exactly as it would alone
-        from its step 0 (``tests/test_optim_reset.py``).
+        from its step 0 (``tests/optim/test_reset_trial.py``).
 
         Args:
             k: the slot, ``0 <= k < n``.

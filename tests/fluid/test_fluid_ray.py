@@ -131,7 +131,7 @@ def test_ray_does_not_retry_a_deterministic_error(make_executor):
     """As on the LocalExecutor: an error marked deterministic (user code raised) ends the
     group after one attempt, its one-line message the trials' reason (a dead worker is still
     retried: test_killed_ray_worker_is_retried_from_checkpoint)."""
-    from tests.test_user_faults import _raise
+    from tests.tuning.test_user_faults import _raise
 
     [result] = make_executor(max_retries=1).run([TrialGroup("d", (1,), (1,))], _raise)
     assert result.attempts == 1 and result.deterministic

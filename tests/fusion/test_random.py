@@ -498,12 +498,12 @@ def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_asi
     """Through the tuner: a group checkpoint written with draw version 1 refuses to resume a
     group with dropout (one line, before any step); a trial checkpoint of version 1 is set
     aside and its trial starts afresh (``resume_slot``). Without dropout either resumes (the
-    test above, and tests/test_faults.py's checkpoint from before random streams)."""
+    test above, and tests/tuning/test_faults.py's checkpoint from before random streams)."""
     from hydro.tuning import checkpoint
     from hydro.tuning.lockstep import train_group
     from hydro.tuning.slots import resume_slot
-    from tests.test_data_parallel import dropout_task
-    from tests.test_faults import stopped_at_8
+    from tests.tuning.test_data_parallel import dropout_task
+    from tests.tuning.test_faults import stopped_at_8
 
     task, params = dropout_task(steps=8), [{"lr": 1e-2}, {"lr": 3e-2}]
     stopped_at_8(task, params, tmp_path)

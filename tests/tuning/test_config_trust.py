@@ -17,7 +17,7 @@ from hydro.errors import ConfigError
 from hydro.tuning import config
 from hydro.tuning.trust import is_own_code, resolve_callable
 from tests import toy
-from tests.test_names import _refused
+from tests.tuning.test_config_names import _refused
 
 EXTRA = """
 from sympy import sympify  # a re-export: its home is sympy, not this module

@@ -19,7 +19,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 
 from tests import toy
-from tests.test_signals import _alive, _descendants
+from tests.tuning.test_signals import _alive, _descendants
 from tests.waiting import patience
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -161,7 +161,7 @@ def test_device_cpu_and_a_clear_error_for_missing_cuda():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error path needs a machine without CUDA")
 def test_cli_device_flag_and_config_key(tmp_path, monkeypatch, capsys):
     from hydro.cli import main
-    from tests.test_cli import CONFIG, TOY
+    from tests.cli.test_commands import CONFIG, TOY
 
     (tmp_path / "toymod.py").write_text(TOY)
     (tmp_path / "tune.yaml").write_text(CONFIG)

@@ -16,7 +16,7 @@ from hydro.fx import serial
 from hydro.fx.capture import capture
 from tests import real_models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SCRIPT = """
 import json, sys, warnings

@@ -18,10 +18,10 @@ from optuna.trial import TrialState
 from hydro.integrations.optuna import optimize
 from hydro.tuning.lockstep import train_group
 from hydro_fluid import LocalExecutor, TrialGroup
-from tests.test_continuous import make_task
+from tests.tuning.test_continuous_batching import make_task
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPACE = {"lr": FloatDistribution(1e-3, 3e-1, log=True), "warmup": IntDistribution(0, 3)}
 
 

@@ -26,12 +26,12 @@ from hydro.integrations.optuna import is_void, optimize
 from hydro.tuning import checkpoint
 from hydro.tuning.group import FusedGroup
 from hydro.tuning.lockstep import train_group
-from tests.test_continuous import assert_same, make_task, trajectory
 from tests.tuner_child import SPACE
 from tests.tuner_child import make_task as child_task
+from tests.tuning.test_continuous_batching import assert_same, make_task, trajectory
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 STEPS, EVERY = 20, 5  # the child's trials: 20 steps, a checkpoint every 5
 
@@ -280,7 +280,7 @@ def test_cli_and_config_take_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
     ``hydro tune``: the trials' checkpoints go there, not beside the SQLite file."""
     from hydro.cli import main
     from hydro.tuning import config
-    from tests.test_cli import CONFIG, TOY
+    from tests.cli.test_commands import CONFIG, TOY
 
     (tmp_path / "toymod.py").write_text(TOY)
     monkeypatch.chdir(tmp_path)

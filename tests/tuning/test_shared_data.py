@@ -60,8 +60,8 @@ def run(group: FusedGroup, steps: int) -> tuple[torch.Tensor, list[float]]:
 
 def test_shared_group_loads_one_batch_per_step_and_equals_each_trial_alone():
     """Every stream of this loader reads one sequence, so with per-trial streams each member
-    trains as it would alone (per-trial exactness, tests/test_continuous.py), here checked
-    once more against one trial in a group of its own."""
+    trains as it would alone (per-trial exactness, tests/tuning/test_continuous_batching.py),
+    here checked once more against one trial in a group of its own."""
     steps = 6  # fewer than the loader's 8 batches per epoch: one epoch, one call
     task, loader = make_task("shared", steps)
     group = FusedGroup(task, MEMBERS, ratio=2)

@@ -22,10 +22,10 @@ from hydro.errors import ConfigError, HydroWarning, ScaleError
 from hydro.fx.floor import FLOORS, MAX_AUTO_RATIO, MAX_AUTO_RATIO_ATTENTION, layer_widths
 from hydro.scaling import build
 from hydro.tuning import config as config_module
+from tests.cli.test_commands import CONFIG, TOY
 from tests.real_models import build as real_model
-from tests.test_cli import CONFIG, TOY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 IMAGES = (torch.zeros(2, 3, 16, 16),)
 

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 
 from hydro.integrations.optuna import is_void
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 N = 4  # trials; fuse 2 -> two groups
 
@@ -176,7 +176,7 @@ def test_group_resumes_from_checkpoint_with_identical_state(tmp_path):
 
     from hydro.tuning import checkpoint
     from hydro.tuning.lockstep import train_group
-    from tests.test_tune import make_task
+    from tests.tuning.test_tune import make_task
 
     task = make_task(steps=24, eval_every=4, scheduler="cosine")
     params = [{"lr": 1e-2, "warmup": 3}, {"lr": 3e-2}, {"lr": 1e-3, "warmup": 2}]
@@ -337,7 +337,7 @@ def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
     run does."""
     from hydro.tuning import checkpoint
     from hydro.tuning.lockstep import train_group
-    from tests.test_tune import make_task
+    from tests.tuning.test_tune import make_task
 
     task = make_task(steps=12, eval_every=4)
     params = [{"lr": 1e-2}, {"lr": 3e-2}]

@@ -27,7 +27,7 @@ from hydro.tuning.fingerprint import FINGERPRINT, differences, fingerprint, reci
 from tests import toy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
 
 
@@ -71,7 +71,8 @@ def tuned(tmp_path_factory) -> str:
     [
         ({"the_task": task(width=32)}, "model args width 64→32"),
         ({"the_task": task(rows=48)}, "data train_data.inputs float32[64, 8]→float32[48, 8]"),
-        ({"the_task": task(loss=other_loss)}, "loss cross_entropy→tests.test_fingerprint:other"),
+        ({"the_task": task(loss=other_loss)},
+         "loss cross_entropy→tests.tuning.test_fingerprint:other"),
         ({"the_task": task(steps=3)}, "recipe steps 2→3"),
         ({"the_task": task(data_mode="shared")}, "recipe data_mode per_trial→shared"),
         ({"space": {"lr": FloatDistribution(1e-4, 1e-1, log=True)}},
@@ -121,7 +122,7 @@ def test_force_resume_continues_and_the_export_keeps_each_trials_recipe(tmp_path
     storage = f"sqlite:///{tmp_path / 'hydro.db'}"
     tune(storage, n=2)  # steps 2
     with pytest.warns(HydroWarning, match=r"continuing it with another definition, as forced "
-                      r"\(changed: metric none→tests.test_fingerprint:worse, recipe steps "
+                      r"\(changed: metric none→tests.tuning.test_fingerprint:worse, recipe steps "
                       r"2→3\); its trials before number 2"):  # fmt: skip
         forced = tune(storage, n=3, the_task=task(steps=3, metric=worse), force_resume=True)
     assert forced.best_trial.number in (0, 1)  # trained 2 steps, under the first definition
@@ -178,13 +179,13 @@ def test_parts_are_named_and_plain(tmp_path):
         return {**space_a(trial), "warmup": 10}
 
     a = parts(module, space_a)
-    assert a["space"] == {"function": "tests.test_fingerprint:test_parts_are_named_and_plain."
-                          "<locals>.space_a", "fixed": {"warmup": 5},
+    assert a["space"] == {"function": "tests.tuning.test_fingerprint:"
+                          "test_parts_are_named_and_plain.<locals>.space_a", "fixed": {"warmup": 5},
                           "params": {"lr": "float 0.001..0.1 log",
                                      "batch_size": "categorical [16, 32]"}}  # fmt: skip
     assert differences(a, parts(module, space_b)) == [
-        "space function tests.test_fingerprint:test_parts_are_named_and_plain.<locals>.space_a"
-        "→tests.test_fingerprint:test_parts_are_named_and_plain.<locals>.space_b",
+        "space function tests.tuning.test_fingerprint:test_parts_are_named_and_plain.<locals>"
+        ".space_a→tests.tuning.test_fingerprint:test_parts_are_named_and_plain.<locals>.space_b",
         "space fixed warmup 5→10",
     ]
     choices = {"beta2": CategoricalDistribution([0.95, 0.999])}

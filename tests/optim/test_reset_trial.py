@@ -20,7 +20,7 @@ from torch.optim import lr_scheduler as TS
 import hydro.optim
 from hydro.errors import ConfigError
 from hydro.optim import lr_scheduler as S
-from tests.test_optim import ADAM, N, Net, batch, close, make_models, stacked, trial
+from tests.optim.test_against_torch import ADAM, N, Net, batch, close, make_models, stacked, trial
 
 RESET_AT, AFTER = 5, 5
 SLOT = 1

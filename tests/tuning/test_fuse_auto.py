@@ -87,7 +87,7 @@ def test_a_model_the_meta_device_cannot_run_is_counted_on_the_cpu():
 def test_keyword_inputs_are_counted_like_positional_ones():
     """A model called with keyword inputs (dict batches, as HuggingFace models are) is sized
     exactly as the same model and data given positionally."""
-    from tests.test_task import keyword_data, model
+    from tests.tuning.test_task import keyword_data, model
 
     d = keyword_data()
     as_tuple = ((d["input_ids"], d["attention_mask"]), d["labels"])
@@ -240,7 +240,7 @@ def test_config_fuse_defaults_to_auto(tmp_path, extra, fuse, memory):
     from hydro.tuning.config import load
 
     path = tmp_path / "tune.yaml"
-    path.write_text(extra + CONFIG.format(data="tests.test_fuse_auto:config_data"))
+    path.write_text(extra + CONFIG.format(data="tests.tuning.test_fuse_auto:config_data"))
     cfg = load(str(path))
     assert (cfg.fuse, cfg.fuse_memory) == (fuse, memory)
 
@@ -258,7 +258,7 @@ def test_config_bad_fuse_names_the_file_and_key(tmp_path, extra, message):
     from hydro.tuning.config import load
 
     path = tmp_path / "tune.yaml"
-    path.write_text(extra + CONFIG.format(data="tests.test_fuse_auto:config_data"))
+    path.write_text(extra + CONFIG.format(data="tests.tuning.test_fuse_auto:config_data"))
     with pytest.raises(ConfigError, match=message):
         load(str(path))
 
@@ -314,7 +314,7 @@ def test_on_local_workers_each_worker_is_sized_for_its_share():
     """Two CPU workers share the RAM: the default budget of a group is half of one alone, and
     the groups the workers train have the key's size."""
     from hydro_fluid import LocalExecutor
-    from tests.test_continuous import make_task as picklable_task
+    from tests.tuning.test_continuous_batching import make_task as picklable_task
 
     task = picklable_task(steps=4)
     s = study()

@@ -21,7 +21,7 @@ from hydro.tuning.lockstep import train_group
 from hydro.tuning.options import TuneOptions
 from hydro.tuning.slots import _stream_in_worker
 from hydro_fluid import LocalExecutor, TrialGroup
-from tests.test_continuous import make_task
+from tests.tuning.test_continuous_batching import make_task
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 pytestmark = pytest.mark.filterwarnings("ignore:ratio 2 takes")  # the tiny MLP is below the floor

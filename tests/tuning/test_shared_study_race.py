@@ -31,7 +31,7 @@ from hydro.tuning.storage import open_storage
 from tests.waiting import patience
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEAD = 2**22 + 7  # a pid no process has here
 
 

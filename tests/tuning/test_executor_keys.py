@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 from hydro.integrations.optuna import optimize
 from hydro.tuning.lockstep import train_group
 from hydro_fluid import LocalExecutor
-from tests.test_keys import FOUR_KEYS, SPACE, keyed_task, study_of
+from tests.tuning.test_several_keys import FOUR_KEYS, SPACE, keyed_task, study_of
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

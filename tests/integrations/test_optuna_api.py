@@ -18,11 +18,11 @@ from optuna.trial import FrozenTrial, TrialState
 import hydro
 from hydro.cli import main
 from hydro.errors import ConfigError, UserCodeError
-from tests.test_cli import CONFIG, TOY
+from tests.cli.test_commands import CONFIG, TOY
 from tests.tuner_child import SPACE, make_task
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOP = optuna.pruners.NopPruner
 
 

@@ -85,12 +85,12 @@ def test_python_random_layerdrop_stops_capture_saying_what_to_set():
 
 
 def layerdrop_net() -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """For ``hydro inspect tests.test_host_random:layerdrop_net``."""
+    """For ``hydro inspect tests.fx.test_host_random:layerdrop_net``."""
     return LayerDropNet(), (torch.randn(2, 4),)
 
 
 def test_layerdrop_error_through_the_cli(capsys):
-    code = cli.main(["inspect", "tests.test_host_random:layerdrop_net", "--ratio", "2"])
+    code = cli.main(["inspect", "tests.fx.test_host_random:layerdrop_net", "--ratio", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     first = err.strip().splitlines()[0]

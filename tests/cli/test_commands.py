@@ -12,7 +12,7 @@ import hydro
 from hydro.cli import main
 from tests import toy
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_inspect_prints_and_writes_json(tmp_path, capsys, monkeypatch):

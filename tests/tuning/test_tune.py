@@ -22,7 +22,7 @@ from hydro.integrations.optuna import TransferSampler, optimize
 from hydro.tuning.lockstep import train_group
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_task(steps: int = 30, **kw) -> hydro.Task:

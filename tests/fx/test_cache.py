@@ -182,7 +182,7 @@ def test_misses_when_a_submodule_class_in_another_file_changes(exports, monkeypa
 
 def _rewrite(path: str, name: str, data: bytes) -> None:
     """Replace the entry's member ``name``, the entry signed again with this user's secret: what
-    the checks behind its HMAC catch (tests/test_cache_trust.py: an entry changed unsigned)."""
+    the checks behind its HMAC catch (tests/fx/test_cache_trust.py: an entry changed unsigned)."""
     with zipfile.ZipFile(path) as z:
         items = {i: z.read(i) for i in z.namelist()}
     items[name] = data
@@ -339,7 +339,7 @@ def test_the_key_is_the_same_in_another_process():
         "import torch; from hydro.fx import cache; from tests.cache_model import Net; "
         "print(cache.key(Net().eval(), (torch.zeros(4, 6),), {}, None))"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     keys = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)

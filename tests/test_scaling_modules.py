@@ -2,7 +2,7 @@
 surrogate's widths, and forward hooks that fire with the activations of each call.
 
 :func:`hook_calls` / :func:`assert_hooks_as_model` are also run on every real model by
-``tests/test_capture.py`` (where those models are scaled anyway).
+``tests/fx/test_capture.py`` (where those models are scaled anyway).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from tests.real_models import (
     sized,
     timm_available,
 )
-from tests.test_modules import assert_hooks_as_model
+from tests.test_scaling_modules import assert_hooks_as_model
 
 # parameter cut at ratio 8 measured on these configs (target / surrogate parameters), rounded down
 MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "hf_gpt2": 30,

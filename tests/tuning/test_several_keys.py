@@ -14,7 +14,7 @@ from hydro.integrations.optuna import optimize
 from hydro.tuning.group import FusedGroup
 from hydro.tuning.lockstep import train_group
 from hydro_fluid import LocalExecutor
-from tests.test_continuous import _mlp, make_task
+from tests.tuning.test_continuous_batching import _mlp, make_task
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -151,7 +151,7 @@ def test_a_new_group_of_a_key_reuses_the_last_capture_and_trains_the_same():
     """``FusedGroup(like=earlier)``: a key's next group takes the earlier group's capture (no
     new ``torch.export``) and its trials train exactly as in a group captured afresh; another
     key or ratio captures afresh."""
-    from tests.test_continuous import assert_same, trajectory
+    from tests.tuning.test_continuous_batching import assert_same, trajectory
 
     task = keyed_task()
     a, b = {"lr": 3e-2, "warmup": 2, "width": 32}, {"lr": 1e-2, "width": 32}

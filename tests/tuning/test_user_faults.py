@@ -108,7 +108,7 @@ def bad_loss(out, y):
 
 def test_a_loss_that_always_raises_stops_the_cli_with_one_line(tmp_path, monkeypatch, capsys):
     from hydro.cli import main
-    from tests.test_cli import CONFIG, TOY
+    from tests.cli.test_commands import CONFIG, TOY
 
     (tmp_path / "toymod.py").write_text(TOY + TOY_LOSS)
     (tmp_path / "tune.yaml").write_text(

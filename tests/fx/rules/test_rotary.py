@@ -80,7 +80,7 @@ def test_rotary_table_is_recognized_by_its_values():
 
 
 def small_gqa() -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """For ``hydro inspect tests.test_rotary:small_gqa``."""
+    """For ``hydro inspect tests.fx.rules.test_rotary:small_gqa``."""
     torch.manual_seed(0)
     return GQALM(), (IDS,)
 
@@ -92,7 +92,7 @@ def test_head_dim_cut_rebuilds_the_rotary_table_with_the_same_base(tmp_path, cap
         sur = hydro.scale(model, 4, example_inputs=(IDS,), seed=0)
         plan = tmp_path / "plan.json"
         code = cli.main(
-            ["inspect", "tests.test_rotary:small_gqa", "--ratio", "4", "--json", str(plan)]
+            ["inspect", "tests.fx.rules.test_rotary:small_gqa", "--ratio", "4", "--json", str(plan)]
         )
     assert code in (0, None)
     line = "rotary table rebuilt for head dim 4 (base 500000): 'rope.inv_freq', head dim 16 -> 4"

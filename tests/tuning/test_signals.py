@@ -22,9 +22,9 @@ from hydro.tuning.engine import optimize
 from hydro.tuning.signals import Terminated, terminate_as_interrupt
 from hydro_fluid.executors.scratch import OWNER, claim_mp_tempdir, private_dir, sweep_mp_tempdirs
 from hydro_fluid.executors.worker import start_ticks
-from tests.test_cli import CONFIG, TOY
+from tests.cli.test_commands import CONFIG, TOY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _dead_process() -> tuple[int, int]:

@@ -16,10 +16,10 @@ from optuna.trial import TrialState
 import hydro
 from hydro.errors import ConfigError
 from hydro.integrations.optuna import optimize
-from tests.test_cli import CONFIG, TOY, project  # noqa: F401 - the fixture
-from tests.test_continuous import make_task
+from tests.cli.test_commands import CONFIG, TOY, project  # noqa: F401 - the fixture
+from tests.tuning.test_continuous_batching import make_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def hydro_tune(folder: Path, *args: str) -> subprocess.CompletedProcess:
