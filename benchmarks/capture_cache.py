@@ -57,8 +57,8 @@ def _instrument(spent: dict[str, float]) -> None:
     phases it calls)."""
     stack: list[list[float]] = []  # per open phase: [start, time in nested phases]
 
-    def wrap(phase, fn):  # noqa: ANN001, ANN202
-        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def wrap(phase, fn):
+        def timed(*a, **k):
             stack.append([time.perf_counter(), 0.0])
             try:
                 return fn(*a, **k)
@@ -102,7 +102,7 @@ def _child(start: float) -> dict:
         t = time.perf_counter()
         import hydro
         import hydro.fusion.model
-        import hydro.fx.capture  # noqa: F401 - phases patch it: its import is counted here
+        import hydro.fx.capture  # phases patch it: its import is counted here
         from hydro.fx import cache
         from hydro.tuning import config
         from hydro.tuning.group import FusedGroup
@@ -111,7 +111,7 @@ def _child(start: float) -> dict:
         t = time.perf_counter()
         # imported by the first fake tensor, ShapeEnv or optimizer (add_param_group), whichever
         # comes first: timed on its own so that no phase carries it
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
 
         timings["import torch._dynamo"] = time.perf_counter() - t
     timings["imports"] = time.perf_counter() - start

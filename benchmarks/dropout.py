@@ -40,14 +40,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion import timed  # noqa: E402
-from trial_step_ratio import VOCAB, loss_fn  # noqa: E402
+from fusion import timed
+from trial_step_ratio import VOCAB, loss_fn
 
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from examples.charlm.model import gpt  # noqa: E402
-from hydro.fusion import ops, rewrite  # noqa: E402
-from hydro.fusion import random as rng  # noqa: E402
+import hydro
+import hydro.optim
+from examples.charlm.model import gpt
+from hydro.fusion import ops, rewrite
+from hydro.fusion import random as rng
 
 
 def dropout_v1(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def draw(fn: Callable[..., torch.Tensor]) -> Iterator[None]:
         rng.dropout = saved
 
 
-def _torch_rng_dropout(x, p, train, n, spec):  # noqa: ANN001, ANN202
+def _torch_rng_dropout(x, p, train, n, spec):
     """The per-trial-rate dropout before streams: torch's generator over the whole group."""
     if not train:
         return x
@@ -86,7 +86,7 @@ def _torch_rng_dropout(x, p, train, n, spec):  # noqa: ANN001, ANN202
     return ops.settle(t * mask * scale_, spec)
 
 
-def _torch_rng_handler(rw, node, found, kinds) -> bool:  # noqa: ANN001
+def _torch_rng_handler(rw, node, found, kinds) -> bool:
     p = rw.literal(node, 1)
     if p is None or "T" in kinds:
         return False  # one rate: aten.dropout over the folded batch, as before

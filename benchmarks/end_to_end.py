@@ -111,7 +111,7 @@ def model_args(args: argparse.Namespace) -> dict:
             "block_size": args.block}  # fmt: skip
 
 
-def schedule(opt, warmup: int, steps: int):  # noqa: ANN001, ANN201
+def schedule(opt, warmup: int, steps: int):
     """Linear warm-up from lr/(warmup+1), then cosine decay: the full-model recipe of
     docs/tuning.md (what each surrogate trial trains with)."""
     import torch
@@ -129,7 +129,7 @@ def check_seed(s: int, repeat: int) -> int:
     return 1000 * (s + 1) + repeat
 
 
-def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa: ANN001
+def full_model_run(args, params: dict, seed: int, trial=None) -> float:
     """Train the unmodified full model with plain PyTorch; its final validation loss.
 
     With ``trial`` (plain Optuna's objective) the loss is reported every ``eval_every`` steps
@@ -174,7 +174,7 @@ def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa:
     return value
 
 
-def evaluate(model, val: tuple) -> float:  # noqa: ANN001
+def evaluate(model, val: tuple) -> float:
     """Mean per-character cross-entropy over the whole validation split."""
     import torch
     import torch.nn.functional as F
@@ -195,12 +195,12 @@ def evaluate(model, val: tuple) -> float:  # noqa: ANN001
 # --- one search, in its own process ------------------------------------------------------------
 
 
-def timed_pruner(clock: dict):  # noqa: ANN201
+def timed_pruner(clock: dict):
     """Optuna's ``MedianPruner`` that notes when it is first asked (the first evaluation)."""
     import optuna
 
     class Timed(optuna.pruners.MedianPruner):
-        def prune(self, study, trial) -> bool:  # noqa: ANN001
+        def prune(self, study, trial) -> bool:
             clock.setdefault("first_eval", time.perf_counter() - clock["start"])
             return super().prune(study, trial)
 
@@ -275,7 +275,7 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
             "cache": dict(cache.stats)}  # fmt: skip
 
 
-def states(study) -> dict:  # noqa: ANN001
+def states(study) -> dict:
     """Trials per state, and ``trial_steps``: the steps trained summed over trials (a pruned
     trial's last reported step)."""
     counts: dict[str, int] = {"trial_steps": 0}

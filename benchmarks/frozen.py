@@ -31,8 +31,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro.optim  # noqa: E402
-from hydro.fusion import fuse, trial_loss  # noqa: E402
+import hydro.optim
+from hydro.fusion import fuse, trial_loss
 
 
 def cnn_backbone() -> tuple[nn.Module, int, torch.Tensor]:

@@ -44,13 +44,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro.fusion.model  # noqa: E402
-import hydro.fusion.ops as hydro_ops  # noqa: E402
-import hydro.optim  # noqa: E402
-from examples.charlm.model import GPT  # noqa: E402
-from examples.models import ResNet  # noqa: E402
-from hydro.fusion import fuse, trial_loss  # noqa: E402
-from hydro.scaling import scale  # noqa: E402
+import hydro.fusion.model
+import hydro.fusion.ops as hydro_ops
+import hydro.optim
+from examples.charlm.model import GPT
+from examples.models import ResNet
+from hydro.fusion import fuse, trial_loss
+from hydro.scaling import scale
 
 
 def mlp(width: int) -> Callable[[], tuple[nn.Module, tuple, torch.Tensor, Callable]]:
@@ -89,7 +89,7 @@ MODELS = {
 }
 
 
-def LRS(n: int) -> list[float]:  # noqa: N802 - a constant-like helper
+def LRS(n: int) -> list[float]:  # a constant-like helper
     """A different learning rate per trial, as in a real study."""
     return [1e-3 * (1 + k / n) for k in range(n)]
 
@@ -140,7 +140,7 @@ class OpCount(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -167,11 +167,11 @@ class ExternCalls(TorchDispatchMode):
         super().__init__()
         self.calls: list[tuple] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in EXTERN:
 
-            def meta(x):  # noqa: ANN001, ANN202
+            def meta(x):
                 if isinstance(x, torch.Tensor):
                     return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
                 return x
@@ -189,7 +189,7 @@ def extern_replay(step: Callable[[], None]) -> Callable[[], None]:
     with ExternCalls() as recorder:
         step()
 
-    def real(x):  # noqa: ANN001, ANN202
+    def real(x):
         if isinstance(x, tuple) and x and x[0] == "tensor":
             _, shape, stride, dtype, offset = x
             size = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
@@ -245,7 +245,7 @@ def vmap_step(make, n: int) -> Callable[[], None]:
                 node.target = torch.ops.aten.reshape.default
         gm.recompile()
 
-    def one(p, b, *inputs):  # noqa: ANN001
+    def one(p, b, *inputs):
         return torch.func.functional_call(base, (p, b), inputs)
 
     forward = torch.func.vmap(one, in_dims=(0, 0) + (None,) * len(x), randomness="different")
@@ -260,7 +260,7 @@ def vmap_step(make, n: int) -> Callable[[], None]:
     return step
 
 
-def fused_step(make, n: int, rewrite: types.ModuleType | None = None) -> Callable[[], None]:  # noqa: ANN001
+def fused_step(make, n: int, rewrite: types.ModuleType | None = None) -> Callable[[], None]:
     """``hydro.fuse`` + ``hydro.optim.Adam``; ``rewrite``: the graph built by another revision's
     rewrite (:func:`rewrite_at`), for a before/after comparison in one process."""
     built = [make() for _ in range(n)]
@@ -289,7 +289,7 @@ def charlm_surrogate(ratio: int = 8):
     return model, (idx,), torch.randint(0, 96, (32, 64)), gpt_loss
 
 
-def compiled_pair(  # noqa: ANN001
+def compiled_pair(
     make, n: int, compile: object, whole: bool = False
 ) -> tuple[Callable[[], None], object]:
     """One fused training step (forward, per-trial losses, backward, AdamW) built with
@@ -325,7 +325,7 @@ def compiled_pair(  # noqa: ANN001
     return step, fused
 
 
-def graph_call(fused) -> Callable[[], None]:  # noqa: ANN001
+def graph_call(fused) -> Callable[[], None]:
     """The whole-step graph's compiled callable alone, on the inputs of its last call: the
     step less :class:`~hydro.fusion.step.TrainStep`'s Python (input gathering, key, lookup).
     Call after the step ran once with :func:`record_graph_inputs` in place."""
@@ -338,7 +338,7 @@ def graph_call(fused) -> Callable[[], None]:  # noqa: ANN001
     return call
 
 
-def record_graph_inputs(fused) -> None:  # noqa: ANN001
+def record_graph_inputs(fused) -> None:
     """Wrap the compiled whole-step graphs of ``fused`` to keep their last inputs."""
     compiler = fused._compiler
     for key, fn in list(compiler._steps.items()):
@@ -426,7 +426,7 @@ def _module_at(
     source = source.replace("from hydro.fusion import ops\n", "")
     for old, new in (replace or {}).items():
         source = source.replace(old, new)
-    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -459,7 +459,7 @@ def rewrite_at(rev: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def building_with(rewrite: types.ModuleType):  # noqa: ANN201
+def building_with(rewrite: types.ModuleType):
     """Fused graphs built inside this block come from ``rewrite`` (cached by the model after)."""
     saved = hydro.fusion.model.fuse_graph
     hydro.fusion.model.fuse_graph = rewrite.fuse_graph
@@ -687,7 +687,7 @@ def old_optimizers(rev: str) -> types.ModuleType | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     module = types.ModuleType("hydro_optim_old")
-    exec(compile(source, f"{rev}:hydro/optim/optimizers.py", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:hydro/optim/optimizers.py", "exec"), module.__dict__)
     return module
 
 
@@ -742,7 +742,7 @@ CONV_SHAPES = [
 ]
 
 
-def _conv_steps(n: int, b: int, cin: int, cout: int, k: int, stride: int, groups: int, h: int):  # noqa: ANN202
+def _conv_steps(n: int, b: int, cin: int, cout: int, k: int, stride: int, groups: int, h: int):
     xs = [torch.randn(b, cin, h, h, requires_grad=True) for _ in range(n)]
     ws = [torch.randn(cout, cin // groups, k, k, requires_grad=True) for _ in range(n)]
     xg = torch.cat([x.detach() for x in xs], 1).requires_grad_()
@@ -1006,7 +1006,7 @@ def main() -> None:
                     try:
                         steps[key] = build(*extra, make, n)
                         steps[key]()
-                    except Exception as exc:  # noqa: BLE001 - report, keep going
+                    except Exception as exc:  # report, keep going
                         steps.pop(key, None)
                         if key != "hand":  # written for the MLP only
                             why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import fusion as B  # noqa: E402
+from benchmarks import fusion as B
 
 
 def timed(step: Callable[[], None], rounds: int = 5, steps: int = 20) -> float:

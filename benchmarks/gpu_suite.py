@@ -171,7 +171,7 @@ def compiled_table(device: torch.device, small: bool, clock: Clock) -> list[dict
                     row["compile_s"] = time.perf_counter() - start
                     v = B.timed({method: step}, repeats, min_time)[method]
                 row.update(trial_steps_per_s=n / v, ms_per_step=1e3 * v)
-            except Exception as exc:  # noqa: BLE001 - a backend that fails here is a finding
+            except Exception as exc:  # a backend that fails here is a finding
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
     return rows
@@ -382,7 +382,7 @@ def _section(result: dict, key: str, clock: Clock, need: float, fn: Callable[[],
     start = time.perf_counter()
     try:
         result[key] = fn()
-    except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
+    except Exception as exc:  # one section's failure must not lose the others
         result[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     result["section_s"][key] = time.perf_counter() - start
     print(f"{key}: {result['section_s'][key]:.1f} s", file=sys.stderr, flush=True)

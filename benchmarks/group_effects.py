@@ -41,7 +41,7 @@ from optuna.trial import TrialState
 N_CONFIGS, STEPS, EVERY = 32, 40, 10
 
 
-def make_task():  # noqa: ANN201
+def make_task():
     import hydro
 
     g = torch.Generator().manual_seed(0)

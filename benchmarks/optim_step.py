@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion import LRS, MODELS, old_optimizers, stacked, timed  # noqa: E402
+from fusion import LRS, MODELS, old_optimizers, stacked, timed
 
-import hydro.optim  # noqa: E402
+import hydro.optim
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def workload(groups_per_key: int, fuse: int, budget: int) -> list[tuple[str, Tri
     return out
 
 
-def worker_fn(key_of: dict[str, str], group: TrialGroup, ctx) -> dict:  # noqa: ANN001
+def worker_fn(key_of: dict[str, str], group: TrialGroup, ctx) -> dict:
     """One fused MLP group with its key's width and batch size (module level: picklable)."""
     width, batch = KEYS[key_of[group.name]]
     return fused_mlp(group, ctx, width=width, batch=batch)
@@ -63,7 +63,7 @@ def run_real(policy: str, work: list[tuple[str, TrialGroup]], deadline: float | 
     reports: list[tuple[float, int, float]] = []
     start = time.monotonic()
 
-    def report(trial, step, value):  # noqa: ANN001, ANN202
+    def report(trial, step, value):
         reports.append((time.monotonic() - start, trial, value))
 
     results = ex.run([g for _, g in work], functools.partial(worker_fn, key_of), report=report,
@@ -102,7 +102,7 @@ def measured_workload(ex: LocalExecutor, work: list[tuple[str, TrialGroup]]) -> 
     return out
 
 
-def sim_busy(result, devices: int = 2) -> float:  # noqa: ANN001
+def sim_busy(result, devices: int = 2) -> float:
     used = sum((s.end - s.start) * s.share for s in result.segments)
     return used / (devices * result.makespan)
 

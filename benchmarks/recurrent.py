@@ -66,9 +66,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from hydro.parametrize import param_groups  # noqa: E402
+import hydro
+import hydro.optim
+from hydro.parametrize import param_groups
 
 
 class RNNModel(nn.Module):
@@ -96,7 +96,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _median_ms(fn, rounds: int, steps: int) -> float:  # noqa: ANN001
+def _median_ms(fn, rounds: int, steps: int) -> float:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()

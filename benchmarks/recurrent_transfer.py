@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from benchmarks.recurrent import RNNModel  # noqa: E402
+import hydro
+import hydro.optim
+from benchmarks.recurrent import RNNModel
 
 
 def _text() -> torch.Tensor:

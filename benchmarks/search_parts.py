@@ -65,9 +65,9 @@ def main() -> None:
     calls: collections.Counter = collections.Counter()
     depth = [0]
 
-    def timed(f, label):  # noqa: ANN001, ANN202
+    def timed(f, label):
         @functools.wraps(f)
-        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def call(*args, **kwargs):
             if depth[0]:
                 return f(*args, **kwargs)
             depth[0] += 1

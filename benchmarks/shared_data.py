@@ -35,8 +35,8 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-from hydro.tuning.group import FusedGroup  # noqa: E402
+import hydro
+from hydro.tuning.group import FusedGroup
 
 SIDE, PAD, CLASSES = 28, 2, 10
 

@@ -59,14 +59,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from examples.charlm.data import load  # noqa: E402
-from examples.charlm.model import gpt  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.fusion import fuse, trial_loss  # noqa: E402
-from hydro.tuning.group import _schedule  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+import hydro.optim
+from examples.charlm.data import load
+from examples.charlm.model import gpt
+from hydro.errors import HydroWarning
+from hydro.fusion import fuse, trial_loss
+from hydro.tuning.group import _schedule
+from hydro.tuning.outputs import spearman
 
 
 def lr_lambda(warmup: int, steps: int):
@@ -197,7 +197,7 @@ WD_GRID = [0.0, 1.0, 4.0, 16.0, 64.0]  # AdamW's decay per step is lr x wd: ~1e-
 WARMUP_FRACTIONS = [0, 0.025, 0.075, 0.225, 0.675]  # of the steps: 0, 5, 15, 45, 135 of 200
 
 
-def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, args) -> nn.Module:  # noqa: ANN001
+def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, args) -> nn.Module:
     """One model of the depth experiment, initialized from ``seed``."""
     margs = dict(n_head=args.n_head, block_size=args.block_size)
     if name == "full":
@@ -213,7 +213,7 @@ def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, a
 
 def fused_grid(
     model: nn.Module, trials: list[dict], data: dict, batches: torch.Tensor, args, times=None
-) -> list[float]:  # noqa: ANN001
+) -> list[float]:
     """Validation loss of each trial (``lr``, ``weight_decay``, ``warmup``), all trained at once
     as one fused model (``hydro.fuse`` of copies of ``model``: the same initialization for every
     trial) with ``hydro.optim.AdamW`` and each trial's own schedule: what training each alone
@@ -250,7 +250,7 @@ def fused_grid(
     return [math.nan if d or not math.isfinite(v) else v for v, d in zip(losses, fused.diverged)]
 
 
-def depth_data(args) -> dict:  # noqa: ANN001
+def depth_data(args) -> dict:
     data = load(block_size=args.block_size)
     # the validation windows, thinned: a full pass over them costs the 256-wide target ~25 s
     vx, vy = data["val"]
@@ -259,12 +259,12 @@ def depth_data(args) -> dict:  # noqa: ANN001
     return data
 
 
-def depth_batches(data: dict, seed: int, args) -> torch.Tensor:  # noqa: ANN001
+def depth_batches(data: dict, seed: int, args) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
 
 
-def depth_target(seed: int, args) -> nn.Module:  # noqa: ANN001
+def depth_target(seed: int, args) -> nn.Module:
     torch.manual_seed(seed)
     return gpt(n_layer=args.depth_layers, n_embd=args.depth_width, n_head=args.n_head,
                block_size=args.block_size)  # fmt: skip
@@ -425,7 +425,7 @@ def depth_report(res: dict, plot_path: Path | None = None, reference: str = "ful
     return rows
 
 
-def _grid_table(grid: list[float], med: dict[str, np.ndarray], fmt) -> str:  # noqa: ANN001
+def _grid_table(grid: list[float], med: dict[str, np.ndarray], fmt) -> str:
     head = f"{'':>6} | " + " ".join(f"{k:>9}" for k in med)
     lines = [head, "-" * len(head)]
     for i, g in enumerate(grid):

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hydro  # noqa: E402
-from benchmarks.transfer import fused_grid  # noqa: E402
-from examples.charlm.data import VOCAB_SIZE, load  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+from benchmarks.transfer import fused_grid
+from examples.charlm.data import VOCAB_SIZE, load
+from hydro.errors import HydroWarning
+from hydro.tuning.outputs import spearman
 
 
 class RotaryAttention(nn.Module):

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-from examples.charlm.model import gpt  # noqa: E402
+import hydro
+from examples.charlm.model import gpt
 
 VOCAB = 103
 

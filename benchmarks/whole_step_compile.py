@@ -39,16 +39,16 @@ def child(which: str, direct: bool) -> dict:
     backend = step_module._backend
     if direct:
 
-        def backend(options):  # noqa: ANN001, ANN202 - the call before the ShapeEnv fix
+        def backend(options):  # the call before the ShapeEnv fix
             from torch._inductor.compile_fx import compile_fx
 
             config = torch._TorchCompileInductorWrapper(None, None, None).config
             return lambda g, example: compile_fx(g, example, config_patches=config)
 
-    def timed(options):  # noqa: ANN001, ANN202
+    def timed(options):
         inner = backend(options)
 
-        def compile(graph, example):  # noqa: ANN001, ANN202
+        def compile(graph, example):
             start = time.perf_counter()
             out = inner(graph, example)
             spent["compile_fx"] += time.perf_counter() - start

@@ -57,10 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-import hydro  # noqa: E402
-from benchmarks.transfer import lr_lambda  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+from benchmarks.transfer import lr_lambda
+from hydro.errors import HydroWarning
+from hydro.tuning.outputs import spearman
 
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 

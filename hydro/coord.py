@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx
@@ -21,6 +21,9 @@ from hydro.fx.capture import capture
 from hydro.fx.paths import get_path
 from hydro.fx.widths import flat_inputs, op_name
 from hydro.scaling import scale
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -85,7 +88,7 @@ class CoordCheckResult:
                             + [f"{self.sizes[r][layer][t]:.3g}" for r in self.ratios]
                             + [f"{self.spread(layer, t):.2f}"])  # fmt: skip
         cols = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-        fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))  # noqa: E731
+        fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))
         return "\n".join([fmt(head), fmt(["-" * w for w in cols]), *map(fmt, rows)])
 
     def kind(self, layer: str) -> str:
@@ -100,7 +103,7 @@ class CoordCheckResult:
         role = self.roles.get(layer, "?")
         return "output (logits)" if role == "output" else f"{family} ({role})"
 
-    def plot(self, path: str | None = None, threshold: float = 2.0, per_panel: int = 6):  # noqa: ANN201 - Figure
+    def plot(self, path: str | None = None, threshold: float = 2.0, per_panel: int = 6) -> Figure:
         """Activation size against width at the last step, one panel per layer kind (at most
         ``per_panel`` lines each: the layers with the largest spread, named), then the spread
         per step of the worst layers against the ``threshold`` of :meth:`verdict`."""
@@ -273,7 +276,7 @@ def _layers(sur: nn.Module, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tup
 class _Recording(torch.fx.Interpreter):
     """Runs a surrogate's graph (with autograd), recording each layer's mean |activation|."""
 
-    def __init__(self, root, gm, layers, record) -> None:  # noqa: ANN001
+    def __init__(self, root, gm, layers, record) -> None:
         super().__init__(root, graph=gm.graph)
         self.gm, self.layers, self.record = gm, layers, record
 

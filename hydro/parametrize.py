@@ -434,7 +434,7 @@ READOUT = "mup_readout"
 
 def _insert_readout_multipliers(
     sur, plan, node_map, readouts, info: SurrogateInfo, always: bool = False
-) -> None:  # noqa: ANN001
+) -> None:
     """Multiply each readout's input by a 0-dim buffer (``mup_readout.scale``).
 
     A buffer rather than a literal: a fused group gives each trial its own value (the

@@ -385,7 +385,7 @@ def _copy(graph: torch.fx.Graph, node_map: dict) -> torch.fx.Graph:
     return new
 
 
-def _put(root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent=True) -> None:  # noqa: ANN001
+def _put(root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent=True) -> None:
     *parents, leaf = path.split(".")
     mod = root
     for part in parents:
@@ -527,7 +527,7 @@ def _rewrite_int(node: torch.fx.Node, want: int, plan: WidthPlan) -> None:
         plan.int_rewrites[m] = k * new_total // old_total
 
 
-def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:  # noqa: ANN001
+def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:
     x = plan.node_syms[b["self"]]
     dim = b.get("dim", 0) % len(x)
     whole, new_whole = plan.sizes[x[dim]], plan.new_dim(x[dim])

@@ -143,7 +143,7 @@ class NanoGPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):  # noqa: ANN201
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         device = idx.device
         b, t = idx.size()
         assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"

@@ -38,7 +38,7 @@ class HostReads(TorchDispatchMode):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.active = False
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         self.active = True
         return super().__enter__()
 
@@ -58,7 +58,7 @@ class HostReads(TorchDispatchMode):
                         return True
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         bool_index = func is torch.ops.aten.index.Tensor and any(
             i is not None and i.dtype == torch.bool for i in args[1]
         )
@@ -75,7 +75,7 @@ def reads(monkeypatch):
     for name in ("tolist", "numpy"):
         original = getattr(torch.Tensor, name)
 
-        def wrapped(self, *a, _original=original, _name=name, **kw):  # noqa: ANN001, ANN202
+        def wrapped(self, *a, _original=original, _name=name, **kw):
             if counter.active and not counter.on_host(self):
                 counter.reads.append(_name)
             return _original(self, *a, **kw)
@@ -199,7 +199,7 @@ def test_refilled_slots_keep_every_evaluation_shared_by_all_slots() -> None:
     evaluated = []
     plain = group.evaluate
 
-    def evaluate(full=None) -> list[float]:  # noqa: ANN001
+    def evaluate(full=None) -> list[float]:
         evaluated.append((len(group.due()), group.n))
         return plain(full)
 

@@ -107,7 +107,7 @@ def test_trial_loss_lets_the_loss_own_error_through(error: type) -> None:
         (F.mse_loss, (3, 8, 1), (2, 8, 1), False, r"shape \(2, 8, 1\) but there are 3 trials"),
     ],
 )
-def test_trial_loss_batch_mismatch_one_line(loss, output, target, shared, message) -> None:  # noqa: ANN001
+def test_trial_loss_batch_mismatch_one_line(loss, output, target, shared, message) -> None:
     y = torch.randint(0, 4, target) if loss is F.cross_entropy else torch.randn(target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # mse_loss's own broadcasting warning

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         if where == "ask":
             ask = optuna.Study.ask
 
-            def stopping_ask(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            def stopping_ask(self, *args, **kw):
                 calls["n"] += 1
                 if calls["n"] == int(k):
                     _block(a.marker)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
 
             put = FusedGroup.put
 
-            def stopping_put(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            def stopping_put(self, *args, **kw):
                 calls["n"] += 1
                 if calls["n"] == int(k):
                     _block(a.marker)
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             train = driver.start_group
 
-            def stopping_train(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            def stopping_train(*args, **kw):
                 calls["n"] += 1
                 if calls["n"] == int(k):
                     _block(a.marker)

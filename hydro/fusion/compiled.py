@@ -210,12 +210,12 @@ class Compiler:
         if first:
             try:
                 fn = self._cache[key] = self._compile(lifted.module, inputs, code)
-            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+            except Exception as exc:  # any compiler failure: fall back, say so
                 self._fail(exc)
                 return gm(*args, **kwargs)
         try:
             out = fn(*inputs)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+        except Exception as exc:  # any compiler failure: fall back, say so
             if not first and not _from_compiler(exc):
                 raise
             self._fail(exc)

@@ -247,7 +247,7 @@ class FusedModel(nn.Module):
         """``{"compiles": graphs compiled, "seconds": their compile time}`` (:meth:`compile`)."""
         return Compiler.summary(self._compiler)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
+    def _apply(self, fn, recurse=True):  # nn.Module signature
         out = super()._apply(fn, recurse)
         for name in self._frozen_shared:  # a dtype or device move copies n rows: one again
             p = self.get_parameter(name)

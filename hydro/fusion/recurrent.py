@@ -108,7 +108,7 @@ class _LSTMLayer(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, gi, h0, c0, w_hh, reverse):  # noqa: ANN001, ANN205
+    def forward(ctx, gi, h0, c0, w_hh, reverse):
         n, steps, batch, four = gi.shape
         hid = four // 4
         w_t = w_hh.transpose(1, 2)
@@ -137,7 +137,7 @@ class _LSTMLayer(torch.autograd.Function):
         return hs, h.clone(), c / 2
 
     @staticmethod
-    def backward(ctx, grad_hs, grad_h, grad_c):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_hs, grad_h, grad_c):
         hs, h0, c0, w_hh = ctx.saved_tensors
         acts, big_c = ctx.acts, ctx.big_c
         steps, n, batch, _, hid = acts.shape

@@ -132,7 +132,7 @@ class _Rewriter(_StackedLayout):
     """The state of one :func:`fuse_graph` run: ``env`` maps old nodes to new ones, ``spec`` old
     nodes to the layout spec of their new value (``ops.Spec``, or a list for several tensors)."""
 
-    def __init__(self, template, n, shared, tensors, shared_names, literals) -> None:  # noqa: ANN001
+    def __init__(self, template, n, shared, tensors, shared_names, literals) -> None:
         self.template, self.n, self.shared = template, n, shared
         self.tensors, self.shared_names, self.literals = tensors, shared_names, literals
         self.facts = batch_facts(template)
@@ -217,7 +217,7 @@ class _Rewriter(_StackedLayout):
         self.owners[name] = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self.graph.get_attr(name)
 
-    def copy(self, node: Node, convert) -> Node:  # noqa: ANN001
+    def copy(self, node: Node, convert) -> Node:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
         new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
         new.meta = dict(node.meta)
@@ -621,7 +621,7 @@ class _Rewriter(_StackedLayout):
 class _VmapOp(torch.nn.Module):
     """Calls :func:`ops.vmap_call` for one node (holds what a graph argument cannot)."""
 
-    def __init__(self, op, n, specs, outs, treespec) -> None:  # noqa: ANN001
+    def __init__(self, op, n, specs, outs, treespec) -> None:
         super().__init__()
         self.op, self.n, self.specs, self.outs, self.treespec = op, n, specs, outs, treespec
 
@@ -642,7 +642,7 @@ def _shift(dim: object) -> object:
     return dim + 1 if isinstance(dim, int) and dim >= 0 else dim
 
 
-def _trial_expand(t: torch.Tensor, sizes, n: int, dim: int, spec) -> torch.Tensor:  # noqa: ANN001
+def _trial_expand(t: torch.Tensor, sizes, n: int, dim: int, spec) -> torch.Tensor:
     per = list(sizes)
     per[dim] = per[dim] // n
     missing = len(per) - (t.dim() - 1)  # expand may add leading dimensions

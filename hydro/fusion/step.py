@@ -189,12 +189,12 @@ class TrainStep:
                 graph = make_fx(fn, tracing_mode="fake")(*detached)
             except _Unsupported:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a loss or model that does not trace
+            except Exception as exc:  # a loss or model that does not trace
                 raise _Unsupported(f"the step does not trace ({_first_line(exc)})") from exc
             compiled = _backend(compiler.options)(graph, detached)
         except _Unsupported:
             raise
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+        except Exception as exc:  # any compiler failure: fall back, say so
             self._reason = f"the whole-step compile failed ({_first_line(exc)})"
             compiler.__dict__["_step_failed"] = self._reason  # for every step of this compiler
             warnings.warn(

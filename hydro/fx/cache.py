@@ -264,7 +264,7 @@ def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphM
         if not isinstance(graph, dict) or sorted(graph.get("attrs", ())) != sorted(attrs):
             raise ValueError("reads other tensors than it lists")
         gm = serial.decode(graph, attrs, name)
-    except Exception as exc:  # noqa: BLE001 - any failure: never trusted, captured again
+    except Exception as exc:  # any failure: never trusted, captured again
         _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})")
         return None
     stats["hits"] += 1
@@ -282,7 +282,7 @@ def store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
     not plain data: it is then not stored) or the directory cannot be written."""
     try:
         return _store(k, gm, model)
-    except Exception:  # noqa: BLE001 - the cache only ever saves time: a capture never fails here
+    except Exception:  # the cache only ever saves time: a capture never fails here
         return False
 
 
@@ -405,7 +405,7 @@ def analysis_key(
             ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
             ("options", walk.value(dict(options))),
         ]
-    except Exception:  # noqa: BLE001 - an option that cannot be keyed: not cached
+    except Exception:  # an option that cannot be keyed: not cached
         return None
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
@@ -491,7 +491,7 @@ def _same(a: Any, b: Any) -> bool:
         return _same_tensor(a, b)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b or (a != a and b != b)  # noqa: PLR0124 - NaN literals
+    return a == b or (a != a and b != b)  # NaN literals
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -528,7 +528,7 @@ def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
         if data.get("torch") != torch.__version__ or data.get("hydro") != _hydro_version():
             raise ValueError("was written by another torch or Hydro version")
         values = _decode_values(data.get("values"), cap)
-    except Exception as exc:  # noqa: BLE001 - any failure: never trusted, analyzed again
+    except Exception as exc:  # any failure: never trusted, analyzed again
         _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})", again)
         return None
     stats["analysis_hits"] += 1
@@ -544,7 +544,7 @@ def store_analysis(k: str, cap: nn.Module, values: Mapping[torch.fx.Node, Any]) 
         back = _decode_values(json.loads(json.dumps(data)), cap)
         if any(not _same(values[n], back[n]) for n in values):
             return False
-    except Exception:  # noqa: BLE001 - the cache only ever saves time
+    except Exception:  # the cache only ever saves time
         return False
     entry = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
              "values": data}  # fmt: skip

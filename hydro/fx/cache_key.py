@@ -62,7 +62,7 @@ def model_state(model: nn.Module) -> ModelState | None:
     try:
         walk = _Walk()
         return ModelState(walk.model(model), dict(walk.classes))
-    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+    except Exception:  # state that breaks the walk: not cached, never an error
         return None
 
 
@@ -91,7 +91,7 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any,
             raise _Uncacheable("a global forward hook")
     except _Uncacheable:
         return None
-    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+    except Exception:  # state that breaks the walk: not cached, never an error
         return None
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]

@@ -116,7 +116,7 @@ def _draw_sites(
             finally:
                 sys.setprofile(None)
                 drew = _state()[1:] != _state_of(np_state)
-    except Exception:  # noqa: BLE001 - locating is best effort; the draw was seen anyway
+    except Exception:  # locating is best effort; the draw was seen anyway
         pass
     finally:
         for name, fn in wrapped.items():

@@ -331,7 +331,7 @@ def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:
             f"stay whole: try a ratio dividing {math.gcd(*sizes)})")  # fmt: skip
 
 
-def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:  # noqa: ANN001
+def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:
     """Resolve a split ``known = outer * inner`` with two unknowns by the head policy.
 
     Head splits (``C = H * D``) go before packed projections (``3C = 3 * C``): the split with
@@ -382,7 +382,7 @@ def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> 
     return False
 
 
-def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
+def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:
     v = plan.new_dim
     for c in a.products:
         lhs = math.prod(v(s) for s in c.lhs) * c.lhs_const

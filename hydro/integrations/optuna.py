@@ -111,7 +111,7 @@ class TransferSampler(BaseSampler):
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._base.before_trial(study, trial)
 
-    def after_trial(self, study, trial, state, values) -> None:  # noqa: ANN001
+    def after_trial(self, study, trial, state, values) -> None:
         self._base.after_trial(study, trial, state, values)
 
     def _replayed(self, trial: FrozenTrial) -> dict[str, Any] | None:

@@ -245,7 +245,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return moved
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim signature
+    def step(self, closure=None):  # torch.optim signature
         """One update of every trial that has not diverged (no host synchronization)."""
         loss = None
         if closure is not None:
@@ -361,7 +361,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 active, vectors = self._math[0](grads, firsts, plan, hypers, flags, like)
                 self._math[1](per_group, grads, state, vectors, plan)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+        except Exception as exc:  # any compiler failure: fall back, say so
             warnings.warn(
                 f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
                 f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
@@ -391,7 +391,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return tuple(plan)
 
     @classmethod
-    def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:  # noqa: ANN001
+    def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:
         """The second graph of :meth:`_compiled_step`: each parameter's ``[n, 1, ...]`` views
         of its bucket's coefficient vectors, in parameter order, and the update."""
         params = [p for ps in per_group for p in ps]
@@ -409,7 +409,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     coeffs[k].append(v)
         cls._elementwise(params, grads, state, coeffs)
 
-    def _traced_coefficients(self, grads, states, plan, hypers, flags, like):  # noqa: ANN001, ANN202
+    def _traced_coefficients(self, grads, states, plan, hypers, flags, like):
         """The first graph of :meth:`_compiled_step`: the isolation flags and every bucket's
         coefficient vectors ``[n]`` (``step``'s arithmetic; the trials are masked whether or not
         any is frozen, an identity then); returns the active trials and the vectors."""
@@ -427,7 +427,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                             for k, v in vectors.items()})  # fmt: skip
         return active, out
 
-    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _run(self, params, grads, state, coeffs) -> None:
         """The eager update, parameter by parameter (:meth:`_update`)."""
         for i, p in enumerate(params):
             self._update(
@@ -460,7 +460,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._scratch_views[key] = views
         return views
 
-    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+    def _update(self, p, g, state, c, scratch) -> None:
         """The eager update of one parameter (``state``, ``c``: its state and coefficients)."""
         raise NotImplementedError
 
@@ -509,11 +509,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _new_cohort(self, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):
         raise NotImplementedError
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs) -> None:
         """The update of every parameter as ``_foreach`` ops, for ``torch.compile`` to fuse."""
         raise NotImplementedError
 

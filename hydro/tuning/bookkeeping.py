@@ -103,7 +103,7 @@ def tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> N
         study.set_user_attr("hydro_sampler_exhausted", True)
 
 
-def report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
+def report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:
     """Give the study a member's intermediate value; True when its pruner prunes it.
     ``hook(number, step, value)`` is then told of the report (the progress bar)."""
     try:
@@ -309,7 +309,7 @@ def fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> Non
             pass  # still failing: the error on its way out says so, and the next run reclaims it
 
 
-def fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
+def fail(study, trial_id, number, params, reason, *, requeue) -> bool:
     """Fail a RUNNING trial (True if this call did it: of racing processes one wins), and with
     ``requeue`` enqueue its parameters to be asked again."""
     storage = study._storage
@@ -383,7 +383,7 @@ def sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     return removed
 
 
-def ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  # noqa: ANN001
+def ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:
     """Ask up to ``k`` trials, keeping only those within ``n_trials`` over the whole study.
     ``trials``: a snapshot of the study read just before (it serves the first ask).
 
@@ -492,7 +492,7 @@ class Heartbeat:
                     storage.set_trial_user_attr(trial_id, _BEAT, time.time())
                     if native:  # a storage with Optuna's own heartbeat must not fail it either
                         storage.record_heartbeat(trial_id)
-                except Exception:  # noqa: BLE001 - finished meanwhile, or a transient error
+                except Exception:  # finished meanwhile, or a transient error
                     pass
 
 

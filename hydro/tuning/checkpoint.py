@@ -206,7 +206,7 @@ class TrialCheckpoints:
             return None
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - truncated, planted pickle, not torch at all
+        except Exception as exc:  # truncated, planted pickle, not torch at all
             set_aside(path, f"is unreadable ({why(exc)})")
             return None
         mine = {"study": self.study, "seed": int(seed), "params": dict(params)}

@@ -268,7 +268,7 @@ def _probe(space: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
             for name, dist in trial.distributions.items():
                 dists.setdefault(name, set()).add(_dist(dist))
             returned.append({k: _plain(v) for k, v in dict(result or {}).items()})
-    except Exception:  # noqa: BLE001 - user code; the run itself will say what is wrong
+    except Exception:  # user code; the run itself will say what is wrong
         return None, None
     finally:
         optuna.logging.set_verbosity(level)

@@ -116,7 +116,7 @@ def train_group(
     return [outcomes[k] for k in range(n)], info
 
 
-def _evaluated(k, step, v, history, outcomes, report, last) -> None:  # noqa: ANN001
+def _evaluated(k, step, v, history, outcomes, report, last) -> None:
     """Record member ``k``'s validation value; end it on a non-finite value or a prune."""
     history.append((step, v))
     if not math.isfinite(v):
@@ -125,7 +125,7 @@ def _evaluated(k, step, v, history, outcomes, report, last) -> None:  # noqa: AN
         outcomes[k] = Outcome("pruned", v, step, "", history)
 
 
-def _state(step, group, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
+def _state(step, group, outcomes, history) -> dict[str, Any]:
     """Everything the loop needs to go on after ``step``: tensors and plain containers only."""
     return {
         "step": step,
@@ -138,7 +138,7 @@ def _state(step, group, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
     }
 
 
-def _resume(saved, group, outcomes, history) -> int:  # noqa: ANN001
+def _resume(saved, group, outcomes, history) -> int:
     """Put a freshly built group in the state of checkpoint ``saved``; returns the next step."""
     step = int(saved["step"])
     for k, v in saved["history"].items():

@@ -159,7 +159,7 @@ class _Turns:
                 self._body()
         except _Stop:
             pass
-        except BaseException as exc:  # noqa: BLE001 - handed to the engine, raised there
+        except BaseException as exc:  # handed to the engine, raised there
             self.error = exc
         finally:
             self.finished = True
@@ -514,11 +514,11 @@ class LoopGroup:
         flags = self.fused.diverged.tolist()
         return {k: self.slots[p].step for k, p in enumerate(self.live_slots) if flags[p]}
 
-    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
+    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:
         """Start trial ``id`` in live slot ``slot`` from scratch."""
         self._start(self.live_slots[slot], id, params, seed)
 
-    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:  # noqa: A002
+    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:
         """Start trial ``id`` in an idle slot; returns its index among the live slots."""
         idle = [p for p in range(self.capacity) if p not in self.live_slots]
         if not idle:
@@ -546,7 +546,7 @@ class LoopGroup:
         with torch.no_grad():
             self.fused.diverged[p] = True  # the fused optimizers leave a diverged slot alone
 
-    def _start(self, p: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
+    def _start(self, p: int, id: Any, params: dict[str, Any], seed: int) -> None:
         member = Member(id, dict(params), int(seed), None)
         if group_key(member.params, self.task) != self.key:
             raise ConfigError(f"trial {id!r} cannot join this fused group: its batch size or "

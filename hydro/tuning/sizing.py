@@ -212,7 +212,7 @@ def fuse_sizes(
             for d in dict.fromkeys(devices)}  # fmt: skip
 
 
-def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # noqa: ANN001
+def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:
     """``(fixed, per_trial)`` bytes of a fused training step of trials like ``params``."""
     from hydro.tuning.group import FusedGroup
 
@@ -238,7 +238,7 @@ def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # no
     slots = OPTIMIZER_SLOTS.get(task.optimizer, 2)
     try:
         return 0, estimate_memory(surrogate, inputs, 1, device="meta", optimizer_slots=slots)
-    except Exception:  # noqa: BLE001 - an op the meta device cannot run, or a view its strides
+    except Exception:  # an op the meta device cannot run, or a view its strides
         # refuse (SDPA's output): count the same over one real forward
         return 0, estimate_memory(surrogate, inputs, 1, device="cpu", optimizer_slots=slots)
 
@@ -256,7 +256,7 @@ class _Call(torch.nn.Module):
         return self.model(*inputs[:k], **dict(zip(self.names, inputs[k:])))
 
 
-def _peak(task, members, ratio, device, depth) -> int:  # noqa: ANN001
+def _peak(task, members, ratio, device, depth) -> int:
     """Peak bytes allocated on a GPU by building a fused group and taking one step."""
     from hydro.tuning.group import FusedGroup
 

@@ -381,7 +381,7 @@ class _Hosted:
 
 
 def _stream_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
-                      study=""):  # noqa: ANN001, ANN202  # fmt: skip
+                      study=""):  # fmt: skip
     """:func:`_train_in_worker`, where an exception the user's code raised (data, loss, metric)
     becomes a one-line :class:`~hydro.errors.UserCodeError`, which the executor does not retry
     (it would raise again) and whose message the driver gives the group's trials."""
@@ -398,7 +398,7 @@ def _stream_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
 
 
 def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
-                     study=""):  # noqa: ANN001, ANN202  # fmt: skip
+                     study=""):  # fmt: skip
     """Fused groups with continuous batching in an executor's worker, at most one per key
     (:class:`_Hosted`). Its trials come from the driver; a freed slot takes the driver's next
     trial of any key (one data parallel group: of its own key). With ``every`` it
@@ -444,7 +444,7 @@ def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
     if saved is not None:
         try:
             hosted.restore(saved)
-        except Exception as exc:  # noqa: BLE001 - another model's state, keys missing
+        except Exception as exc:  # another model's state, keys missing
             from hydro.tuning.faults import describe
 
             if describe(exc, task) is not None:  # the user's data raised replaying its stream

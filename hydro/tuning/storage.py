@@ -93,7 +93,7 @@ def redact(url: str) -> str:
 
     try:
         parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+    except Exception:  # a malformed URL is shown as given
         return url
     return parsed.render_as_string(hide_password=True) if parsed.password else url
 
@@ -119,7 +119,7 @@ def _where(url: str) -> str:
 
     try:
         parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+    except Exception:  # a malformed URL is shown as given
         return repr(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database:
         return repr(parsed.database)
@@ -349,7 +349,7 @@ def check_driver(url: str) -> None:
 
     try:
         dialect = make_url(url).get_dialect()
-    except Exception:  # noqa: BLE001 - malformed URL, unknown dialect: said when it is opened
+    except Exception:  # malformed URL, unknown dialect: said when it is opened
         return
     try:
         (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 2, else 1.4

@@ -258,7 +258,7 @@ class _Stream:
                 self.pending.setdefault(key, [])[:0] = \
                     [f for f in fits if f[0].number not in members]  # fmt: skip
                 self._out_of_memory(key, exc)
-            except Exception as exc:  # noqa: BLE001 - the user's data or model factory?
+            except Exception as exc:  # the user's data or model factory?
                 what = describe(exc, self.task)
                 if what is None:
                     raise

@@ -25,7 +25,7 @@ from .base import GroupResult, Ledger, MoreFn, ReportFn, RequestFn, ResultFn, Wo
 from .scratch import claim_mp_tempdir, private_dir
 
 # start_ticks and _scratch_dir are imported from here by the tuner and the tests
-from .worker import _scratch_dir, _Spec, _worker_main, start_ticks  # noqa: F401
+from .worker import _scratch_dir, _Spec, _worker_main, start_ticks
 
 __all__ = ["LocalExecutor"]
 

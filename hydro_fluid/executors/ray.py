@@ -79,7 +79,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa: ANN001
+def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:
     """Connect this process to Ray: to ``address`` (or ``RAY_ADDRESS``), else a new local Ray.
 
     A Ray cluster has no authentication: anyone who reaches its ports runs code as this user.
@@ -114,10 +114,10 @@ def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa
     try:
         with _loopback_only() if local else nullcontext():
             ray.init(address=address, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - Ray's start-up fails in many ways: one line each
+    except Exception as exc:  # Ray's start-up fails in many ways: one line each
         try:
             ray.shutdown()  # what it did start
-        except Exception:  # noqa: BLE001, S110 - nothing more to clean up
+        except Exception:  # nothing more to clean up
             pass
         first = (str(exc).strip().splitlines() or [""])[0]
         where = "a new local Ray" if address == "local" else f"Ray at {address!r}"

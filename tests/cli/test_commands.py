@@ -258,7 +258,7 @@ def test_ctrl_c_says_how_to_resume(project):
     (project / "tune.yaml").write_text(config.replace("steps: 10", "steps: 60"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # a shell may start background jobs with Ctrl-C ignored; a user's terminal does not
-    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen([sys.executable, "-m", "hydro.cli", "tune", "tune.yaml"],
                             cwd=project, env=env, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default)  # fmt: skip

@@ -20,7 +20,7 @@ from hydro_fluid import (
 from tests import toy
 
 
-def _params(fn) -> dict[str, inspect.Parameter]:  # noqa: ANN001
+def _params(fn) -> dict[str, inspect.Parameter]:
     return dict(inspect.signature(fn).parameters)
 
 
@@ -52,7 +52,7 @@ class _Plain:
         self.slots = self.inner.slots
         self.calls: list[dict] = []
 
-    def run(self, groups, fn, **kw):  # noqa: ANN001, ANN003, ANN201
+    def run(self, groups, fn, **kw):
         self.calls.append(kw)
         return self.inner.run(groups, fn, **kw)
 
@@ -60,7 +60,7 @@ class _Plain:
 class _Recording(LocalExecutor):
     calls: list[dict]
 
-    def run(self, groups, fn, **kw):  # noqa: ANN001, ANN003, ANN201
+    def run(self, groups, fn, **kw):
         self.calls = [*getattr(self, "calls", []), kw]
         return super().run(groups, fn, **kw)
 
@@ -75,7 +75,7 @@ def test_check_executor_refuses_what_lacks_a_member_and_names_it():
         check_executor("gpu")
 
     class NoSlots:
-        def run(self, groups, fn, **kw):  # noqa: ANN001, ANN003, ANN201
+        def run(self, groups, fn, **kw):
             return []
 
     with pytest.raises(ConfigError, match=r"NoSlots\(\) is not .* it lacks slots \("):

@@ -191,7 +191,7 @@ class NodeLog:
         return torch.nn.functional.cross_entropy(out, y)
 
 
-def make_task(loss: NodeLog):  # noqa: ANN201
+def make_task(loss: NodeLog):
     return toy.task(steps=STEPS, eval_every=EVERY, batch_size=BATCH, loss=loss)
 
 
@@ -230,7 +230,7 @@ def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tm
     assert result.ok and result.value == 3
 
 
-def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN001, ANN201
+def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):
     """Run a study whose group on the worker node stops at its step ``STALL_AT`` (after its
     checkpoint); a thread then removes that node with SIGKILL. Returns the study, how often
     each trial was told, what the thread saw, and the attempts' logs."""
@@ -241,7 +241,7 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
     told = Counter()
     tell = study.tell
 
-    def counting_tell(trial, *args, **kwargs):  # noqa: ANN001, ANN202
+    def counting_tell(trial, *args, **kwargs):
         told[getattr(trial, "number", trial)] += 1
         return tell(trial, *args, **kwargs)
 
@@ -258,7 +258,7 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
             watched["sockets"] = off_loopback()  # both nodes and their workers are up
             cluster.remove_node(worker, allow_graceful=False)  # SIGKILL: a lost node
             watched["removed"] = True
-        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+        except Exception as exc:  # reported by the assertions below
             watched["error"] = repr(exc)
 
     watcher = threading.Thread(target=remove_the_worker_node_once_it_stalls, daemon=True)

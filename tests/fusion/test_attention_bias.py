@@ -234,7 +234,7 @@ def test_attention_dropout_with_a_per_trial_bias_is_each_trials_own() -> None:
     ],
 )
 @pytest.mark.parametrize("boolean", [False, True])
-def test_masked_attention_equals_each_trials_own_call(q_shape, kv_heads, mask_shape, boolean):  # noqa: ANN001
+def test_masked_attention_equals_each_trials_own_call(q_shape, kv_heads, mask_shape, boolean):
     """The fused op against one SDPA call per trial, values and gradients (the mask's too)."""
     n, g = 3, torch.Generator().manual_seed(0)
     kv_shape = q_shape if kv_heads is None else (*q_shape[:1], kv_heads, *q_shape[2:])

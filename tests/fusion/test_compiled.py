@@ -44,7 +44,7 @@ CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses
 AOT = {"backend": "aot_eager"}
 
 
-def build(case: str, compile: object, lrs: list[float], rates=(0.1, 0.2, 0.3)):  # noqa: ANN201
+def build(case: str, compile: object, lrs: list[float], rates=(0.1, 0.2, 0.3)):
     make = CASES[case][0]
     fused = hydro.fuse([make(p) for p in rates], compile=compile).double().train()
     backend = compile.get("backend", True) if isinstance(compile, dict) else bool(compile)

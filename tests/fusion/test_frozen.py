@@ -111,7 +111,7 @@ def test_frozen_backbone_is_shared_and_training_is_exact(cnn: bool) -> None:
     assert fused.fallbacks == []
 
 
-def _flops(fn) -> int:  # noqa: ANN001
+def _flops(fn) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()

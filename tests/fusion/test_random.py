@@ -321,7 +321,7 @@ def _same(a: list, b: list) -> None:
 
 
 @pytest.mark.parametrize("build", [_mlp, _charlm, _nanogpt], ids=["mlp", "charlm", "nanogpt"])
-def test_trial_equals_itself_in_any_group_and_slot(build) -> None:  # noqa: ANN001
+def test_trial_equals_itself_in_any_group_and_slot(build) -> None:
     kind = build.__name__.strip("_")
     me = build(0.2, 7)
     steps = 4
@@ -391,7 +391,7 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
 
 
 @pytest.mark.parametrize("per_trial", [False, True], ids=["one_rate", "per_trial_rates"])
-def test_aten_ops_of_a_step_with_dropout_do_not_grow_with_n(per_trial) -> None:  # noqa: ANN001
+def test_aten_ops_of_a_step_with_dropout_do_not_grow_with_n(per_trial) -> None:
     idx = torch.randint(0, 60, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def ops(n: int) -> list[str]:
@@ -522,10 +522,10 @@ def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_asi
         def __init__(self) -> None:
             self.aside: list[str] = []
 
-        def load(self, number, seed, params):  # noqa: ANN001, ANN202
+        def load(self, number, seed, params):
             return state
 
-        def path(self, number):  # noqa: ANN001, ANN202
+        def path(self, number):
             (tmp_path / "trial-0.pt").touch()
             return tmp_path / "trial-0.pt"
 

@@ -31,7 +31,7 @@ def _double(x: object) -> object:
     return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def batches(name: str, make) -> list:  # noqa: ANN001
+def batches(name: str, make) -> list:
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(3):
@@ -77,7 +77,7 @@ def tol(t: torch.Tensor) -> dict:
     return dict(rtol=rtol, atol=atol) if t.dtype == torch.float64 else dict(rtol=2e-6, atol=0)
 
 
-def check(name: str, fused, models, opts, fused_opt, data) -> None:  # noqa: ANN001
+def check(name: str, fused, models, opts, fused_opt, data) -> None:
     batch = next(t for t in (*data[0][0], *data[0][1].values()) if isinstance(t, torch.Tensor))
     labels = torch.randint(0, 5, (batch.shape[0],), generator=torch.Generator().manual_seed(3))
     # A key bias gets an exactly-zero gradient (softmax ignores it): rounding noise on both
@@ -147,7 +147,7 @@ def check(name: str, fused, models, opts, fused_opt, data) -> None:  # noqa: ANN
                 assert_close(fb[bname][k], b, **t, msg=f"{name} step {step}: {bname}")
 
 
-def train_both(name: str, fused, models, data, sgd: bool = False) -> None:  # noqa: ANN001
+def train_both(name: str, fused, models, data, sgd: bool = False) -> None:
     if sgd:
         opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, weight_decay=0.01)
                 for m, lr in zip(models, TIMM_LRS)]  # fmt: skip

@@ -322,7 +322,7 @@ def test_the_fused_lstm_layer_passes_gradcheck(steps, reverse):
                                 for s in [(2, steps, 3, 4), (2, 20, 4), (2, 20, 5), (2, 20),
                                           (2, 3, 5), (2, 3, 5)])  # fmt: skip
 
-    def layer(x, w_ih, w_hh, b, h0, c0):  # noqa: ANN001, ANN202
+    def layer(x, w_ih, w_hh, b, h0, c0):
         return _lstm_layer(x, h0, c0, [w_ih, w_hh, b, None, None], reverse)
 
     assert torch.autograd.gradcheck(layer, (x, w_ih, w_hh, b, h0, c0))

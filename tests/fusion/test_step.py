@@ -45,7 +45,7 @@ CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses
          "small": (small, mlp_batch, mlp_losses)}  # fmt: skip
 
 
-def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2, 0.3), **hyper):  # noqa: ANN003, ANN201
+def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2, 0.3), **hyper):
     fused = hydro.fuse([CASES[case][0](p) for p in rates], compile=compile).double().train()
     backend = compile.get("backend", True) if isinstance(compile, dict) else bool(compile)
     n = len(rates)
@@ -59,7 +59,7 @@ def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2,
     return fused, opt
 
 
-def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:  # noqa: ANN001
+def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:
     """Every step's losses, parameters, optimizer state and buffers, through :func:`train_step`
     (the two-graph path where the model is not compiled)."""
     _, batch, losses_of = CASES[case]
@@ -71,7 +71,7 @@ def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:
     return records
 
 
-def whole(case: str, fused, opt) -> None:  # noqa: ANN001
+def whole(case: str, fused, opt) -> None:
     """Assert that the model's steps ran as one graph (compiled once)."""
     assert train_step(fused, opt, CASES[case][2]).reason is None
     assert fused.compile_stats["compiles"] == 1, fused.compile_stats

@@ -315,7 +315,7 @@ def test_writers_of_one_key_at_once_leave_one_whole_entry(exports):
         try:
             for _ in range(4):
                 assert cache.store(key, gm, model)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=write) for _ in range(3)]

@@ -33,7 +33,7 @@ def exports(tmp_path, monkeypatch):
     calls = []
     real = torch.export.export
 
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counted(*args, **kwargs):
         calls.append(type(args[0]).__name__)
         return real(*args, **kwargs)
 

@@ -34,7 +34,7 @@ MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "h
 
 def _batch(batch, n, dtype, seed=0):
     args, kwargs = batch(n, torch.Generator().manual_seed(seed))
-    cast = lambda t: t.to(dtype) if torch.is_floating_point(t) else t  # noqa: E731
+    cast = lambda t: t.to(dtype) if torch.is_floating_point(t) else t
     return tree_map(cast, args), tree_map(cast, kwargs)
 
 

@@ -83,11 +83,11 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 def run(
-    torch_opt,  # noqa: ANN001 - (model, k) -> torch optimizer
-    fused_opt,  # noqa: ANN001 - params -> hydro optimizer
+    torch_opt,  # (model, k) -> torch optimizer
+    fused_opt,  # params -> hydro optimizer
     *,
-    torch_sched=None,  # noqa: ANN001
-    fused_sched=None,  # noqa: ANN001
+    torch_sched=None,
+    fused_sched=None,
     clip: list[float] | None = None,
     mup_base: bool = False,
     steps: int = STEPS,
@@ -170,11 +170,11 @@ def test_per_trial_clipping() -> None:
     )
 
 
-def _clipping(opt: hydro.optim.FusedOptimizer, limits: list[float]):  # noqa: ANN202
+def _clipping(opt: hydro.optim.FusedOptimizer, limits: list[float]):
     """``opt`` whose step first clips per trial, as a training loop would."""
     step = opt.step
 
-    def clipped_step(closure=None):  # noqa: ANN001, ANN202
+    def clipped_step(closure=None):
         params = [p for g in opt.param_groups for p in g["params"]]
         norms = hydro.optim.clip_grad_norm_(params, limits)
         assert norms.shape == (N,)
@@ -357,7 +357,7 @@ def test_per_trial_length_error_names_the_argument() -> None:
 # --- isolation, checkpoints, select ----------------------------------------------------------
 
 
-def _train(opt_factory, steps: int, nan_at: int | None = None, trial: int = 1):  # noqa: ANN001, ANN202
+def _train(opt_factory, steps: int, nan_at: int | None = None, trial: int = 1):
     models = make_models(N)
     params = stacked(models)
     flags = torch.zeros(N, dtype=torch.bool)
@@ -388,7 +388,7 @@ def _train(opt_factory, steps: int, nan_at: int | None = None, trial: int = 1): 
     ],
     ids=["adamw", "adam", "sgd"],
 )
-def test_diverged_trial_frozen_others_bit_identical(factory) -> None:  # noqa: ANN001
+def test_diverged_trial_frozen_others_bit_identical(factory) -> None:
     _, _, clean_flags, clean = _train(factory, 5)
     _, _, flags, broken = _train(factory, 5, nan_at=2)
     assert clean_flags.tolist() == [False] * N
@@ -415,7 +415,7 @@ def test_state_dict_round_trip_is_bit_identical(name: str) -> None:
     hp, cls = (ADAM, hydro.optim.AdamW) if name == "adamw" else (SGD, hydro.optim.SGD)
     models = make_models(N)
 
-    def steps(params: dict, opt, sched, first: int, last: int) -> None:  # noqa: ANN001
+    def steps(params: dict, opt, sched, first: int, last: int) -> None:
         for step in range(first, last):
             x, y = batch(step)
             for m in models:
@@ -426,7 +426,7 @@ def test_state_dict_round_trip_is_bit_identical(name: str) -> None:
             opt.step()
             sched.step()
 
-    def sched_of(opt):  # noqa: ANN001, ANN202
+    def sched_of(opt):
         return S.SequentialLR(
             opt,
             [S.LinearLR(opt, [0.1, 0.2, 0.3, 0.4], total_iters=2), S.CosineAnnealingLR(opt, 5)],
@@ -498,7 +498,7 @@ def test_select_keeps_trials_in_step() -> None:
 # --- torch.compile ---------------------------------------------------------------------------
 
 
-def _failing_backend(gm, example_inputs):  # noqa: ANN001, ANN202
+def _failing_backend(gm, example_inputs):
     raise RuntimeError("this backend cannot compile anything")
 
 
@@ -523,7 +523,7 @@ def test_compile_failure_falls_back_with_warning() -> None:
     ],
     ids=["sgd", "adamw", "adam"],
 )
-def test_compiled_step_matches_eager(factory) -> None:  # noqa: ANN001
+def test_compiled_step_matches_eager(factory) -> None:
     # aot_eager traces the step exactly as inductor would see it, without a C++ build
     eager = _train(lambda ps: factory((ps, False)), 4)[3]
     with warnings.catch_warnings():

@@ -97,7 +97,7 @@ def _new_model() -> nn.Module:
     return Net().double()
 
 
-def _step(params: dict, refs: list[Ref], fopt, fsched, step: int, nan_slot: int | None = None):  # noqa: ANN001, ANN202
+def _step(params: dict, refs: list[Ref], fopt, fsched, step: int, nan_slot: int | None = None):
     x, y = batch(step)
     for r in refs:
         r.opt.zero_grad()
@@ -116,7 +116,7 @@ def _step(params: dict, refs: list[Ref], fopt, fsched, step: int, nan_slot: int 
     fsched.step()
 
 
-def _compare(params: dict, refs: list[Ref], fopt, step: int, skip: int | None = None) -> None:  # noqa: ANN001
+def _compare(params: dict, refs: list[Ref], fopt, step: int, skip: int | None = None) -> None:
     for k, r in enumerate(refs):
         if k == skip:
             continue
@@ -130,7 +130,7 @@ def _compare(params: dict, refs: list[Ref], fopt, step: int, skip: int | None = 
                     close(fopt.state[fp][key][k], value, f"step {step}: trial {k} {key} {name}")
 
 
-def _run(case: str, nan_before_reset: bool = False):  # noqa: ANN202
+def _run(case: str, nan_before_reset: bool = False):
     torch_cls, fused_cls, hp, new_hp, torch_sched, fused_sched, args, (new_args, reset_args) = (
         CASES[case]
     )

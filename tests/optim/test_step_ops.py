@@ -27,7 +27,7 @@ class CountOps(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -58,7 +58,7 @@ def stacked_params(model: nn.Module, n: int) -> list[nn.Parameter]:
     return params
 
 
-def make(kind: str, params: list[nn.Parameter], n: int):  # noqa: ANN201
+def make(kind: str, params: list[nn.Parameter], n: int):
     per = [float(k + 1) / n for k in range(n)]
     if kind == "sgd":
         opt = hydro.optim.SGD(

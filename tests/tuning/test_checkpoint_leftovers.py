@@ -25,7 +25,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 DEAD = 2**22 + 11  # a pid no process has here
 
 
-def _left(directory, name: str, age: float) -> os.PathLike:  # noqa: ANN001
+def _left(directory, name: str, age: float) -> os.PathLike:
     """A half-written checkpoint as a killed writer leaves it, last written ``age`` s ago."""
     path = directory / name
     path.write_bytes(b"PK\x03\x04 half a checkpoint")
@@ -61,7 +61,7 @@ def test_a_save_that_fails_mid_write_leaves_no_temporary_file(tmp_path, monkeypa
     group.step()
     real = torch.save
 
-    def disk_full(obj, f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def disk_full(obj, f, *args, **kwargs):
         with open(f, "wb") as out:
             out.write(b"PK\x03\x04 the first blocks")
         raise OSError(errno.ENOSPC, "No space left on device")

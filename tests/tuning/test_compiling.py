@@ -71,7 +71,7 @@ def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.Monke
     groups = []
     start = stream_module.start_group
 
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def recording(*args, **kwargs):
         source = start(*args, **kwargs)
         groups.append(source.group)
         return source
@@ -108,25 +108,25 @@ def config(value: str) -> str:
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+def project(tmp_path, monkeypatch):
     return toy.project(tmp_path, monkeypatch, "toymod", toy.source(n=128, n_train=96, width=32))
 
 
 @pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("on", True), ("off", False),
                                                  ("max-autotune", "max-autotune")])  # fmt: skip
-def test_config_key(project, value: str, expected: object) -> None:  # noqa: ANN001
+def test_config_key(project, value: str, expected: object) -> None:
     (project / "tune.yaml").write_text(config(value))
     assert load("tune.yaml").compile == expected
     assert load("tune.yaml", compile="off").compile is False  # the flag wins
 
 
-def test_config_key_refuses_bad_values(project) -> None:  # noqa: ANN001
+def test_config_key_refuses_bad_values(project) -> None:
     (project / "tune.yaml").write_text(config("sometimes"))
     with pytest.raises(ConfigError, match=r"tune.yaml: compile must be True/'on'"):
         load("tune.yaml")
 
 
-def test_cli_flag(project, capsys) -> None:  # noqa: ANN001
+def test_cli_flag(project, capsys) -> None:
     (project / "tune.yaml").write_text(config("on"))
     assert main(["tune", "tune.yaml", "--compile", "auto", "--no-progress"]) == 0
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-import torch.utils.cpp_extension  # noqa: F401 - imported here: its import logs a CUDA line
+import torch.utils.cpp_extension  # imported here: its import logs a CUDA line
 
 from hydro.cli import main
 from hydro.errors import ConfigError

@@ -29,7 +29,7 @@ CONFIG = toy.config("toymod")
 class Pwn:
     """Pickled, it runs ``touch pwned`` when it is loaded."""
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         import os
 
         return (os.system, ("touch pwned",))

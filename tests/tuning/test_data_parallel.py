@@ -32,7 +32,7 @@ TOL = {"rel": 1e-12, "abs": 1e-12}
 class PruneTrialOne(optuna.pruners.BasePruner):
     """Prunes trial 1 at its first report: a pruner whose answer does not depend on timing."""
 
-    def prune(self, study, trial):  # noqa: ANN001, ANN201
+    def prune(self, study, trial):
         return trial.number == 1
 
 
@@ -77,7 +77,7 @@ def test_a_batch_that_cannot_be_split_trains_its_group_on_one_slot():
 MEMBERS = [(0, {"lr": 3e-2, "grad_clip": 0.5}, 11), (1, {"lr": 1e-1, "weight_decay": 0.1}, 12)]
 
 
-def train_replica(steps: int, group: TrialGroup, ctx) -> dict:  # noqa: ANN001
+def train_replica(steps: int, group: TrialGroup, ctx) -> dict:
     """A worker's fn: ``steps`` steps of the fused group of MEMBERS as replica ctx.rank."""
     g = FusedGroup(make_task(steps=steps, scheduler="cosine"), MEMBERS, ratio=2)
     g.distribute(ctx.rank, ctx.world_size)
@@ -148,7 +148,7 @@ class Driver:
         return {"trials": trials, "asking": len(self.params) > max(i for i, _ in wants) + 2}
 
 
-def stream(world_size: int, driver: Driver, checkpoints) -> None:  # noqa: ANN001
+def stream(world_size: int, driver: Driver, checkpoints) -> None:
     options = TuneOptions(ratio=2, fuse=2, checkpoint_every=3)  # what the workers read
     fn = functools.partial(_stream_in_worker, make_task(steps=8), options, 2)
     ex = LocalExecutor(devices=[], num_workers=2, threads=2, checkpoint_dir=checkpoints)

@@ -18,7 +18,7 @@ from tests.tuning.test_several_keys import FOUR_KEYS, SPACE, keyed_task, study_o
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def assert_alone(study: optuna.Study, task, seed: int) -> None:  # noqa: ANN001
+def assert_alone(study: optuna.Study, task, seed: int) -> None:
     """Every complete trial equals that trial trained alone here (float64: to the last bits)."""
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert complete
@@ -69,7 +69,7 @@ def test_a_killed_worker_with_two_keys_resumes_as_if_uninterrupted(tmp_path):
 
     space = {**SPACE, "batch_size": CategoricalDistribution([16, 32])}
 
-    def run(task):  # noqa: ANN001, ANN202
+    def run(task):
         study = optuna.create_study(pruner=optuna.pruners.NopPruner())
         for i, bs in enumerate((16, 32, 32, 16, 32, 16)):
             study.enqueue_trial({"lr": 0.01 * (i + 1), "warmup": i % 3, "batch_size": bs})

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPACE = {"lr": FloatDistribution(1e-3, 3e-1, log=True), "warmup": IntDistribution(0, 3)}
 
 
-def assert_alone(study: optuna.Study, task, seed: int, numbers=None) -> None:  # noqa: ANN001
+def assert_alone(study: optuna.Study, task, seed: int, numbers=None) -> None:
     """Complete trials (``numbers``, or all) equal those trials trained alone in this process:
     float64, so equal to the last bits the fused arithmetic leaves."""
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE
@@ -75,7 +75,7 @@ class PruneSmallBatches(optuna.pruners.BasePruner):
     """Prunes every trial with batch size 16 at its first report: a pruner whose answer is
     known, so which group ends first is too."""
 
-    def prune(self, study, trial):  # noqa: ANN001, ANN201
+    def prune(self, study, trial):
         return trial.params["batch_size"] == 16
 
 
@@ -106,7 +106,7 @@ def test_a_freed_executor_slot_takes_a_new_group_while_the_other_still_trains():
     assert_alone(study, task, seed=1, numbers={4})
 
 
-def sleeper(group: TrialGroup, ctx) -> float:  # noqa: ANN001
+def sleeper(group: TrialGroup, ctx) -> float:
     """Asks the parent how long to train, then trains that long."""
     seconds = ctx.request(("how long", list(group.trial_ids)))
     time.sleep(seconds)

@@ -218,7 +218,7 @@ def test_group_resumes_from_checkpoint_with_identical_state(tmp_path):
     a, b = checkpoint.load(whole), checkpoint.load(cut)
     assert a["step"] == b["step"] == 20 and a["alive"] == b["alive"] == [0, 2]
 
-    def same(x, y) -> bool:  # noqa: ANN001
+    def same(x, y) -> bool:
         if isinstance(x, torch.Tensor):
             return torch.equal(x, y)
         if isinstance(x, dict):
@@ -241,7 +241,7 @@ def test_planted_pickle_is_refused(tmp_path):
     flag = tmp_path / "pwned"
 
     class Payload:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return (os.system, (f"touch {flag}",))
 
     for name in (checkpoint.FILE, "checkpoint.pt"):
@@ -316,7 +316,7 @@ class Stop(Exception):
     """Raised from a report to stop a group mid-run."""
 
 
-def stopped_at_8(task, params, folder) -> None:  # noqa: ANN001
+def stopped_at_8(task, params, folder) -> None:
     """Train ``params`` as one group (seeds 0, 1, ratio 2), checkpointing in ``folder`` every
     5 steps, and stop it at step 8: its checkpoint is step 5's."""
     from hydro.tuning.lockstep import train_group

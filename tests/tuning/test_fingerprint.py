@@ -40,7 +40,7 @@ def other_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y)
 
 
-def task(width: int = 64, steps: int = 2, rows: int = 64, **kw) -> hydro.Task:  # noqa: ANN003
+def task(width: int = 64, steps: int = 2, rows: int = 64, **kw) -> hydro.Task:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(96, 8, generator=g)
     y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
@@ -49,7 +49,7 @@ def task(width: int = 64, steps: int = 2, rows: int = 64, **kw) -> hydro.Task:  
                       **kw)  # fmt: skip
 
 
-def tune(storage: str, n: int = 2, the_task: hydro.Task | None = None, space=SPACE, **kw):  # noqa: ANN001, ANN003, ANN201
+def tune(storage: str, n: int = 2, the_task: hydro.Task | None = None, space=SPACE, **kw):
     kw = {"ratio": 2, "fuse": 2, "seed": 0, **kw}
     return hydro.tune(the_task or task(), space, n_trials=n, storage=storage, **kw)
 
@@ -165,7 +165,7 @@ def test_parts_are_named_and_plain(tmp_path):
     wider = hydro.Task(model=mlp(48), train_data=t.train_data, val_data=t.val_data)
     same = hydro.Task(model=mlp(32), train_data=t.train_data, val_data=t.val_data)
 
-    def parts(the_task: hydro.Task, space=SPACE) -> dict:  # noqa: ANN001
+    def parts(the_task: hydro.Task, space=SPACE) -> dict:
         return fingerprint(the_task, space, ratio=2)["parts"]
 
     assert parts(module) == parts(same)  # other initial values, same model

@@ -75,7 +75,7 @@ def test_a_model_the_meta_device_cannot_run_is_counted_on_the_cpu():
                       val_data=(x, y), loss=zoo.gpt_loss, steps=4, batch_size=8)  # fmt: skip
     group = FusedGroup(task, [(0, {}, 0)], ratio=2)
     args, _, _ = task.split(next(group.members[0].batches), "cpu")
-    build = lambda n: group.builder.make({}, 0)  # noqa: E731
+    build = lambda n: group.builder.make({}, 0)
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         estimate_memory(build, lambda n: args, 1, device="meta")
     size = fuse_size(task, {}, ratio=2, memory=1.0)
@@ -274,7 +274,7 @@ class OutOfMemoryAbove(hydro.Task):
 
     limit = 2
 
-    def trial_losses(self, output, target, shared=True):  # noqa: ANN001, ANN201
+    def trial_losses(self, output, target, shared=True):
         n = self.logits_of(output).shape[0]
         if not shared and n > self.limit:
             raise MemoryError(f"a fused step of {n} trials does not fit (limit {self.limit})")

@@ -157,7 +157,7 @@ def test_two_tuners_creating_a_fresh_database_at_once_both_open_it(postgres, mon
     both_checked = threading.Barrier(2, timeout=patience(30))
     waited: set[int] = set()
 
-    def wait_before_the_first_create(conn, cursor, statement, *args):  # noqa: ANN001, ANN002
+    def wait_before_the_first_create(conn, cursor, statement, *args):
         if statement.lstrip().upper().startswith("CREATE") and threading.get_ident() not in waited:
             waited.add(threading.get_ident())
             both_checked.wait()
@@ -171,7 +171,7 @@ def test_two_tuners_creating_a_fresh_database_at_once_both_open_it(postgres, mon
             storage = open_storage(url)
             optuna.create_study(storage=storage, study_name="s", load_if_exists=True)
             opened.append(storage)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # reported by the test
             errors.append(exc)
 
     try:

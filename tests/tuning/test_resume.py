@@ -35,7 +35,7 @@ def test_resumed_runs_propose_new_configurations_reproducibly(tmp_path):
     assert runs[0] == runs[1]
 
 
-def _running_trial(study: optuna.Study, **attrs) -> int:  # noqa: ANN003
+def _running_trial(study: optuna.Study, **attrs) -> int:
     t = study.ask()
     t.suggest_float("lr", 1e-3, 1e-1, log=True)
     t.suggest_float("weight_decay", 0.0, 0.1)

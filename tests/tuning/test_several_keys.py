@@ -72,7 +72,7 @@ def test_four_keys_keep_the_slots_busy_and_each_trial_exact(monkeypatch):
     grown = []  # trials that joined a running group in a new slot (FusedGroup.add)
     add = FusedGroup.add
 
-    def counting_add(self, number, *args):  # noqa: ANN001, ANN002, ANN202
+    def counting_add(self, number, *args):
         grown.append(number)
         return add(self, number, *args)
 
@@ -130,7 +130,7 @@ def test_an_error_in_one_group_leaves_no_trial_of_any_group_running():
     asked trial is told FAIL with the reason, none stays RUNNING."""
 
     class Exploding(optuna.pruners.BasePruner):
-        def prune(self, study, trial):  # noqa: ANN001, ANN201
+        def prune(self, study, trial):
             if trial.number >= 5:
                 raise RuntimeError("pruner broke")
             return False

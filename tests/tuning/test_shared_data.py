@@ -29,7 +29,7 @@ class Loader:
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y, self.loads = x, y, Counter()
 
-    def __call__(self, batch_size: int):  # noqa: ANN204 - a generator
+    def __call__(self, batch_size: int):  # a generator
         for i in range(0, len(self.y) - batch_size + 1, batch_size):
             self.loads[batch_size] += 1
             yield self.x[i : i + batch_size].flip(0), self.y[i : i + batch_size].flip(0)

@@ -61,7 +61,7 @@ def test_a_sweep_between_the_ask_and_the_owner_record_does_not_take_the_trial_tw
     own = study_mod.Heartbeat.own
     swept = []
 
-    def own_after_a_sweep(self, trial):  # noqa: ANN001, ANN202
+    def own_after_a_sweep(self, trial):
         swept.append(study_mod.reclaim_stale(study))  # as another tuner would, right now
         own(self, trial)
 
@@ -110,7 +110,7 @@ def test_two_asks_that_read_the_same_waiting_row_take_it_once(tmp_path, monkeypa
     both_read = threading.Barrier(2, timeout=3)
     find = models.TrialModel.find_or_raise_by_id
 
-    def find_then_wait(trial_id, session, for_update=False):  # noqa: ANN001, ANN202
+    def find_then_wait(trial_id, session, for_update=False):
         row = find(trial_id, session, for_update=for_update)
         if for_update:  # the read Optuna writes from: let the other process read too
             try:
@@ -123,7 +123,7 @@ def test_two_asks_that_read_the_same_waiting_row_take_it_once(tmp_path, monkeypa
     took: list[bool] = []
     storages = [open_storage(url), open_storage(url)]
 
-    def take(storage) -> None:  # noqa: ANN001
+    def take(storage) -> None:
         took.append(storage.set_trial_state_values(trial_id, TrialState.RUNNING))
 
     threads = [threading.Thread(target=take, args=(s,)) for s in storages]

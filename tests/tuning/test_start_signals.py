@@ -62,7 +62,7 @@ def _states(project: Path) -> list[TrialState]:
     return [t.state for t in study.trials]
 
 
-def _wait_for(proc: subprocess.Popen, err: Path, ready, seconds: float) -> None:  # noqa: ANN001
+def _wait_for(proc: subprocess.Popen, err: Path, ready, seconds: float) -> None:
     until = time.monotonic() + patience(seconds)
     while not ready():
         assert proc.poll() is None, err.read_text()

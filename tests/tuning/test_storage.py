@@ -57,7 +57,7 @@ class Locker:
         self.released.set()
 
 
-def tiny_task(loss) -> hydro.Task:  # noqa: ANN001
+def tiny_task(loss) -> hydro.Task:
     return toy.task(n=96, n_train=64, steps=4, eval_every=1, loss=loss)
 
 
@@ -124,7 +124,7 @@ def project(tmp_path, monkeypatch):
     storetoy.HOOK = None
 
 
-def _one_line(capsys, alone: bool = True) -> str:  # noqa: ANN001
+def _one_line(capsys, alone: bool = True) -> str:
     """The error line: all of stderr, or (``alone=False``, a run that had started) its last
     line after the run's header and progress bar; never a traceback."""
     err = capsys.readouterr().err

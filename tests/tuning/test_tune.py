@@ -274,7 +274,7 @@ def test_errors_are_clear(tmp_path):
 class PruneOdd(optuna.pruners.BasePruner):
     """Prunes odd-numbered trials at their first report: a pruner whose answer is known."""
 
-    def prune(self, study, trial):  # noqa: ANN001, ANN201
+    def prune(self, study, trial):
         return trial.number % 2 == 1
 
 

@@ -40,7 +40,7 @@ class Shards:
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y = x, y
 
-    def __call__(self, batch_size: int):  # noqa: ANN204
+    def __call__(self, batch_size: int):
         for i in range(0, len(self.x) - batch_size + 1, batch_size):
             if batch_size == 16:
                 raise ValueError(f"bad shard {i}")  # RAISES-DATA
@@ -186,7 +186,7 @@ def test_the_executor_retries_other_errors_and_reports_them_in_one_line():
     assert by_name["d"].trials[1].reason == by_name["d"].error
 
 
-def _raise(group, ctx):  # noqa: ANN001, ANN202
+def _raise(group, ctx):
     if group.name == "d":
         raise UserCodeError("data 'x' raised OSError: gone at x.py:1")
     return 1 / 0  # RAISES-ZERO
@@ -220,7 +220,7 @@ def test_an_unusable_group_checkpoint_is_set_aside_and_its_group_starts_afresh(t
     if kind == "planted pickle":
 
         class Payload:
-            def __reduce__(self):  # noqa: ANN204
+            def __reduce__(self):
                 return (os.system, (f"touch {flag}",))
 
         path.write_bytes(pickle.dumps({**state, "study": Payload()}, protocol=2))

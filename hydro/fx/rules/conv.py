@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import TensorSyms, bound
 
 
-def conv(a, node, out) -> None:  # noqa: ANN001
+def conv(a, node, out) -> None:
     b = bound(node)
     transposed = bool(b.get("transposed", False)) or "transpose" in str(node.target)
     x, w = a.syms_of(b["input"]), a.syms_of(b["weight"])
@@ -45,7 +45,7 @@ RULES = {
 }  # fmt: skip
 
 
-def pool(a, node, out) -> None:  # noqa: ANN001
+def pool(a, node, out) -> None:
     """Pooling and resampling: channels pass through, spatial sizes are fixed."""
     x = a.syms_of(node.args[0])
     name = a.name(node)

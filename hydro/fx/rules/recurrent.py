@@ -44,7 +44,7 @@ def layout(n_params: int, layers: int, dirs: int, has_biases: bool) -> tuple[int
     raise ValueError(f"{n_params} weights for {layers} layers x {dirs} directions")
 
 
-def _layer(a, node, gates, syms, hidden, out, x_in, has_biases, proj) -> list:  # noqa: ANN001
+def _layer(a, node, gates, syms, hidden, out, x_in, has_biases, proj) -> list:
     """Relate one layer-direction's weights (``syms``: their symbols in ``params`` order);
     ``(index, fan-in dims, fan-out dims)`` of each weight matrix, for its muP role."""
     w_ih, w_hh = syms[0], syms[1]
@@ -64,7 +64,7 @@ def _layer(a, node, gates, syms, hidden, out, x_in, has_biases, proj) -> list:  
     return roles
 
 
-def sequence(a, node, out) -> None:  # noqa: ANN001
+def sequence(a, node, out) -> None:
     """``lstm.input``/``gru.input``/``rnn_*.input``: a stack of recurrent layers over a sequence."""
     b = bound(node)
     if "input" not in b:
@@ -110,7 +110,7 @@ def sequence(a, node, out) -> None:  # noqa: ANN001
             a.tie_all(state, h0, node)
 
 
-def cell(a, node, out) -> None:  # noqa: ANN001
+def cell(a, node, out) -> None:
     """``lstm_cell``/``gru_cell``/``rnn_*_cell``: one step of one layer."""
     b = bound(node)
     name = op_name(node).removesuffix("_cell")

@@ -139,7 +139,7 @@ def recognize(name: str, t: torch.Tensor, shrinking: list[int]) -> Table | None:
     return None
 
 
-def _identity(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
+def _identity(x, t, shrinking, big) -> tuple | None:
     if len(big) != 2 or sorted(big) != sorted(shrinking) or x.shape[big[0]] != x.shape[big[1]]:
         return None
     m = x.reshape(x.shape[big[0]], x.shape[big[1]])
@@ -149,7 +149,7 @@ def _identity(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
     return "identity", (big[0], big[1]), {"scale": c}
 
 
-def _sequence(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
+def _sequence(x, t, shrinking, big) -> tuple | None:
     if len(shrinking) > 2:
         return None
     for k in shrinking:
@@ -175,7 +175,7 @@ def _sequence(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
     return None
 
 
-def _sinusoid(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
+def _sinusoid(x, t, shrinking, big) -> tuple | None:
     if len(big) != 2 or len([d for d in big if d in shrinking]) != 1:
         return None
     w = next(d for d in big if d in shrinking)

@@ -19,7 +19,7 @@ from hydro.fx.rules.common import bound
 _OP = torch.ops.aten._weight_norm.default
 
 
-def weight_norm(a, node, out) -> None:  # noqa: ANN001
+def weight_norm(a, node, out) -> None:
     b = bound(node)
     v, g = a.syms_of(b["v"]), a.syms_of(b["g"])
     a.tie_all(out, v, node)

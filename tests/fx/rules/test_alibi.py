@@ -55,7 +55,7 @@ def _slopes(model: torch.nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
     seen = {}
 
     class Recorder(torch.fx.Interpreter):
-        def run_node(self, n):  # noqa: ANN001, ANN202
+        def run_node(self, n):
             out = super().run_node(n)
             if n.op == "call_function" and "pow" in str(n.target):
                 seen["pow"] = out

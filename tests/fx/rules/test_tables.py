@@ -36,7 +36,7 @@ def _n(m: torch.nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def _build(model, ratio, args=(), kwargs=None, seed=0):  # noqa: ANN001
+def _build(model, ratio, args=(), kwargs=None, seed=0):
     """``hydro.scale`` (with its width plan) and the warnings about widths kept whole it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -45,7 +45,7 @@ def _build(model, ratio, args=(), kwargs=None, seed=0):  # noqa: ANN001
     return scaled, pinned
 
 
-def _scale(model, ratio, args=(), kwargs=None, seed=0):  # noqa: ANN001
+def _scale(model, ratio, args=(), kwargs=None, seed=0):
     scaled, pinned = _build(model, ratio, args, kwargs, seed)
     return scaled.surrogate, pinned
 
@@ -123,7 +123,7 @@ def _trials(sur: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return out
 
 
-def _fused_vs_separate(model, args, ratio=4, n=2):  # noqa: ANN001
+def _fused_vs_separate(model, args, ratio=4, n=2):
     surs = _trials(_scale(model.double(), ratio, args)[0], n)
     fused = fuse(surs)
     loss, logits = fused(*args)
