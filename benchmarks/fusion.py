@@ -58,7 +58,7 @@ def mlp(width: int) -> Callable[[], tuple[nn.Module, tuple, torch.Tensor, Callab
         model = nn.Sequential(
             nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
             nn.Linear(width, 10),
-        )  # fmt: skip
+        )
         return model, (torch.randn(64, 32),), torch.randint(0, 10, (64,)), F.cross_entropy
 
     return make
@@ -156,7 +156,7 @@ def aten_ops(step: Callable[[], None]) -> int:
 # The kernels a compiler calls as they are (library GEMMs, attention): what it cannot speed up
 EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
           "_scaled_dot_product_flash_attention_for_cpu",
-          "_scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
+          "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 class ExternCalls(TorchDispatchMode):
@@ -194,14 +194,14 @@ def extern_replay(step: Callable[[], None]) -> Callable[[], None]:
             _, shape, stride, dtype, offset = x
             size = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
             base = torch.randn(size, dtype=dtype) if dtype.is_floating_point else torch.zeros(
-                size, dtype=dtype)  # fmt: skip
+                size, dtype=dtype)
             return base.as_strided(shape, stride, offset)
         if isinstance(x, list):
             return [real(v) for v in x]
         return x
 
     calls = [(f, [real(a) for a in args], {k: real(v) for k, v in kw.items()})
-             for f, args, kw in recorder.calls]  # fmt: skip
+             for f, args, kw in recorder.calls]
 
     def replay() -> None:
         for f, args, kw in calls:
@@ -351,7 +351,7 @@ def record_graph_inputs(fused) -> None:
 
 
 COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16),
-            "GPT charlm r4": (functools.partial(charlm_surrogate, 4), 16)}  # fmt: skip
+            "GPT charlm r4": (functools.partial(charlm_surrogate, 4), 16)}
 
 
 def compile_table(args: argparse.Namespace) -> None:
@@ -395,7 +395,7 @@ def compile_table(args: argparse.Namespace) -> None:
             two()  # the optimizer's compiled path settles after its first step
             cpu: dict[str, float] = {}
             steps = {"eager": eager, "two": two, "whole": whole, "call": graph_call(fused),
-                     "extern": extern_replay(eager)}  # fmt: skip
+                     "extern": extern_replay(eager)}
             t = timed(steps, args.repeats, args.min_time, cpu)
             nodes = sum(len(gm.graph.nodes) for gm in fused._graphs.values())
             print(f"| {name} | {n} | {threads} | {nodes} | {1e3 * t['eager']:.1f} | "
@@ -403,14 +403,14 @@ def compile_table(args: argparse.Namespace) -> None:
                   f"{t['eager'] / t['two']:.2f}x | {t['eager'] / t['whole']:.2f}x | "
                   f"{cpu['eager'] / cpu['whole']:.2f}x | {1e3 * t['extern']:.1f} | "
                   f"{t['eager'] / t['extern']:.2f}x | "
-                  f"{first['cold']:.0f} | {first['warm']:.0f} |", flush=True)  # fmt: skip
+                  f"{first['cold']:.0f} | {first['warm']:.0f} |", flush=True)
 
 
 def _source_at(rev: str, path: str) -> str | None:
     done = subprocess.run(
         ["git", "show", f"{rev}:{path}"],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-    )  # fmt: skip
+    )
     return done.stdout if done.returncode == 0 else None
 
 
@@ -683,7 +683,7 @@ def old_optimizers(rev: str) -> types.ModuleType | None:
         source = subprocess.run(
             ["git", "show", f"{rev}:hydro/optim/optimizers.py"],
             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     module = types.ModuleType("hydro_optim_old")
@@ -697,7 +697,7 @@ def optimizer_table(args: argparse.Namespace) -> None:
     n = args.optimizer_n
     print(f"\nOptimizer step alone (Adam, per-trial lr/betas/eps/wd, n = {n}), ms per step:")
     print("| model | threads | old (per-trial loop) | vectorized | compiled | old/vectorized | "
-          "old/compiled | compile s |")  # fmt: skip
+          "old/compiled | compile s |")
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -707,7 +707,7 @@ def optimizer_table(args: argparse.Namespace) -> None:
             for kind in ("old", "new", "compiled"):
                 params[kind] = stacked(model, n)
             hp = dict(lr=LRS(n), betas=(0.9, [0.99 - 0.001 * k for k in range(n)]),
-                      eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])  # fmt: skip
+                      eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])
             steps = {}
             if old is not None:
                 steps["old"] = old.Adam(params["old"], **hp).step
@@ -769,7 +769,7 @@ def conv_table(args: argparse.Namespace) -> None:
     n, b = args.conv_n, args.conv_batch
     print(f"\nConvolution forward + backward, n = {n}, batch {b}, ms (median of {args.repeats}):")
     print("| conv | threads | n separate | one grouped | one GEMM | separate/grouped | "
-          "separate/GEMM | hydro.fuse runs |")  # fmt: skip
+          "separate/GEMM | hydro.fuse runs |")
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -876,7 +876,7 @@ def loss_table(args: argparse.Namespace) -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n, b, c in ((16, 64, 4), (16, 64, 10), (16, 64, 15), (16, 64, 16), (16, 64, 32),
-                        (32, 64, 10), (16, 256, 10), (16, 64, 100)):  # fmt: skip
+                        (32, 64, 10), (16, 256, 10), (16, 64, 100)):
             out = torch.randn(n, b, c, requires_grad=True)
             y = torch.randint(0, c, (b,))
 
@@ -887,7 +887,7 @@ def loss_table(args: argparse.Namespace) -> None:
 
             try:
                 t = timed({"rows": lambda: run(0), "dim1": lambda: run(1 << 30)},
-                          args.repeats, args.min_time)  # fmt: skip
+                          args.repeats, args.min_time)
             finally:
                 loss_module.FEW_CLASSES = saved
             runs = "dim 1" if c < saved else "rows"
@@ -904,11 +904,11 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true",
         help="only the compiled fused step (MLP w64 n=32, charlm GPT ratio 8 n=16) vs eager",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--anchors", action="store_true",
         help="MLP w64, CNN+BN, GPT surrogate at n 16 and 32, 1 and 2 threads",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--optimizer", action="store_true", help="only the optimizer step: old vs now vs compiled"
     )
@@ -916,21 +916,21 @@ def main() -> None:
     parser.add_argument(
         "--convs", action="store_true",
         help="only single convolutions (resnet18/convnext shapes): n separate vs one grouped",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--loss", action="store_true",
         help="only trial_loss(F.cross_entropy): log_softmax over rows vs over dim 1 of [n, C, B]",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--phases", action="store_true",
         help="only the MLP w64 step by phase: hydro.fuse vs the hand-written baddbmm MLP",
-    )  # fmt: skip
+    )
     parser.add_argument("--conv-n", type=int, default=8)
     parser.add_argument("--conv-batch", type=int, default=4)
     parser.add_argument("--optimizer-n", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="*", choices=list(MODELS) + list(COMPILED),
-                        help="a subset of models")  # fmt: skip
+                        help="a subset of models")
     parser.add_argument(
         "--ns", nargs="*", type=int, help="numbers of trials (default 1 4 16 32 64)"
     )
@@ -942,7 +942,7 @@ def main() -> None:
         "--before-rev", default=None,
         help="also time hydro.fuse with the fusion rewrite (rewrite.py, ops.py) of this git "
         "revision, side by side: columns 'fuse@rev' and 'fuse/before'",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)

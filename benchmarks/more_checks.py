@@ -31,7 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", choices=tuple(e2e.BUDGETS), default="long")
     p.add_argument("--runs", nargs="+", required=True, metavar="LABEL=FILE:METHOD",
-                   help="the choices to check, e.g. plain=a.json:plain")  # fmt: skip
+                   help="the choices to check, e.g. plain=a.json:plain")
     p.add_argument("--first-seed", type=int, default=2)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--repeats", default=None, help="comma-separated repeats (default: all)")

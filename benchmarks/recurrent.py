@@ -75,7 +75,7 @@ class RNNModel(nn.Module):
     """The example's ``RNNModel``: encoder, recurrent stack, decoder; ``[T, B]`` token ids."""
 
     def __init__(self, kind: str, ntoken: int, ninp: int, nhid: int, nlayers: int,
-                 tie: bool) -> None:  # fmt: skip
+                 tie: bool) -> None:
         super().__init__()
         self.encoder = nn.Embedding(ntoken, ninp)
         self.rnn = getattr(nn, kind)(ninp, nhid, nlayers)
@@ -138,7 +138,7 @@ def bench(kind: str, tie: bool, n: int, args: argparse.Namespace) -> dict:
     s, f = statistics.median(seq), statistics.median(fus)
     hidden = scaled.surrogate.get_parameter("rnn.weight_hh_l0").shape[1]
     return {"model": f"{kind}{' tied' if tie else ''}", "n": n, "hidden": f"200 -> {hidden}",
-            "sequential_ms": s, "fused_ms": f, "ratio": f / s}  # fmt: skip
+            "sequential_ms": s, "fused_ms": f, "ratio": f / s}
 
 
 def main() -> None:
@@ -163,17 +163,17 @@ def main() -> None:
         libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory stays with the process
     print(f"n={args.n}, ratio {args.ratio}, [{args.bptt} x {args.batch}] tokens of "
           f"{args.vocab}, {args.threads} thread(s); ms per step of all n trials (median of "
-          f"{args.rounds} rounds of {args.steps})")  # fmt: skip
+          f"{args.rounds} rounds of {args.steps})")
     print(f"{'model':<10} {'hidden':<10} {'sequential':>11} {'fused':>9} {'fused/seq':>10}")
     rows = []
     for kind in args.kinds.split(","):
         for tie in (False, True):
             r = bench(kind, tie, args.n, args)
             r.update(vocab=args.vocab, threads=args.threads, keep_memory=args.keep_memory,
-                     rounds=args.rounds, steps=args.steps)  # fmt: skip
+                     rounds=args.rounds, steps=args.steps)
             rows.append(r)
             print(f"{r['model']:<10} {r['hidden']:<10} {r['sequential_ms']:>9.1f}ms "
-                  f"{r['fused_ms']:>7.1f}ms {r['ratio']:>9.2f}x")  # fmt: skip
+                  f"{r['fused_ms']:>7.1f}ms {r['ratio']:>9.2f}x")
     if args.json:
         old = json.loads(args.json.read_text()) if args.json.exists() else []
         args.json.write_text(json.dumps(old + rows, indent=1) + "\n")

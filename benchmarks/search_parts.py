@@ -89,12 +89,12 @@ def main() -> None:
                               block=64, batch=8, steps=a.steps, eval_every=min(8, a.steps),
                               chars=a.chars or None, threads=1, first_group=a.first_group,
                               seed=a.seed, storage=a.storage, device="cpu",
-                              eval_samples=a.eval_samples)  # fmt: skip
+                              eval_samples=a.eval_samples)
     out = e2e.search_hydro(args, set())
     print(f"hydro from {out['hydro']}: ratio {a.ratio}, {a.steps} steps, first_group "
           f"{a.first_group}, storage {a.storage}, seed {a.seed}, eval_samples "
           f"{a.eval_samples}: {out['cpu']:.2f} CPU s, {out['states']}, "
-          f"best {out.get('best_value')}")  # fmt: skip
+          f"best {out.get('best_value')}")
     for label, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {label:24s} {s:7.2f} s  {calls[label]:4d} calls")
     print(f"  {'the rest':24s} {out['cpu'] - sum(spent.values()):7.2f} s")

@@ -71,12 +71,12 @@ def child(which: str, direct: bool) -> dict:
             k[len("fxgraph_cache_") :]: v
             for k, v in counters["inductor"].items()
             if k.startswith("fxgraph_cache_")
-        },  # fmt: skip
+        },
         "aot": {
             k[len("autograd_cache_") :]: v
             for k, v in counters["aot_autograd"].items()
             if k.startswith("autograd_cache_")
-        },  # fmt: skip
+        },
     }
 
 
@@ -114,7 +114,7 @@ def main() -> None:
             for label, r in zip(("cold", "warm"), rows):
                 how = f"{label}, {'direct' if direct else 'ShapeEnv'}"
                 print(f"| {which} | {how} | {r['first']:.1f} | {r['trace']:.1f} | "
-                      f"{r['compile_fx']:.1f} | {r['fxgraph']} | {r['aot']} |")  # fmt: skip
+                      f"{r['compile_fx']:.1f} | {r['fxgraph']} | {r['aot']} |")
     print(f"load: {os.getloadavg()}")
 
 

@@ -86,7 +86,7 @@ class CoordCheckResult:
             for t in range(self.steps):
                 rows.append([layer, str(t)]
                             + [f"{self.sizes[r][layer][t]:.3g}" for r in self.ratios]
-                            + [f"{self.spread(layer, t):.2f}"])  # fmt: skip
+                            + [f"{self.spread(layer, t):.2f}"])
         cols = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
         fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))
         return "\n".join([fmt(head), fmt(["-" * w for w in cols]), *map(fmt, rows)])
@@ -117,7 +117,7 @@ class CoordCheckResult:
             LogLocator,
             NullFormatter,
             NullLocator,
-        )  # fmt: skip
+        )
 
         last = self.steps - 1
         layers = list(self.sizes[self.ratios[0]])
@@ -129,7 +129,7 @@ class CoordCheckResult:
         cols = min(panels, 4)
         rows = -(-panels // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows + 0.6),
-                                 squeeze=False)  # fmt: skip
+                                 squeeze=False)
         axes = [ax for row in axes for ax in row]
         colors = plt.get_cmap("tab10")
         judged = set(self.hidden_layers())
@@ -138,7 +138,7 @@ class CoordCheckResult:
             for i, layer in enumerate(worst):
                 ax.plot(widths, [self.sizes[r][layer][last] for r in self.ratios], marker="o",
                         color=colors(i), ls="-" if layer in judged else ":",
-                        label=f"{layer} ({self.spread(layer, last):.2f})")  # fmt: skip
+                        label=f"{layer} ({self.spread(layer, last):.2f})")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             # at least a factor 4 top to bottom: a flat line looks flat, not steep noise
@@ -163,10 +163,10 @@ class CoordCheckResult:
         order = sorted(judged or layers, key=lambda n: -self.spread(n, last))[:per_panel]
         for i, layer in enumerate(order):
             ax.plot(range(self.steps), [self.spread(layer, t) for t in range(self.steps)],
-                    marker="o", color=colors(i), label=layer)  # fmt: skip
+                    marker="o", color=colors(i), label=layer)
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"threshold {threshold:g}")
         ax.set(title="spread (max/min across widths),\nworst judged layers", xlabel="step",
-               ylabel="spread")  # fmt: skip
+               ylabel="spread")
         ax.set_xticks(range(self.steps))
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
@@ -222,7 +222,7 @@ def coord_check(
     model = capture(model, example_inputs)  # once: every ratio scales the same graphs
     for ratio in ratios:
         sur = scale(model, ratio, example_inputs=example_inputs, seed=seed,
-                    parametrization=parametrization)  # fmt: skip
+                    parametrization=parametrization)
         gm = sur.graphs["train"]
         layers = _layers(sur, gm)
         roles = sur.hydro.roles
@@ -232,7 +232,7 @@ def coord_check(
         hidden = [
             s for n, s in sur.hydro.target_shapes.items()
             if roles.get(n) == "hidden" and len(s) >= 2
-        ]  # fmt: skip
+        ]
         result.widths[ratio] = (max(s[0] for s in hidden) if hidden else 1) // ratio
         record: dict[str, list[float]] = {name: [] for name, _ in dict.fromkeys(layers.values())}
         kind = "sgd" if optimizer == "sgd" else "adam"
@@ -251,7 +251,7 @@ def coord_check(
 
 _LAYER_OPS = {"linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
               "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding",
-              "layer_norm", "batch_norm", "group_norm", "rms_norm"}  # fmt: skip
+              "layer_norm", "batch_norm", "group_norm", "rms_norm"}
 
 
 def _layers(sur: nn.Module, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[str, str]]:

@@ -450,7 +450,7 @@ def _insert_readout_multipliers(
             module = READOUT if not names else f"{READOUT}_{len(names)}"
             holder = nn.Module()
             dtype = next((p.dtype for p in sur.parameters() if p.is_floating_point()),
-                         torch.float32)  # fmt: skip
+                         torch.float32)
             holder.register_buffer("scale", torch.tensor(value, dtype=dtype), persistent=False)
             sur.add_module(module, holder)
             for gm in sur.graphs.values():  # get_attr resolves on the owning graph module too

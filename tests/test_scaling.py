@@ -124,7 +124,7 @@ def test_roles_and_readout_multiplier_of_gpt():
 def test_initialization_follows_the_target_by_role():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10))  # fmt: skip
+                          nn.Linear(512, 10))
     nn.init.normal_(model[2].weight, 0.0, 0.02)
     nn.init.zeros_(model[4].weight)
     nn.init.constant_(model[2].bias, 0.3)
@@ -172,7 +172,7 @@ class HardCodedAttention(nn.Module):
 
 
 @pytest.mark.parametrize("policy, heads, head_dim", [("keep_head_dim", 1, 16),
-                                                     ("keep_head_count", 4, 4)])  # fmt: skip
+                                                     ("keep_head_count", 4, 4)])
 def test_width_literals_and_head_policy(policy, heads, head_dim):
     model = nn.Sequential(nn.Linear(8, 64), HardCodedAttention(), nn.Linear(64, 3))
     x = torch.randn(2, 5, 8)
@@ -234,7 +234,7 @@ def test_capture_errors_name_module_line_and_fix():
 def test_ratio_that_does_not_divide_suggests_ratios():
     model = nn.Sequential(nn.Linear(4, 48), nn.ReLU(), nn.Linear(48, 2))
     with pytest.raises(hydro.ScaleError, match=r"width 48 of '0.weight' .* not divisible by ratio "
-                       r"5. Nearest ratios that divide every width: 4, 6"):  # fmt: skip
+                       r"5. Nearest ratios that divide every width: 4, 6"):
         hydro.scale(model, 5)
     with pytest.raises(hydro.ScaleError, match="positive integer"):
         hydro.scale(model, 0)

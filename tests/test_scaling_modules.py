@@ -178,7 +178,7 @@ def test_coordinate_check_with_plain_forward_hooks() -> None:
     torch.manual_seed(0)
     width = 512
     model = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                          nn.Linear(width, 5)).double()  # fmt: skip
+                          nn.Linear(width, 5)).double()
     x = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 5, (32,), generator=torch.Generator().manual_seed(2))
     ratios = (1, 8, 64)  # widths 512, 64, 8

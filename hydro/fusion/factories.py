@@ -55,7 +55,7 @@ def batch_arange(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set
     per = rw.fn(torch.floor_divide, end, rw.n) if isinstance(end, torch.fx.Node) else end // rw.n
     counted = rw.fn(torch.arange, per, **kwargs)
     grown = rw.graph.call_method("expand", (rw.graph.call_method("unsqueeze", (counted, 0)),
-                                            rw.n, -1))  # fmt: skip
+                                            rw.n, -1))
     rw.env[node] = rw.fn(from_trials, grown, spec)
     rw.spec[node] = spec
     return True

@@ -92,7 +92,7 @@ def shared_size(size: int, n: int) -> int:
 def pointwise(
     op: Callable, n: int, specs: Sequence[Spec], out: Spec, rank: int, /, *args: object,
     **kwargs: object,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A broadcasting op with per-trial operands, run once over an explicit trial dimension."""
     lifted = [lift(a, n, s, rank) for a, s in zip(args, specs)]
     return settle(op(*lifted, **kwargs), out)
@@ -265,7 +265,7 @@ def shared_to_channels(x: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
 
 def stack_operand(
     x: object, n: int, spec: Spec, cdim: int, channels: int, rank: int
-) -> object:  # fmt: skip
+) -> object:
     """A batch-free operand of a broadcasting op whose result is channel-stacked.
 
     A per-trial value (``"T"``, ``[n, ...]``: a layer scale ``gamma.view(1, -1, 1, 1)``, a
@@ -292,7 +292,7 @@ def stack_operand(
 def stacked_pointwise(
     op: Callable, n: int, cdim: int, rank: int, specs: Sequence[Spec | str | None], /,
     *args: object, **kwargs: object,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A broadcasting op on channel-stacked values (spec ``"stacked"``) with per-trial or shared
     operands. The channel count is read from the stacked operand at run time: a surrogate's
     recorded shapes are those of the model it was scaled from."""
@@ -345,7 +345,7 @@ def trial_batch_norm(
     return F.batch_norm(
         x, _channels(running_mean), _channels(running_var), _channels(weight), _channels(bias),
         training, momentum, eps,
-    )  # fmt: skip
+    )
 
 
 def _pair(v: object) -> tuple[int, int]:
@@ -430,7 +430,7 @@ def trial_dropout(
 def trial_random(
     kind: str, x: torch.Tensor, n: int, spec: Spec, keys: torch.Tensor, p: object = None,
     dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``rand_like``/``randn_like``/``bernoulli`` of ``x`` from each trial's own stream (``x``'s
     values matter only as ``bernoulli``'s probabilities when ``p`` is ``None``)."""
     t = to_trials(x, n, spec)
@@ -447,7 +447,7 @@ def trial_random(
 def trial_attention(
     q, k, v, mask, p, causal: bool, scale, gqa: bool, n: int, spec: Spec, keys: torch.Tensor,
     mask_spec: Spec = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with dropout (the math form): one rate or a per-trial
     rate ``p[n]``, each trial's attention weights dropped from its own stream (``keys``). A
     per-trial mask (``mask_spec`` ``("T",)``, ``[n, ...]``) meets each trial's own scores."""
@@ -501,7 +501,7 @@ def trial_masked_attention(
         m = m.expand(m.shape[0], n, *heads, *m.shape[-2:])
     m = m.flatten(1, m.dim() - 3)
     y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=causal, scale=scale,
-                                       enable_gqa=gqa)  # fmt: skip
+                                       enable_gqa=gqa)
     return settle(y.unflatten(1, (n, *heads)).movedim(1, 0), out)
 
 
@@ -514,7 +514,7 @@ def trial_reduce(op_name: str, x: torch.Tensor, n: int, spec: Spec) -> torch.Ten
 def trial_loss_op(
     op: Callable, n: int, specs: Sequence[Spec], reduction: int, ignore_index: int | None,
     target_pos: int, weight_pos: int | None, *args: object,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A loss op over folded values as each trial's own loss ``[n]``.
 
     ``args`` are the op's arguments with ``reduction`` already set to ``none``; the per-sample

@@ -330,7 +330,7 @@ class Analysis:
             return TensorSyms(self.new_sym(d) for d in value.shape)
         if isinstance(value, (tuple, list)):
             return [self.fresh(v) for v in value] if isinstance(value, list) else tuple(
-                self.fresh(v) for v in value)  # fmt: skip
+                self.fresh(v) for v in value)
         if isinstance(value, int) and not isinstance(value, bool):
             return IntSym(None)
         return None
@@ -383,7 +383,7 @@ class Analysis:
         for a in self._expansions(src):
             for b in self._expansions(dst):
                 groups = self._groups([s for s in a if self.sizes[s] != 1],
-                                      [s for s in b if self.sizes[s] != 1])  # fmt: skip
+                                      [s for s in b if self.sizes[s] != 1])
                 score = sum(len(ga) + len(gb) for ga, gb in groups)
                 if best is None or score < best[0]:
                     best = (score, groups, a, b)
@@ -493,7 +493,7 @@ class Analysis:
             if name in TRANSPOSES and isinstance(self.values.get(arg), torch.Tensor):
                 perms.append(transpose_perm(arg, self.values[arg].dim()))
             elif name not in ("to", "_to_copy", "alias", "detach", "contiguous", "clone",
-                              "_weight_norm"):  # fmt: skip
+                              "_weight_norm"):
                 return None
             arg = arg.args[0]
         return None

@@ -97,7 +97,7 @@ class TransferSampler(BaseSampler):
     def sample_independent(
         self, study: optuna.Study, trial: FrozenTrial, param_name: str,
         param_distribution: BaseDistribution,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         config = self._replayed(trial)
         if config is not None and param_name in config:
             value = config[param_name]

@@ -386,7 +386,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(ps):
                 mults = optimizer_multipliers(p, self.kind)
                 buckets.setdefault((mults, id(self.state[p][self.cohort_key]), p.dtype),
-                                   []).append(i)  # fmt: skip
+                                   []).append(i)
             plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
         return tuple(plan)
 
@@ -424,7 +424,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for (lr_mult, wd_mult), dtype, _ in buckets:
                 vectors = self._coefficients(hyper, next(first), lr_mult, wd_mult, active, like)
                 out.append({k: v if v.dtype == torch.bool else v.to(dtype)
-                            for k, v in vectors.items()})  # fmt: skip
+                            for k, v in vectors.items()})
         return active, out
 
     def _run(self, params, grads, state, coeffs) -> None:
@@ -676,7 +676,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             {key: v[k].clone() for key, v in self.state.get(p, {}).items()
              if torch.is_tensor(v) and v.dim()}
             for p in params
-        ]  # fmt: skip
+        ]
         return {"groups": groups, "state": state}
 
     def load_trial_state(self, k: int, trial: dict[str, Any]) -> None:
@@ -688,7 +688,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (self.n or 0):
             raise ConfigError(f"load_trial_state: slot {k!r} is not one of the {self.n} fused "
-                              "trials")  # fmt: skip
+                              "trials")
         params = [p for g in self.param_groups for p in g["params"]]
         if len(trial["state"]) != len(params) or len(trial["groups"]) != len(self.param_groups):
             raise ConfigError(

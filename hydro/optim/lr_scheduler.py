@@ -206,7 +206,7 @@ class TrialScheduler:
         the trial's own arguments); the slot's schedule goes on from the saved step."""
         self.schedulers[k].load_state_dict(state["scheduler"])
         for group, values in zip(self.optimizer.trial_optimizers()[k].param_groups,
-                                 state["stand_in"]):  # fmt: skip
+                                 state["stand_in"]):
             group.update(values)
         self._sync()
 
@@ -389,7 +389,7 @@ class OneCycleLR(TrialScheduler):
     arg_names = (
         "max_lr", "total_steps", "pct_start", "anneal_strategy", "cycle_momentum",
         "base_momentum", "max_momentum", "div_factor", "final_div_factor", "three_phase",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,

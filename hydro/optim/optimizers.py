@@ -75,7 +75,7 @@ class SGD(FusedOptimizer):
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov,
-        )  # fmt: skip
+        )
         super().__init__(params, defaults, compile=compile)
         self._validate()
 

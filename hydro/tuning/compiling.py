@@ -128,7 +128,7 @@ def time_eager_step(group: Any, start: float) -> None:
         speedup = measured["speedup"] or SPEEDUP
         on, line = decide(step_s, left, measured["compile_s"], speedup)
         said = "measured here before" if measured["speedup"] else \
-            "compile measured here before, speed-up assumed"  # fmt: skip
+            "compile measured here before, speed-up assumed"
         line += f"; {said} (x{speedup:.2f})"
     if on and unavailable():
         on, line = False, f"compile: auto -> off ({unavailable()})"

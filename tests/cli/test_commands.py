@@ -175,7 +175,7 @@ def _one_line_error(capsys, *args):
          "standard library module 'builtins'"),
         (lambda c: c.replace("toymod:data", "toymod"), "must look like 'package.module:callable'"),
     ],
-)  # fmt: skip
+)
 def test_tune_bad_input_exits_2_before_any_trial(project, capsys, edit, message):
     (project / "toymod.py").write_text(TOY + BROKEN)
     (project / "tune.yaml").write_text(edit(CONFIG))
@@ -261,7 +261,7 @@ def test_ctrl_c_says_how_to_resume(project):
     default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen([sys.executable, "-m", "hydro.cli", "tune", "tune.yaml"],
                             cwd=project, env=env, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default)  # fmt: skip
+                            preexec_fn=default)
     seen = ""
     # trials have completed (how many at one refresh depends on the machine's speed)
     while not any(int(n) >= 2 for n in re.findall(r"trials (\d+)/40,", seen)):
@@ -275,7 +275,7 @@ def test_ctrl_c_says_how_to_resume(project):
     lines = [line for line in rest.splitlines() if line.strip()]
     assert "Traceback" not in rest and "error" not in rest
     assert lines[-1] == ("hydro tune: interrupted; the finished trials are saved in study 'toy' "
-                         "of sqlite:///toy.db: run the same command again to resume")  # fmt: skip
+                         "of sqlite:///toy.db: run the same command again to resume")
 
 
 def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monkeypatch):
@@ -283,7 +283,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
     runs = []
     for seed in (3, 3, 4):
         args = ["coord-check", "examples.models:mlp", "--ratios", "4,8", "--steps", "2",
-                "--seed", str(seed), "-o", str(tmp_path / "c.png")]  # fmt: skip
+                "--seed", str(seed), "-o", str(tmp_path / "c.png")]
         assert main(args) == 0
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -292,7 +292,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
     assert verdict.startswith("verdict: PASS (mup): worst hidden layer")
     assert "below the threshold 2" in verdict
     args = ["coord-check", "examples.models:mlp", "--ratios", "1,8", "--parametrization", "sp",
-            "--steps", "4", "-o", str(tmp_path / "sp.png")]  # fmt: skip
+            "--steps", "4", "-o", str(tmp_path / "sp.png")]
     assert main(args) == 1
     assert "verdict: FAIL (sp)" in capsys.readouterr().out
 
@@ -316,22 +316,22 @@ def test_best_yaml_trains_the_full_model_with_the_docs_snippet(project, capsys):
     assert train["optimizer"] == "adamw" and train["scheduler"] == "cosine"
     assert (train["steps"], train["batch_size"], train["warmup"]) == (10, 32, params["warmup"])
     assert train["optimizer_args"] == {"lr": params["lr"], "weight_decay": 0.01,
-                                       "betas": [0.9, 0.9], "eps": 1e-8}  # fmt: skip
+                                       "betas": [0.9, 0.9], "eps": 1e-8}
     snippet = _docs_snippet()
     for scheduler, warmup in [("cosine", params["warmup"]), ("cosine", 0), ("linear", 3),
-                              ("step", 0), ("step", 2), ("none", 2)]:  # fmt: skip
+                              ("step", 0), ("step", 2), ("none", 2)]:
         train.update(scheduler=scheduler, warmup=warmup)
         (project / "best.yaml").write_text(yaml.safe_dump(best))
         torch.manual_seed(0)
         ns = {"build_full_model": lambda: torch.nn.Linear(16, 5),
-              "next_batch": lambda b: (torch.randn(b, 16), torch.randint(0, 5, (b,)))}  # fmt: skip
+              "next_batch": lambda b: (torch.randn(b, 16), torch.randint(0, 5, (b,)))}
         exec(snippet, ns)  # runs the whole training loop of the snippet
         opt = ns["opt"]
         assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.9)
         # Hydro's own schedule for the same trial, step by step
         xy = (torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
         task = hydro.Task(model=torch.nn.Linear(16, 5), train_data=xy, val_data=xy, steps=10,
-                          scheduler=scheduler)  # fmt: skip
+                          scheduler=scheduler)
         fused = hydro.fuse([torch.nn.Linear(16, 5)])
         hopt = _optimizer(task, fused, [{**params, "warmup": warmup}])
         hsched = _scheduler(task, hopt, [{**params, "warmup": warmup}])

@@ -69,7 +69,7 @@ def test_check_executor_refuses_what_lacks_a_member_and_names_it():
     assert check_executor(_Plain()).slots == ["cpu"]
     assert not isinstance(_Plain(), PlacingExecutor)
     with pytest.raises(ConfigError, match=r"executor object\(\) is not a hydro_fluid.Executor: "
-                                          "it lacks run, slots"):  # fmt: skip
+                                          "it lacks run, slots"):
         check_executor(object())
     with pytest.raises(ConfigError, match="executor 'gpu' .* lacks run, slots"):
         check_executor("gpu")
@@ -87,7 +87,7 @@ def test_the_tuner_asks_a_policy_only_of_a_placing_executor():
     for executor, placed in ((_Plain(), False), (_Recording(devices=[], num_workers=1), True)):
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         optimize(study, toy.task(steps=4), space, n_trials=2, ratio=2, fuse=2,
-                 executor=executor, policy="fifo")  # fmt: skip
+                 executor=executor, policy="fifo")
         assert [t.state.name for t in study.trials] == ["COMPLETE"] * 2
         (kw,) = executor.calls
         assert ("policy" in kw) is placed and kw.get("policy", "fifo") == "fifo"

@@ -264,7 +264,7 @@ def test_relu_saves_its_activation_not_a_bool_mask() -> None:
     recompute it from the activation the next layer's gradient saves anyway."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 3))  # fmt: skip
+                          nn.Linear(16, 3))
     compiled = hydro.fuse(model, n=2, compile={"backend": "aot_eager_decomp_partition"})
     eager = hydro.fuse(model, n=2)
     x = torch.randn(8, 6)

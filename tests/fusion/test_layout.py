@@ -251,13 +251,13 @@ def test_trial_conv_forms_equal_per_trial_convolutions(shape: tuple) -> None:
     g = torch.Generator().manual_seed(0)
     xs = torch.randn(n, b, c_in, h, w, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(n, c_out, c_in, k, k, dtype=torch.float64, generator=g,
-                         requires_grad=True)  # fmt: skip
+                         requires_grad=True)
     bias = torch.randn(n, c_out, dtype=torch.float64, generator=g, requires_grad=True)
     stacked = ops.to_channels(xs.flatten(0, 1), n)
     y = ops.trial_conv(2, stacked, weight, bias, [stride] * 2, [pad] * 2, [dil] * 2, 1, n, False)
     expected = torch.stack([
         F.conv2d(xs[t], weight[t], bias[t], stride, pad, dil) for t in range(n)
-    ])  # fmt: skip
+    ])
     got = ops.from_channels(y, n).unflatten(0, (n, b))
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     (got * expected.detach().cos()).sum().backward()

@@ -122,7 +122,7 @@ def test_kept_values_are_scaled_exactly_and_dropped_ones_are_zero(dtype) -> None
 def _mlp(p: float, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 32),
-                         nn.ReLU(), nn.Dropout(p), nn.Linear(32, 3)).double()  # fmt: skip
+                         nn.ReLU(), nn.Dropout(p), nn.Linear(32, 3)).double()
 
 
 def test_dropout_zero_is_an_exact_identity_forward_and_backward() -> None:
@@ -315,9 +315,9 @@ def _same(a: list, b: list) -> None:
         assert la == pytest.approx(lb, rel=1e-12, abs=1e-14), step
         for name in ga:
             torch.testing.assert_close(ga[name], gb[name], rtol=1e-12, atol=1e-14,
-                                       msg=f"grad {name} at step {step}")  # fmt: skip
+                                       msg=f"grad {name} at step {step}")
             torch.testing.assert_close(wa[name], wb[name], rtol=1e-12, atol=1e-14,
-                                       msg=f"weight {name} at step {step}")  # fmt: skip
+                                       msg=f"weight {name} at step {step}")
 
 
 @pytest.mark.parametrize("build", [_mlp, _charlm, _nanogpt], ids=["mlp", "charlm", "nanogpt"])
@@ -340,7 +340,7 @@ def test_trial_equals_itself_in_any_group_and_slot(build) -> None:
 def _dropout_net(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 64),
-                         nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 3)).double()  # fmt: skip
+                         nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 3)).double()
 
 
 def _tune(fuse_: int) -> dict[int, tuple]:
@@ -349,9 +349,9 @@ def _tune(fuse_: int) -> dict[int, tuple]:
     y = (x @ torch.randn(8, 3, generator=g, dtype=torch.float64)).argmax(-1)
     task = hydro.Task(model=_dropout_net, train_data=(x[:192], y[:192]),
                       val_data=(x[192:], y[192:]), steps=8, eval_every=4,
-                      batch_size=16)  # fmt: skip
+                      batch_size=16)
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True),
-             "dropout": FloatDistribution(0.1, 0.5)}  # fmt: skip
+             "dropout": FloatDistribution(0.1, 0.5)}
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     optimize(study, task, space, n_trials=3, ratio=2, fuse=fuse_, seed=3)
     return {t.number: (t.params, t.intermediate_values, t.value) for t in study.trials}
@@ -377,7 +377,7 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
     x = torch.randn(128, 8, generator=g, dtype=torch.float64)
     y = x[:, :3].argmax(-1)
     task = hydro.Task(model=functools.partial(_dropout_net), train_data=(x, y),
-                      val_data=(x[:32], y[:32]), steps=6, batch_size=16)  # fmt: skip
+                      val_data=(x[:32], y[:32]), steps=6, batch_size=16)
     group = FusedGroup(task, [(0, {"dropout": 0.2}, 1), (1, {"dropout": 0.4}, 2)], ratio=2)
     for _ in range(3):
         group.step()

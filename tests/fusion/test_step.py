@@ -42,7 +42,7 @@ def small(p: float) -> nn.Module:
 
 
 CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses),
-         "small": (small, mlp_batch, mlp_losses)}  # fmt: skip
+         "small": (small, mlp_batch, mlp_losses)}
 
 
 def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2, 0.3), **hyper):
@@ -100,7 +100,7 @@ def test_sgd_momentum_nesterov_and_clipping_equal_eager() -> None:
     """Per-trial momentum (one trial without), Nesterov, weight decay and per-trial clipping
     norms (one trial unclipped) in the graph."""
     hyper = {"momentum": [0.9, 0.0, 0.8], "nesterov": [True, False, False],
-             "weight_decay": [0.0, 1e-2, 1e-3]}  # fmt: skip
+             "weight_decay": [0.0, 1e-2, 1e-3]}
     clip = [0.05, None, 0.1]
     eager = train("mlp", *build("mlp", False, "sgd", **hyper), 4, clip=clip)
     fused, opt = build("mlp", AOT, "sgd", **hyper)
@@ -220,7 +220,7 @@ def test_inductor_step_equals_eager_and_hits_the_compile_caches() -> None:
     whole("small", again, opt)
     hits = (counters["inductor"]["fxgraph_cache_hit"] - before[0].get("fxgraph_cache_hit", 0),
             counters["aot_autograd"]["autograd_cache_hit"]
-            - before[1].get("autograd_cache_hit", 0))  # fmt: skip
+            - before[1].get("autograd_cache_hit", 0))
     assert hits == (1, 1), (hits, dict(counters["inductor"]), dict(counters["aot_autograd"]))
 
 

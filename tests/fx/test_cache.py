@@ -230,7 +230,7 @@ def _plant(path: str, damage: str) -> None:
     "damage",
     ["garbage", "truncated", "other_torch", "other_model", "planted_constant",
      "planted_function", "planted_op", "planted_trace", "planted_name", "planted_attr"],
-)  # fmt: skip
+)
 def test_a_bad_entry_is_rebuilt_with_one_warning(exports, damage):
     x = torch.randn(4, 6, dtype=torch.float64)
     capture(_net(), (x,), modes=("eval",))
@@ -344,7 +344,7 @@ def test_the_key_is_the_same_in_another_process():
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
-                             capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
+                             capture_output=True, text=True, check=True, timeout=300)
         keys.append(out.stdout.strip().splitlines()[-1])
     keys.append(cache.key(Net().eval(), (torch.zeros(4, 6),), {}, None))
     assert keys[0] != "None" and len(set(keys)) == 1, keys

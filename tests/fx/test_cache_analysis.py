@@ -174,7 +174,7 @@ def _damage(path: str, damage: str) -> None:
     "damage",
     ["garbage", "truncated", "other_key", "other_torch", "missing_node", "extra_node",
      "bad_value", "bad_kind"],
-)  # fmt: skip
+)
 def test_a_bad_analysis_entry_is_rebuilt_with_one_warning(fake_runs, damage):
     fresh, x = _build(_cnn, cache_on=False)
     _build(_cnn)

@@ -61,7 +61,7 @@ def _run(folder: str, names: list[str]) -> dict:
     env = dict(os.environ, HYDRO_CACHE_DIR=folder, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("HYDRO_CACHE", None)
     done = subprocess.run([sys.executable, "-c", _SCRIPT, *names], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+                          capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])

@@ -63,13 +63,13 @@ def _stack(node: torch.fx.Node) -> dict:
     # a fresh capture names the module classes, a loaded one their qualified names
     stack = node.meta.get("nn_module_stack") or {}
     return {k: (p, t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}")
-            for k, (p, t) in stack.items()}  # fmt: skip
+            for k, (p, t) in stack.items()}
 
 
 def _val(v: object) -> object:
     if isinstance(v, torch.Tensor):
         return ("T", str(tuple(v.shape)), str(v.stride()), str(v.storage_offset()), v.dtype,
-                v.device, v.requires_grad, isinstance(v, torch.Tensor))  # fmt: skip
+                v.device, v.requires_grad, isinstance(v, torch.Tensor))
     if isinstance(v, (list, tuple)):
         return [type(v).__name__, *map(_val, v)]
     return (type(v).__name__, str(v))
@@ -83,7 +83,7 @@ def _same_graphs(loaded: Captured, fresh: Captured) -> None:
         assert a._in_spec == b._in_spec and a._out_spec == b._out_spec
         for x, y in zip(a.graph.nodes, b.graph.nodes, strict=True):
             assert (x.op, x.name, x.target, str(x.args), str(x.kwargs)) == (
-                y.op, y.name, y.target, str(y.args), str(y.kwargs))  # fmt: skip
+                y.op, y.name, y.target, str(y.args), str(y.kwargs))
             assert _val(x.meta.get("val")) == _val(y.meta.get("val")), x.name
             assert _stack(x) == _stack(y) and x.meta.get("stack_trace") == y.meta.get(
                 "stack_trace"

@@ -117,7 +117,7 @@ def test_a_cache_directory_others_can_write_is_neither_read_nor_written(exports,
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
-                    reason="only root can give a directory away")  # fmt: skip
+                    reason="only root can give a directory away")
 def test_a_cache_directory_of_another_user_is_not_used(exports):
     x = torch.randn(4, 6, dtype=torch.float64)
     capture(_net(), (x,), modes=("eval",))

@@ -29,7 +29,7 @@ from tests.test_scaling_modules import assert_hooks_as_model
 
 # parameter cut at ratio 8 measured on these configs (target / surrogate parameters), rounded down
 MIN_CUT = {"nanogpt": 40, "encoder_batch_first": 40, "encoder_seq_first": 40, "hf_gpt2": 30,
-           "hf_llama": 20, "hf_bert": 30, "hf_vit": 20}  # fmt: skip
+           "hf_llama": 20, "hf_bert": 30, "hf_vit": 20}
 
 
 def _batch(batch, n, dtype, seed=0):
@@ -145,7 +145,7 @@ def test_rotary_frequencies_are_rebuilt_not_cut():
     cfg = transformers.LlamaConfig(
         vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 61, (2, 8))
@@ -284,7 +284,7 @@ def test_manual_attention_scale_follows_mup_like_sdpa(ratio):
         model = NanoGPT(NanoConfig(n_layer=1, flash=flash)).double()
         scaled = capture(model, (idx,), {"targets": idx})
         sur = hydro.scale(scaled, ratio, example_inputs=(idx,), example_kwargs={"targets": idx},
-                          seed=0)  # fmt: skip
+                          seed=0)
         surs.append(sur.eval())
         models.append(model.eval())
     sdpa, manual = surs
@@ -294,7 +294,7 @@ def test_manual_attention_scale_follows_mup_like_sdpa(ratio):
     torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
     report = str(hydro.inspect(models[1], ratio, example_inputs=(idx,),
-                               example_kwargs={"targets": idx}))  # fmt: skip
+                               example_kwargs={"targets": idx}))
     if ratio == 1:  # the target itself, bit for bit
         manual.load_state_dict(models[1].state_dict())
         assert torch.equal(manual(idx, targets=idx)[0], models[1](idx, targets=idx)[0])

@@ -40,7 +40,7 @@ def test_depth_ratio_1_is_todays_surrogate_bit_for_bit() -> None:
     assert torch.equal(a(X), b(X))
     assert b.hydro.depth_multipliers == {} and b.hydro.stacks == []
     assert all(optimizer_multipliers(p) == optimizer_multipliers(q)
-               for p, q in zip(a.parameters(), b.parameters()))  # fmt: skip
+               for p, q in zip(a.parameters(), b.parameters()))
 
 
 def test_8_4_surrogate_keeps_two_blocks_with_multiplier_4() -> None:
@@ -55,12 +55,12 @@ def test_8_4_surrogate_keeps_two_blocks_with_multiplier_4() -> None:
     shallow = hydro.scale(_gpt(2), 8, example_inputs=(X,), seed=0)
     assert [p.shape for p in sur.parameters()] == [p.shape for p in shallow.parameters()]
     assert sur(torch.randint(0, 50, (5, 16))).shape == (5, 16, shallow.get_parameter(
-        "lm_head.weight").shape[0])  # fmt: skip
+        "lm_head.weight").shape[0])
     # two residual adds per kept block, each branch multiplied by the buffer
     muls = [n for n in sur.graphs["train"].graph.nodes
             if n.target is torch.ops.aten.mul.Tensor and any(
                 a.op == "get_attr" and a.target == "depth_residual.scale"
-                for a in n.args if isinstance(a, torch.fx.Node))]  # fmt: skip
+                for a in n.args if isinstance(a, torch.fx.Node))]
     assert len(muls) == 4
 
 
@@ -115,7 +115,7 @@ def test_adam_rules_are_completep_relative_to_the_target(alpha: float) -> None:
     # the per-step decay of a hidden weight: width-invariant, and only at alpha = 1 depth-invariant
     fc = sur.get_parameter("h.4.mlp.c_fc.weight")
     (group,) = [g for g in param_groups(sur, lr=1e-3, weight_decay=0.1)
-                if any(p is fc for p in g["params"])]  # fmt: skip
+                if any(p is fc for p in g["params"])]
     assert group["lr"] * group["weight_decay"] == pytest.approx(1e-4 * 4.0 ** (1 - alpha))
 
 
@@ -131,7 +131,7 @@ def _stacks(name: str, k: int = 2) -> tuple[list[depth.Stack], nn.Module, object
     ("name", "path"),
     [("nanogpt", "transformer.h"), ("hf_gpt2", "transformer.h"), ("hf_llama", "model.layers"),
      ("hf_bert", "bert.encoder.layer"), ("encoder_batch_first", "encoder.layers")],
-)  # fmt: skip
+)
 def test_stack_detection_on_real_models(name: str, path: str) -> None:
     stacks, cut, (model, args, kwargs) = _stacks(name)
     (stack,) = stacks
@@ -207,10 +207,10 @@ def test_scale_and_inspect_name_the_head_of_a_cut_stage() -> None:
     assert sur(x).shape == (2, 5)
     report = str(hydro.inspect(model, ratio=2, depth_ratio=2, example_inputs=(x,)))
     assert ("depth: stack 'layer1' keeps 1 of 2 blocks (layer1.1) after layer1.0 (another "
-            "shape, kept as is), residual branches x 2") in report  # fmt: skip
+            "shape, kept as is), residual branches x 2") in report
     stacks = hydro.inspect(model, ratio=2, depth_ratio=2, example_inputs=(x,)).to_dict()["stacks"]
     assert {s["path"]: s["head"] for s in stacks} == {"layer1": ["layer1.0"],
-                                                      "layer2": ["layer2.0"]}  # fmt: skip
+                                                      "layer2": ["layer2.0"]}
 
 
 @pytest.mark.skipif(not timm_available(), reason="timm cannot import torchvision here")
@@ -224,7 +224,7 @@ def test_timm_resnet34_cuts_the_tail_of_every_stage() -> None:
     tails = {s.path: (s.head, len(s.blocks), len(s.kept), s.reason) for s in plan.stacks}
     assert tails == {"layer1": ([], 3, 2, None), "layer2": (["layer2.0"], 3, 2, None),
                      "layer3": (["layer3.0"], 5, 3, None),
-                     "layer4": (["layer4.0"], 2, 1, None)}  # fmt: skip
+                     "layer4": (["layer4.0"], 2, 1, None)}
     assert cut(x).shape == (2, 7)
 
 
@@ -277,7 +277,7 @@ def test_inspect_names_cut_and_left_whole_stacks() -> None:
     data = report.to_dict()
     assert [s["left_whole"] for s in data["stacks"]][1:] == [
         "no residual add in mlp.0 (an add of the block's input and a branch computed from it) "
-        "(train graph)", "one block"]  # fmt: skip
+        "(train graph)", "one block"]
 
 
 def test_fused_depth_cut_surrogate_trains_like_separate_ones() -> None:
@@ -288,7 +288,7 @@ def test_fused_depth_cut_surrogate_trains_like_separate_ones() -> None:
     members = [fused.trial(k) for k in range(2)]
     lrs = [1e-3, 4e-3]
     opts = [torch.optim.AdamW(param_groups(m, lr=lr, weight_decay=0.1)) for m, lr in
-            zip(members, lrs)]  # fmt: skip
+            zip(members, lrs)]
     fused_opt = hydro.optim.AdamW(fused.parameters(), lr=lrs, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):

@@ -114,7 +114,7 @@ def test_parallel_lists_are_cut_as_one_loop_body() -> None:
     assert sur.hydro.depth_multipliers == {"depth_residual.scale": pytest.approx(2**0.5)}
     report = hydro.inspect(_loop_gpt(4), 1, example_inputs=(X,), depth_ratio=2)
     assert ("depth: stack 'mlp' keeps 2 of 4 blocks (mlp.0, mlp.2) (one loop body with 'ln_1', "
-            "'attn', 'ln_2'), residual branches x 2") in str(report)  # fmt: skip
+            "'attn', 'ln_2'), residual branches x 2") in str(report)
     assert report.to_dict()["stacks"][0]["siblings"] == ["attn", "ln_2", "mlp"]
     ref = _loop_gpt(2, mult=2**0.5)
     state = {k.replace(".2.", ".1."): v for k, v in sur.state_dict().items()}
@@ -188,7 +188,7 @@ def test_a_depth_ratio_that_cuts_nothing_warns_naming_the_containers() -> None:
     ) in line
     with pytest.warns(HydroWarning, match=r"cut no block of Sequential.*no ModuleList"):
         hydro.scale(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), 1,
-                    depth_ratio=2, example_inputs=(x,))  # fmt: skip
+                    depth_ratio=2, example_inputs=(x,))
     with warnings.catch_warnings():  # a cut, or depth_ratio 1: no such warning
         warnings.simplefilter("error", HydroWarning)
         hydro.scale(DenseNet(), 1, example_inputs=(x,))

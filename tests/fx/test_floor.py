@@ -33,7 +33,7 @@ IMAGES = (torch.zeros(2, 3, 16, 16),)
 def mlp(width: int = 1024) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 10))  # fmt: skip
+                         nn.Linear(width, 10))
 
 
 def largest(width: int, floor: int) -> int:
@@ -63,7 +63,7 @@ def test_auto_on_an_mlp_keeps_the_hidden_width_at_the_linear_floor():
     assert [(lw.path, lw.surrogate) for lw in widths] == [(p, FLOORS["linear"]) for p in "024"]
     # a wide model stops at the largest ratio auto tries
     wide = nn.Sequential(nn.Linear(32, 64 * FLOORS["linear"]), nn.ReLU(),
-                         nn.Linear(64 * FLOORS["linear"], 10))  # fmt: skip
+                         nn.Linear(64 * FLOORS["linear"], 10))
     wide = hydro.scale(wide, "auto", example_inputs=(torch.randn(2, 32),))
     assert wide.hydro.ratio == MAX_AUTO_RATIO == 64
     assert wide.hydro.auto.reason == "64 is the largest ratio 'auto' tries"
@@ -110,7 +110,7 @@ def test_auto_stops_at_the_attention_cap_on_a_gpt_whose_floors_allow_more():
         assert hydro.scale(model, 8, example_inputs=tokens).hydro.ratio == 8
     # a model without attention is not capped: the MLP above goes to 8
     assert hydro.scale(mlp(8 * FLOORS["linear"]), "auto",
-                       example_inputs=(torch.randn(2, 32),)).hydro.ratio == 8  # fmt: skip
+                       example_inputs=(torch.randn(2, 32),)).hydro.ratio == 8
 
 
 def test_auto_on_a_batchnorm_cnn_is_bounded_by_the_conv_floor_and_inspect_shows_it():
@@ -154,7 +154,7 @@ def test_a_ratio_within_the_floors_does_not_warn():
         hydro.scale(mlp(8 * FLOORS["linear"]), 8, example_inputs=(torch.randn(2, 32),))
         # a naive (sp) model is for comparisons, not transfer: no floor warning
         hydro.scale(mlp(8 * FLOORS["linear"]), 16, example_inputs=(torch.randn(2, 32),),
-                    parametrization="sp")  # fmt: skip
+                    parametrization="sp")
 
 
 def test_auto_picks_ratio_1_and_says_so_when_nothing_can_shrink():
@@ -186,7 +186,7 @@ def test_attention_written_out_is_found_by_its_head_dim():
 
     with pytest.warns(HydroWarning, match="'proj' \\(linear\\): width 64 -> 16, floor 32"):
         plan = build(Attention(), 4, example_inputs=(torch.randn(2, 5, 64),),
-                     head_policy="keep_head_count").plan  # fmt: skip
+                     head_policy="keep_head_count").plan
     heads = [lw for lw in layer_widths(plan) if lw.kind == "attention"]
     # q @ k^T contracts the head dim (32 -> 8); att @ v contracts positions, not a width
     assert [(lw.path, lw.target, lw.surrogate) for lw in heads] == [("matmul", 32, 8)]
@@ -198,7 +198,7 @@ def test_tune_with_auto_reports_the_ratio_it_chose(tmp_path):
     task = hydro.Task(model=mlp(256), train_data=(x, y), val_data=(x, y), steps=2)
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
     result = hydro.tune(task, space, n_trials=2, ratio="auto", fuse=2,
-                        storage=f"sqlite:///{tmp_path}/s.db")  # fmt: skip
+                        storage=f"sqlite:///{tmp_path}/s.db")
     want = largest(256, FLOORS["linear"])
     assert result.ratio == want
     assert {t.user_attrs["ratio"] for t in result.study.trials} == {want}

@@ -105,7 +105,7 @@ def _wav2vec2(**kw: object) -> nn.Module:
         intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
         num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, feat_extract_norm="group",
         **{"mask_time_prob": 0.0, "layerdrop": 0.0, **kw},
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return transformers.Wav2Vec2ForCTC(cfg)
 

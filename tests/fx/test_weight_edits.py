@@ -11,7 +11,7 @@ import hydro
 from hydro.errors import ScaleError
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore::UserWarning")]  # fmt: skip
+              pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 class SelfRescaling(nn.Module):

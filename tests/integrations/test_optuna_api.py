@@ -43,7 +43,7 @@ def test_timeout_stops_asking_the_running_trials_finish_and_a_rerun_goes_on(tmp_
 
     task = make_task(2)
     hydro.tune(task, SPACE, n_trials=6, ratio=2, fuse=2, storage=db, seed=0, pruner=NOP(),
-               timeout=2, callbacks=[slow])  # fmt: skip
+               timeout=2, callbacks=[slow])
     study = optuna.load_study(study_name="hydro", storage=db)
     # the two trials asked before the timeout ran to their end; nothing was asked after it
     assert _states(study) == ["COMPLETE", "COMPLETE"]
@@ -52,7 +52,7 @@ def test_timeout_stops_asking_the_running_trials_finish_and_a_rerun_goes_on(tmp_
     assert [t.value for t in seen] == [t.value for t in study.trials]
     # the same call without the timeout finishes the study: once per trial, in this process
     hydro.tune(task, SPACE, n_trials=6, ratio=2, fuse=2, storage=db, seed=0, pruner=NOP(),
-               callbacks=[lambda s, t: seen.append(t)])  # fmt: skip
+               callbacks=[lambda s, t: seen.append(t)])
     assert _states(study) == ["COMPLETE"] * 6
     assert sorted(t.number for t in seen) == list(range(6))
 
@@ -62,7 +62,7 @@ def test_bad_timeout_catch_and_callbacks_are_one_line_config_errors():
     study = optuna.create_study()
     for kw, said in [({"timeout": 0}, "timeout must be a number of seconds above 0"),
                      ({"catch": ("ValueError",)}, "catch must hold exception classes"),
-                     ({"callbacks": [3]}, "callbacks must be callables")]:  # fmt: skip
+                     ({"callbacks": [3]}, "callbacks must be callables")]:
         with pytest.raises(ConfigError, match=said):
             hydro.tune(task, SPACE, n_trials=2, ratio=2, fuse=2, study=study, **kw)
     assert study.trials == []
@@ -84,7 +84,7 @@ class RaisingLoss:
 def _raising_task(kind: type[Exception]) -> hydro.Task:
     base = make_task(2)
     return hydro.Task(model=base.model, train_data=base.train_data, val_data=base.val_data,
-                      steps=2, eval_every=1, batch_size=32, loss=RaisingLoss(kind))  # fmt: skip
+                      steps=2, eval_every=1, batch_size=32, loss=RaisingLoss(kind))
 
 
 def test_catch_fails_its_exceptions_trials_and_goes_on_where_others_stop_the_run():
@@ -97,17 +97,17 @@ def test_catch_fails_its_exceptions_trials_and_goes_on_where_others_stop_the_run
     study = optuna.create_study()
     with pytest.raises(UserCodeError):
         hydro.tune(_raising_task(ValueError), SPACE, n_trials=10, ratio=2, fuse=2, study=study,
-                   catch=(KeyError,))  # fmt: skip
+                   catch=(KeyError,))
     assert _states(study) == ["FAIL"] * 6
     # catch=(ValueError,) (a subclass raised): expected failures, the run uses its budget
     failed: list[FrozenTrial] = []
     study = optuna.create_study()
     hydro.tune(_raising_task(UnicodeError), SPACE, n_trials=10, ratio=2, fuse=2, study=study,
-               catch=(ValueError,), callbacks=[lambda s, t: failed.append(t)])  # fmt: skip
+               catch=(ValueError,), callbacks=[lambda s, t: failed.append(t)])
     assert _states(study) == ["FAIL"] * 10
     assert sorted(t.number for t in failed) == list(range(10))
     assert all(t.state == TrialState.FAIL and "raised UnicodeError: flaky data"
-               in t.user_attrs["fail_reason"] for t in failed)  # fmt: skip
+               in t.user_attrs["fail_reason"] for t in failed)
 
 
 def test_a_callback_that_raises_stops_the_run_and_the_trial_in_flight_resumes(tmp_path):
@@ -133,7 +133,7 @@ def test_a_multi_objective_study_is_refused_in_one_line(tmp_path, monkeypatch, c
     task = make_task(2)
     two = optuna.create_study(directions=["minimize", "maximize"])
     with pytest.raises(ConfigError, match=r"has 2 objectives \(minimize, maximize\): Hydro "
-                       "tunes one value"):  # fmt: skip
+                       "tunes one value"):
         hydro.tune(task, SPACE, n_trials=2, ratio=2, fuse=2, study=two)
     db = f"sqlite:///{tmp_path / 'toy.db'}"
     optuna.create_study(study_name="toy", storage=db, directions=["minimize", "minimize"])
@@ -147,7 +147,7 @@ def test_a_multi_objective_study_is_refused_in_one_line(tmp_path, monkeypatch, c
     assert main(["tune", "tune.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[0].startswith("hydro tune: error: study 'toy' has 2 objectives "
-                                          "(minimize, minimize)"), err  # fmt: skip
+                                          "(minimize, minimize)"), err
     assert "Traceback" not in err
     assert optuna.load_study(study_name="toy", storage=db).trials == []
 
@@ -192,7 +192,7 @@ def test_cli_timeout_and_first_group(project, capsys, monkeypatch):
     assert len(_study().trials) == 3
     err = capsys.readouterr().err
     assert "resuming study 'toy' in sqlite:///toy.db: 3 finished (3 complete, 0 pruned), " \
-        "3 to go" in err  # fmt: skip
+        "3 to go" in err
 
 
 def test_config_first_group_is_auto_unless_given(project):
@@ -215,17 +215,17 @@ def test_config_first_group_is_auto_unless_given(project):
         (
             ["--sampler", "bayes"],
             "--sampler 'bayes' is unknown; use one of cmaes, gp, grid, qmc, random, tpe",
-        ),  # fmt: skip
+        ),
         (
             ["--pruner", "early"],
             "--pruner 'early' is unknown; use one of asha, hyperband, "
             "median, none, successive-halving, "
             "successive_halving",
-        ),  # fmt: skip
+        ),
         (
             ["--sampler", "grid"],
             "--sampler 'grid' needs categorical distributions; space.lr is not one",
-        ),  # fmt: skip
+        ),
         (["--timeout", "-1"], "tune.yaml: timeout must be a number of seconds above 0"),
         (["--first-group", "5"], "first_group (5) must not exceed fuse (2)"),
     ],
@@ -250,7 +250,7 @@ def test_an_interrupted_run_leaves_no_fail_row_and_the_next_resumes_the_same_tri
     cfg = config.load("tune.yaml", fuse=3)
     with pytest.raises(KeyboardInterrupt):
         hydro.tune(cfg.task, cfg.space, n_trials=5, ratio=2, fuse=3, study="toy",
-                   storage="sqlite:///toy.db", pruner=NOP(), callbacks=[ctrl_c])  # fmt: skip
+                   storage="sqlite:///toy.db", pruner=NOP(), callbacks=[ctrl_c])
     study = _study()
     # trial 0 told; 1 and 2, still training, back in Optuna's queue: no FAIL row
     assert _states(study) == ["COMPLETE", "WAITING", "WAITING"]
@@ -264,7 +264,7 @@ def test_an_interrupted_run_leaves_no_fail_row_and_the_next_resumes_the_same_tri
     assert main(["tune", "tune.yaml", "--trials", "5", "--fuse", "3", "--pruner", "none"]) == 0
     err = capsys.readouterr().err
     assert "resuming study 'toy' in sqlite:///toy.db: 1 finished (1 complete, 0 pruned), " \
-        "2 interrupted (resumed first), 4 to go" in err, err  # fmt: skip
+        "2 interrupted (resumed first), 4 to go" in err, err
     study = _study()
     assert _states(study) == ["COMPLETE"] * 5  # the same numbers resumed, no extra row
     assert {n: study.trials[n].params for n in params} == params
@@ -279,9 +279,9 @@ def test_the_html_report_has_a_column_per_hyperparameter():
         "act": optuna.distributions.CategoricalDistribution(["relu", "gelu"]),
     }
     study.add_trial(optuna.trial.create_trial(params={"lr": 0.0123456, "act": "gelu"},
-                                              distributions=dists, value=0.5))  # fmt: skip
+                                              distributions=dists, value=0.5))
     study.add_trial(optuna.trial.create_trial(params={"lr": 3e-4}, value=0.7,
-                                              distributions={"lr": dists["lr"]}))  # fmt: skip
+                                              distributions={"lr": dists["lr"]}))
     table = trials_table(study)  # write_report's page holds this table
     assert "<th>value</th><th>act</th><th>lr</th><th>fail reason</th>" in table
     assert "<td>0.5</td><td>gelu</td><td>0.01235</td>" in table
@@ -307,7 +307,7 @@ def test_a_trial_put_back_or_taken_up_elsewhere_is_not_told_by_its_old_owner():
             again.set_user_attr("hydro_owner", {**_me(), "pid": -1})
         assert not tell(study, t, done, None)
         assert study.trials[t.number].state == (TrialState.WAITING if other == "waiting"
-                                                else TrialState.RUNNING)  # fmt: skip
+                                                else TrialState.RUNNING)
         if other == "taken":
             study.tell(again, 2.0)
     t = study.ask()

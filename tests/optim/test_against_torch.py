@@ -351,7 +351,7 @@ def test_per_trial_length_error_names_the_argument() -> None:
         hydro.optim.SGD([nn.Parameter(torch.zeros(3, 2))], lr=[0.1, 0.2])
     with pytest.raises(ConfigError, match="nesterov"):
         hydro.optim.SGD([nn.Parameter(torch.zeros(2, 2))], lr=0.1, momentum=[0.9, 0.0],
-                        nesterov=True)  # fmt: skip
+                        nesterov=True)
 
 
 # --- isolation, checkpoints, select ----------------------------------------------------------
@@ -542,7 +542,7 @@ def test_inductor_step_matches_torch() -> None:
     g = torch.Generator().manual_seed(0)
     trials = [[torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True),
                torch.randn(2, generator=g, dtype=torch.float64, requires_grad=True)]
-              for _ in range(N)]  # fmt: skip
+              for _ in range(N)]
     fused = [nn.Parameter(torch.stack([t[i].detach() for t in trials])) for i in range(2)]
     opts = [torch.optim.Adam(ts, **trial(ADAM, k)) for k, ts in enumerate(trials)]
     fopt = hydro.optim.Adam(fused, **ADAM, compile=True)

@@ -47,7 +47,7 @@ def test_the_next_run_removes_what_a_writer_killed_mid_write_left(tmp_path):
     live = _left(store.directory, f".trial-1.pt.{os.getppid()}.tmp", age=120)
     elsewhere = _left(store.directory, f".trial-2.pt.{DEAD + 1}.tmp", age=1)
     optimize(study, child_task(4), SPACE, n_trials=2, ratio=2, fuse=2, checkpoint_every=2,
-             checkpoint_dir=tmp_path / "ck")  # fmt: skip
+             checkpoint_dir=tmp_path / "ck")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     assert not killed.exists()
     assert live.exists() and elsewhere.exists()

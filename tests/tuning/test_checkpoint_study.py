@@ -66,7 +66,7 @@ def test_a_trial_state_of_another_model_is_refused(tmp_path):
     small = make_task(steps=4)
     wide = make_task(steps=4)
     wide.model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                     torch.nn.Linear(64, 3)).double()  # fmt: skip
+                                     torch.nn.Linear(64, 3)).double()
     state = FusedGroup(wide, [(0, {"lr": 1e-2}, 0)], ratio=2).trial_state(0)
     group = FusedGroup(small, [(0, {"lr": 1e-2}, 0)], ratio=2)
     with pytest.raises(hydro.errors.FuseError, match="load_trial_state"):
@@ -115,7 +115,7 @@ def _kill_at_marker(cmd: list[str], marker: Path) -> None:
 
 def _child(storage: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "tests.tuner_child", storage, "2", "--fuse", "2", "--steps",
-            str(STEPS), "--eval-every", "1", "--checkpoint-every", str(EVERY), *extra]  # fmt: skip
+            str(STEPS), "--eval-every", "1", "--checkpoint-every", str(EVERY), *extra]
 
 
 @pytest.mark.parametrize("executor", [None, "local"])
@@ -128,7 +128,7 @@ def test_killed_tuner_resumes_each_trial_from_its_last_checkpoint(tmp_path, exec
     extra = ("--executor", executor) if executor else ()
     marker = tmp_path / "blocked"
     _kill_at_marker(_child(storage, *extra, "--block-at", "14", "--marker", str(marker)),
-                    marker)  # fmt: skip
+                    marker)
     study = optuna.load_study(study_name="hydro", storage=storage)
     store = checkpoint.for_study(study, tmp_path / "hydro.db.checkpoints")
     assert store.numbers() == [0, 1]  # the dead run's trials, kept for their re-asks
@@ -157,7 +157,7 @@ def test_killed_tuner_resumes_each_trial_from_its_last_checkpoint(tmp_path, exec
     # the uninterrupted trials, in a study of their own: the same values
     fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
     hydro.tune(child_task(STEPS, eval_every=1), SPACE, n_trials=2, ratio=2, fuse=2,
-               storage=fresh, seed=0, pruner=optuna.pruners.NopPruner())  # fmt: skip
+               storage=fresh, seed=0, pruner=optuna.pruners.NopPruner())
     want = {t.number: t.value for t in optuna.load_study(study_name="hydro", storage=fresh).trials}
     for t in complete:
         assert t.value == pytest.approx(want[t.number], rel=1e-6)
@@ -175,16 +175,16 @@ def test_two_studies_sharing_a_checkpoint_dir_never_read_each_other(tmp_path):
     shared = tmp_path / "shared"
     task = child_task(6, eval_every=2, checkpoint_every=2)
     kw = {"n_trials": 2, "ratio": 2, "fuse": 2, "pruner": optuna.pruners.NopPruner(),
-          "checkpoint_dir": shared}  # fmt: skip
+          "checkpoint_dir": shared}
     values = {}
     for name, seed in (("a", 0), ("b", 1)):
         ex = LocalExecutor(devices=[], num_workers=1, checkpoint_dir=shared / "groups")
         r = hydro.tune(task, SPACE, storage=f"sqlite:///{tmp_path / name}.db", seed=seed,
-                       executor=ex, **kw)  # fmt: skip
+                       executor=ex, **kw)
         assert {t.state for t in r.study.trials} == {TrialState.COMPLETE}
         values[name] = [t.value for t in r.study.trials]
     alone = hydro.tune(task, SPACE, storage=f"sqlite:///{tmp_path / 'alone'}.db", seed=1,
-                       **kw)  # fmt: skip
+                       **kw)
     assert values["b"] == pytest.approx([t.value for t in alone.study.trials], rel=1e-6)
     assert list((shared / "groups" / "group-0").glob("group.pt.set-aside-*"))
 
@@ -223,18 +223,18 @@ def test_an_unusable_checkpoint_is_moved_aside_and_the_trial_starts_afresh(tmp_p
         if kind == "another model":
             model_task = child_task(4)
             model_task.model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                                   torch.nn.Linear(64, 3))  # fmt: skip
+                                                   torch.nn.Linear(64, 3))
         group = FusedGroup(model_task, [(0, params, 0)], ratio=2)
         group.step()
         owner = store if kind != "another study" else checkpoint.TrialCheckpoints(
-            store.directory, "not-this-study")  # fmt: skip
+            store.directory, "not-this-study")
         owner.save(group.trial_state(0))
         if kind == "truncated":
             path.write_bytes(path.read_bytes()[:200])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         optimize(study, task, SPACE, n_trials=1, ratio=2, fuse=2, checkpoint_every=2,
-                 checkpoint_dir=tmp_path / "ck")  # fmt: skip
+                 checkpoint_dir=tmp_path / "ck")
     said = [str(w.message) for w in caught if issubclass(w.category, HydroWarning)]
     # the file is named (the trial is put back and taken up again under its own number)
     named = str(store.path(0))
@@ -290,7 +290,7 @@ def test_cli_and_config_take_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
         config.load("bad.yaml")
     (tmp_path / "tune.yaml").write_text(CONFIG.replace("  steps: 10", "  steps: 10\n"
                                                        "  checkpoint_every: 4")
-                                        + "checkpoint_dir: from-config\n")  # fmt: skip
+                                        + "checkpoint_dir: from-config\n")
     assert config.load("tune.yaml").checkpoint_dir == "from-config"
     assert main(["tune", "tune.yaml", "--trials", "2", "--checkpoint-dir", "ck"]) == 0
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")

@@ -26,7 +26,7 @@ def test_decide_compiles_only_where_it_pays_back_twice() -> None:
     on, line = compiling.decide(0.74, 400, 45.0, speedup=1.5)
     assert on
     assert line == ("compile: auto -> on (eager step 0.74 s x ~400 fused steps left = 296 s; "
-                    "compile est. 45 s, pays back after ~183 steps)")  # fmt: skip
+                    "compile est. 45 s, pays back after ~183 steps)")
     # 300 steps save 74 s < 90 s: off, though it would pay back once (after 183 steps)
     on, line = compiling.decide(0.74, 300, 45.0, speedup=1.5)
     assert not on and line.startswith("compile: auto -> off (eager step 0.74 s x ~300")
@@ -47,7 +47,7 @@ def test_compile_estimate_grows_with_the_graph() -> None:
     ("value", "expected"),
     [(True, True), (False, False), ("on", True), ("OFF", False), ("auto", "auto"),
      ("max-autotune", "max-autotune")],
-)  # fmt: skip
+)
 def test_check_compile_accepts(value: object, expected: object) -> None:
     assert compiling.check_compile(value) == expected
 
@@ -79,7 +79,7 @@ def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.Monke
     monkeypatch.setattr(stream_module, "start_group", recording)
     result = hydro.tune(toy_task(), SPACE, n_trials=4, ratio=2, fuse=2, compile=True,
                         storage="sqlite:///:memory:", seed=0,
-                        pruner=optuna.pruners.NopPruner())  # fmt: skip
+                        pruner=optuna.pruners.NopPruner())
     trials = result.study.trials
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
     assert len(groups) == 1 and {t.user_attrs["group"] for t in trials} == {0}  # refilled
@@ -96,7 +96,7 @@ def test_tune_compiled_reuses_the_graph_across_refills(monkeypatch: pytest.Monke
 
 def test_tune_auto_decides_once_per_key_and_says_so() -> None:
     result = hydro.tune(toy_task(), SPACE, n_trials=2, ratio=2, fuse=2, compile="auto",
-                        storage="sqlite:///:memory:", seed=0)  # fmt: skip
+                        storage="sqlite:///:memory:", seed=0)
     lines = result.study.user_attrs["hydro_compile"]
     assert len(lines) == 1
     # a few fused steps of milliseconds never pay for a compile of tens of seconds
@@ -113,7 +113,7 @@ def project(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("on", True), ("off", False),
-                                                 ("max-autotune", "max-autotune")])  # fmt: skip
+                                                 ("max-autotune", "max-autotune")])
 def test_config_key(project, value: str, expected: object) -> None:
     (project / "tune.yaml").write_text(config(value))
     assert load("tune.yaml").compile == expected
@@ -149,7 +149,7 @@ def test_a_keys_later_group_reuses_the_compiled_graph() -> None:
     compiles = first.fused.compile_stats["compiles"]
     assert compiles == 1
     second = FusedGroup(task, [(k + 2, p, s + 2) for k, p, s in members], ratio=2,
-                        compile=True, like=first)  # fmt: skip
+                        compile=True, like=first)
     second.step()
     second.step()
     assert second.fused._compiler is first.fused._compiler  # one count for the key
@@ -173,7 +173,7 @@ def test_no_compiler_means_eager_and_says_why(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(compiling, "decide", lambda *a, **k: (True, "compile: auto -> on (...)"))
     said.clear()
     group = FusedGroup(toy_task(), [(0, {"lr": 1e-2}, 0)], ratio=2, compile="auto",
-                       note=said.append)  # fmt: skip
+                       note=said.append)
     for _ in range(compiling.MEASURED_STEPS + 1):
         group.step()
     assert said == [f"compile: auto -> off ({why})"]
@@ -190,9 +190,9 @@ def test_executor_workers_take_the_setting() -> None:
     values = {}
     for compile, executor in ((True, LocalExecutor(devices=[], num_workers=1)), (False, None)):
         study = optuna.create_study(pruner=optuna.pruners.NopPruner(),
-                                    sampler=optuna.samplers.RandomSampler(seed=0))  # fmt: skip
+                                    sampler=optuna.samplers.RandomSampler(seed=0))
         optimize(study, toy_task(), SPACE, n_trials=2, ratio=2, fuse=2, seed=0,
-                 executor=executor, compile=compile)  # fmt: skip
+                 executor=executor, compile=compile)
         assert all(t.state.name == "COMPLETE" for t in study.trials)
         values[compile] = [t.value for t in study.trials]
     assert values[True] == pytest.approx(values[False], rel=1e-4)
@@ -213,6 +213,6 @@ def test_a_resized_group_goes_eager_and_keeps_its_graphs() -> None:
     assert torch.isfinite(group.step()).all()  # eager, size 1
     assert compiler.stats["compiles"] == 1
     later = FusedGroup(task, [(k + 2, {"lr": 1e-2}, k) for k in range(2)], ratio=2,
-                       compile=group.compile, like=group)  # fmt: skip
+                       compile=group.compile, like=group)
     later.step()
     assert later.fused._compiler is compiler and compiler.stats["compiles"] == 1

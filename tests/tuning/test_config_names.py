@@ -121,7 +121,7 @@ def _refused(capsys, argv):
          "before the colon: name it pkg.mod:data"),
         ("model", "torch:nn", "{}", "reaches the module 'torch.nn' through an attribute"),
     ],
-)  # fmt: skip
+)
 def test_a_config_cannot_reach_the_standard_library(project, capsys, key, spec, args, message):
     names = {"model": "pkg.mod:build", "data": "pkg.mod:data"}
     names[key] = spec
@@ -152,7 +152,7 @@ def test_loss_and_metric_are_refused_before_the_data_function_runs(project, caps
         ("pkg.mod:run", "is a callable of the standard library module 'subprocess'"),
         ("torch:nn.Linear", "a module goes before the colon: name it torch.nn:Linear"),
     ],
-)  # fmt: skip
+)
 def test_inspect_refuses_the_same_names(project, capsys, spec, message):
     assert message in _refused(capsys, ["inspect", spec])
 
@@ -169,7 +169,7 @@ def test_legitimate_dotted_names_still_work(project, capsys):
     assert main(["inspect", "pkg.mod:Zoo.Inner.build", "--ratio", "1"]) == 0
     assert "fewer parameters" in capsys.readouterr().out
     (project / "tune.yaml").write_text(CONFIG.format(model="pkg.mod:small",
-                                                     data="pkg.mod:Data.make"))  # fmt: skip
+                                                     data="pkg.mod:Data.make"))
     cfg = config.load("tune.yaml")
     assert cfg.task.model().state_dict()["0.weight"].shape == (16, 8)
     assert (project / "data_called").exists()  # a legitimate data function is called
@@ -186,6 +186,6 @@ def test_a_resolved_module_or_non_callable_is_refused(project):
         resolve_callable("torch:float32", "model", trust=["torch"])
     # a standard-library class, bound method, C method or partial, reached from the user's module
     for spec, home in [("pkg.mod:OrderedDict", "collections"), ("pkg.mod:log.info", "logging"),
-                       ("pkg.mod:table.get", "builtins"), ("pkg.mod:evil", "posix")]:  # fmt: skip
+                       ("pkg.mod:table.get", "builtins"), ("pkg.mod:evil", "posix")]:
         with pytest.raises(ConfigError, match=f"callable of the standard library module '{home}'"):
             resolve_callable(spec, "model")

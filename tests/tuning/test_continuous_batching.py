@@ -26,11 +26,11 @@ def make_task(steps: int = 12, dtype: torch.dtype = torch.float64, **kw) -> hydr
     y = (x @ torch.randn(8, 3, generator=g, dtype=dtype)).argmax(-1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
-                                torch.nn.ReLU(), torch.nn.Linear(32, 3)).to(dtype)  # fmt: skip
+                                torch.nn.ReLU(), torch.nn.Linear(32, 3)).to(dtype)
     kw.setdefault("eval_every", 4)
     kw.setdefault("batch_size", 16)
     return hydro.Task(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
-                      steps=steps, **kw)  # fmt: skip
+                      steps=steps, **kw)
 
 
 def trajectory(group: FusedGroup, slot: int, steps: int) -> list[tuple[float, dict]]:
@@ -50,7 +50,7 @@ def assert_same(a: list[tuple[float, dict]], b: list[tuple[float, dict]]) -> Non
         for name in pa:
             assert pa[name].dtype == torch.float64
             torch.testing.assert_close(pa[name], pb[name], rtol=1e-9, atol=1e-12,
-                                       msg=f"{name} at step {step + 1}")  # fmt: skip
+                                       msg=f"{name} at step {step + 1}")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -146,7 +146,7 @@ def test_device_cpu_and_a_clear_error_for_missing_cuda():
     task = make_task(steps=4)
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
     result = hydro.tune(task, space, n_trials=2, ratio=2, fuse=2, storage="sqlite:///:memory:",
-                        device="cpu")  # fmt: skip
+                        device="cpu")
     assert len(result.study.trials) == 2
     assert result.occupancy["fuse"] == 2 and result.occupancy["overall"] == 1.0
     if torch.cuda.is_available():
@@ -178,7 +178,7 @@ def test_cli_device_flag_and_config_key(tmp_path, monkeypatch, capsys):
 
 def _mlp(width: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3)).double()  # fmt: skip
+                               torch.nn.Linear(width, 3)).double()
 
 
 def test_trials_that_do_not_fit_wait_for_a_group_of_their_own():
@@ -186,11 +186,11 @@ def test_trials_that_do_not_fit_wait_for_a_group_of_their_own():
 
     base = make_task(steps=4)
     task = hydro.Task(model=_mlp, train_data=base.train_data, val_data=base.val_data, steps=4,
-                      eval_every=2, batch_size=16)  # fmt: skip
+                      eval_every=2, batch_size=16)
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True),
-             "width": CategoricalDistribution([16, 32])}  # fmt: skip
+             "width": CategoricalDistribution([16, 32])}
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1),
-                                pruner=optuna.pruners.NopPruner())  # fmt: skip
+                                pruner=optuna.pruners.NopPruner())
     optimize(study, task, space, n_trials=10, ratio=2, fuse=3)
     trials = study.trials
     assert len(trials) == 10 and all(t.state == TrialState.COMPLETE for t in trials)

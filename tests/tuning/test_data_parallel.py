@@ -38,10 +38,10 @@ class PruneTrialOne(optuna.pruners.BasePruner):
 
 def run_study(world_size: int, space: dict, n_trials: int, workers: int) -> optuna.Study:
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0),
-                                pruner=PruneTrialOne())  # fmt: skip
+                                pruner=PruneTrialOne())
     ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)  # 1 thread per worker
     optimize(study, make_task(steps=8), space, n_trials=n_trials, ratio=2, fuse=2, seed=3,
-             executor=ex, world_size=world_size)  # fmt: skip
+             executor=ex, world_size=world_size)
     return study
 
 
@@ -59,7 +59,7 @@ def test_two_rank_groups_through_the_tuner_equal_one_rank_groups():
         assert (a.number, a.state, a.params) == (b.number, b.state, b.params)
         assert a.intermediate_values.keys() == b.intermediate_values.keys()
         assert list(b.intermediate_values.values()) == pytest.approx(
-            list(a.intermediate_values.values()), **TOL)  # fmt: skip
+            list(a.intermediate_values.values()), **TOL)
         if a.state == TrialState.COMPLETE:
             assert b.value == pytest.approx(a.value, **TOL)
 
@@ -83,13 +83,13 @@ def train_replica(steps: int, group: TrialGroup, ctx) -> dict:
     g.distribute(ctx.rank, ctx.world_size)
     losses = [g.step().tolist() for _ in range(steps)]
     return {"world_size": ctx.world_size, "losses": losses, "values": g.evaluate(),
-            "state": {k: v.clone() for k, v in g.fused.state_dict().items()}}  # fmt: skip
+            "state": {k: v.clone() for k, v in g.fused.state_dict().items()}}
 
 
 def run_replicas(world_size: int, steps: int = 6) -> dict:
     fn = functools.partial(train_replica, steps)
     (result,) = LocalExecutor(devices=[], num_workers=2, threads=2).run(
-        [TrialGroup("g", (0, 1), (steps, steps))], fn, world_size=world_size)  # fmt: skip
+        [TrialGroup("g", (0, 1), (steps, steps))], fn, world_size=world_size)
     assert result.ok, result.error
     return result.value
 
@@ -198,9 +198,9 @@ def dropout_task(steps: int = 8) -> hydro.Task:
     base = make_task()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(32, 3)).double()  # fmt: skip
+                                torch.nn.Linear(32, 3)).double()
     return hydro.Task(model=model, train_data=base.train_data, val_data=base.val_data,
-                      steps=steps, eval_every=4, batch_size=16)  # fmt: skip
+                      steps=steps, eval_every=4, batch_size=16)
 
 
 def test_a_group_that_data_parallel_would_change_is_refused():
@@ -209,7 +209,7 @@ def test_a_group_that_data_parallel_would_change_is_refused():
         g.distribute(0, 2)
     torch.manual_seed(0)
     bn = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                             torch.nn.Linear(32, 3)).double()  # fmt: skip
+                             torch.nn.Linear(32, 3)).double()
     task = make_task()
     task = hydro.Task(model=bn, train_data=task.train_data, val_data=task.val_data, steps=4)
     with pytest.raises(ConfigError, match=r"module '1' \(BatchNorm1d\) normalizes over the batch"):
@@ -228,7 +228,7 @@ def test_a_group_with_dropout_given_two_ranks_trains_on_one_and_loses_nothing():
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     ex = LocalExecutor(devices=[], num_workers=2, threads=2)
     optimize(study, dropout_task(), SPACE, n_trials=3, ratio=2, fuse=2, seed=3, executor=ex,
-             world_size=2)  # fmt: skip
+             world_size=2)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
     for t in study.trials:
         (alone,), _ = train_group(dropout_task(), [t.params], ratio=2, seeds=[3 + t.number])

@@ -37,7 +37,7 @@ def test_the_subsample_is_fixed_and_a_part_of_the_split():
     assert torch.equal(got, want)
     # data that cannot be indexed: its first batches
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(726)),
-                                         batch_size=64)  # fmt: skip
+                                         batch_size=64)
     assert sum(len(b[1]) for b in val_sample(loader, 100)) == 128
 
 
@@ -68,7 +68,7 @@ def test_a_search_reports_subsampled_steps_and_whole_final_values():
     def run(samples):
         study = optuna.create_study(pruner=optuna.pruners.NopPruner())
         hydro.tune(_task(eval_samples=samples), SPACE, n_trials=4, ratio=2, fuse=2, seed=3,
-                   study=study, progress=False)  # fmt: skip
+                   study=study, progress=False)
         return sorted(study.trials, key=lambda t: t.params["lr"])
 
     plain, sampled = run(None), run(SAMPLE_BLOCK)
@@ -77,9 +77,9 @@ def test_a_search_reports_subsampled_steps_and_whole_final_values():
     steps = [4, 8]
     assert all(set(t.intermediate_values) >= {*steps, 12} for t in sampled)
     assert any(a.intermediate_values[s] != b.intermediate_values[s]
-               for a, b in zip(plain, sampled) for s in steps)  # fmt: skip
+               for a, b in zip(plain, sampled) for s in steps)
     assert all(a.intermediate_values[12] == b.intermediate_values[12]
-               for a, b in zip(plain, sampled))  # fmt: skip
+               for a, b in zip(plain, sampled))
 
 
 def test_eval_samples_is_checked():
@@ -96,6 +96,6 @@ def test_a_config_sets_it_and_refuses_it_beside_your_own_loop(tmp_path, monkeypa
     toy.project(tmp_path, monkeypatch, "toymod", toy.source(), text)
     assert config.load("tune.yaml").task.eval_samples == 64
     (tmp_path / "tune.yaml").write_text(text.replace("  eval_samples", "  train: toymod:model\n"
-                                                     "  eval_samples"))  # fmt: skip
+                                                     "  eval_samples"))
     with pytest.raises(ConfigError, match="remove task.eval_samples"):
         config.load("tune.yaml")

@@ -37,7 +37,7 @@ def test_four_keys_keep_each_workers_slots_busy(policy):
     study = study_of()
     ex = LocalExecutor(devices=[], num_workers=2)
     optimize(study, task, FOUR_KEYS, n_trials=24, ratio=2, fuse=4, seed=5, executor=ex,
-             policy=policy)  # fmt: skip
+             policy=policy)
     trials = study.trials
     assert len(trials) == 24 and all(t.state.is_finished() for t in trials)
     assert len({(t.params["width"], t.params["batch_size"]) for t in trials}) == 4
@@ -76,7 +76,7 @@ def test_a_killed_worker_with_two_keys_resumes_as_if_uninterrupted(tmp_path):
         ex = LocalExecutor(devices=[], num_workers=1, max_retries=1)
         # fifo: one worker, never a packed second group, so both runs place alike
         optimize(study, task, space, n_trials=6, ratio=2, fuse=2, seed=0, executor=ex,
-                 checkpoint_every=4, policy="fifo")  # fmt: skip
+                 checkpoint_every=4, policy="fifo")
         return study
 
     marker = tmp_path / "killed"

@@ -29,7 +29,7 @@ def assert_alone(study: optuna.Study, task, seed: int, numbers=None) -> None:
     """Complete trials (``numbers``, or all) equal those trials trained alone in this process:
     float64, so equal to the last bits the fused arithmetic leaves."""
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE
-                and (numbers is None or t.number in numbers)]  # fmt: skip
+                and (numbers is None or t.number in numbers)]
     assert complete
     for t in complete:
         (alone,), _ = train_group(task, [t.params], ratio=2, seeds=[seed + t.number])
@@ -46,10 +46,10 @@ def test_local_workers_refill_their_groups_from_the_driver(capsys):
     ex = LocalExecutor(devices=[], num_workers=2)
     # fifo: one group per slot for good (dynamic may move the last group to widen it)
     optimize(study, task, SPACE, n_trials=10, ratio=2, fuse=2, seed=5, executor=ex,
-             policy="fifo", progress=True)  # fmt: skip
+             policy="fifo", progress=True)
     # progress from the workers' evaluations: trial-steps advance before any trial ends
     lines = [line for line in capsys.readouterr().err.splitlines()
-             if line.startswith("trial-steps ")]  # fmt: skip
+             if line.startswith("trial-steps ")]
     early = {int(line.split()[1].split("/")[0]) for line in lines if ", trials 0/10," in line}
     assert len(early - {0}) >= 2 and lines[-1].startswith("trial-steps 80/80 (100%), trials 10/")
     trials = study.trials
@@ -117,7 +117,7 @@ def test_executor_streams_groups_and_answers_requests():
     """The executor's streaming API alone: ``more`` is asked whenever a slot is free, each
     group's result arrives as it ends, and ``ctx.request`` gets the parent's answer."""
     pending = [TrialGroup("long", (0,), (1,))] + [TrialGroup(f"short{i}", (i,), (1,))
-                                                  for i in range(1, 4)]  # fmt: skip
+                                                  for i in range(1, 4)]
     ended: list[str] = []
     asked: list[tuple] = []
 
@@ -165,7 +165,7 @@ def test_ray_workers_refill_their_groups():
 
     path = os.pathsep.join([str(ROOT), *sys.path])
     _init_ray(ray, None, {"num_cpus": 2, "log_to_driver": False,  # a new Ray, on 127.0.0.1
-                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})  # fmt: skip
+                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})
     ex = None
     try:
         ex = RayExecutor()

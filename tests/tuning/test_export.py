@@ -28,9 +28,9 @@ def _task() -> hydro.Task:
     y = (x @ torch.randn(8, 3, generator=g, dtype=torch.float64)).argmax(-1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 3)).double()  # fmt: skip
+                                torch.nn.Linear(64, 3)).double()
     return hydro.Task(model=model, train_data=(x[:128], y[:128]), val_data=(x[128:], y[128:]),
-                      steps=24, eval_every=24, batch_size=32)  # fmt: skip
+                      steps=24, eval_every=24, batch_size=32)
 
 
 def _space(trial: optuna.Trial) -> dict:
@@ -62,25 +62,25 @@ def test_export_writes_every_value_the_best_trial_trained_with(tmp_path, monkeyp
     assert main(["export", "-o", "cli.json"]) == 0
     assert yaml.safe_load((tmp_path / "cli.json").read_text())["hyperparameters"] == {
         "lr": lr, "warmup": 20
-    }  # fmt: skip
+    }
     capsys.readouterr()
 
 
 def test_a_space_function_value_the_study_cannot_store_is_named(tmp_path):
     def space(trial: optuna.Trial) -> dict:
         return {"lr": trial.suggest_float("lr", 1e-3, 1e-1), "dropout": torch.tensor(0.25),
-                "init_scale": object()}  # fmt: skip
+                "init_scale": object()}
 
     with pytest.raises(ConfigError, match=r"returned init_scale=<object object at .*\(object\)"):
         hydro.tune(_task(), space, n_trials=1, ratio=2, fuse=1,
-                   storage=f"sqlite:///{tmp_path / 's.db'}", seed=0)  # fmt: skip
+                   storage=f"sqlite:///{tmp_path / 's.db'}", seed=0)
 
 
 def _study(tmp_path) -> optuna.Study:
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s")
     study.add_trial(optuna.trial.create_trial(
         params={"lr": 0.01}, distributions={"lr": FloatDistribution(1e-4, 1e-1, log=True)},
-        value=0.5))  # fmt: skip
+        value=0.5))
     return study
 
 

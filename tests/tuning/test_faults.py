@@ -57,14 +57,14 @@ def counts(study: optuna.Study, before: dict[int, tuple] | None = None) -> dict[
     interrupted = [t for t in trials if t.user_attrs.get("fail_reason", "").startswith("interr")]
     before = before or {}
     lost = sum(1 for n, v in before.items() if trials[n].state != TrialState.COMPLETE
-               or trials[n].value != v[1])  # fmt: skip
+               or trials[n].value != v[1])
     lost += sum(1 for t in interrupted if t.params
-                and sum(1 for c in complete if c.params == t.params) != 1)  # fmt: skip
+                and sum(1 for c in complete if c.params == t.params) != 1)
     # another trial (not a void, interrupted row) with the parameters of a complete one
     retrained = sum(
         1 for n, (p, _) in before.items() for t in trials
         if t.number != n and t.params == p and not is_void(t)
-    )  # fmt: skip
+    )
     return {
         "lost": lost,
         "retrained": retrained,
@@ -94,7 +94,7 @@ def test_tuner_killed_at_three_moments_then_rerun(tmp_path):
         assert sum(t.state == TrialState.COMPLETE for t in study.trials) == complete
         assert sum(t.state == TrialState.RUNNING for t in study.trials) == running
         before = {t.number: (t.params, t.value) for t in study.trials
-                  if t.state == TrialState.COMPLETE}  # fmt: skip
+                  if t.state == TrialState.COMPLETE}
         if i:  # what an earlier run completed is still there, untouched
             assert counts(study, before)["lost"] == 0
     subprocess.run(child(storage), cwd=ROOT, env=ENV, check=True, timeout=300)
@@ -105,7 +105,7 @@ def test_worker_killed_mid_group(tmp_path):
     storage = f"sqlite:///{tmp_path / 'hydro.db'}"
     marker = tmp_path / "worker-killed"
     subprocess.run([*child(storage), "--executor", "local", "--kill-worker-at", "3", "--marker",
-                    str(marker)], cwd=ROOT, env=ENV, check=True, timeout=300)  # fmt: skip
+                    str(marker)], cwd=ROOT, env=ENV, check=True, timeout=300)
     assert marker.exists()  # a worker really was SIGKILLed
     assert not _alive(int(marker.read_text()))
     assert counts(load(storage)) == EXPECTED
@@ -204,17 +204,17 @@ def test_group_resumes_from_checkpoint_with_identical_state(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     reseed()
     full, _ = train_group(task, params, ratio=2, seeds=[0, 1, 2], report=prune_one,
-                          checkpoint=whole, checkpoint_every=5)  # fmt: skip
+                          checkpoint=whole, checkpoint_every=5)
     reseed()
     with pytest.raises(Stop):
         train_group(task, params, ratio=2, seeds=[0, 1, 2], report=stop_at_16, checkpoint=cut,
-                    checkpoint_every=5)  # fmt: skip
+                    checkpoint_every=5)
     assert checkpoint.load(cut)["step"] == 15
     torch.manual_seed(123)  # the resumed run must not depend on the state it starts in
     again, _ = train_group(task, params, ratio=2, seeds=[0, 1, 2], report=prune_one,
-                           checkpoint=cut, checkpoint_every=5)  # fmt: skip
+                           checkpoint=cut, checkpoint_every=5)
     assert [(o.state, o.value, o.history) for o in again] == [
-        (o.state, o.value, o.history) for o in full]  # fmt: skip
+        (o.state, o.value, o.history) for o in full]
     a, b = checkpoint.load(whole), checkpoint.load(cut)
     assert a["step"] == b["step"] == 20 and a["alive"] == b["alive"] == [0, 2]
 
@@ -258,7 +258,7 @@ def test_planted_pickle_is_refused(tmp_path):
 
 
 def test_killed_tuner_leaves_no_worker_running_and_no_temp_dir(tmp_path, tmp_path_factory,
-                                                                monkeypatch):  # fmt: skip
+                                                                monkeypatch):
     import tempfile
 
     # a temp folder of this test's own: another test's run would sweep the killed run's
@@ -269,7 +269,7 @@ def test_killed_tuner_leaves_no_worker_running_and_no_temp_dir(tmp_path, tmp_pat
     marker = tmp_path / "m"
     proc = subprocess.Popen([*child(storage, "--steps", "100000"), "--executor", "local",
                              "--kill-worker-at", "50", "--marker", str(marker)],
-                            cwd=ROOT, env={**ENV, "TMPDIR": str(temp)})  # fmt: skip
+                            cwd=ROOT, env={**ENV, "TMPDIR": str(temp)})
     try:
         while not marker.exists():  # the worker writes its pid at step 50, then dies, retried
             assert proc.poll() is None
@@ -328,7 +328,7 @@ def stopped_at_8(task, params, folder) -> None:
 
     with pytest.raises(Stop):
         train_group(task, params, ratio=2, seeds=[0, 1], report=stop_at_8, checkpoint=folder,
-                    checkpoint_every=5)  # fmt: skip
+                    checkpoint_every=5)
 
 
 def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
@@ -349,6 +349,6 @@ def test_a_checkpoint_from_before_random_streams_resumes(tmp_path):
         del saved["model"][name]
     checkpoint.save(tmp_path, saved)
     again, _ = train_group(task, params, ratio=2, seeds=[0, 1], checkpoint=tmp_path,
-                           checkpoint_every=5)  # fmt: skip
+                           checkpoint_every=5)
     assert [(o.state, o.value, o.history) for o in again] == [
-        (o.state, o.value, o.history) for o in full]  # fmt: skip
+        (o.state, o.value, o.history) for o in full]

@@ -33,7 +33,7 @@ SPACE = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
 
 def mlp(width: int = 64) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3))  # fmt: skip
+                               torch.nn.Linear(width, 3))
 
 
 def other_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ def task(width: int = 64, steps: int = 2, rows: int = 64, **kw) -> hydro.Task:
     y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
     return hydro.Task(model=functools.partial(mlp, width=width), train_data=(x[:rows], y[:rows]),
                       val_data=(x[64:], y[64:]), steps=steps, batch_size=16,
-                      **kw)  # fmt: skip
+                      **kw)
 
 
 def tune(storage: str, n: int = 2, the_task: hydro.Task | None = None, space=SPACE, **kw):
@@ -79,7 +79,7 @@ def tuned(tmp_path_factory) -> str:
          "space lr float 0.001..0.1 log→float 0.0001..0.1 log"),
         ({"ratio": 4}, "ratio 2→4"),
     ],
-)  # fmt: skip
+)
 def test_another_definition_is_refused_naming_what_changed(tuned, change, named):
     study = optuna.load_study(study_name="hydro", storage=tuned)
     recipe, before = study.user_attrs["hydro_task"], len(study.trials)
@@ -87,9 +87,9 @@ def test_another_definition_is_refused_naming_what_changed(tuned, change, named)
         tune(tuned, n=3, **change)
     message = str(info.value)
     assert message.startswith(f"study 'hydro' in {tuned} was created with another definition "
-                              f"(changed: {named}")  # fmt: skip
+                              f"(changed: {named}")
     assert message.endswith("use a new study name (study='NAME') or pass force_resume=True "
-                            "to continue it anyway") and "\n" not in message  # fmt: skip
+                            "to continue it anyway") and "\n" not in message
     study = optuna.load_study(study_name="hydro", storage=tuned)
     assert len(study.trials) == before and study.user_attrs["hydro_task"] == recipe  # untouched
 
@@ -103,7 +103,7 @@ def test_the_same_definition_resumes_and_what_only_runs_it_is_no_change(tuned):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         more = tune(tuned, n=3, fuse=1, seed=5, sampler=optuna.samplers.RandomSampler(),
-                    pruner=optuna.pruners.NopPruner())  # fmt: skip
+                    pruner=optuna.pruners.NopPruner())
     assert no_fingerprint_warnings(record)
     assert len(more.study.trials) == 3 and more.study.user_attrs[FINGERPRINT] == stored
 
@@ -123,7 +123,7 @@ def test_force_resume_continues_and_the_export_keeps_each_trials_recipe(tmp_path
     tune(storage, n=2)  # steps 2
     with pytest.warns(HydroWarning, match=r"continuing it with another definition, as forced "
                       r"\(changed: metric none→tests.tuning.test_fingerprint:worse, recipe steps "
-                      r"2→3\); its trials before number 2"):  # fmt: skip
+                      r"2→3\); its trials before number 2"):
         forced = tune(storage, n=3, the_task=task(steps=3, metric=worse), force_resume=True)
     assert forced.best_trial.number in (0, 1)  # trained 2 steps, under the first definition
     assert forced.export(tmp_path / "best.yaml")["training"]["steps"] == 2
@@ -150,7 +150,7 @@ def test_a_study_without_a_fingerprint_warns_and_resumes(tmp_path):
     old = optuna.create_study(storage=storage, study_name="hydro")  # as an older hydro left it
     old.add_trial(optuna.trial.create_trial(params={"lr": 0.01}, distributions=SPACE, value=1.0))
     with pytest.warns(HydroWarning, match=r"study 'hydro' in .*old.db has no definition this "
-                      r"hydro can compare.*cannot be checked.*resuming it"):  # fmt: skip
+                      r"hydro can compare.*cannot be checked.*resuming it"):
         result = tune(storage, n=2)
     assert len(result.study.trials) == 2 and FINGERPRINT in result.study.user_attrs
     with pytest.raises(ConfigError, match="recipe steps 2→3"):  # recorded: checked from now on
@@ -173,7 +173,7 @@ def test_parts_are_named_and_plain(tmp_path):
 
     def space_a(trial: optuna.Trial) -> dict:
         return {"lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True), "warmup": 5,
-                "batch_size": trial.suggest_categorical("batch_size", [16, 32])}  # fmt: skip
+                "batch_size": trial.suggest_categorical("batch_size", [16, 32])}
 
     def space_b(trial: optuna.Trial) -> dict:
         return {**space_a(trial), "warmup": 10}
@@ -182,7 +182,7 @@ def test_parts_are_named_and_plain(tmp_path):
     assert a["space"] == {"function": "tests.tuning.test_fingerprint:"
                           "test_parts_are_named_and_plain.<locals>.space_a", "fixed": {"warmup": 5},
                           "params": {"lr": "float 0.001..0.1 log",
-                                     "batch_size": "categorical [16, 32]"}}  # fmt: skip
+                                     "batch_size": "categorical [16, 32]"}}
     assert differences(a, parts(module, space_b)) == [
         "space function tests.tuning.test_fingerprint:test_parts_are_named_and_plain.<locals>"
         ".space_a→tests.tuning.test_fingerprint:test_parts_are_named_and_plain.<locals>.space_b",
@@ -190,13 +190,13 @@ def test_parts_are_named_and_plain(tmp_path):
     ]
     choices = {"beta2": CategoricalDistribution([0.95, 0.999])}
     assert differences(parts(module, choices), parts(module, {**choices, **SPACE})) == \
-        ["space lr added"]  # fmt: skip
+        ["space lr added"]
     smooth = hydro.Task(model=mlp(32), train_data=t.train_data, val_data=t.val_data,
-                        loss=functools.partial(F.cross_entropy, label_smoothing=0.1))  # fmt: skip
+                        loss=functools.partial(F.cross_entropy, label_smoothing=0.1))
     sharper = hydro.Task(model=mlp(32), train_data=t.train_data, val_data=t.val_data,
-                         loss=functools.partial(F.cross_entropy, label_smoothing=0.2))  # fmt: skip
+                         loss=functools.partial(F.cross_entropy, label_smoothing=0.2))
     assert parts(smooth)["loss"] == {"name": "torch.nn.functional:cross_entropy",
-                                     "args": {"label_smoothing": 0.1}}  # fmt: skip
+                                     "args": {"label_smoothing": 0.1}}
     assert differences(parts(smooth), parts(sharper)) == ["loss args label_smoothing 0.1→0.2"]
 
 
@@ -277,7 +277,7 @@ def _error(capsys, *args: str) -> str:
          "loss cross_entropy→toymod:ce"),
         (lambda c: c, ("--ratio", "4"), "ratio 2→4"),
     ],
-)  # fmt: skip
+)
 def test_cli_refuses_another_definition(cli_tuned, monkeypatch, capsys, edit, args, named):
     monkeypatch.chdir(cli_tuned)
     monkeypatch.delitem(sys.modules, "toymod", raising=False)
@@ -286,7 +286,7 @@ def test_cli_refuses_another_definition(cli_tuned, monkeypatch, capsys, edit, ar
     assert line == ("hydro tune: error: study 'toy' in sqlite:///toy.db was created with "
                     f"another definition (changed: {named}); use a new study name (--study "
                     "NAME, or study: in the config) or pass --force-resume to continue it "
-                    "anyway")  # fmt: skip
+                    "anyway")
     assert len(optuna.load_study(study_name="toy", storage="sqlite:///toy.db").trials) == 2
 
 
@@ -296,12 +296,12 @@ def test_cli_new_study_name_and_force_resume(project, capsys):
     steps (4), not the config's (2); ``--study`` starts afresh beside it."""
     assert main(["tune", "tune.yaml"]) == 0
     edited = CONFIG.replace("width: 64", "width: 32").replace("steps: 4", "steps: 2") \
-        .replace("eval_every: 4", "eval_every: 2\n  metric: toymod:worse")  # fmt: skip
+        .replace("eval_every: 4", "eval_every: 2\n  metric: toymod:worse")
     (project / "other.yaml").write_text(edited)
     assert main(["tune", "other.yaml", "--trials", "1", "--study", "fresh"]) == 0
     with pytest.warns(HydroWarning, match="as forced"):
         assert main(["tune", "other.yaml", "--trials", "3", "--force-resume", "-o",
-                     "best.yaml"]) == 0  # fmt: skip
+                     "best.yaml"]) == 0
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
     assert [max(t.intermediate_values) for t in study.trials] == [4, 4, 2]
     best = yaml.safe_load((project / "best.yaml").read_text())
@@ -315,9 +315,9 @@ def test_the_same_config_resumes_in_another_process(project, capsys):
     """A config and a space function, tuned in a subprocess (another hash seed), resumed here
     with more trials: no refusal, no warning."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{project}", "OMP_NUM_THREADS": "1",
-           "PYTHONHASHSEED": "12345"}  # fmt: skip
+           "PYTHONHASHSEED": "12345"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -327,9 +327,9 @@ def test_the_same_config_resumes_in_another_process(project, capsys):
         data = toymod.data()
         task_ = hydro.Task(model=functools.partial(toymod.model, width=32),
                            train_data=data["train"], val_data=data["val"], steps=2,
-                           batch_size=16)  # fmt: skip
+                           batch_size=16)
         again = hydro.tune(task_, toymod.space, n_trials=3, ratio=2, fuse=2,
-                           storage="sqlite:///toy.db", study="function", seed=0)  # fmt: skip
+                           storage="sqlite:///toy.db", study="function", seed=0)
     assert no_fingerprint_warnings(record)
     assert "2 finished (2 complete, 0 pruned), 1 to go" in capsys.readouterr().err
     assert len(again.study.trials) == 3

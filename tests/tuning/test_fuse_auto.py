@@ -33,7 +33,7 @@ def make_task(cls: type = hydro.Task, **kw) -> hydro.Task:
 
     def model(width: int = 64) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                                   torch.nn.Linear(width, 3))  # fmt: skip
+                                   torch.nn.Linear(width, 3))
 
     kw = {"steps": 6, "eval_every": 3, "batch_size": 16, **kw}
     return cls(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]), **kw)
@@ -41,7 +41,7 @@ def make_task(cls: type = hydro.Task, **kw) -> hydro.Task:
 
 def study() -> optuna.Study:
     return optuna.create_study(pruner=optuna.pruners.NopPruner(),
-                               sampler=optuna.samplers.RandomSampler(seed=0))  # fmt: skip
+                               sampler=optuna.samplers.RandomSampler(seed=0))
 
 
 def per_trial(task: hydro.Task, params: dict | None = None) -> int:
@@ -72,7 +72,7 @@ def test_a_model_the_meta_device_cannot_run_is_counted_on_the_cpu():
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 65, (64, 16), generator=g) for _ in range(2))
     task = hydro.Task(model=zoo.gpt(n_embd=64, n_head=4).model, train_data=(x, y),
-                      val_data=(x, y), loss=zoo.gpt_loss, steps=4, batch_size=8)  # fmt: skip
+                      val_data=(x, y), loss=zoo.gpt_loss, steps=4, batch_size=8)
     group = FusedGroup(task, [(0, {}, 0)], ratio=2)
     args, _, _ = task.split(next(group.members[0].batches), "cpu")
     build = lambda n: group.builder.make({}, 0)
@@ -93,7 +93,7 @@ def test_keyword_inputs_are_counted_like_positional_ones():
     as_tuple = ((d["input_ids"], d["attention_mask"]), d["labels"])
     sizes = [fuse_size(hydro.Task(model=model(), train_data=data, val_data=data, batch_size=16),
                        {"lr": 1e-2}, ratio=2, memory=1.0).per_trial
-             for data in (d, as_tuple)]  # fmt: skip
+             for data in (d, as_tuple)]
     assert sizes[0] == sizes[1] > 16 * 6 * 8 * 2  # more than the inputs alone
 
 
@@ -187,7 +187,7 @@ def test_auto_in_a_study_prints_stores_and_exports(tmp_path, capsys):
 
 def test_hydro_tune_auto_never_exceeds_the_trials_asked(tmp_path):
     result = hydro.tune(make_task(), LR, n_trials=3, ratio=2, fuse="auto", fuse_memory=1.0,
-                        storage=f"sqlite:///{tmp_path / 'auto.db'}")  # fmt: skip
+                        storage=f"sqlite:///{tmp_path / 'auto.db'}")
     (size,) = result.study.user_attrs["hydro_fuse"]["sizes"]
     assert (size["n"], size["limit"], size["budget_bytes"]) == (3, "trials", GIB)
     assert {t.user_attrs["fused"] for t in result.study.trials} == {3}
@@ -307,7 +307,7 @@ def test_out_of_memory_with_a_single_trial_fails_it_with_the_reason():
     trials = s.get_trials()
     assert len(trials) == 3 and all(t.state == TrialState.FAIL for t in trials)
     assert all("out of memory even with a single trial: MemoryError" in t.user_attrs["fail_reason"]
-               for t in trials)  # fmt: skip
+               for t in trials)
 
 
 def test_on_local_workers_each_worker_is_sized_for_its_share():
@@ -319,7 +319,7 @@ def test_on_local_workers_each_worker_is_sized_for_its_share():
     task = picklable_task(steps=4)
     s = study()
     optimize(s, task, LR, 4, ratio=2, fuse="auto", executor=LocalExecutor(devices=[],
-             num_workers=2), seed=0)  # fmt: skip
+             num_workers=2), seed=0)
     trials = s.get_trials()
     assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
     (size,) = s.user_attrs["hydro_fuse"]["sizes"]
@@ -336,7 +336,7 @@ def test_hydro_tune_without_fuse_prints_auto_and_exports_it(tmp_path, monkeypatc
         "storage: sqlite:///toy.db\ntrials: 3\nratio: 2\n"
         "task: {model: 'toyfuse:model', data: 'toyfuse:data', steps: 4, eval_every: 2}\n"
         "space: {lr: {type: float, low: 1.0e-3, high: 1.0e-1, log: true}}\n"
-    ))  # fmt: skip
+    ))
     assert main(["tune", "tune.yaml", "-o", "best.yaml"]) == 0
     err = capsys.readouterr().err
     assert "fuse auto (trials per fused group from the device's memory, per key)" in err

@@ -59,7 +59,7 @@ def test_members_are_built_from_their_own_factory_arguments():
         assert sur.get_parameter("wte.weight").shape[1] == 16
     # independent initializations, one structure
     assert not torch.equal(members[0].get_parameter("wte.weight"),
-                           members[1].get_parameter("wte.weight"))  # fmt: skip
+                           members[1].get_parameter("wte.weight"))
     torch.manual_seed(0)
     a = members[3](*example[0])
     # with dropout 0 the member is deterministic in training mode
@@ -96,7 +96,7 @@ def test_meta_builds_skip_initialization_and_torch_dynamo():
     code = ("import sys, torch; from hydro.tuning.config import load; "
             "from hydro.tuning.group import group_key; "
             "task = load('examples/charlm/tune.yaml').task; group_key({'dropout': 0.1}, task); "
-            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")  # fmt: skip
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
     import subprocess
     import sys
 

@@ -87,7 +87,7 @@ def test_members_without_literals_of_their_own_share_every_graph():
     for mode in ("train", "eval"):
         assert members[0].graphs[mode] is members[1].graphs[mode]
     assert not torch.equal(members[0].get_parameter("wte.weight"),
-                           members[1].get_parameter("wte.weight"))  # fmt: skip
+                           members[1].get_parameter("wte.weight"))
     a, b = _run(members[0], True)[0], _run(members[1], True)[0]
     assert not torch.equal(a, b)  # each runs the shared code on its own tensors
 

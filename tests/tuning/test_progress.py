@@ -19,7 +19,7 @@ from tests.tuner_child import SPACE, make_task
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 LINE = re.compile(r"trial-steps (\d+)/(\d+) \((\d+)%\), trials (\d+)/(\d+), elapsed \d+:\d\d, "
-                  r"eta (\?|\d+:\d\d), best( -| [^*,\s~]+|~[^*,\s]+\*)(, .*)?$")  # fmt: skip
+                  r"eta (\?|\d+:\d\d), best( -| [^*,\s~]+|~[^*,\s]+\*)(, .*)?$")
 
 
 def _lines(err: str) -> list[tuple[int, int, int, str, str]]:
@@ -39,7 +39,7 @@ def test_piped_lines_advance_within_a_cohort_and_mark_the_interim_best(capsys):
     marked until the first trial completes."""
     study = optuna.create_study()
     hydro.tune(make_task(8, eval_every=2), SPACE, n_trials=3, ratio=2, fuse=3, study=study,
-               seed=0, progress=True)  # fmt: skip
+               seed=0, progress=True)
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = _lines(err)
@@ -61,7 +61,7 @@ def test_piped_lines_advance_within_a_cohort_and_mark_the_interim_best(capsys):
 def test_bar_on_a_terminal_closes_before_the_table(capsys, monkeypatch):
     monkeypatch.setattr(progress_module, "interactive", lambda file: True)
     hydro.tune(make_task(4), SPACE, n_trials=6, ratio=2, fuse=3, storage="sqlite:///:memory:",
-               seed=0)  # fmt: skip
+               seed=0)
     err = capsys.readouterr().err
     assert "\r" in err and "trial-steps: 100%" in err and "| 24/24, trials 6/6, " in err
     # the bar is closed (its last redraw ends with a newline) before the table, never after
@@ -112,7 +112,7 @@ def test_piped_lines_are_throttled():
             bar.reported(0, step, 2.0 - step / 100)
     lines = out.getvalue().splitlines()  # and the first ETA, at the first evaluation (1 step/s)
     assert lines[1:] == ["trial-steps 5/1000 (0%), trials 0/10, elapsed 0:05, eta 16:35, "
-                         "best~1.95*"]  # fmt: skip
+                         "best~1.95*"]
     for step in range(11, 61):  # 50 more: past 5% of the run since the last line
         now[0] += 0.01
         bar.stepped(0, step)
@@ -132,7 +132,7 @@ def test_piped_lines_are_throttled():
 
 def test_no_progress_prints_nothing(capsys):
     hydro.tune(make_task(4), SPACE, n_trials=3, ratio=2, fuse=3, storage="sqlite:///:memory:",
-               seed=0, progress=False)  # fmt: skip
+               seed=0, progress=False)
     out, err = capsys.readouterr()
     assert out == "" and err == ""
 
@@ -140,7 +140,7 @@ def test_no_progress_prints_nothing(capsys):
 def test_auto_progress_is_off_off_a_terminal(capsys):
     """``progress=None`` (hydro.tune's default) shows progress only on a terminal."""
     hydro.tune(make_task(4), SPACE, n_trials=3, ratio=2, fuse=3, storage="sqlite:///:memory:",
-               seed=0)  # fmt: skip
+               seed=0)
     out, err = capsys.readouterr()
     assert out == "" and err == ""
 
@@ -151,9 +151,9 @@ def test_auto_progress_is_off_off_a_terminal(capsys):
     assert wanted(None, Terminal()) and not wanted(None, io.StringIO())
     assert wanted(True) and not wanted(False)
     with pytest.raises(ConfigError, match=r"^progress must be True, False or None \(auto\), "
-                       "got 'yes'$"):  # fmt: skip
+                       "got 'yes'$"):
         hydro.tune(make_task(4), SPACE, n_trials=3, storage="sqlite:///:memory:",
-                   progress="yes")  # fmt: skip
+                   progress="yes")
 
 
 def test_a_long_first_cohort_shows_an_eta_before_its_first_evaluation():
@@ -162,7 +162,7 @@ def test_a_long_first_cohort_shows_an_eta_before_its_first_evaluation():
     now = [0.0]
     out = io.StringIO()
     bar = Progress(optuna.create_study(), 10, lambda s: 0, steps=100, file=out,
-                   clock=lambda: now[0])  # fmt: skip
+                   clock=lambda: now[0])
     for step in range(1, 31):  # 10 trials fused: 10 trial-steps a second, no evaluation
         now[0] += 1.0
         for number in range(10):

@@ -52,9 +52,9 @@ def test_only_dead_owners_trials_are_reclaimed(tmp_path):
     live_here = _running_trial(study, hydro_owner={"host": host, "pid": os.getppid()})
     dead_here = _running_trial(study, hydro_owner={"host": host, "pid": 2**22 + 7})
     live_there = _running_trial(study, hydro_owner={"host": "elsewhere", "pid": 1},
-                                hydro_heartbeat=now)  # fmt: skip
+                                hydro_heartbeat=now)
     dead_there = _running_trial(study, hydro_owner={"host": "elsewhere", "pid": 1},
-                                hydro_heartbeat=now - driver.STALE_SECONDS - 1)  # fmt: skip
+                                hydro_heartbeat=now - driver.STALE_SECONDS - 1)
     assert driver.reclaim_stale(study) == 2
     assert driver.reclaim_stale(study) == 0  # put back once
     trials = study.get_trials(deepcopy=False)
@@ -76,7 +76,7 @@ def test_a_running_trial_of_another_process_counts_towards_n_trials(tmp_path):
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     study = optuna.create_study(storage=storage, study_name="hydro")
     other = _running_trial(study, hydro_owner={"host": "elsewhere", "pid": 1},
-                           hydro_heartbeat=time.time())  # fmt: skip
+                           hydro_heartbeat=time.time())
     import threading
 
     def finish_later() -> None:

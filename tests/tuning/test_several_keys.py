@@ -20,14 +20,14 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 SPACE = {"lr": FloatDistribution(1e-3, 3e-1, log=True), "warmup": IntDistribution(0, 3)}
 FOUR_KEYS = {**SPACE, "width": CategoricalDistribution([16, 32]),
-             "batch_size": CategoricalDistribution([8, 16])}  # fmt: skip
+             "batch_size": CategoricalDistribution([8, 16])}
 
 
 def keyed_task(steps: int = 12) -> hydro.Task:
     """The float64 MLP of ``test_continuous`` with its width a factory argument."""
     base = make_task(steps=steps)
     return hydro.Task(model=_mlp, train_data=base.train_data, val_data=base.val_data,
-                      steps=steps, eval_every=4, batch_size=16)  # fmt: skip
+                      steps=steps, eval_every=4, batch_size=16)
 
 
 def study_of(seed: int = 0) -> optuna.Study:
@@ -50,13 +50,13 @@ def test_one_key_in_process_trains_what_one_worker_trains():
     optimize(inline, task, SPACE, n_trials=10, ratio=2, fuse=3, seed=5)
     worker = study_of()
     optimize(worker, task, SPACE, n_trials=10, ratio=2, fuse=3, seed=5,
-             executor=LocalExecutor(devices=[], num_workers=1, threads=1))  # fmt: skip
+             executor=LocalExecutor(devices=[], num_workers=1, threads=1))
     assert trials_of(inline) == trials_of(worker)
     assert any(t.state == TrialState.PRUNED for t in inline.trials)
     for a, b in zip(inline.trials, worker.trials):
         assert a.intermediate_values.keys() == b.intermediate_values.keys()
         assert list(a.intermediate_values.values()) == pytest.approx(
-            list(b.intermediate_values.values()), rel=1e-12)  # fmt: skip
+            list(b.intermediate_values.values()), rel=1e-12)
         assert a.user_attrs["group"] == b.user_attrs["group"] == 0
         assert a.user_attrs["slot"] == b.user_attrs["slot"]
     assert inline.user_attrs["hydro_occupancy"] == worker.user_attrs["hydro_occupancy"]
@@ -92,14 +92,14 @@ def test_four_keys_keep_the_slots_busy_and_each_trial_exact(monkeypatch):
     for t in trials:
         groups.setdefault(t.user_attrs["group"], []).append(t)
     assert all(len({(t.params["width"], t.params["batch_size"]) for t in g}) == 1
-               for g in groups.values())  # fmt: skip
+               for g in groups.values())
     assert grown, "some trial should join a running group of its key in a new slot"
     # each key's trials trained side by side in one group from step 0, never refilled: each
     # member there ends as it would alone (test_continuous), so this is every trial alone
     for key in keys:
         mine = [t for t in trials if (t.params["width"], t.params["batch_size"]) == key]
         alone, _ = train_group(task, [t.params for t in mine], ratio=2,
-                               seeds=[5 + t.number for t in mine])  # fmt: skip
+                               seeds=[5 + t.number for t in mine])
         for t, ref in zip(mine, alone):
             seen = t.intermediate_values
             assert {s: v for s, v in ref.history if s in seen} == pytest.approx(seen, rel=1e-12)
@@ -114,7 +114,7 @@ def test_a_first_group_of_several_keys_trains_to_the_end_before_any_other_trial(
     task = keyed_task(steps=8)
     space = {**SPACE, "width": CategoricalDistribution([16, 32])}
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3),
-                                pruner=optuna.pruners.NopPruner())  # fmt: skip
+                                pruner=optuna.pruners.NopPruner())
     optimize(study, task, space, n_trials=8, ratio=2, fuse=4, first_group=3)
     trials = sorted(study.trials, key=lambda t: t.number)
     assert all(t.state == TrialState.COMPLETE for t in trials)

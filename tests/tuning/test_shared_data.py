@@ -41,15 +41,15 @@ def make_task(data_mode: str = "per_trial", steps: int = 6) -> tuple[hydro.Task,
     y = (x @ torch.randn(8, 3, generator=g, dtype=torch.float64)).argmax(-1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 3)).double()  # fmt: skip
+                                torch.nn.Linear(64, 3)).double()
     loader = Loader(x[:64], y[:64])
     task = hydro.Task(model=model, train_data=loader, val_data=(x[64:], y[64:]), steps=steps,
-                      batch_size=BATCH, eval_every=3, data_mode=data_mode)  # fmt: skip
+                      batch_size=BATCH, eval_every=3, data_mode=data_mode)
     return task, loader
 
 
 MEMBERS = [(0, {"lr": 3e-2, "warmup": 1}, 10), (1, {"lr": 1e-2}, 11),
-           (2, {"lr": 5e-2, "weight_decay": 0.1}, 12), (3, {"lr": 2e-3}, 13)]  # fmt: skip
+           (2, {"lr": 5e-2, "weight_decay": 0.1}, 12), (3, {"lr": 2e-3}, 13)]
 
 
 def run(group: FusedGroup, steps: int) -> tuple[torch.Tensor, list[float]]:
@@ -82,7 +82,7 @@ def test_shared_group_loads_one_batch_per_step_and_equals_each_trial_alone():
         for name, p in separate.fused.trial(k).state_dict().items():
             assert p.dtype == torch.float64
             torch.testing.assert_close(group.fused.trial(k).state_dict()[name], p, rtol=1e-10,
-                                       atol=1e-12, msg=name)  # fmt: skip
+                                       atol=1e-12, msg=name)
 
 
 def tensor_task(data_mode: str) -> hydro.Task:
@@ -91,9 +91,9 @@ def tensor_task(data_mode: str) -> hydro.Task:
     y = (x @ torch.randn(8, 3, generator=g, dtype=torch.float64)).argmax(-1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 3)).double()  # fmt: skip
+                                torch.nn.Linear(64, 3)).double()
     return hydro.Task(model=model, train_data=(x, y), val_data=(x[:32], y[:32]), steps=8,
-                      batch_size=BATCH, data_mode=data_mode)  # fmt: skip
+                      batch_size=BATCH, data_mode=data_mode)
 
 
 def test_shared_stream_is_the_groups_and_a_restored_group_goes_on_with_it():
@@ -131,10 +131,10 @@ def test_data_mode_is_checked_recorded_with_each_trial_and_travels_to_executors(
     # a worker process trains the group the same way: the mode travels with the task
     ex = LocalExecutor(devices=[], num_workers=1)
     remote = hydro.tune(tensor_task("shared"), space, executor=ex,
-                        storage=f"sqlite:///{tmp_path / 'ex.db'}", **kw).study.trials  # fmt: skip
+                        storage=f"sqlite:///{tmp_path / 'ex.db'}", **kw).study.trials
     assert [t.value for t in remote] == pytest.approx([t.value for t in trials], rel=1e-9)
     per_trial = hydro.tune(tensor_task("per_trial"), space,
-                           storage=f"sqlite:///{tmp_path / 'p.db'}", **kw).study.trials  # fmt: skip
+                           storage=f"sqlite:///{tmp_path / 'p.db'}", **kw).study.trials
     assert per_trial[1].value != pytest.approx(trials[1].value, rel=1e-6)  # other batches
     # a resume in the other mode would mix them: refused, naming the change
     with pytest.raises(ConfigError, match="changed: recipe data_mode shared→per_trial"):
@@ -191,8 +191,8 @@ def test_train_group_resumed_from_its_checkpoint_goes_on_with_the_shared_stream(
     task = tensor_task("shared")  # evaluations every 2 steps (steps // 4)
     with pytest.raises(Stop):
         train_group(task, params, ratio=2, seeds=seeds, report=stop_at_4, checkpoint=tmp_path,
-                    checkpoint_every=3)  # fmt: skip
+                    checkpoint_every=3)
     again, _ = train_group(task, params, ratio=2, seeds=seeds, checkpoint=tmp_path,
-                           checkpoint_every=3)  # fmt: skip
+                           checkpoint_every=3)
     assert [(o.state, o.value, o.history) for o in again] == [
-        (o.state, o.value, o.history) for o in full]  # fmt: skip
+        (o.state, o.value, o.history) for o in full]

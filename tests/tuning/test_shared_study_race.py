@@ -40,7 +40,7 @@ def _put_back_by_a_dead_tuner(study: optuna.Study) -> int:
     t = study.ask()
     t.suggest_float("lr", 1e-3, 1e-1, log=True)
     t.set_user_attr("hydro_owner", {"host": socket.gethostname(),
-                                    "machine": study_mod.machine_id(), "pid": DEAD})  # fmt: skip
+                                    "machine": study_mod.machine_id(), "pid": DEAD})
     t.set_user_attr("hydro_heartbeat", time.time())
     t.set_user_attr("hydro_taken", t._cached_frozen_trial.datetime_start.isoformat())
     assert study_mod.reclaim_stale(study) == 1
@@ -95,7 +95,7 @@ def test_a_trial_this_process_holds_that_is_asked_again_is_skipped_and_logged(ca
     assert first.number not in [t.number for t in more] and len(more) == 2
     assert study.trials[first.number].state == TrialState.RUNNING  # still this process's
     assert any(f"trial {first.number}" in r.getMessage() and "skipped" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+               for r in caplog.records)
     assert not [u for u in study.trials if u.state == TrialState.FAIL]
 
 
@@ -140,7 +140,7 @@ def test_a_sweep_that_read_the_trial_before_it_was_put_back_and_taken_leaves_it(
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s")
     t = study.ask()
     t.set_user_attr("hydro_owner", {"host": socket.gethostname(),
-                                    "machine": study_mod.machine_id(), "pid": DEAD})  # fmt: skip
+                                    "machine": study_mod.machine_id(), "pid": DEAD})
     t.set_user_attr("hydro_heartbeat", time.time())
     slow = study._storage.get_trial(t._trial_id)  # the slow sweep's read
     assert study_mod.reclaim_stale(study) == 1  # the fast sweep
@@ -159,7 +159,7 @@ N_TRIALS = 8
 
 def _tuner(storage: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "tests.tuner_child", storage, str(N_TRIALS), "--fuse", "2",
-            "--steps", "8", "--executor", "local", *extra]  # fmt: skip
+            "--steps", "8", "--executor", "local", *extra]
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
@@ -176,7 +176,7 @@ def test_four_tuners_share_a_study_one_killed_and_restarted(tmp_path, request, k
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     marker = tmp_path / "blocked"
     victim = subprocess.Popen(_tuner(storage, "--block-at", "3", "--marker", str(marker)),
-                              cwd=ROOT, env=env)  # fmt: skip
+                              cwd=ROOT, env=env)
     others = [subprocess.Popen(_tuner(storage), cwd=ROOT, env=env) for _ in range(3)]
     start = time.monotonic()
     try:
@@ -197,7 +197,7 @@ def test_four_tuners_share_a_study_one_killed_and_restarted(tmp_path, request, k
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     configs = [tuple(sorted(t.params.items())) for t in complete]
     failed = [(t.number, t.user_attrs.get("fail_reason")) for t in trials
-              if t.state == TrialState.FAIL and not is_void(t)]  # fmt: skip
+              if t.state == TrialState.FAIL and not is_void(t)]
     assert failed == []
     assert [t.number for t in trials if not t.state.is_finished()] == []  # RUNNING or WAITING
     assert len(configs) == len(set(configs)), "a configuration trained twice"

@@ -100,7 +100,7 @@ def test_sigterm_stops_local_tune_cleanly_and_the_rerun_resumes(
     with open(err, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "hydro.cli", "tune", "tune.yaml",
                                  "--executor", "local"], cwd=tmp_path, env=env,
-                                stderr=stderr, stdout=subprocess.DEVNULL)  # fmt: skip
+                                stderr=stderr, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         workers: list = []
@@ -121,10 +121,10 @@ def test_sigterm_stops_local_tune_cleanly_and_the_rerun_resumes(
     # semaphore of the executor leaked by the SIGTERM path, after the last line
     lines = [line for line in text.splitlines() if line.strip()]
     lines = [line for line in lines if "resource_tracker" not in line and
-             not line.startswith(("  warnings.warn(", "/"))]  # fmt: skip
+             not line.startswith(("  warnings.warn(", "/"))]
     assert "Traceback" not in text and "Error" not in text, text
     assert lines[-1] == ("hydro tune: terminated; the finished trials are saved in study 'toy' of "
-                         "sqlite:///toy.db: run the same command again to resume")  # fmt: skip
+                         "sqlite:///toy.db: run the same command again to resume")
     # workers, fork server and resource tracker: gone with the tuner
     until = time.monotonic() + 10
     while any(_alive(pid, ticks) for pid, ticks, _ in below) and time.monotonic() < until:
@@ -139,7 +139,7 @@ def test_sigterm_stops_local_tune_cleanly_and_the_rerun_resumes(
     assert not running and TrialState.WAITING in states, running
     assert not [t for t in study.trials if t.state == TrialState.FAIL]  # put back, not failed
     waiting = sorted(t.params["lr"] for t in study.trials
-                     if t.state == TrialState.WAITING)  # fmt: skip
+                     if t.state == TrialState.WAITING)
     before = {t.number for t in study.trials if t.state == TrialState.COMPLETE}
     # the same command resumes: the requeued trials run first
     monkeypatch.chdir(tmp_path)
@@ -147,7 +147,7 @@ def test_sigterm_stops_local_tune_cleanly_and_the_rerun_resumes(
     assert main(["tune", "tune.yaml", "--trials", str(len(before) + len(waiting))]) == 0
     study = optuna.load_study(study_name="toy", storage=f"sqlite:///{tmp_path / 'toy.db'}")
     done = sorted(t.params["lr"] for t in study.trials
-                  if t.state == TrialState.COMPLETE and t.number not in before)  # fmt: skip
+                  if t.state == TrialState.COMPLETE and t.number not in before)
     assert done == waiting and all(t.state != TrialState.WAITING for t in study.trials)
 
 
@@ -189,7 +189,7 @@ def test_sigterm_in_a_script_stops_optimize_and_restores_the_handler():
         return [0.0] * len(trials)
 
     thread = threading.Thread(target=optimize, args=(optuna.create_study(), look, None, 2),
-                              kwargs={"fuse": 2})  # fmt: skip
+                              kwargs={"fuse": 2})
     thread.start()
     thread.join()
     assert seen == [signal.SIG_DFL]
@@ -199,7 +199,7 @@ def test_sigterm_is_put_off_while_inside_storage_code():
     # a function of a storage library: SIGTERM there would break a transaction half done
     scope = {"__name__": "sqlalchemy.fake", "os": os, "signal": signal}
     exec("def commit(log):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
-         "    log.append('rest of the transaction')\n", scope)  # fmt: skip
+         "    log.append('rest of the transaction')\n", scope)
     for wait in (5.0, 0.0):  # raised once out of it; or, if the run ended first, at its end
         log: list[str] = []
         with pytest.raises(Terminated):
@@ -231,7 +231,7 @@ print("not reached")
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+                         text=True, timeout=120)
     assert out.returncode == 1 and out.stderr == "" and out.stdout == "", out.stderr
 
 
@@ -268,7 +268,7 @@ def test_checkpoint_dirs_are_private_and_open_ones_refused(tmp_path, monkeypatch
     assert "Traceback" not in err and err.count("\n") == 2  # the study's header, the error
     err = err.splitlines()[-1]
     assert err.startswith(f"hydro tune: error: checkpoint directory {shared} is writable by "
-                          "others (mode 775)") and f"`chmod 700 {shared}`" in err  # fmt: skip
+                          "others (mode 775)") and f"`chmod 700 {shared}`" in err
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
     assert study.trials == []  # refused before any trial ran
 

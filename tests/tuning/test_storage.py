@@ -69,7 +69,7 @@ def test_a_lock_held_past_the_busy_timeout_mid_run_is_waited_out(tmp_path, monke
     locker = Locker(db, hold=5.5)
     start = time.monotonic()
     result = hydro.tune(tiny_task(locker.loss), SPACE, n_trials=2, ratio=2, fuse=2,
-                        storage=f"sqlite:///{db}", seed=0)  # fmt: skip
+                        storage=f"sqlite:///{db}", seed=0)
     assert locker.released.is_set() and time.monotonic() - start > 5.5  # it did wait
     trials = result.study.get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
@@ -88,7 +88,7 @@ def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_
     storage = f"sqlite:///{db}"
     with pytest.raises(hydro.errors.StorageError, match="stayed locked by another process"):
         hydro.tune(tiny_task(locker.loss), SPACE, n_trials=2, ratio=2, fuse=2,
-                   storage=storage, seed=0)  # fmt: skip
+                   storage=storage, seed=0)
     assert not locker.released.is_set()  # it did not wait for the lock to go
     assert locker.released.wait(10)
     study = optuna.load_study(study_name="hydro", storage=storage)
@@ -96,7 +96,7 @@ def test_a_lock_that_outlasts_the_run_stops_it_in_bounded_time_and_the_next_run_
     assert [t.state for t in left] == [TrialState.RUNNING] * 2
     # the same study, now without the locking loss (force: the recorded loss differs by name)
     result = hydro.tune(tiny_task("cross_entropy"), SPACE, n_trials=2, ratio=2, fuse=2,
-                        storage=storage, seed=0, force_resume=True)  # fmt: skip
+                        storage=storage, seed=0, force_resume=True)
     trials = result.study.get_trials(deepcopy=False)
     # put back and taken up again: the same two trials, now complete, and no FAIL row
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
@@ -135,7 +135,7 @@ def _one_line(capsys, alone: bool = True) -> str:
 
 
 def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, capsys,
-                                                                       monkeypatch):  # fmt: skip
+                                                                       monkeypatch):
     """Timeout 2 s, lock 3.6 s: the run gives up at its next storage call (after 2 to 2.5 s),
     then puts its two RUNNING trials back to WAITING once the lock is gone; the same command
     then finishes the study with them."""
@@ -147,7 +147,7 @@ def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, c
     assert main(["tune", "tune.yaml"]) == 3
     line = _one_line(capsys, alone=False)
     assert line.startswith("hydro tune: error: the study database 'toy.db' stayed locked by "
-                           "another process for 2 s: wait for that process")  # fmt: skip
+                           "another process for 2 s: wait for that process")
     assert "--storage" in line and "HYDRO_STORAGE_TIMEOUT" in line
     assert locker.released.wait(10)
     study = optuna.load_study(study_name="toy", storage="sqlite:///toy.db")
@@ -204,7 +204,7 @@ def test_a_bad_storage_timeout_is_one_line(project, capsys, monkeypatch):
     monkeypatch.setenv("HYDRO_STORAGE_TIMEOUT", "soon")
     assert main(["export", "--storage", "sqlite:///toy.db"]) == 2
     assert "HYDRO_STORAGE_TIMEOUT must be a number of seconds above 0, got 'soon'" in \
-        _one_line(capsys)  # fmt: skip
+        _one_line(capsys)
 
 
 def _running(study: optuna.Study, owner: dict, beat: float) -> int:

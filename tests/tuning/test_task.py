@@ -59,7 +59,7 @@ def test_dict_batches_train_exactly_like_the_same_data_as_a_tuple():
     results = []
     for data in (d, as_tuple):
         task = hydro.Task(model=model(), train_data=data, val_data=data, steps=6, eval_every=3,
-                          batch_size=16)  # fmt: skip
+                          batch_size=16)
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         hydro.tune(task, SPACE, n_trials=3, ratio=2, fuse=3, study=study, seed=1)
         results.append([(t.state, t.value, t.intermediate_values) for t in study.trials])
@@ -111,16 +111,16 @@ def test_a_model_that_returns_no_loss():
     d = keyword_data()
     no_labels = {k: v for k, v in d.items() if k != "labels"}
     task = hydro.Task(model=model(own_loss=True), train_data=no_labels, val_data=no_labels,
-                      loss="model")  # fmt: skip
+                      loss="model")
     with pytest.raises(ModelError, match=r"reads the model's loss from output.loss or "
-                       r"output\['loss'\], but the model returned dict without one"):  # fmt: skip
+                       r"output\['loss'\], but the model returned dict without one"):
         task.validate(task.model, next(task.train_batches(4, seed=0)))
 
 
 def test_loss_model_tunes_end_to_end():
     d = keyword_data()
     task = hydro.Task(model=model(own_loss=True), train_data=d, val_data=d, loss="model",
-                      steps=4, eval_every=2, batch_size=16)  # fmt: skip
+                      steps=4, eval_every=2, batch_size=16)
     result = hydro.tune(task, SPACE, n_trials=2, ratio=2, fuse=2, storage="sqlite:///:memory:")
     assert all(t["state"] == "COMPLETE" for t in result.trials)
     assert {t.user_attrs["fused"] for t in result.study.trials} == {2}  # one fused group
@@ -135,7 +135,7 @@ def test_loss_model_tunes_end_to_end():
         ({"input_ids": [1, 2], "labels": torch.zeros(2, dtype=torch.long)}, "is list"),
         ({}, "empty dict"),
     ],
-)  # fmt: skip
+)
 def test_bad_dict_data(data, message):
     with pytest.raises(DataError, match=message):
         hydro.Task(model=model(), train_data=data, val_data=keyword_data())

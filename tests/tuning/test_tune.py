@@ -31,12 +31,12 @@ def make_task(steps: int = 30, **kw) -> hydro.Task:
     y = (x @ torch.randn(16, 5, generator=g)).argmax(-1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                torch.nn.ReLU(), torch.nn.Linear(64, 5))  # fmt: skip
+                                torch.nn.ReLU(), torch.nn.Linear(64, 5))
     kw.setdefault("eval_every", 10)
     kw.setdefault("batch_size", 32)
     kw.setdefault("loss", "cross_entropy")
     return hydro.Task(model=model, train_data=(x[:384], y[:384]), val_data=(x[384:], y[384:]),
-                      steps=steps, **kw)  # fmt: skip
+                      steps=steps, **kw)
 
 
 SPACE = {
@@ -91,7 +91,7 @@ def test_killed_run_resumes_without_retraining(tmp_path):
     child = [sys.executable, "-m", "tests.tuner_child", storage, "8", "--fuse", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*child, "--stop", "put:2", "--marker", str(marker)], cwd=ROOT,
-                            env=env)  # fmt: skip
+                            env=env)
     try:
         while not marker.exists():
             assert proc.poll() is None, f"the tuning process ended ({proc.returncode}) early"
@@ -159,13 +159,13 @@ def test_diverged_member_fails_with_reason_and_others_continue():
 def test_batch_size_and_architecture_split_groups():
     def factory(width: int = 32) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
-                                   torch.nn.Linear(width, 5))  # fmt: skip
+                                   torch.nn.Linear(width, 5))
 
     task = make_task()
     task.model = factory
     space = {"lr": FloatDistribution(1e-3, 1e-2, log=True),
              "batch_size": CategoricalDistribution([16, 32]),
-             "width": CategoricalDistribution([32, 64])}  # fmt: skip
+             "width": CategoricalDistribution([32, 64])}
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     optimize(study, task, space, n_trials=8, ratio=2, fuse=8)
     by_group: dict[int, set] = {}
@@ -191,7 +191,7 @@ def test_batch_size_and_architecture_split_groups():
 )
 def test_any_sampler(sampler):
     space = {"lr": FloatDistribution(1e-4, 1e-1, log=True),
-             "weight_decay": FloatDistribution(0.0, 0.2)}  # fmt: skip
+             "weight_decay": FloatDistribution(0.0, 0.2)}
     study = optuna.create_study(sampler=sampler)
     optimize(study, make_task(steps=10), space, n_trials=4, ratio=2, fuse=2)
     assert len(study.trials) == 4
@@ -234,7 +234,7 @@ def test_a_crashing_group_leaves_no_trial_running():
 def test_transfer_sampler_replays_the_best_first():
     source = optuna.create_study()
     source.optimize(lambda t: (t.suggest_float("lr", 1e-4, 1e-1, log=True) - 0.01) ** 2,
-                    n_trials=15)  # fmt: skip
+                    n_trials=15)
     ranked = sorted((t for t in source.trials), key=lambda t: t.value)
     full = optuna.create_study(sampler=TransferSampler(source, top_k=3))
     full.optimize(lambda t: t.suggest_float("lr", 1e-4, 1e-1, log=True), n_trials=5)
@@ -256,7 +256,7 @@ def test_errors_are_clear(tmp_path):
     task = make_task()
     with pytest.raises(hydro.ConfigError, match=r"unknown hyperparameter 'learning_rate'.*Known: "):
         hydro.tune(task, {"learning_rate": FloatDistribution(1e-3, 1e-1)}, n_trials=1,
-                   storage=f"sqlite:///{tmp_path / 'a.db'}")  # fmt: skip
+                   storage=f"sqlite:///{tmp_path / 'a.db'}")
     with pytest.raises(hydro.ConfigError, match="not an Optuna distribution"):
         hydro.tune(task, {"lr": (1e-3, 1e-1)}, n_trials=1)
     with pytest.raises(
@@ -315,7 +315,7 @@ def test_groups_train_on_a_local_ray_cluster():
     try:
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         optimize(study, make_task(steps=20), SPACE, n_trials=4, ratio=2, fuse=2,
-                 executor=RayExecutor())  # fmt: skip
+                 executor=RayExecutor())
         assert states(study) == {"COMPLETE": 4}
         assert os.getpid() not in {t.user_attrs["worker_pid"] for t in study.trials}
     finally:
@@ -345,7 +345,7 @@ def test_first_group_trains_alone_so_the_median_pruner_can_act():
             assert all(t.datetime_start >= done for t in trials[3:])
         pruned[first] = [t.number for t in trials if t.state == TrialState.PRUNED]
         runs[first] = [(t.state, t.value, t.intermediate_values, t.user_attrs["group"])
-                       for t in trials]  # fmt: skip
+                       for t in trials]
     assert not any(n < 5 for n in pruned[0])  # the first fused group of 5: nothing to compare
     assert pruned[3], "with a first group of 3 the pruner acts on later trials"
     assert runs["auto"] == runs[3]  # the default is that first group, trial for trial
@@ -364,7 +364,7 @@ def test_auto_first_group_follows_the_pruners_start_up():
     assert auto_first_group(P.MedianPruner(), 5) == 0  # the first cohort is the first group
     assert auto_first_group(P.MedianPruner(), 16, device="cuda") == 0  # empty slots cost there
     for other in (P.SuccessiveHalvingPruner(), P.HyperbandPruner(), P.NopPruner(),
-                  P.ThresholdPruner(upper=1.0), P.PatientPruner(None, 1)):  # fmt: skip
+                  P.ThresholdPruner(upper=1.0), P.PatientPruner(None, 1)):
         assert auto_first_group(other, 16) == 0, other
 
 
@@ -376,4 +376,4 @@ def test_first_group_is_checked_and_refused_with_an_executor():
         optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group="all")
     with pytest.raises(hydro.errors.ConfigError, match="with an executor every other slot"):
         optimize(study, task, {"lr": FloatDistribution(1e-3, 1e-1)}, 2, fuse=2, first_group=1,
-                 executor=object())  # fmt: skip
+                 executor=object())

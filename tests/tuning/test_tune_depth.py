@@ -29,7 +29,7 @@ def _task(steps: int = 4) -> hydro.Task:
     torch.manual_seed(0)
     model = gpt(n_layer=4, n_head=2, n_embd=64, block_size=16)  # 4 identical residual blocks
     return hydro.Task(model=model, train_data=data["train"], val_data=data["val"], steps=steps,
-                      eval_every=2, batch_size=8)  # fmt: skip
+                      eval_every=2, batch_size=8)
 
 
 def _blocks(module: torch.nn.Module) -> set[str]:
@@ -39,7 +39,7 @@ def _blocks(module: torch.nn.Module) -> set[str]:
 def test_tune_with_depth_ratio_trains_shallower_surrogates(tmp_path) -> None:
     task = _task()
     result = hydro.tune(task, LR, n_trials=4, ratio="auto", fuse=2, depth_ratio=2,
-                        depth_alpha=0.5, storage=f"sqlite:///{tmp_path}/d.db", seed=0)  # fmt: skip
+                        depth_alpha=0.5, storage=f"sqlite:///{tmp_path}/d.db", seed=0)
     assert isinstance(result.ratio, int) and result.ratio > 1  # "auto" still picks the width
     trials = result.study.trials
     assert len(trials) == 4
@@ -57,7 +57,7 @@ def test_tune_with_depth_ratio_trains_shallower_surrogates(tmp_path) -> None:
 
 def test_default_depth_ratio_keeps_every_block(tmp_path) -> None:
     result = hydro.tune(_task(), LR, n_trials=2, ratio=2, fuse=2,
-                        storage=f"sqlite:///{tmp_path}/d.db")  # fmt: skip
+                        storage=f"sqlite:///{tmp_path}/d.db")
     for t in result.study.trials:
         assert t.state == optuna.trial.TrialState.COMPLETE
         assert t.user_attrs["depth_ratio"] == 1 and t.user_attrs["depth_alpha"] == 1.0
@@ -79,7 +79,7 @@ def test_train_group_and_build_members_cut_depth() -> None:
     assert shallow.hydro.ratio == deep.hydro.ratio == 2
     assert shallow.hydro.depth_ratio == 2 and deep.hydro.depth_ratio == 1
     outcomes, info = train_group(task, [{"lr": 1e-2}, {"lr": 3e-3}], ratio=2, seeds=[0, 1],
-                                 depth_ratio=4)  # fmt: skip
+                                 depth_ratio=4)
     assert [o.state for o in outcomes] == ["complete", "complete"]
     assert (info.depth_ratio, info.depth_alpha) == (4, 1.0)
     assert info.blocks == {"target": 4, "surrogate": 1}
@@ -139,7 +139,7 @@ def test_cli_flag_overrides_the_config(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tune.yaml").write_text(CONFIG.format(extra="depth_ratio: 4"))
     code = main(["tune", "tune.yaml", "--depth-ratio", "2", "--depth-alpha", "0.5",
-                 "-o", "best.yaml"])  # fmt: skip
+                 "-o", "best.yaml"])
     assert code == 0
     assert "depth ratio 2" in capsys.readouterr().err
     prov = yaml.safe_load((tmp_path / "best.yaml").read_text())["provenance"]

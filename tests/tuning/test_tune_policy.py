@@ -26,7 +26,7 @@ def hydro_tune(folder: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}"}
     return subprocess.run([sys.executable, "-m", "hydro.cli", "tune", "tune.yaml", *args],
                           cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          timeout=600)
 
 
 @pytest.mark.parametrize("policy", ["fifo", "dynamic"])

@@ -44,10 +44,10 @@ def _task(name: str) -> hydro.Task:
         train = {"idx": train_args[0], "targets": train_kwargs["targets"]}
         val = {"idx": val_args[0], "targets": val_kwargs["targets"]}
         return hydro.Task(model=OwnLoss(model), train_data=train, val_data=val, loss="model",
-                          target_key="targets", **common)  # fmt: skip
+                          target_key="targets", **common)
     if train_kwargs:  # HuggingFace: keyword batches with labels, the model's own loss
         return hydro.Task(model=model, train_data=train_kwargs, val_data=val_kwargs,
-                          loss="model", **common)  # fmt: skip
+                          loss="model", **common)
     classes = CLASSES.get(name, 7)
     train = (train_args[0], torch.randint(0, classes, (16,), generator=g))
     val = (val_args[0], torch.randint(0, classes, (8,), generator=g))
@@ -66,7 +66,7 @@ def test_tune_end_to_end_fused(name: str) -> None:
     _needs(name)
     task = _task(name)
     result = hydro.tune(task, SPACE, n_trials=2, ratio=RATIO.get(name, 8), fuse=2, seed=0,
-                        storage="sqlite:///:memory:")  # fmt: skip
+                        storage="sqlite:///:memory:")
     rows = result.trials
     assert len(rows) == 2, rows
     assert all(r["state"] == "COMPLETE" for r in rows), rows

@@ -51,9 +51,9 @@ def test_data_that_raises_for_some_trials_fails_those_and_the_others_complete():
     base = make_task(6)
     x, y = base.train_data
     task = hydro.Task(model=base.model, train_data=Shards(x, y), val_data=base.val_data,
-                      steps=6, eval_every=3, batch_size=8)  # fmt: skip
+                      steps=6, eval_every=3, batch_size=8)
     space = {"lr": SPACE["lr"],
-             "batch_size": optuna.distributions.CategoricalDistribution([8, 16])}  # fmt: skip
+             "batch_size": optuna.distributions.CategoricalDistribution([8, 16])}
     study = optuna.create_study()  # in memory
     hydro.tune(task, space, n_trials=6, ratio=2, fuse=2, seed=1, study=study)
     trials = study.trials
@@ -82,7 +82,7 @@ def factory(width: int = 32) -> torch.nn.Module:
 def test_a_model_factory_that_raises_for_some_arguments_fails_those_trials_only():
     base = make_task(2)
     task = hydro.Task(model=factory, train_data=base.train_data, val_data=base.val_data,
-                      steps=2, eval_every=2, batch_size=16)  # fmt: skip
+                      steps=2, eval_every=2, batch_size=16)
     study = optuna.create_study()
     for width in (16, 32, 16):
         study.enqueue_trial({"lr": 0.01, "width": width})
@@ -113,7 +113,7 @@ def test_a_loss_that_always_raises_stops_the_cli_with_one_line(tmp_path, monkeyp
     (tmp_path / "toymod.py").write_text(TOY + TOY_LOSS)
     (tmp_path / "tune.yaml").write_text(
         CONFIG.replace("trials: 4", "trials: 8").replace("  steps: 10", "  steps: 10\n"
-                                                         "  loss: toymod:bad_loss"))  # fmt: skip
+                                                         "  loss: toymod:bad_loss"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "toymod", raising=False)
     assert main(["tune", "tune.yaml"]) == 2
@@ -132,7 +132,7 @@ def test_a_loss_that_always_raises_stops_the_cli_with_one_line(tmp_path, monkeyp
     # the run stopped after 3 groups of 2 instead of burning all 8 trials
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 6
     assert all(t.user_attrs["fail_reason"].startswith(f"trial {t.number} (group ")
-               and "\n" not in t.user_attrs["fail_reason"] for t in study.trials)  # fmt: skip
+               and "\n" not in t.user_attrs["fail_reason"] for t in study.trials)
 
 
 class CountingLoss:
@@ -160,7 +160,7 @@ def test_a_deterministic_error_is_not_retried_on_the_local_executor(tmp_path):
     executor = LocalExecutor(devices=[], num_workers=1, max_retries=2)
     with pytest.raises(UserCodeError, match="in 1 group: fix it"):
         optimize(study, task, SPACE, n_trials=2, ratio=2, fuse=2, executor=executor,
-                 policy="fifo")  # fmt: skip
+                 policy="fifo")
     assert len(set(log.read_text().split())) == 1  # one worker process: not retried
     where = f"at {HERE}:{_line('RAISES-EXECUTOR')}"
     for t in study.trials:
@@ -180,7 +180,7 @@ def test_the_executor_retries_other_errors_and_reports_them_in_one_line():
     by_name = {r.group.name: r for r in results}
     assert by_name["g"].attempts == 2 and not by_name["g"].deterministic
     assert by_name["g"].error == ("failed after 2 attempt(s): ZeroDivisionError: division by "
-                                  f"zero at {HERE}:{_line('RAISES-ZERO')}")  # fmt: skip
+                                  f"zero at {HERE}:{_line('RAISES-ZERO')}")
     assert by_name["d"].attempts == 1 and by_name["d"].deterministic
     assert by_name["d"].error == "data 'x' raised OSError: gone at x.py:1"
     assert by_name["d"].trials[1].reason == by_name["d"].error
@@ -207,12 +207,12 @@ def test_an_unusable_group_checkpoint_is_set_aside_and_its_group_starts_afresh(t
     task = make_task(4)
     wide = make_task(4)
     wide.model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                     torch.nn.Linear(64, 3))  # fmt: skip
+                                     torch.nn.Linear(64, 3))
     group = FusedGroup(wide, [tuple(m) for m in first], ratio=2)
     group.step()
     state = {"groups": [_group_state(group)], "waiting": [], "rounds": 1, "cursor": 1,
              "asking": False, "occupancy": [1, 2, 1, 2], "rng": checkpoint.rng_state(),
-             "study": checkpoint.study_id(study), "first": first}  # fmt: skip
+             "study": checkpoint.study_id(study), "first": first}
     path = checkpoint.save(tmp_path / "ex" / "group-0", state)
     if kind == "truncated":
         path.write_bytes(path.read_bytes()[:300])
@@ -226,7 +226,7 @@ def test_an_unusable_group_checkpoint_is_set_aside_and_its_group_starts_afresh(t
         path.write_bytes(pickle.dumps({**state, "study": Payload()}, protocol=2))
     executor = LocalExecutor(devices=[], num_workers=1, checkpoint_dir=tmp_path / "ex")
     optimize(study, task, SPACE, n_trials=2, ratio=2, fuse=2, executor=executor,
-             checkpoint_every=2, policy="fifo")  # fmt: skip
+             checkpoint_every=2, policy="fifo")
     assert not flag.exists()
     assert len(list(path.parent.glob(f"{checkpoint.FILE}.set-aside-*"))) == 1
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2

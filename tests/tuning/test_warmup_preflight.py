@@ -37,7 +37,7 @@ def test_cli_refuses_a_warmup_range_at_or_past_the_steps(project, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("hydro tune: error: tune.yaml: space: space['warmup'] ranges 0 to "
-                          "12, but each trial trains 10 steps"), err  # fmt: skip
+                          "12, but each trial trains 10 steps"), err
     assert "upper end to at most 9, or raise task.steps above 12" in err
     assert not (project / "toy.db").exists()  # before the study was opened
     # a range the file's steps hold, cut short by --steps: the fix names the flag
@@ -72,7 +72,7 @@ def test_api_refuses_before_any_trial(tmp_path):
     fix = r"upper end to at most 9, or raise Task\(steps=\.\.\.\) above 10"
     db = tmp_path / "a.db"
     with pytest.raises(hydro.ConfigError, match=r"space\['warmup'\] ranges 0 to 10, but each "
-                       r"trial trains 10 steps .*" + fix):  # fmt: skip
+                       r"trial trains 10 steps .*" + fix):
         hydro.tune(task, space, n_trials=2, ratio=2, fuse=2, storage=f"sqlite:///{db}")
     assert not db.exists()
     study = optuna.create_study()
@@ -105,5 +105,5 @@ def test_ranges_the_steps_hold_pass_and_the_last_step_trains():
     study = optuna.create_study()
     study.enqueue_trial({"lr": 1e-2, "warmup": 9})
     optimize(study, make_task(steps=10), {"lr": LR, "warmup": IntDistribution(0, 9)}, n_trials=1,
-             ratio=2, fuse=1)  # fmt: skip
+             ratio=2, fuse=1)
     assert study.trials[0].state == TrialState.COMPLETE and study.trials[0].params["warmup"] == 9

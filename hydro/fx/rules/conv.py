@@ -42,7 +42,7 @@ RULES = {
     name: conv
     for name in ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
                  "conv_transpose2d", "conv_transpose3d", "_convolution")
-}  # fmt: skip
+}
 
 
 def pool(a, node, out) -> None:
@@ -66,4 +66,4 @@ RULES.update({
                  "_adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
                  "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d",
                  "upsample_nearest3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa")
-})  # fmt: skip
+})

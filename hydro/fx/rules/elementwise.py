@@ -29,4 +29,4 @@ RULES = {
     for name in ("sum", "mean", "amax", "amin", "max", "min", "std", "var", "norm",
                  "logsumexp", "prod", "argmax", "argmin", "nansum", "nanmean", "var_mean",
                  "std_mean", "linalg_vector_norm")
-}  # fmt: skip
+}

@@ -52,4 +52,4 @@ def outer(a, node, out) -> None:
 
 
 RULES = {"linear": linear, "addmm": addmm, "mm": matmul, "bmm": matmul, "matmul": matmul,
-         "outer": outer, "ger": outer}  # fmt: skip
+         "outer": outer, "ger": outer}

@@ -37,4 +37,4 @@ RULES = {
     "batch_norm": batch_norm, "_native_batch_norm_legit_no_training": batch_norm,
     "instance_norm": batch_norm, "layer_norm": layer_norm, "rms_norm": layer_norm,
     "group_norm": group_norm,
-}  # fmt: skip
+}

@@ -70,7 +70,7 @@ def sequence(a, node, out) -> None:
     if "input" not in b:
         raise ScaleError(f"node '{node.name}' ({node.target}): a packed sequence "
                          "(nn.utils.rnn.pack_padded_sequence) has no width rule; pad the "
-                         "batch and pass the padded tensor")  # fmt: skip
+                         "batch and pass the padded tensor")
     gates = GATES[op_name(node)]
     x = a.syms_of(b["input"])
     hx = b["hx"] if isinstance(b["hx"], (list, tuple)) else [b["hx"]]
@@ -80,7 +80,7 @@ def sequence(a, node, out) -> None:
         per, proj = layout(len(params), layers, dirs, b["has_biases"])
     except ValueError as exc:
         raise ScaleError(f"node '{node.name}' ({node.target}): an unexpected list of "
-                         f"weights ({exc})") from exc  # fmt: skip
+                         f"weights ({exc})") from exc
     syms = [a.syms_of(p) for p in params]
     if not all(isinstance(s, TensorSyms) for s in syms):
         return
@@ -91,7 +91,7 @@ def sequence(a, node, out) -> None:
             i = (layer * dirs + d) * per
             group = syms[i : i + per]
             roles = _layer(a, node, gates, group, hidden, h_out, x[-1] if layer == 0 else None,
-                           b["has_biases"], proj)  # fmt: skip
+                           b["has_biases"], proj)
             if layer > 0:  # the layer below's output, both directions side by side
                 _times(a, node, group[0][1], h_out, dirs)
             for k, fan_in, fan_out in roles:

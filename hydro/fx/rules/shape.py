@@ -11,7 +11,7 @@ from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int, op_name
 SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
             "new_ones": "size", "new_zeros": "size", "new_empty": "size", "new_full": "size",
             "zeros": "size", "ones": "size", "empty": "size", "full": "size", "rand": "size",
-            "randn": "size"}  # fmt: skip
+            "randn": "size"}
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,7 +48,7 @@ def size_args(a, node, out) -> None:
 
 
 TRANSPOSES = ("permute", "transpose", "t", "swapaxes", "swapdims", "numpy_T", "mT", "mH",
-              "adjoint")  # fmt: skip
+              "adjoint")
 
 
 def transpose_perm(node: Any, rank: int) -> list[int]:
@@ -87,7 +87,7 @@ def cat(a, node, out) -> None:
     dim = b.get("dim", 0) % len(out)
     for p in parts:
         a.tie_all([s for i, s in enumerate(out) if i != dim],
-                  [s for i, s in enumerate(p) if i != dim], node)  # fmt: skip
+                  [s for i, s in enumerate(p) if i != dim], node)
     a.sum(node, out[dim], [p[dim] for p in parts])
 
 
@@ -104,7 +104,7 @@ def split(a, node, out) -> None:
     dim = b.get("dim", 0) % len(x)
     for o in out:
         a.tie_all([s for i, s in enumerate(o) if i != dim],
-                  [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
+                  [s for i, s in enumerate(x) if i != dim], node)
         a.part(node, o[dim], x[dim])
 
 
@@ -135,7 +135,7 @@ def slice_(a, node, out) -> None:
     x = a.syms_of(b["self"])
     dim = b.get("dim", 0) % len(x)
     a.tie_all([s for i, s in enumerate(out) if i != dim],
-              [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
+              [s for i, s in enumerate(x) if i != dim], node)
     a.part(node, out[dim], x[dim], sliced=True)
 
 
@@ -205,7 +205,7 @@ def pad(a, node, out) -> None:
     for o, i in list(zip(out, x))[: len(x) - padded]:
         a.union(o, i, node)
     for o, i, (lo, hi) in zip(out[len(x) - padded :], x[len(x) - padded :],
-                              reversed(list(zip(widths[::2], widths[1::2])))):  # fmt: skip
+                              reversed(list(zip(widths[::2], widths[1::2])))):
         if lo == 0 and hi == 0:
             a.union(o, i, node)
 
@@ -279,6 +279,6 @@ RULES = {
     "repeat": repeat, "pad": pad, "constant_pad_nd": pad, "reflection_pad1d": pad,
     "reflection_pad2d": pad, "replication_pad1d": pad, "replication_pad2d": pad,
     "cross_entropy_loss": loss, "nll_loss": loss, "nll_loss_nd": loss, "nll_loss2d": loss,
-}  # fmt: skip
+}
 # Python's own operators on ints (sizes computed from ``x.size(0)``): their values are not widths
 INT_RULES = {name: _int_op for name in ("mul", "add", "sub", "floordiv", "truediv", "neg")}

@@ -52,7 +52,7 @@ def layer_path(name: str) -> str:
     """The module path of a weight, through either weight-normalization naming
     (``fc.weight_v``, ``conv.parametrizations.weight.original1``)."""
     for suffix in (".parametrizations.weight.original1", ".parametrizations.weight.original0",
-                   ".weight_v", ".weight_g", ".weight"):  # fmt: skip
+                   ".weight_v", ".weight_g", ".weight"):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name

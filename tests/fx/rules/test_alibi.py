@@ -15,7 +15,7 @@ import hydro
 import hydro.optim
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]  # fmt: skip
+              pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]
 
 
 def build_alibi_tensor(mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -43,7 +43,7 @@ class AlibiLM(nn.Module):
         x = self.emb(ids)
         alibi = build_alibi_tensor(torch.ones_like(ids), self.heads, x.dtype)
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
-                   for z in self.qkv(x).split(x.shape[-1], -1))  # fmt: skip
+                   for z in self.qkv(x).split(x.shape[-1], -1))
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + alibi.view(b, -1, 1, t)
         y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
         return self.head(x + self.proj(y))
@@ -87,7 +87,7 @@ def _bloom(seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     cfg = T.BloomConfig(vocab_size=50, hidden_size=64, n_layer=2, n_head=8, use_cache=False,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return T.BloomForCausalLM(cfg).double()
 
 
@@ -109,7 +109,7 @@ def test_hf_bloom_keeps_its_heads_and_trains_fused_exactly(ratio):
     slopes = _slopes(sur, *inputs)
     assert slopes.shape == (8,) and torch.equal(slopes, _slopes(one, *inputs))
     members = [hydro.scale(target, ratio, example_kwargs=kwargs, seed=k).train()
-               for k in range(3)]  # fmt: skip
+               for k in range(3)]
     fused = hydro.fuse([clone(m) for m in members])  # clone keeps muP's infshape
     separate = members  # the originals keep their muP shapes for param_groups
 
@@ -119,6 +119,6 @@ def test_hf_bloom_keeps_its_heads_and_trains_fused_exactly(ratio):
 
     # muP surrogates: each separate run with muP's learning rates, as the fused optimizer has them
     opts = [torch.optim.AdamW(param_groups(m, lr=lr, weight_decay=0.01))
-            for m, lr in zip(separate, LRS)]  # fmt: skip
+            for m, lr in zip(separate, LRS)]
     fused_opt = hydro.optim.AdamW(fused.parameters(), lr=LRS, weight_decay=0.01)
     check(f"bloom ratio {ratio}", fused, separate, opts, fused_opt, batches("bloom", make))

@@ -138,7 +138,7 @@ def test_qwen2_with_14_query_and_2_kv_heads_scales_at_ratio_8_head_dim_2():
             vocab_size=61, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32,
             use_cache=False, rope_theta=1e6,
-        )  # fmt: skip
+        )
 
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config(224))

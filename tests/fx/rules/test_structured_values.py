@@ -15,7 +15,7 @@ import hydro
 from hydro.errors import ScaleError
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]  # fmt: skip
+              pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]
 
 VOCAB, SEQ, RATIO = 50, 12, 8
 
@@ -35,7 +35,7 @@ def halves_table(n_pos: int, d: int) -> torch.Tensor:
     import numpy as np
 
     enc = np.array([[pos / np.power(10000, 2 * (j // 2) / d) for j in range(d)]
-                    for pos in range(n_pos)])  # fmt: skip
+                    for pos in range(n_pos)])
     out = torch.empty(n_pos, d)
     out[:, : d // 2] = torch.FloatTensor(np.sin(enc[:, 0::2]))
     out[:, d // 2 :] = torch.FloatTensor(np.cos(enc[:, 1::2]))
@@ -91,7 +91,7 @@ class StateSpace(nn.Module):
         self.emb = nn.Embedding(VOCAB, d)
         self.x_proj = nn.Linear(d, n)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)
-                                            .repeat(d, 1)))  # fmt: skip
+                                            .repeat(d, 1)))
         self.D = nn.Parameter(torch.ones(d))
         self.out = nn.Linear(d, 3)
 
@@ -157,7 +157,7 @@ def test_a_frozen_sinusoid_parameter_is_rebuilt_not_drawn():
     fused = hydro.fuse(sur, n=3, seed=4)  # other trials: other draws, the same table
     for k in range(3):
         torch.testing.assert_close(fused.trial(k).get_parameter("pos.weight"), table,
-                                   rtol=0, atol=0)  # fmt: skip
+                                   rtol=0, atol=0)
 
 
 def test_log_arange_state_table_is_rebuilt_for_the_new_state_size():
@@ -248,7 +248,7 @@ class PaddedPositions(nn.Module):
         self.pad = padding_idx
         self.emb = nn.Embedding(VOCAB, d, padding_idx=padding_idx)
         self.register_buffer("weights", fairseq_table(32 + padding_idx + 1, d, padding_idx),
-                             persistent=False)  # fmt: skip
+                             persistent=False)
         self.out = nn.Linear(d, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_timm_swin_scales_with_its_bias_tables():
     torch.manual_seed(0)
     model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=28,
                               embed_dim=32, depths=(1,), num_heads=(2,), window_size=7,
-                              num_classes=5)  # fmt: skip
+                              num_classes=5)
     x = torch.randn(2, 3, 28, 28)
     sur, pinned = _scale(model, 8, (x,))
     table = "layers.0.blocks.0.attn.relative_position_bias_table"
@@ -160,7 +160,7 @@ def test_hf_sliding_window_attention_fuses_exactly():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         use_cache=False, sliding_window=3,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(cfg).double()
     ids = _ids(2, 8)
@@ -199,7 +199,7 @@ def test_hf_bart_encoder_state_beside_the_loss_is_cut():
         vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
         decoder_ffn_dim=128, max_position_embeddings=32, use_cache=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.BartForConditionalGeneration(cfg)
     kwargs = {"input_ids": _ids(2, 8), "labels": _ids(2, 8, seed=1)}

@@ -70,7 +70,7 @@ def test_a_transposed_weight_scales_as_a_linear_layer(how):
     got = hydro.scale(_copy(plain, how), 8, example_inputs=(x,), seed=3)
     assert got.hydro.roles == want.hydro.roles == {
         "a.weight": "input", "a.bias": "vector", "b.weight": "hidden", "b.bias": "vector",
-        "c.weight": "output", "c.bias": "fixed"}  # fmt: skip
+        "c.weight": "output", "c.bias": "fixed"}
     assert got.hydro.multipliers == want.hydro.multipliers == {"mup_readout.scale": 8.0}
     for (name, p), (_, q) in zip(got.named_parameters(), want.named_parameters()):
         assert torch.equal(p, q), name

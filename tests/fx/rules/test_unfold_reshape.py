@@ -13,7 +13,7 @@ from torch import nn
 import hydro
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]  # fmt: skip
+              pytest.mark.filterwarnings("ignore::hydro.errors.HydroWarning")]
 
 
 class UnfoldBlock(nn.Module):
