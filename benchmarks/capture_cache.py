@@ -57,8 +57,8 @@ def _instrument(spent: dict[str, float]) -> None:
     phases it calls)."""
     stack: list[list[float]] = []  # per open phase: [start, time in nested phases]
 
-    def wrap(phase, fn):  # noqa: ANN001, ANN202
-        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def wrap(phase, fn):
+        def timed(*a, **k):
             stack.append([time.perf_counter(), 0.0])
             try:
                 return fn(*a, **k)
@@ -102,7 +102,7 @@ def _child(start: float) -> dict:
         t = time.perf_counter()
         import hydro
         import hydro.fusion.model
-        import hydro.fx.capture  # noqa: F401 - phases patch it: its import is counted here
+        import hydro.fx.capture  # phases patch it: its import is counted here
         from hydro.fx import cache
         from hydro.tuning import config
         from hydro.tuning.group import FusedGroup
@@ -111,7 +111,7 @@ def _child(start: float) -> dict:
         t = time.perf_counter()
         # imported by the first fake tensor, ShapeEnv or optimizer (add_param_group), whichever
         # comes first: timed on its own so that no phase carries it
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
 
         timings["import torch._dynamo"] = time.perf_counter() - t
     timings["imports"] = time.perf_counter() - start
@@ -148,14 +148,14 @@ def _run(folder: str, code: str) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child"],
         env=env, capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 ROWS = ("import torch", "import optuna", "import hydro", "import torch._dynamo",
         *(p[0] for p in PHASES), "other",
         "to the first step", "total", "process", "next step", "hits",
-        "analysis hits")  # fmt: skip
+        "analysis hits")
 
 
 def _load() -> str:
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="append", default=[],
                         help="another checkout of hydro (e.g. `git archive` of an earlier "
                         "commit): measured in the same rounds, interleaved; NAME=DIR names its "
-                        "column, and the option may be given several times")  # fmt: skip
+                        "column, and the option may be given several times")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(START)))
@@ -188,7 +188,7 @@ def main() -> None:
                     _run(folder, codes[code])  # fills the cache
                 found.append(_run(folder, codes[code]))
             print(f"  round {r + 1} {code:6} {state}: total {found[-1]['total']:.2f} s, "
-                  f"process {found[-1]['process']:.2f} s", flush=True)  # fmt: skip
+                  f"process {found[-1]['process']:.2f} s", flush=True)
     cols = list(runs)
     print(f"\nload average at the end (1, 5, 15 min): {_load()}")
     print("\n| phase (s) | " + " | ".join(f"{c} {s}" for c, s in cols) + " |")

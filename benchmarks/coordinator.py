@@ -34,11 +34,11 @@ matplotlib.use("Agg")
 # Runnable from a source checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from examples.coordinator.pipeline import run_pipeline  # noqa: E402
-from hydro_fluid import TrialGroup  # noqa: E402
-from hydro_fluid.coordinator import PipelineJob, interleave, simulate_coordinator  # noqa: E402
+from examples.coordinator.pipeline import run_pipeline
+from hydro_fluid import TrialGroup
+from hydro_fluid.coordinator import PipelineJob, interleave, simulate_coordinator
 
 FORWARD = 0.8  # seconds of one micro-batch's forward through the whole host model
 ITERATIONS = 50  # host iterations simulated

@@ -40,14 +40,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion import timed  # noqa: E402
-from trial_step_ratio import VOCAB, loss_fn  # noqa: E402
+from fusion import timed
+from trial_step_ratio import VOCAB, loss_fn
 
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from examples.charlm.model import gpt  # noqa: E402
-from hydro.fusion import ops, rewrite  # noqa: E402
-from hydro.fusion import random as rng  # noqa: E402
+import hydro
+import hydro.optim
+from examples.charlm.model import gpt
+from hydro.fusion import ops, rewrite
+from hydro.fusion import random as rng
 
 
 def dropout_v1(t: torch.Tensor, p: float | torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def draw(fn: Callable[..., torch.Tensor]) -> Iterator[None]:
         rng.dropout = saved
 
 
-def _torch_rng_dropout(x, p, train, n, spec):  # noqa: ANN001, ANN202
+def _torch_rng_dropout(x, p, train, n, spec):
     """The per-trial-rate dropout before streams: torch's generator over the whole group."""
     if not train:
         return x
@@ -86,7 +86,7 @@ def _torch_rng_dropout(x, p, train, n, spec):  # noqa: ANN001, ANN202
     return ops.settle(t * mask * scale_, spec)
 
 
-def _torch_rng_handler(rw, node, found, kinds) -> bool:  # noqa: ANN001
+def _torch_rng_handler(rw, node, found, kinds) -> bool:
     p = rw.literal(node, 1)
     if p is None or "T" in kinds:
         return False  # one rate: aten.dropout over the folded batch, as before
@@ -156,7 +156,7 @@ def group_steps(n: int, batch: int, ratio: int) -> dict[str, Callable[[], None]]
     full = gpt(n_layer=4, n_head=4, n_embd=256, block_size=64, dropout=0.1)
 
     def build(ps: list[float], graph: Callable = contextlib.nullcontext,
-              call: Callable | None = None) -> Callable[[], None]:  # fmt: skip
+              call: Callable | None = None) -> Callable[[], None]:
         """The fused step of rates ``ps``, its graph built under ``graph()``, each call of it
         under ``call()`` when given."""
         members = []
@@ -201,7 +201,7 @@ def site_table(n: int, shapes: list[tuple[int, ...]], repeats: int, min_time: fl
         for m in ("torch", "streams v1", "streams"):
             both, fwd = t[f"{m} fwd+bwd"], t[f"{m} fwd"]
             rows.append((shape, m, 1e9 * both / per, 1e9 * fwd / per,
-                         both / t["torch fwd+bwd"], fwd / t["torch fwd"]))  # fmt: skip
+                         both / t["torch fwd+bwd"], fwd / t["torch fwd"]))
     return rows
 
 
@@ -218,12 +218,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}; {args.threads} thread(s); load average before "
-          f"{os.getloadavg()[0]:.2f}; medians of {args.repeats} interleaved rounds\n")  # fmt: skip
+          f"{os.getloadavg()[0]:.2f}; medians of {args.repeats} interleaved rounds\n")
     width = 256 // args.ratio
     shapes = [(args.batch, 64, width), (args.batch, 64, 4 * width)]
     print(f"Per element, one site, {args.n} trials, rates spread over 0-0.2 (torch: 0.1):\n")
     print("| per-trial shape | method | fwd+bwd ns/el | fwd ns/el | fwd+bwd / torch "
-          "| fwd / torch |")  # fmt: skip
+          "| fwd / torch |")
     print("|---|---|---|---|---|---|")
     for shape, m, both, fwd, rb, rf in site_table(args.n, shapes, args.repeats, args.min_time):
         print(f"| {list(shape)} | {m} | {both:.2f} | {fwd:.2f} | {rb:.2f}x | {rf:.2f}x |")
@@ -233,7 +233,7 @@ def main() -> None:
     timed(group_steps(args.n, args.batch, args.ratio), args.repeats, args.min_time, cpu=t)
     floor = t["no dropout"]
     print(f"\ncharlm GPT ratio {args.ratio}, {args.n} fused, batch {args.batch} x 64, 9 "
-          f"dropout sites; load average after {os.getloadavg()[0]:.2f}:\n")  # fmt: skip
+          f"dropout sites; load average after {os.getloadavg()[0]:.2f}:\n")
     print("| method | step ms | dropout ms | share of the step |")
     print("|---|---|---|---|")
     for name, v in t.items():

@@ -81,7 +81,7 @@ def add_search_args(p: argparse.ArgumentParser, budget: dict | None = None) -> N
     p.add_argument("--steps", type=int, default=b.get("steps"))
     p.add_argument("--eval-every", type=int, default=b.get("eval_every"))
     p.add_argument("--chars", type=int, default=b.get("chars"),
-                   help="use the first N characters of text")  # fmt: skip
+                   help="use the first N characters of text")
 
 
 def fill_budget(args: argparse.Namespace) -> None:
@@ -108,10 +108,10 @@ def space(steps: int) -> dict:
 
 def model_args(args: argparse.Namespace) -> dict:
     return {"n_layer": args.layers, "n_head": args.heads, "n_embd": args.width,
-            "block_size": args.block}  # fmt: skip
+            "block_size": args.block}
 
 
-def schedule(opt, warmup: int, steps: int):  # noqa: ANN001, ANN201
+def schedule(opt, warmup: int, steps: int):
     """Linear warm-up from lr/(warmup+1), then cosine decay: the full-model recipe of
     docs/tuning.md (what each surrogate trial trains with)."""
     import torch
@@ -129,7 +129,7 @@ def check_seed(s: int, repeat: int) -> int:
     return 1000 * (s + 1) + repeat
 
 
-def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa: ANN001
+def full_model_run(args, params: dict, seed: int, trial=None) -> float:
     """Train the unmodified full model with plain PyTorch; its final validation loss.
 
     With ``trial`` (plain Optuna's objective) the loss is reported every ``eval_every`` steps
@@ -148,7 +148,7 @@ def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa:
     torch.manual_seed(seed)
     model = gpt(**model_args(args), dropout=params["dropout"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=(0.9, params["beta2"]),
-                            weight_decay=params["weight_decay"])  # fmt: skip
+                            weight_decay=params["weight_decay"])
     sched = schedule(opt, params["warmup"], args.steps)
     x, y = data["train"]
     g = torch.Generator().manual_seed(seed)
@@ -174,7 +174,7 @@ def full_model_run(args, params: dict, seed: int, trial=None) -> float:  # noqa:
     return value
 
 
-def evaluate(model, val: tuple) -> float:  # noqa: ANN001
+def evaluate(model, val: tuple) -> float:
     """Mean per-character cross-entropy over the whole validation split."""
     import torch
     import torch.nn.functional as F
@@ -187,7 +187,7 @@ def evaluate(model, val: tuple) -> float:  # noqa: ANN001
             logits = model(x[i : i + 256])
             target = y[i : i + 256].reshape(-1)
             total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), target,
-                                     reduction="sum").item()  # fmt: skip
+                                     reduction="sum").item()
     model.train()
     return total / y.numel()
 
@@ -195,12 +195,12 @@ def evaluate(model, val: tuple) -> float:  # noqa: ANN001
 # --- one search, in its own process ------------------------------------------------------------
 
 
-def timed_pruner(clock: dict):  # noqa: ANN201
+def timed_pruner(clock: dict):
     """Optuna's ``MedianPruner`` that notes when it is first asked (the first evaluation)."""
     import optuna
 
     class Timed(optuna.pruners.MedianPruner):
-        def prune(self, study, trial) -> bool:  # noqa: ANN001
+        def prune(self, study, trial) -> bool:
             clock.setdefault("first_eval", time.perf_counter() - clock["start"])
             return super().prune(study, trial)
 
@@ -224,12 +224,12 @@ def search_plain(args: argparse.Namespace) -> dict:
 
     def note(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:  # progress, to stderr
         print(f"plain trial {t.number} {t.state.name} at step {max(t.intermediate_values or [0])},"
-              f" {time.process_time() - cpu:.0f} cpu s", file=sys.stderr, flush=True)  # fmt: skip
+              f" {time.process_time() - cpu:.0f} cpu s", file=sys.stderr, flush=True)
 
     study.optimize(objective, n_trials=args.trials, callbacks=[note])
     return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
             "first_eval": clock.get("first_eval"), "best": study.best_params,
-            "states": states(study), "occupancy": None}  # fmt: skip
+            "states": states(study), "occupancy": None}
 
 
 def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
@@ -254,10 +254,10 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
                       scheduler="cosine", steps=args.steps, eval_every=args.eval_every,
                       batch_size=args.batch,
                       **({"eval_samples": args.eval_samples}
-                         if getattr(args, "eval_samples", None) else {}))  # fmt: skip
+                         if getattr(args, "eval_samples", None) else {}))
     # plain's storage (Optuna's in-memory one), unless --storage sqlite
     storage = "sqlite:///:memory:" if args.storage == "sqlite" else \
-        optuna.storages.InMemoryStorage()  # fmt: skip
+        optuna.storages.InMemoryStorage()
     result = hydro.tune(
         task, space(args.steps), n_trials=args.trials, ratio=args.ratio, fuse=args.fuse,
         storage=storage, seed=args.seed,
@@ -266,17 +266,17 @@ def search_hydro(args: argparse.Namespace, switches: set[str]) -> dict:
         **({} if args.first_group == "auto" else {"first_group": int(args.first_group)}),
         **({"compile": compile_} if has_compile else {}),
         **({} if args.device == "cpu" else {"device": args.device}),
-    )  # fmt: skip
+    )
     return {"wall": time.perf_counter() - clock["start"], "cpu": time.process_time() - cpu,
             "first_eval": clock.get("first_eval"), "best": result.best_params,
             "best_value": result.best_value,
             "states": states(result.study), "occupancy": getattr(result, "occupancy", None),
             "hydro": hydro.__file__, "compile": compile_ if has_compile else None,
             "cache": dict(cache.stats),
-            "eval_blocks": result.study.user_attrs.get("hydro_eval_blocks")}  # fmt: skip
+            "eval_blocks": result.study.user_attrs.get("hydro_eval_blocks")}
 
 
-def states(study) -> dict:  # noqa: ANN001
+def states(study) -> dict:
     """Trials per state, and ``trial_steps``: the steps trained summed over trials (a pruned
     trial's last reported step)."""
     counts: dict[str, int] = {"trial_steps": 0}
@@ -304,10 +304,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace, method: str, root: str, seed: int, env: dict,
-               **override: int) -> dict:  # fmt: skip
+               **override: int) -> dict:
     """One search in a fresh process; adds the process's own wall and CPU seconds."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--root", root,
-            "--seed", str(seed)] + shared_argv(args, override)  # fmt: skip
+            "--seed", str(seed)] + shared_argv(args, override)
     env = {**os.environ, **env, "PYTHONPATH": root, "OMP_NUM_THREADS": str(args.threads)}
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, cwd=root)
@@ -327,12 +327,12 @@ def method_env(method: str, tmp: str, repeat: int | str) -> dict:
     d = os.path.join(tmp, f"{method}-{repeat}")
     return {"HYDRO_CACHE": "1" if "cache" in method.split("+") else "0",
             "HYDRO_CACHE_DIR": os.path.join(d, "hydro"),
-            "TORCHINDUCTOR_CACHE_DIR": os.path.join(d, "inductor")}  # fmt: skip
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(d, "inductor")}
 
 
 def shared_argv(args: argparse.Namespace, override: dict) -> list[str]:
     keys = ("trials", "ratio", "fuse", "width", "layers", "heads", "block", "batch", "steps",
-            "eval_every", "chars", "threads", "first_group", "storage", "device")  # fmt: skip
+            "eval_every", "chars", "threads", "first_group", "storage", "device")
     out = []
     for k in keys:
         v = override.get(k, getattr(args, k))
@@ -345,9 +345,9 @@ def tree(path: str) -> str:
     """A tree's commit, and ``+dirty`` when its working tree differs from it."""
     git = ["git", "-C", path]
     rev = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()  # fmt: skip
+                         text=True).stdout.strip()
     dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+                           capture_output=True, text=True).stdout.strip()
     return f"{path} {rev}{'+dirty' if dirty else ''}"
 
 
@@ -365,13 +365,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--first-group", default="auto",
                    help="hydro.tune's first_group: auto (its default: the median pruner's "
-                   "start-up, 5), or a number (0: off)")  # fmt: skip
+                   "start-up, 5), or a number (0: off)")
     p.add_argument("--storage", choices=("memory", "sqlite"), default="memory",
                    help="the hydro methods' Optuna storage: memory (plain's: Optuna's "
-                   "InMemoryStorage) or sqlite (an SQLite database in memory)")  # fmt: skip
+                   "InMemoryStorage) or sqlite (an SQLite database in memory)")
     p.add_argument("--device", default="cpu", help="where every search and check trains: cpu, "
                    "cuda, cuda:N (on a GPU, read wall time: CPU time counts only the host's "
-                   "share)")  # fmt: skip
+                   "share)")
     p.add_argument("--check-seeds", type=int, default=2, help="full-model runs per choice")
     p.add_argument("--hydro-path", default=str(ROOT), help="the tree the hydro methods import")
     p.add_argument("--methods", default="plain,hydro,hydro+cache")
@@ -398,14 +398,14 @@ def main() -> None:
     hydro_path = str(Path(args.hydro_path).resolve())
     config = {k: getattr(args, k) for k in ("budget", "trials", "ratio", "fuse", "width", "layers",
               "heads", "block", "batch", "steps", "eval_every", "chars", "threads", "first_group",
-              "check_seeds", "storage")}  # fmt: skip
+              "check_seeds", "storage")}
     config.update(plain=tree(str(ROOT)), hydro=tree(hydro_path), torch=torch.__version__)
     print(f"charlm GPT: {args.layers} layers, width {args.width}, {args.heads} heads, block "
           f"{args.block}, batch {args.batch}, {args.steps} steps (evaluation every "
           f"{args.eval_every}), text {args.chars or 'all'} characters; {args.trials} "
           f"configurations, TPE + median pruner; hydro ratio {args.ratio}, {args.fuse} fused, "
           f"from {config['hydro']}; plain from {config['plain']}; {args.threads} thread(s); "
-          f"full-model check: mean of {args.check_seeds} seed(s)", flush=True)  # fmt: skip
+          f"full-model check: mean of {args.check_seeds} seed(s)", flush=True)
     rows: list[dict] = []
 
     def save() -> None:
@@ -423,18 +423,18 @@ def main() -> None:
                 root = str(ROOT) if m == "plain" else hydro_path
                 if "cache" in m.split("+"):  # warm the caches: the same search, 4 steps, untimed
                     warm = run_worker(args, m, root, r, {**env, **method_env(m, tmp, r)},
-                                      steps=4, eval_every=4)  # fmt: skip
+                                      steps=4, eval_every=4)
                     print(f"  repeat {r} warmed {m}: {warm.get('cache', warm.get('na'))}, "
-                          f"{warm['process_cpu']:.1f} cpu s", flush=True)  # fmt: skip
+                          f"{warm['process_cpu']:.1f} cpu s", flush=True)
                 row[m] = run_worker(args, m, root, r, {**env, **method_env(m, tmp, r)})
                 if "cache" in m.split("+"):
                     row[m]["warm"] = {k: warm.get(k) for k in ("process_wall", "process_cpu",
-                                      "cache", "na")}  # fmt: skip
+                                      "cache", "na")}
                 row[m]["load"] = uptime()
                 print(f"  repeat {r} {m}: " + (row[m].get("na") or f"{row[m]['wall']:.1f} s, "
                       f"{row[m]['cpu']:.1f} cpu s, {row[m]['states']}, cache "
                       f"{row[m].get('cache')}, {row[m]['load']}"),
-                      flush=True)  # fmt: skip
+                      flush=True)
                 save()
             checked: dict[str, list[float]] = {}
             for m in methods:
@@ -443,7 +443,7 @@ def main() -> None:
                 key = json.dumps(row[m]["best"], sort_keys=True)
                 if key not in checked:
                     checked[key] = [full_model_run(args, row[m]["best"], seed=check_seed(s, r))
-                                    for s in range(args.check_seeds)]  # fmt: skip
+                                    for s in range(args.check_seeds)]
                 row[m]["full_loss"] = statistics.fmean(checked[key])
                 row[m]["full_losses"] = checked[key]  # one per check seed: the noise floor
             row["load"]["after"] = uptime()
@@ -465,17 +465,17 @@ def gap(base: dict | None, x: dict) -> float | None:
 def print_repeat(row: dict, methods: list[str]) -> None:
     r = row["repeat"]
     print(f"\nrepeat {r} (seed {r}; {row['load']['before']} before, {row['load']['after']} "
-          "after):")  # fmt: skip
+          "after):")
     w = max(len(m) for m in methods)
     for m in methods:
         if "na" not in row[m]:
             best = {k: round(v, 5) if isinstance(v, float) else v
-                    for k, v in row[m]["best"].items()}  # fmt: skip
+                    for k, v in row[m]["best"].items()}
             print(f"  {m:{w}} choice {best}")
     base = row.get("plain")
     print(f"  {'method':{w}} {'wall s':>7} {'cpu s':>7} {'process':>7} {'1st eval':>8} "
           f"{'plain/x wall':>12} {'cpu':>5} {'full loss':>9} {'gap':>7} {'done/pruned':>11} "
-          f"{'trial-steps':>11}")  # fmt: skip
+          f"{'trial-steps':>11}")
     for m in methods:
         x = row[m]
         if "na" in x:
@@ -488,13 +488,13 @@ def print_repeat(row: dict, methods: list[str]) -> None:
               f"{ratio(base, x, 'cpu'):>5} {x['full_loss']:9.4f} "
               f"{'' if g is None else f'{g:+.2f}%':>7} "
               f"{st.get('COMPLETE', 0):>5}/{st.get('PRUNED', 0):<5} "
-              f"{st['trial_steps']:>11}")  # fmt: skip
+              f"{st['trial_steps']:>11}")
 
 
 def print_summary(rows: list[dict], methods: list[str]) -> None:
     def med(xs: list[float], unit: str, fmt: str = ".1f") -> str:
         return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}}{unit} to "
-                f"{max(xs):{fmt}}{unit})")  # fmt: skip
+                f"{max(xs):{fmt}}{unit})")
 
     print(f"\nover {len(rows)} repeat(s), medians (range):")
     for m in methods:
@@ -504,13 +504,13 @@ def print_summary(rows: list[dict], methods: list[str]) -> None:
             continue
         line = (f"  {m}: wall {med([r[m]['wall'] for r in done], ' s')}, cpu "
                 f"{med([r[m]['cpu'] for r in done], ' s')}, first eval "
-                f"{med([r[m]['first_eval'] for r in done], ' s')}")  # fmt: skip
+                f"{med([r[m]['first_eval'] for r in done], ' s')}")
         if m != "plain" and "plain" in methods:
             line += (f"; plain/{m}: wall "
                      f"{med([r['plain']['wall'] / r[m]['wall'] for r in done], 'x')}, cpu "
                      f"{med([r['plain']['cpu'] / r[m]['cpu'] for r in done], 'x')}; "
                      f"full-model loss gap "
-                     f"{med([gap(r['plain'], r[m]) for r in done], '%', '+.2f')}")  # fmt: skip
+                     f"{med([gap(r['plain'], r[m]) for r in done], '%', '+.2f')}")
         print(line)
 
 
@@ -532,7 +532,7 @@ def report(paths: list[str]) -> None:
     methods.sort(key=lambda m: m != "plain")  # plain first, the others as they came
     print("| repeat | method | wall s | CPU s | process CPU s | first eval s | plain/method wall "
           "(CPU) | complete / pruned | trial-steps | full-model loss | gap vs plain | load after "
-          "|")  # fmt: skip
+          "|")
     print("|---" * 12 + "|")
     for r, row in sorted(rows.items()):
         base = row.get("plain")
@@ -541,15 +541,15 @@ def report(paths: list[str]) -> None:
                 continue
             x, g = row[m], gap(base, row[m])
             speed = "" if base is None or x is base else \
-                f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})"  # fmt: skip
+                f"{ratio(base, x, 'wall')} ({ratio(base, x, 'cpu')})"
             st = x["states"]
             print(f"| {r} | {m} | {x['wall']:.1f} | {x['cpu']:.1f} | {x['process_cpu']:.1f} | "
                   f"{x['first_eval'] or math.nan:.1f} | {speed} | {st.get('COMPLETE', 0)} / "
                   f"{st.get('PRUNED', 0)} | {st['trial_steps']} | {x['full_loss']:.4f} | "
                   f"{'' if m == 'plain' or g is None else f'{g:+.2f}%'} | "
-                  f"{x['load'].split()[2].rstrip(',')} |")  # fmt: skip
+                  f"{x['load'].split()[2].rstrip(',')} |")
     print("\n| method | CPU s | wall s | plain/method CPU | plain/method wall | gap vs plain | "
-          "CPU per trial-step |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "CPU per trial-step |\n|---|---|---|---|---|---|---|")
     for m in methods:
         done = [row for row in rows.values() if m in row and "plain" in row]
         if not done:
@@ -557,7 +557,7 @@ def report(paths: list[str]) -> None:
 
         def med(xs: list[float], fmt: str = ".1f", unit: str = "") -> str:
             return (f"{statistics.median(xs):{fmt}}{unit} ({min(xs):{fmt}} to {max(xs):{fmt}}"
-                    f"{unit})" if len(xs) > 1 else f"{xs[0]:{fmt}}{unit}")  # fmt: skip
+                    f"{unit})" if len(xs) > 1 else f"{xs[0]:{fmt}}{unit}")
 
         per_step = [1000 * r[m]["cpu"] / r[m]["states"]["trial_steps"] for r in done]
         cells = [med([r[m]["cpu"] for r in done]), med([r[m]["wall"] for r in done])]
@@ -566,7 +566,7 @@ def report(paths: list[str]) -> None:
         else:
             cells += [med([r["plain"]["cpu"] / r[m]["cpu"] for r in done], ".1f", "x"),
                       med([r["plain"]["wall"] / r[m]["wall"] for r in done], ".1f", "x"),
-                      med([gap(r["plain"], r[m]) for r in done], "+.2f", "%")]  # fmt: skip
+                      med([gap(r["plain"], r[m]) for r in done], "+.2f", "%")]
         print(f"| {m} | " + " | ".join(cells) + f" | {med(per_step, '.0f', ' ms')} |")
 
 

@@ -43,7 +43,7 @@ def main() -> None:
     seen = []
     evaluate = group_module.FusedGroup.evaluate
 
-    def recording(self, full=None):  # noqa: ANN001, ANN202
+    def recording(self, full=None):
         if self.n >= 2:
             seen.append(group_module.block_means(self.task, self.fused, self.device))
         return evaluate(self, full)
@@ -53,10 +53,10 @@ def main() -> None:
                               block=64, batch=8, steps=a.steps, eval_every=min(8, a.steps),
                               chars=a.chars or None, threads=1, first_group="auto",
                               seed=a.seed, storage="memory", device="cpu",
-                              eval_samples=None)  # fmt: skip
+                              eval_samples=None)
     e2e.search_hydro(args, set())
     print(f"charlm ratio {a.ratio}, {a.steps} steps, {a.trials} trials; per evaluation of a "
-          "group: the first k blocks of 64 windows in the fixed order")  # fmt: skip
+          "group: the first k blocks of 64 windows in the fixed order")
     print("| n | blocks | block cv | spread | k=1: tau, own/spread | k=2 | k=4 | k=8 | auto |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for means, sizes in seen:
@@ -73,7 +73,7 @@ def main() -> None:
             cells.append(f"{tau:.2f}, {own:.2f}")
         print(f"| {means.shape[1]} | {len(sizes)} | {cv:.3f} | "
               f"{float(whole.std() / whole.mean()):.3f} | {' | '.join(cells)} | "
-              f"{choose_blocks(means, sizes)} |")  # fmt: skip
+              f"{choose_blocks(means, sizes)} |")
 
 
 if __name__ == "__main__":

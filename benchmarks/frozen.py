@@ -31,8 +31,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro.optim  # noqa: E402
-from hydro.fusion import fuse, trial_loss  # noqa: E402
+import hydro.optim
+from hydro.fusion import fuse, trial_loss
 
 
 def cnn_backbone() -> tuple[nn.Module, int, torch.Tensor]:
@@ -41,7 +41,7 @@ def cnn_backbone() -> tuple[nn.Module, int, torch.Tensor]:
         nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
         nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-    )  # fmt: skip
+    )
     return net, 64, torch.randn(32, 3, 32, 32)
 
 
@@ -49,7 +49,7 @@ def mlp_backbone() -> tuple[nn.Module, int, torch.Tensor]:
     net = nn.Sequential(
         nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 256),
         nn.GELU(),
-    )  # fmt: skip
+    )
     return net, 256, torch.randn(64, 128)
 
 

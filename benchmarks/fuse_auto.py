@@ -38,7 +38,7 @@ def mlp_task() -> Task:
     x = torch.randn(4096, 32, generator=g)
     y = (x @ torch.randn(32, 10, generator=g)).argmax(-1)
     return Task(model=mlp, train_data=(x[:3584], y[:3584]), val_data=(x[3584:], y[3584:]),
-                steps=100, batch_size=64)  # fmt: skip
+                steps=100, batch_size=64)
 
 
 def example(name: str) -> tuple[Task, dict, int]:
@@ -51,12 +51,12 @@ def example(name: str) -> tuple[Task, dict, int]:
 
 
 def throughputs(task: Task, params: dict, ratio: int, sizes: list[int], steps: int,
-                repeats: int) -> dict[int, float]:  # fmt: skip
+                repeats: int) -> dict[int, float]:
     """Trial-steps per second of a fused group of each size: the median over ``repeats``
     windows of ``steps`` steps. The groups are built (and warmed up) first, then timed in
     turn, one window each per round, so that a change in the machine's load hits every size."""
     groups = {n: FusedGroup(task, [(k, dict(params), k) for k in range(n)], ratio=ratio)
-              for n in sizes}  # fmt: skip
+              for n in sizes}
     for group in groups.values():
         for _ in range(2):
             group.step()
@@ -81,7 +81,7 @@ def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"torch threads {torch.get_num_threads()}; trial-steps/s, median of {args.repeats} "
-          f"windows of {args.steps} steps")  # fmt: skip
+          f"windows of {args.steps} steps")
     print(f"{'example':8} {'n':>4} {'trial-steps/s':>14} {'of best':>8}")
     for name in args.examples.split(","):
         task, params, ratio = example(name)
@@ -94,7 +94,7 @@ def main() -> None:
             print(f"{name:8} {n:>4} {rates[n]:>14.1f} {rates[n] / best:>8.2f}{mark}")
         best_n = max(rates, key=rates.get)
         print(f"{name}: {auto.describe()}; best measured n={best_n}; auto/best "
-              f"{rates[auto.n] / best:.2f} (target >= 0.5)")  # fmt: skip
+              f"{rates[auto.n] / best:.2f} (target >= 0.5)")
 
 
 if __name__ == "__main__":

@@ -44,13 +44,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro.fusion.model  # noqa: E402
-import hydro.fusion.ops as hydro_ops  # noqa: E402
-import hydro.optim  # noqa: E402
-from examples.charlm.model import GPT  # noqa: E402
-from examples.models import ResNet  # noqa: E402
-from hydro.fusion import fuse, trial_loss  # noqa: E402
-from hydro.scaling import scale  # noqa: E402
+import hydro.fusion.model
+import hydro.fusion.ops as hydro_ops
+import hydro.optim
+from examples.charlm.model import GPT
+from examples.models import ResNet
+from hydro.fusion import fuse, trial_loss
+from hydro.scaling import scale
 
 
 def mlp(width: int) -> Callable[[], tuple[nn.Module, tuple, torch.Tensor, Callable]]:
@@ -58,7 +58,7 @@ def mlp(width: int) -> Callable[[], tuple[nn.Module, tuple, torch.Tensor, Callab
         model = nn.Sequential(
             nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
             nn.Linear(width, 10),
-        )  # fmt: skip
+        )
         return model, (torch.randn(64, 32),), torch.randint(0, 10, (64,)), F.cross_entropy
 
     return make
@@ -89,7 +89,7 @@ MODELS = {
 }
 
 
-def LRS(n: int) -> list[float]:  # noqa: N802 - a constant-like helper
+def LRS(n: int) -> list[float]:  # a constant-like helper
     """A different learning rate per trial, as in a real study."""
     return [1e-3 * (1 + k / n) for k in range(n)]
 
@@ -140,7 +140,7 @@ class OpCount(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -156,7 +156,7 @@ def aten_ops(step: Callable[[], None]) -> int:
 # The kernels a compiler calls as they are (library GEMMs, attention): what it cannot speed up
 EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
           "_scaled_dot_product_flash_attention_for_cpu",
-          "_scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
+          "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 class ExternCalls(TorchDispatchMode):
@@ -167,11 +167,11 @@ class ExternCalls(TorchDispatchMode):
         super().__init__()
         self.calls: list[tuple] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in EXTERN:
 
-            def meta(x):  # noqa: ANN001, ANN202
+            def meta(x):
                 if isinstance(x, torch.Tensor):
                     return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
                 return x
@@ -189,19 +189,19 @@ def extern_replay(step: Callable[[], None]) -> Callable[[], None]:
     with ExternCalls() as recorder:
         step()
 
-    def real(x):  # noqa: ANN001, ANN202
+    def real(x):
         if isinstance(x, tuple) and x and x[0] == "tensor":
             _, shape, stride, dtype, offset = x
             size = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
             base = torch.randn(size, dtype=dtype) if dtype.is_floating_point else torch.zeros(
-                size, dtype=dtype)  # fmt: skip
+                size, dtype=dtype)
             return base.as_strided(shape, stride, offset)
         if isinstance(x, list):
             return [real(v) for v in x]
         return x
 
     calls = [(f, [real(a) for a in args], {k: real(v) for k, v in kw.items()})
-             for f, args, kw in recorder.calls]  # fmt: skip
+             for f, args, kw in recorder.calls]
 
     def replay() -> None:
         for f, args, kw in calls:
@@ -245,7 +245,7 @@ def vmap_step(make, n: int) -> Callable[[], None]:
                 node.target = torch.ops.aten.reshape.default
         gm.recompile()
 
-    def one(p, b, *inputs):  # noqa: ANN001
+    def one(p, b, *inputs):
         return torch.func.functional_call(base, (p, b), inputs)
 
     forward = torch.func.vmap(one, in_dims=(0, 0) + (None,) * len(x), randomness="different")
@@ -260,7 +260,7 @@ def vmap_step(make, n: int) -> Callable[[], None]:
     return step
 
 
-def fused_step(make, n: int, rewrite: types.ModuleType | None = None) -> Callable[[], None]:  # noqa: ANN001
+def fused_step(make, n: int, rewrite: types.ModuleType | None = None) -> Callable[[], None]:
     """``hydro.fuse`` + ``hydro.optim.Adam``; ``rewrite``: the graph built by another revision's
     rewrite (:func:`rewrite_at`), for a before/after comparison in one process."""
     built = [make() for _ in range(n)]
@@ -289,7 +289,7 @@ def charlm_surrogate(ratio: int = 8):
     return model, (idx,), torch.randint(0, 96, (32, 64)), gpt_loss
 
 
-def compiled_pair(  # noqa: ANN001
+def compiled_pair(
     make, n: int, compile: object, whole: bool = False
 ) -> tuple[Callable[[], None], object]:
     """One fused training step (forward, per-trial losses, backward, AdamW) built with
@@ -325,7 +325,7 @@ def compiled_pair(  # noqa: ANN001
     return step, fused
 
 
-def graph_call(fused) -> Callable[[], None]:  # noqa: ANN001
+def graph_call(fused) -> Callable[[], None]:
     """The whole-step graph's compiled callable alone, on the inputs of its last call: the
     step less :class:`~hydro.fusion.step.TrainStep`'s Python (input gathering, key, lookup).
     Call after the step ran once with :func:`record_graph_inputs` in place."""
@@ -338,7 +338,7 @@ def graph_call(fused) -> Callable[[], None]:  # noqa: ANN001
     return call
 
 
-def record_graph_inputs(fused) -> None:  # noqa: ANN001
+def record_graph_inputs(fused) -> None:
     """Wrap the compiled whole-step graphs of ``fused`` to keep their last inputs."""
     compiler = fused._compiler
     for key, fn in list(compiler._steps.items()):
@@ -351,7 +351,7 @@ def record_graph_inputs(fused) -> None:  # noqa: ANN001
 
 
 COMPILED = {"MLP w64": (mlp(64), 32), "GPT charlm r8": (charlm_surrogate, 16),
-            "GPT charlm r4": (functools.partial(charlm_surrogate, 4), 16)}  # fmt: skip
+            "GPT charlm r4": (functools.partial(charlm_surrogate, 4), 16)}
 
 
 def compile_table(args: argparse.Namespace) -> None:
@@ -395,7 +395,7 @@ def compile_table(args: argparse.Namespace) -> None:
             two()  # the optimizer's compiled path settles after its first step
             cpu: dict[str, float] = {}
             steps = {"eager": eager, "two": two, "whole": whole, "call": graph_call(fused),
-                     "extern": extern_replay(eager)}  # fmt: skip
+                     "extern": extern_replay(eager)}
             t = timed(steps, args.repeats, args.min_time, cpu)
             nodes = sum(len(gm.graph.nodes) for gm in fused._graphs.values())
             print(f"| {name} | {n} | {threads} | {nodes} | {1e3 * t['eager']:.1f} | "
@@ -403,14 +403,14 @@ def compile_table(args: argparse.Namespace) -> None:
                   f"{t['eager'] / t['two']:.2f}x | {t['eager'] / t['whole']:.2f}x | "
                   f"{cpu['eager'] / cpu['whole']:.2f}x | {1e3 * t['extern']:.1f} | "
                   f"{t['eager'] / t['extern']:.2f}x | "
-                  f"{first['cold']:.0f} | {first['warm']:.0f} |", flush=True)  # fmt: skip
+                  f"{first['cold']:.0f} | {first['warm']:.0f} |", flush=True)
 
 
 def _source_at(rev: str, path: str) -> str | None:
     done = subprocess.run(
         ["git", "show", f"{rev}:{path}"],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-    )  # fmt: skip
+    )
     return done.stdout if done.returncode == 0 else None
 
 
@@ -426,7 +426,7 @@ def _module_at(
     source = source.replace("from hydro.fusion import ops\n", "")
     for old, new in (replace or {}).items():
         source = source.replace(old, new)
-    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -459,7 +459,7 @@ def rewrite_at(rev: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def building_with(rewrite: types.ModuleType):  # noqa: ANN201
+def building_with(rewrite: types.ModuleType):
     """Fused graphs built inside this block come from ``rewrite`` (cached by the model after)."""
     saved = hydro.fusion.model.fuse_graph
     hydro.fusion.model.fuse_graph = rewrite.fuse_graph
@@ -683,11 +683,11 @@ def old_optimizers(rev: str) -> types.ModuleType | None:
         source = subprocess.run(
             ["git", "show", f"{rev}:hydro/optim/optimizers.py"],
             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     module = types.ModuleType("hydro_optim_old")
-    exec(compile(source, f"{rev}:hydro/optim/optimizers.py", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:hydro/optim/optimizers.py", "exec"), module.__dict__)
     return module
 
 
@@ -697,7 +697,7 @@ def optimizer_table(args: argparse.Namespace) -> None:
     n = args.optimizer_n
     print(f"\nOptimizer step alone (Adam, per-trial lr/betas/eps/wd, n = {n}), ms per step:")
     print("| model | threads | old (per-trial loop) | vectorized | compiled | old/vectorized | "
-          "old/compiled | compile s |")  # fmt: skip
+          "old/compiled | compile s |")
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -707,7 +707,7 @@ def optimizer_table(args: argparse.Namespace) -> None:
             for kind in ("old", "new", "compiled"):
                 params[kind] = stacked(model, n)
             hp = dict(lr=LRS(n), betas=(0.9, [0.99 - 0.001 * k for k in range(n)]),
-                      eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])  # fmt: skip
+                      eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])
             steps = {}
             if old is not None:
                 steps["old"] = old.Adam(params["old"], **hp).step
@@ -742,7 +742,7 @@ CONV_SHAPES = [
 ]
 
 
-def _conv_steps(n: int, b: int, cin: int, cout: int, k: int, stride: int, groups: int, h: int):  # noqa: ANN202
+def _conv_steps(n: int, b: int, cin: int, cout: int, k: int, stride: int, groups: int, h: int):
     xs = [torch.randn(b, cin, h, h, requires_grad=True) for _ in range(n)]
     ws = [torch.randn(cout, cin // groups, k, k, requires_grad=True) for _ in range(n)]
     xg = torch.cat([x.detach() for x in xs], 1).requires_grad_()
@@ -769,7 +769,7 @@ def conv_table(args: argparse.Namespace) -> None:
     n, b = args.conv_n, args.conv_batch
     print(f"\nConvolution forward + backward, n = {n}, batch {b}, ms (median of {args.repeats}):")
     print("| conv | threads | n separate | one grouped | one GEMM | separate/grouped | "
-          "separate/GEMM | hydro.fuse runs |")  # fmt: skip
+          "separate/GEMM | hydro.fuse runs |")
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -876,7 +876,7 @@ def loss_table(args: argparse.Namespace) -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n, b, c in ((16, 64, 4), (16, 64, 10), (16, 64, 15), (16, 64, 16), (16, 64, 32),
-                        (32, 64, 10), (16, 256, 10), (16, 64, 100)):  # fmt: skip
+                        (32, 64, 10), (16, 256, 10), (16, 64, 100)):
             out = torch.randn(n, b, c, requires_grad=True)
             y = torch.randint(0, c, (b,))
 
@@ -887,7 +887,7 @@ def loss_table(args: argparse.Namespace) -> None:
 
             try:
                 t = timed({"rows": lambda: run(0), "dim1": lambda: run(1 << 30)},
-                          args.repeats, args.min_time)  # fmt: skip
+                          args.repeats, args.min_time)
             finally:
                 loss_module.FEW_CLASSES = saved
             runs = "dim 1" if c < saved else "rows"
@@ -904,11 +904,11 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true",
         help="only the compiled fused step (MLP w64 n=32, charlm GPT ratio 8 n=16) vs eager",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--anchors", action="store_true",
         help="MLP w64, CNN+BN, GPT surrogate at n 16 and 32, 1 and 2 threads",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--optimizer", action="store_true", help="only the optimizer step: old vs now vs compiled"
     )
@@ -916,21 +916,21 @@ def main() -> None:
     parser.add_argument(
         "--convs", action="store_true",
         help="only single convolutions (resnet18/convnext shapes): n separate vs one grouped",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--loss", action="store_true",
         help="only trial_loss(F.cross_entropy): log_softmax over rows vs over dim 1 of [n, C, B]",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--phases", action="store_true",
         help="only the MLP w64 step by phase: hydro.fuse vs the hand-written baddbmm MLP",
-    )  # fmt: skip
+    )
     parser.add_argument("--conv-n", type=int, default=8)
     parser.add_argument("--conv-batch", type=int, default=4)
     parser.add_argument("--optimizer-n", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="*", choices=list(MODELS) + list(COMPILED),
-                        help="a subset of models")  # fmt: skip
+                        help="a subset of models")
     parser.add_argument(
         "--ns", nargs="*", type=int, help="numbers of trials (default 1 4 16 32 64)"
     )
@@ -942,7 +942,7 @@ def main() -> None:
         "--before-rev", default=None,
         help="also time hydro.fuse with the fusion rewrite (rewrite.py, ops.py) of this git "
         "revision, side by side: columns 'fuse@rev' and 'fuse/before'",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -1006,7 +1006,7 @@ def main() -> None:
                     try:
                         steps[key] = build(*extra, make, n)
                         steps[key]()
-                    except Exception as exc:  # noqa: BLE001 - report, keep going
+                    except Exception as exc:  # report, keep going
                         steps.pop(key, None)
                         if key != "hand":  # written for the MLP only
                             why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import fusion as B  # noqa: E402
+from benchmarks import fusion as B
 
 
 def timed(step: Callable[[], None], rounds: int = 5, steps: int = 20) -> float:
@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_default_device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| model | n | sequential ms | fused eager ms | fused compiled ms | eager vs "
-          "sequential | compiled vs eager | compile s |")  # fmt: skip
+          "sequential | compiled vs eager | compile s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (make, n) in B.COMPILED.items():
         sequential = timed(B.sequential_step(make, n))
@@ -54,7 +54,7 @@ def main() -> None:
         compiled = timed(step)
         print(f"| {name} | {n} | {sequential:.2f} | {eager:.2f} | {compiled:.2f} | "
               f"{sequential / eager:.2f}x | {eager / compiled:.2f}x | {compile_s:.0f} |",
-              flush=True)  # fmt: skip
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from tests.fusion.real import no_dropout
 from tests.real_models import MODELS, build
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tree's benchmarks/fusion.py
-from fusion import building_with, rewrite_at  # noqa: E402
+from fusion import building_with, rewrite_at
 
 
 def _loss(out: object, labels: torch.Tensor, fused: bool) -> torch.Tensor:

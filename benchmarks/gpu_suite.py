@@ -71,7 +71,7 @@ import fusion as B  # noqa: E402
 BUDGET_S = 480  # 8 minutes on one GPU
 # seconds a section is expected to need at most (GPU, full sizes): it starts only with this left
 NEEDS = {"dropout": 20, "fusion eager": 60, "fuse auto": 30, "data parallel": 60, "end to end": 150,
-         "precision": 30, "compiled": 45}  # fmt: skip
+         "precision": 30, "compiled": 45}
 
 
 class Clock:
@@ -113,7 +113,7 @@ def compiled_builders(make: Callable, n: int, device: torch.device) -> dict[str,
     first call). CUDA graphs (inductor's ``mode="reduce-overhead"``: CUDA graph trees) on a
     GPU only."""
     builders = {"vmap": lambda: torch.compile(B.vmap_step(make, n)),
-                "fused": lambda: B.compiled_pair(make, n, True)[0]}  # fmt: skip
+                "fused": lambda: B.compiled_pair(make, n, True)[0]}
     if device.type == "cuda":  # static shapes: the step's kernels recorded once, replayed
         builders["fused cudagraphs"] = lambda: cudagraph_steps(
             B.compiled_pair(make, n, "reduce-overhead")[0]
@@ -150,7 +150,7 @@ def fusion_table(device: torch.device, small: bool, clock: Clock) -> list[dict]:
             }
             t = B.timed({k: synced(s, device) for k, s in steps.items()}, repeats, min_time)
         rows += [{"model": name, "n": n, "method": k, "mode": "eager", "trial_steps_per_s":
-                  n / v, "ms_per_step": 1e3 * v} for k, v in t.items()]  # fmt: skip
+                  n / v, "ms_per_step": 1e3 * v} for k, v in t.items()]
     return rows
 
 
@@ -175,7 +175,7 @@ def compiled_table(device: torch.device, small: bool, clock: Clock) -> list[dict
                     row["compile_s"] = time.perf_counter() - start
                     v = B.timed({method: step}, repeats, min_time)[method]
                 row.update(trial_steps_per_s=n / v, ms_per_step=1e3 * v)
-            except Exception as exc:  # noqa: BLE001 - a backend that fails here is a finding
+            except Exception as exc:  # a backend that fails here is a finding
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
     return rows
@@ -190,7 +190,7 @@ def dropout_rows(device: torch.device, small: bool) -> dict:
     n, shapes = (4, [(2, 16, 15)]) if small else (16, [(8, 64, 64), (8, 64, 256)])
     keys = rng.stream_keys(torch.arange(n), torch.arange(n) * 7, 3)[2]
     same = all(torch.equal(rng.drop_bits(keys.to(device), s).cpu(), rng.drop_bits(keys, s))
-               for s in shapes)  # fmt: skip
+               for s in shapes)
     repeats, min_time = (2, 0.02) if small else (5, 0.3)
     rows = []
     for shape in shapes:
@@ -201,7 +201,7 @@ def dropout_rows(device: torch.device, small: bool) -> dict:
             both, fwd = t[f"{m} fwd+bwd"], t[f"{m} fwd"]
             rows.append({"shape": list(shape), "n": n, "method": m,
                          "fwd_bwd_ns_per_el": 1e9 * both / per, "fwd_ns_per_el": 1e9 * fwd / per,
-                         "fwd_bwd_vs_torch": both / t["torch fwd+bwd"]})  # fmt: skip
+                         "fwd_bwd_vs_torch": both / t["torch fwd+bwd"]})
     return {"same_as_cpu": same, "rows": rows}
 
 
@@ -216,7 +216,7 @@ def fuse_auto_row(device: torch.device, small: bool) -> dict:
     dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
     size = fuse_size(task, params, ratio=ratio, device=dev, memory=1 / 64 if small else None)
     row: dict[str, Any] = {"example": name, "ratio": ratio, **size.as_dict(),
-                           "predicted_bytes": size.used, "describe": size.describe()}  # fmt: skip
+                           "predicted_bytes": size.used, "describe": size.describe()}
     members = [(k, dict(params), k) for k in range(size.n)]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -251,11 +251,11 @@ def precision_rows(device: torch.device, small: bool) -> list[dict]:
     dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
     n, steps = (4, 3) if small else (16, 10)
     members = [(k, {**params, "lr": float(params.get("lr", 1e-3)) * (1 + k / n)}, k)
-               for k in range(n)]  # fmt: skip
+               for k in range(n)]
     rows, first = [], None
     for precision in ("fp32", "bf16", "fp16"):
         group = FusedGroup(dataclasses.replace(task, precision=precision), members, ratio=ratio,
-                           device=dev)  # fmt: skip
+                           device=dev)
         step = synced(group.step, device)
         losses = group.step()
         start = time.perf_counter()
@@ -264,7 +264,7 @@ def precision_rows(device: torch.device, small: bool) -> list[dict]:
         ms = (time.perf_counter() - start) / steps * 1e3
         first = losses if first is None else first
         row = {"example": name, "ratio": ratio, "n": n, "precision": precision, "ms_per_step": ms,
-               "first_loss_diff": float((losses.float() - first.float()).abs().max())}  # fmt: skip
+               "first_loss_diff": float((losses.float() - first.float()).abs().max())}
         if group.scales is not None:
             row["scales"] = sorted(set(group.scales.scales.tolist()))
         rows.append(row)
@@ -301,7 +301,7 @@ def data_parallel_row(device: torch.device, small: bool, on_cpu: bool) -> dict:
     results = {}
     for world in (1, 2):
         ex = LocalExecutor(devices=devices[:world] if devices else [], num_workers=world,
-                           threads=1)  # fmt: skip
+                           threads=1)
         (res,) = ex.run([TrialGroup("dp", (0, 1, 2, 3), (steps,) * 4)], fn, world_size=world)
         if not res.ok:
             return {"error": res.error, "world_size": world}
@@ -319,10 +319,10 @@ def data_parallel_row(device: torch.device, small: bool, on_cpu: bool) -> dict:
         for k in floats
     )
     param = max(float((one["state"][k].double() - two["state"][k].double()).abs().max())
-                for k in floats)  # fmt: skip
+                for k in floats)
     return {"backend": "nccl" if devices else "gloo", "steps": steps,
             "max_loss_diff": loss, "max_param_diff": param, "max_param_rel_diff": rel,
-            "equal": loss <= 1e-4 and rel <= 1e-5}  # fmt: skip
+            "equal": loss <= 1e-4 and rel <= 1e-5}
 
 
 def end_to_end_rows(device: torch.device, small: bool, out: Path) -> list[dict]:
@@ -331,21 +331,21 @@ def end_to_end_rows(device: torch.device, small: bool, out: Path) -> list[dict]:
     args = argparse.Namespace(budget="short", trials=32, ratio=4, fuse=16, width=256, layers=4,
                               heads=4, block=64, batch=None, steps=None, eval_every=None,
                               chars=None, seed=0, first_group="auto", storage="memory",
-                              device=str(device), threads=torch.get_num_threads())  # fmt: skip
+                              device=str(device), threads=torch.get_num_threads())
     if small:  # a toy search: every part runs, in seconds
         args.__dict__.update(trials=4, ratio=2, fuse=4, width=32, layers=1, heads=2, block=16,
-                             batch=4, steps=4, eval_every=2, chars=4000)  # fmt: skip
+                             batch=4, steps=4, eval_every=2, chars=4000)
     e2e.fill_budget(args)
     os.environ.setdefault("HYDRO_CACHE_DIR", str(out / "hydro-cache"))
     rows = []
     searches = {"plain": e2e.search_plain,
-                "hydro": functools.partial(e2e.search_hydro, switches=set())}  # fmt: skip
+                "hydro": functools.partial(e2e.search_hydro, switches=set())}
     for method, search in searches.items():
         got = search(args)
         final = e2e.full_model_run(args, got["best"], e2e.check_seed(0, 0))
         rows.append({"method": method, "wall_s": got["wall"], "cpu_s": got["cpu"],
                      "first_eval_s": got["first_eval"], "trial_steps": got["states"]["trial_steps"],
-                     "best": got["best"], "full_model_loss": final})  # fmt: skip
+                     "best": got["best"], "full_model_loss": final})
     plain = rows[0]
     for r in rows:
         r["speedup"] = plain["wall_s"] / r["wall_s"]
@@ -359,7 +359,7 @@ def markdown(result: dict) -> str:
              f"torch {result['torch']}, {result['device']}, {result['seconds']:.0f} s of "
              f"{result['budget_s']:.0f}", "", "## Fusion (trial-steps/s)", "",
              "| model | n | method | mode | trial-steps/s | ms/step | compile s | note |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["fusion"]:
         note = r.get("skipped") or r.get("error") or ""
         lines.append(
@@ -372,10 +372,10 @@ def markdown(result: dict) -> str:
     if "rows" in d:
         lines += [f"The draw on this device equals the CPU's: {d['same_as_cpu']}", "",
                   "| per-trial shape | n | method | fwd+bwd ns/el | fwd ns/el | vs torch |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['shape']} | {r['n']} | {r['method']} | {r['fwd_bwd_ns_per_el']:.3f} | "
                   f"{r['fwd_ns_per_el']:.3f} | {r['fwd_bwd_vs_torch']:.2f}x |"
-                  for r in d["rows"]]  # fmt: skip
+                  for r in d["rows"]]
     else:
         lines.append(d.get("skipped") or f"error: {d.get('error')}")
     a = result["fuse_auto"]
@@ -390,14 +390,14 @@ def markdown(result: dict) -> str:
                   + (f"{peak / 2**20:.1f} | {a['measured_over_predicted']:.2f} | "
                      f"{a['fits_budget']} |" if peak is not None
                      else "n/a (CPU) | n/a | n/a |"),
-                  "", a["describe"]]  # fmt: skip
+                  "", a["describe"]]
     d = result["data_parallel"]
     lines += ["", "## Data parallel (2 replicas against 1 device)", ""]
     if "max_loss_diff" in d:
         lines.append(f"{d['backend']}, {d['steps']} steps: largest loss difference "
                      f"{d['max_loss_diff']:.3g}, parameter difference {d['max_param_diff']:.3g}"
                      f" (relative to the parameter's norm {d['max_param_rel_diff']:.3g}); "
-                     f"equal (loss 1e-4, parameters 1e-5 relative): {d['equal']}")  # fmt: skip
+                     f"equal (loss 1e-4, parameters 1e-5 relative): {d['equal']}")
     else:
         lines.append(d.get("skipped") or f"error: {d.get('error')}")
     lines += ["", "## End to end (short budget)", ""]
@@ -406,20 +406,20 @@ def markdown(result: dict) -> str:
         lines.append(rows.get("skipped") or f"error: {rows.get('error')}")
     else:
         lines += ["| method | search s | vs plain | trial-steps | full-model loss | gap |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['wall_s']:.1f} | {r['speedup']:.2f}x | "
                   f"{r['trial_steps']} | {r['full_model_loss']:.4f} | {r['gap']:+.2%} |"
-                  for r in rows]  # fmt: skip
+                  for r in rows]
     rows = result.get("precision", {"skipped": "not run"})
     lines += ["", "## Precision (one fused group)", ""]
     if isinstance(rows, dict):
         lines.append(rows.get("skipped") or f"error: {rows.get('error')}")
     else:
         lines += ["| example | n | precision | ms/step | speed vs fp32 | first-step loss diff | "
-                  "fp16 scales |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "fp16 scales |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['example']} | {r['n']} | {r['precision']} | {r['ms_per_step']:.1f} | "
                   f"{r['speed_vs_fp32']:.2f}x | {r['first_loss_diff']:.2g} | "
-                  f"{r.get('scales', '')} |" for r in rows]  # fmt: skip
+                  f"{r.get('scales', '')} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -431,7 +431,7 @@ def _section(result: dict, key: str, clock: Clock, need: float, fn: Callable[[],
     start = time.perf_counter()
     try:
         result[key] = fn()
-    except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
+    except Exception as exc:  # one section's failure must not lose the others
         result[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     result["section_s"][key] = time.perf_counter() - start
     print(f"{key}: {result['section_s'][key]:.1f} s", file=sys.stderr, flush=True)
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget-s", type=float, default=BUDGET_S)
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--dp-on-cpu", action="store_true",
-                   help="run the data parallel check with gloo on the CPU")  # fmt: skip
+                   help="run the data parallel check with gloo on the CPU")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     result: dict[str, Any] = {"device": str(device), "device_name": name or "cpu",
                               "torch": torch.__version__, "small": a.small,
-                              "budget_s": a.budget_s, "section_s": {}}  # fmt: skip
+                              "budget_s": a.budget_s, "section_s": {}}
     sections = [
         ("dropout", NEEDS["dropout"], lambda: dropout_rows(device, a.small)),
         ("fusion", NEEDS["fusion eager"], lambda: fusion_table(device, a.small, clock)),
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("end_to_end", NEEDS["end to end"], lambda: end_to_end_rows(device, a.small, out)),
         ("precision", NEEDS["precision"], lambda: precision_rows(device, a.small)),
         ("compiled", NEEDS["compiled"], lambda: compiled_table(device, a.small, clock)),
-    ]  # fmt: skip
+    ]
     if a.no_compile:
         skip.add("compiled")
     for key, need, fn in sections:

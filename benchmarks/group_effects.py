@@ -41,7 +41,7 @@ from optuna.trial import TrialState
 N_CONFIGS, STEPS, EVERY = 32, 40, 10
 
 
-def make_task():  # noqa: ANN201
+def make_task():
     import hydro
 
     g = torch.Generator().manual_seed(0)
@@ -52,15 +52,15 @@ def make_task():  # noqa: ANN201
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
         torch.nn.Linear(128, 10),
-    )  # fmt: skip
+    )
     return hydro.Task(model=model, train_data=(x[:3072], y[:3072]), val_data=(x[3072:], y[3072:]),
-                      steps=STEPS, eval_every=EVERY, batch_size=16)  # fmt: skip
+                      steps=STEPS, eval_every=EVERY, batch_size=16)
 
 
 def configs() -> list[dict]:
     rng = random.Random(0)
     return [{"lr": 10 ** rng.uniform(-3.0, -1.3), "weight_decay": rng.uniform(0.0, 0.2)}
-            for _ in range(N_CONFIGS)]  # fmt: skip
+            for _ in range(N_CONFIGS)]
 
 
 def run(fuse: int, seed: int) -> list[dict]:
@@ -69,7 +69,7 @@ def run(fuse: int, seed: int) -> list[dict]:
     from hydro.integrations.optuna import optimize
 
     space = {"lr": FloatDistribution(1e-3, 10**-1.3, log=True),
-             "weight_decay": FloatDistribution(0.0, 0.2)}  # fmt: skip
+             "weight_decay": FloatDistribution(0.0, 0.2)}
     study = optuna.create_study(
         sampler=optuna.samplers.RandomSampler(seed=seed),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=EVERY - 1),
@@ -82,7 +82,7 @@ def run(fuse: int, seed: int) -> list[dict]:
     return [{"config": index[json.dumps(t.params, sort_keys=True)], "group": t.number // 8,
              "pruned": t.state == TrialState.PRUNED,
              "first": t.intermediate_values.get(EVERY), "final": t.value}
-            for t in study.trials]  # fmt: skip
+            for t in study.trials]
 
 
 def icc(rows: list[dict], mean_of: dict[int, float]) -> float:
@@ -97,9 +97,9 @@ def icc(rows: list[dict], mean_of: dict[int, float]) -> float:
     grand = statistics.fmean(allv)
     k = statistics.fmean(len(v) for v in groups.values())
     msb = sum(len(v) * (statistics.fmean(v) - grand) ** 2 for v in groups.values()) / max(
-        1, len(groups) - 1)  # fmt: skip
+        1, len(groups) - 1)
     msw = sum((x - statistics.fmean(v)) ** 2 for v in groups.values() for x in v) / max(
-        1, len(allv) - len(groups))  # fmt: skip
+        1, len(allv) - len(groups))
     return (msb - msw) / (msb + (k - 1) * msw) if msb + (k - 1) * msw else float("nan")
 
 
@@ -168,7 +168,7 @@ def main() -> None:
 
     order = "per trial" if hasattr(group, "FusedGroup") else "shared by the group"
     out = {"fuse": a.fuse, "order": order if a.fuse > 1 else "own (alone)",
-           "seeds": [run(a.fuse, s) for s in range(a.seeds)]}  # fmt: skip
+           "seeds": [run(a.fuse, s) for s in range(a.seeds)]}
     with open(a.out, "w") as f:
         json.dump(out, f)
 

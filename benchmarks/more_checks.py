@@ -6,10 +6,10 @@ gap rests on too few seeds. This trains each saved choice of the given methods o
 ``end_to_end.check_seed``), writes every loss to ``--out`` as it goes, and prints each
 repeat's gap against plain over all seeds, old and new::
 
-    python benchmarks/more_checks.py --out benchmarks/end_to_end_long_checks4.json --runs \\
-        plain=benchmarks/end_to_end_long_stop28.json:plain \\
-        ratio8=benchmarks/end_to_end_long_stop28.json:hydro+cache \\
-        ratio4=benchmarks/end_to_end_long_ratio4.json:hydro+cache
+    python benchmarks/more_checks.py --out benchmarks/results/end_to_end_long_checks4.json --runs \\
+        plain=benchmarks/results/end_to_end_long_stop28.json:plain \\
+        ratio8=benchmarks/results/end_to_end_long_stop28.json:hydro+cache \\
+        ratio4=benchmarks/results/end_to_end_long_ratio4.json:hydro+cache
 
 Not a test. ``--repeats`` splits the work across processes (one thread each).
 """
@@ -31,7 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", choices=tuple(e2e.BUDGETS), default="long")
     p.add_argument("--runs", nargs="+", required=True, metavar="LABEL=FILE:METHOD",
-                   help="the choices to check, e.g. plain=a.json:plain")  # fmt: skip
+                   help="the choices to check, e.g. plain=a.json:plain")
     p.add_argument("--first-seed", type=int, default=2)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--repeats", default=None, help="comma-separated repeats (default: all)")

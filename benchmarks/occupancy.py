@@ -45,7 +45,7 @@ def mlp(width: int = 256) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
         torch.nn.ReLU(), torch.nn.Linear(width, 10),
-    )  # fmt: skip
+    )
 
 
 def make_task(steps: int) -> hydro.Task:
@@ -55,7 +55,7 @@ def make_task(steps: int) -> hydro.Task:
         torch.tanh(x @ torch.randn(32, 32, generator=g)) @ torch.randn(32, 10, generator=g)
     ).argmax(-1)
     return hydro.Task(model=mlp, train_data=(x[:1536], y[:1536]), val_data=(x[1536:], y[1536:]),
-                      steps=steps, eval_every=10, batch_size=64)  # fmt: skip
+                      steps=steps, eval_every=10, batch_size=64)
 
 
 SPACE = {
@@ -110,7 +110,7 @@ def slots_busy(study: optuna.Study, slots: int) -> float:
 
 
 def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: int,
-        keys: int = 1) -> dict:  # fmt: skip
+        keys: int = 1) -> dict:
     task = make_task(steps)
     study = optuna.create_study(
         sampler=optuna.samplers.TPESampler(seed=seed, constant_liar=True),
@@ -133,7 +133,7 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
     start = time.perf_counter()
     try:
         optimize(study, task, space(keys), n_trials=trials, ratio=4, fuse=fuse, seed=seed,
-                 executor=ex)  # fmt: skip
+                 executor=ex)
     finally:
         FusedGroup.step = step
     seconds = time.perf_counter() - start
@@ -162,7 +162,7 @@ def run(seed: int, trials: int, fuse: int, steps: int, executor: str, workers: i
 
 
 FOUR_KEYS = {**SPACE, "width": CategoricalDistribution([128, 256]),
-             "batch_size": CategoricalDistribution([16, 32])}  # fmt: skip
+             "batch_size": CategoricalDistribution([16, 32])}
 
 
 def device_occupancy(study: optuna.Study, devices: int, fuse: int) -> float:
@@ -195,7 +195,7 @@ def executor_rows(seed: int, trials: int, fuse: int, steps: int, workers: int) -
     LocalExecutor(devices=[], num_workers=1).run(
         [TrialGroup("warm-up", (0,), (1,))], count_steps,
         preload=["hydro.tuning.slots", "torch.export._trace"],  # what the tuner preloads
-    )  # fmt: skip
+    )
     rows = []
     for policy in ("fifo", "dynamic"):
         study = optuna.create_study(
@@ -205,31 +205,31 @@ def executor_rows(seed: int, trials: int, fuse: int, steps: int, workers: int) -
         ex = LocalExecutor(devices=[], num_workers=workers, threads=workers)
         start = time.perf_counter()
         optimize(study, task, FOUR_KEYS, n_trials=trials, ratio=4, fuse=fuse, seed=seed,
-                 executor=ex, policy=policy)  # fmt: skip
+                 executor=ex, policy=policy)
         occ = study.user_attrs.get("hydro_occupancy") or {}
         rows.append({
             "policy": policy, "seconds": time.perf_counter() - start,
             "groups": len({t.user_attrs["group"] for t in study.trials}),
             "live_per_group": occ.get("while_asking"),
             "device": device_occupancy(study, workers, fuse), "best": study.best_value,
-        })  # fmt: skip
+        })
     return rows
 
 
 def print_executor_rows(a: argparse.Namespace) -> None:
     load = os.getloadavg()[0]
     rows = [r for seed in range(a.first_seed, a.first_seed + a.repeats)
-            for r in executor_rows(seed, a.trials, a.fuse, a.steps, a.workers)]  # fmt: skip
+            for r in executor_rows(seed, a.trials, a.fuse, a.steps, a.workers)]
     print(f"4 keys (width {{128, 256}} x batch {{16, 32}}), {a.trials} trials, fuse {a.fuse}, "
           f"{a.steps} steps, TPE, median pruner, LocalExecutor {a.workers} workers; load "
-          f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
+          f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
     print("| policy | groups | live/fuse per group (while asking) | trials per device / fuse "
-          "(while asking) | seconds | best |")  # fmt: skip
+          "(while asking) | seconds | best |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         live = "-" if r["live_per_group"] is None else f"{r['live_per_group']:.1%}"
         print(f"| {r['policy']} | {r['groups']} | {live} | {r['device']:.1%} | "
-              f"{r['seconds']:.1f} | {r['best']:.4f} |")  # fmt: skip
+              f"{r['seconds']:.1f} | {r['best']:.4f} |")
 
 
 def _pct(v: float | None) -> str:
@@ -247,13 +247,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--executor", choices=["inline", "local"], default="inline",
-                   help="inline: groups in this process; local: LocalExecutor workers")  # fmt: skip
+                   help="inline: groups in this process; local: LocalExecutor workers")
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, +1, ...")
     p.add_argument("--workers", type=int, default=2, help="worker slots with --executor local")
     p.add_argument("--four-keys", action="store_true", help="with --executor local: the 4-key "
-                   "study under the fifo and dynamic placement policies")  # fmt: skip
+                   "study under the fifo and dynamic placement policies")
     p.add_argument("--keys", type=int, nargs="+", choices=[1, 2, 4], default=[1],
-                   help="(batch size, architecture) keys in the space: 1, 2 or 4")  # fmt: skip
+                   help="(batch size, architecture) keys in the space: 1, 2 or 4")
     a = p.parse_args()
     if a.four_keys:
         if a.executor != "local":
@@ -267,13 +267,13 @@ def main() -> None:
     load = os.getloadavg()[0]
     seeds = range(a.first_seed, a.first_seed + a.repeats)
     rows = {k: [run(seed, a.trials, a.fuse, a.steps, a.executor, a.workers, k) for seed in seeds]
-            for k in a.keys}  # fmt: skip
+            for k in a.keys}
     where = "in process" if a.executor == "inline" else f"LocalExecutor, {a.workers} workers"
     print(f"{a.trials} trials, fuse {a.fuse}, {a.steps} steps, median pruner, TPE, {where}; "
           f"hydro from {hydro.__file__}; load average {load:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
+          f"{os.getloadavg()[0]:.1f} after")
     print("| keys | seed | pruned | groups | live/fuse (all steps) | live/fuse (while asking) "
-          "| slots busy | trials/fused step | trial steps/s | seconds | best |")  # fmt: skip
+          "| slots busy | trials/fused step | trial steps/s | seconds | best |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for runs in rows.values():
         for seed, r in zip(seeds, runs):
@@ -283,15 +283,15 @@ def main() -> None:
                   f"{r['overall']:.1%}{how} | {r['while_asking']:.1%}{how} | "
                   f"{_pct(r['slots_busy'])} | {_num(r['per_step'], 2)} | {rate} | "
                   f"{r['seconds']:.1f} | "
-                  f"{r['best']:.4f} |")  # fmt: skip
+                  f"{r['best']:.4f} |")
     for k, runs in rows.items():
         names = ("overall", "while_asking", "slots_busy", "per_step", "steps_per_s", "seconds")
         med = {name: statistics.median(r[name] for r in runs)
-               if all(r[name] is not None for r in runs) else None for name in names}  # fmt: skip
+               if all(r[name] is not None for r in runs) else None for name in names}
         print(f"{k} key(s), medians of {len(runs)}: live/fuse {_pct(med['overall'])}, while "
               f"asking {_pct(med['while_asking'])}, slots busy {_pct(med['slots_busy'])}, "
               f"trials/fused step {_num(med['per_step'], 2)}, trial steps/s "
-              f"{_num(med['steps_per_s'], 0)}, seconds {med['seconds']:.1f}")  # fmt: skip
+              f"{_num(med['steps_per_s'], 0)}, seconds {med['seconds']:.1f}")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion import LRS, MODELS, old_optimizers, stacked, timed  # noqa: E402
+from fusion import LRS, MODELS, old_optimizers, stacked, timed
 
-import hydro.optim  # noqa: E402
+import hydro.optim
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
             for opt_name in args.optimizers:
                 for n in args.ns:
                     hp = dict(lr=LRS(n), betas=(0.9, [0.99 - 0.001 * k for k in range(n)]),
-                              eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])  # fmt: skip
+                              eps=1e-8, weight_decay=[0.01 * k / n for k in range(n)])
                     steps = {}
                     for col, module in versions.items():
                         if module is not None:

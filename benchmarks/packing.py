@@ -25,7 +25,7 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 # Runnable from a source checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -33,7 +33,7 @@ from hydro_fluid.executors.examples import count_steps, fused_mlp
 
 KEYS = {"small": (32, 32), "medium": (256, 128), "large": (1024, 256)}  # name: (width, batch)
 SIM_NAMES = {"fifo": "fifo", "static": "static_fluid", "dynamic": "dynamic_fluid",
-             "deadline": "deadline"}  # fmt: skip
+             "deadline": "deadline"}
 
 
 def workload(groups_per_key: int, fuse: int, budget: int) -> list[tuple[str, TrialGroup]]:
@@ -49,7 +49,7 @@ def workload(groups_per_key: int, fuse: int, budget: int) -> list[tuple[str, Tri
     return out
 
 
-def worker_fn(key_of: dict[str, str], group: TrialGroup, ctx) -> dict:  # noqa: ANN001
+def worker_fn(key_of: dict[str, str], group: TrialGroup, ctx) -> dict:
     """One fused MLP group with its key's width and batch size (module level: picklable)."""
     width, batch = KEYS[key_of[group.name]]
     return fused_mlp(group, ctx, width=width, batch=batch)
@@ -63,11 +63,11 @@ def run_real(policy: str, work: list[tuple[str, TrialGroup]], deadline: float | 
     reports: list[tuple[float, int, float]] = []
     start = time.monotonic()
 
-    def report(trial, step, value):  # noqa: ANN001, ANN202
+    def report(trial, step, value):
         reports.append((time.monotonic() - start, trial, value))
 
     results = ex.run([g for _, g in work], functools.partial(worker_fn, key_of), report=report,
-                     policy=policy, deadline=deadline)  # fmt: skip
+                     policy=policy, deadline=deadline)
     makespan = time.monotonic() - start
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     ex.moves = sum(r.moves for r in results)
@@ -98,11 +98,11 @@ def measured_workload(ex: LocalExecutor, work: list[tuple[str, TrialGroup]]) -> 
         out.append(TrialGroup(g.name, g.trial_ids, g.budgets,
                               cost_per_step=max(training, 1e-6) / sum(g.budgets),
                               utilization=min(1.0, max(0.05, m["utilization"])),
-                              startup=m["startup"]))  # fmt: skip
+                              startup=m["startup"]))
     return out
 
 
-def sim_busy(result, devices: int = 2) -> float:  # noqa: ANN001
+def sim_busy(result, devices: int = 2) -> float:
     used = sum((s.end - s.start) * s.share for s in result.segments)
     return used / (devices * result.makespan)
 
@@ -141,11 +141,11 @@ def main() -> None:
         costs = measured_workload(fifo_ex, work)
         for policy in rows:
             ex, span, _ = (fifo_ex, fifo_span, None) if policy == "fifo" else \
-                run_real(policy, work)  # fmt: skip
+                run_real(policy, work)
             sim = simulate(costs, cluster, SIM_NAMES[policy], restart_cost=ex.restart_cost, d=2)
             rows[policy].append({"span": span, "busy": slots_busy(ex, span), "moves": ex.moves,
                                  "sim": sim.makespan, "sim_busy": sim_busy(sim),
-                                 "vs": span / fifo_span})  # fmt: skip
+                                 "vs": span / fifo_span})
         when = 0.6 * fifo_span
         _, dl_span, dl_reports = run_real("deadline", work, deadline=when)
         deadlines.append((best_at(fifo_reports, when), best_at(dl_reports, when), when))
@@ -153,9 +153,9 @@ def main() -> None:
     print(f"{len(work)} groups of {a.fuse} ({trials} trials), keys {KEYS} (width, batch), "
           f"budgets {sorted(set(work[0][1].budgets))}, LocalExecutor 2 workers x 2 threads, "
           f"medians of {a.repeats} rounds; load average {load:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
+          f"{os.getloadavg()[0]:.1f} after")
     print("| policy | makespan s | vs fifo | slots busy | trials/hour | simulated s | sim error |"
-          " sim busy | moves |")  # fmt: skip
+          " sim busy | moves |")
     print("|---|---|---|---|---|---|---|---|---|")
     for policy, runs in rows.items():
         span = med(r["span"] for r in runs)
@@ -164,7 +164,7 @@ def main() -> None:
               f"{med(r['busy'] for r in runs):.0%} | {trials / span * 3600:.0f} | "
               f"{med(r['sim'] for r in runs):.1f} | {error:+.0%} | "
               f"{med(r['sim_busy'] for r in runs):.0%} | "
-              f"{sum(r['moves'] for r in runs)} |")  # fmt: skip
+              f"{sum(r['moves'] for r in runs)} |")
     print("\nthe best trial's last loss at a deadline of 60% of that round's fifo makespan")
     print("| round | deadline s | fifo | deadline policy |")
     print("|---|---|---|---|")

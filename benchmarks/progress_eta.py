@@ -76,13 +76,13 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[float, str]], float, dict]
              "weight_decay": D.FloatDistribution(0.0, 0.2),
              "warmup": D.IntDistribution(0, max(1, args.steps // 4)),
              "dropout": D.FloatDistribution(0.0, 0.2),
-             "beta2": D.CategoricalDistribution([0.95, 0.99, 0.999])}  # fmt: skip
+             "beta2": D.CategoricalDistribution([0.95, 0.99, 0.999])}
     data = load(block_size=args.block, max_chars=args.chars)
     task = hydro.Task(model=functools.partial(gpt, n_layer=4, n_head=4, n_embd=256,
                                               block_size=args.block),
                       train_data=data["train"], val_data=data["val"], loss="cross_entropy",
                       optimizer="adamw", scheduler="cosine", steps=args.steps,
-                      eval_every=args.eval_every, batch_size=args.batch)  # fmt: skip
+                      eval_every=args.eval_every, batch_size=args.batch)
     Progress.line_seconds, Progress.line_fraction = 0.0, 0.0  # a line at every update
     recorder = Recorder(args.echo)
     sys.stderr = recorder
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[float, str]], float, dict]
         start = time.monotonic()
         result = hydro.tune(task, space, n_trials=args.trials, ratio=8, fuse=args.fuse,
                             storage="sqlite:///:memory:", seed=args.seed, progress=True,
-                            pruner=optuna.pruners.MedianPruner())  # fmt: skip
+                            pruner=optuna.pruners.MedianPruner())
     finally:
         sys.stderr = sys.__stderr__
     states: dict[str, int] = {}
@@ -124,7 +124,7 @@ def table(lines: list[tuple[float, str]], start: float) -> tuple[str, float, flo
                 if frac <= 0.9:
                     worst_mid = max(worst_mid, abs(err))
         rows.append(f"{100 * frac:6.1f}  {m[3]:>12}  {m[6]:>9}  {remaining:9.1f}  "
-                    + ("-" if err is None else f"{err:+6.1f}"))  # fmt: skip
+                    + ("-" if err is None else f"{err:+6.1f}"))
     return "\n".join(rows), worst, worst_mid, worst_s, 1.0 if first is None else first
 
 
@@ -157,9 +157,9 @@ def main() -> None:
     print(text)
     print(f"charlm ratio 8, {args.trials} trials, fuse {args.fuse}, {args.steps} steps "
           f"(eval every {args.eval_every}), batch {args.batch}, {args.threads} thread(s): "
-          f"{lines[-1][0] - start:.1f} s, {len(lines)} updates, trials {states}")  # fmt: skip
+          f"{lines[-1][0] - start:.1f} s, {len(lines)} updates, trials {states}")
     print(f"first ETA at {100 * first:.1f}% of the run; largest ETA error from 10% of the run "
-          f"on: {worst:.1f}% ({worst_s:.1f} s); from 10% to 90%: {worst_mid:.1f}%")  # fmt: skip
+          f"on: {worst:.1f}% ({worst_s:.1f} s); from 10% to 90%: {worst_mid:.1f}%")
 
 
 if __name__ == "__main__":

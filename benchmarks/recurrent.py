@@ -12,7 +12,8 @@ surrogates with ``torch.optim.Adam`` one after the other, against one ``hydro.fu
 
 Measured on the shared 2-core CPU box (three other jobs beside it, load 2-5), n = 16, one
 thread, median of 7 rounds of 3 steps (vocabulary 10000: 3 rounds of 1), ms per step of all 16
-trials, fused over sequential (lower is better); ``benchmarks/recurrent.json`` holds the rows:
+trials, fused over sequential (lower is better); ``benchmarks/results/recurrent.json`` holds
+the rows:
 
     vocabulary 50        sequential  fused   ratio    with --keep-memory
     LSTM                 46.6        40.3    0.87x    70.9   51.8   0.73x
@@ -65,16 +66,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from hydro.parametrize import param_groups  # noqa: E402
+import hydro
+import hydro.optim
+from hydro.parametrize import param_groups
 
 
 class RNNModel(nn.Module):
     """The example's ``RNNModel``: encoder, recurrent stack, decoder; ``[T, B]`` token ids."""
 
     def __init__(self, kind: str, ntoken: int, ninp: int, nhid: int, nlayers: int,
-                 tie: bool) -> None:  # fmt: skip
+                 tie: bool) -> None:
         super().__init__()
         self.encoder = nn.Embedding(ntoken, ninp)
         self.rnn = getattr(nn, kind)(ninp, nhid, nlayers)
@@ -95,7 +96,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _median_ms(fn, rounds: int, steps: int) -> float:  # noqa: ANN001
+def _median_ms(fn, rounds: int, steps: int) -> float:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -137,7 +138,7 @@ def bench(kind: str, tie: bool, n: int, args: argparse.Namespace) -> dict:
     s, f = statistics.median(seq), statistics.median(fus)
     hidden = scaled.surrogate.get_parameter("rnn.weight_hh_l0").shape[1]
     return {"model": f"{kind}{' tied' if tie else ''}", "n": n, "hidden": f"200 -> {hidden}",
-            "sequential_ms": s, "fused_ms": f, "ratio": f / s}  # fmt: skip
+            "sequential_ms": s, "fused_ms": f, "ratio": f / s}
 
 
 def main() -> None:
@@ -162,17 +163,17 @@ def main() -> None:
         libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory stays with the process
     print(f"n={args.n}, ratio {args.ratio}, [{args.bptt} x {args.batch}] tokens of "
           f"{args.vocab}, {args.threads} thread(s); ms per step of all n trials (median of "
-          f"{args.rounds} rounds of {args.steps})")  # fmt: skip
+          f"{args.rounds} rounds of {args.steps})")
     print(f"{'model':<10} {'hidden':<10} {'sequential':>11} {'fused':>9} {'fused/seq':>10}")
     rows = []
     for kind in args.kinds.split(","):
         for tie in (False, True):
             r = bench(kind, tie, args.n, args)
             r.update(vocab=args.vocab, threads=args.threads, keep_memory=args.keep_memory,
-                     rounds=args.rounds, steps=args.steps)  # fmt: skip
+                     rounds=args.rounds, steps=args.steps)
             rows.append(r)
             print(f"{r['model']:<10} {r['hidden']:<10} {r['sequential_ms']:>9.1f}ms "
-                  f"{r['fused_ms']:>7.1f}ms {r['ratio']:>9.2f}x")  # fmt: skip
+                  f"{r['fused_ms']:>7.1f}ms {r['ratio']:>9.2f}x")
     if args.json:
         old = json.loads(args.json.read_text()) if args.json.exists() else []
         args.json.write_text(json.dumps(old + rows, indent=1) + "\n")

@@ -106,9 +106,9 @@ def mamba():
     import transformers as T
 
     common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, use_cache=False,
-                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+                  bos_token_id=0, eos_token_id=0)
     cfg = T.MambaConfig(state_size=16, expand=2, conv_kernel=4, time_step_rank=4,
-                        pad_token_id=0, **common)  # fmt: skip
+                        pad_token_id=0, **common)
     return T.MambaForCausalLM(cfg), _lm_batch
 
 
@@ -120,7 +120,7 @@ def rwkv():
     rescale = int(os.environ.get("RESCALE", "0"))  # RWKV's default is 6
     cfg = T.RwkvConfig(vocab_size=V, context_length=16, hidden_size=32, num_hidden_layers=2,
                        attention_hidden_size=32, intermediate_size=64, use_cache=False,
-                       bos_token_id=0, eos_token_id=0, rescale_every=rescale)  # fmt: skip
+                       bos_token_id=0, eos_token_id=0, rescale_every=rescale)
     return T.RwkvForCausalLM(cfg), _lm_batch
 
 

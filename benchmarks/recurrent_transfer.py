@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from benchmarks.recurrent import RNNModel  # noqa: E402
+import hydro
+import hydro.optim
+from benchmarks.recurrent import RNNModel
 
 
 def _text() -> torch.Tensor:
@@ -124,14 +124,14 @@ def main() -> None:
 
     hidden = sur.get_parameter("rnn.weight_hh_l0").shape[1]
     print(f"{args.kind}, 2 layers, hidden 200 (surrogate {hidden}), {args.steps} Adam steps of "
-          f"[{bptt} x {batch}] characters, validation loss per learning rate")  # fmt: skip
+          f"[{bptt} x {batch}] characters, validation loss per learning rate")
     print(f"{'lr':>8} {'full':>8} {'surrogate':>10}")
     for lr, f, s in zip(lrs, full, small):
         print(f"{lr:>8g} {f:>8.3f} {s:>10.3f}")
     best_f, best_s = lrs[full.index(min(full))], lrs[small.index(min(small))]
     print(f"best lr: full {best_f:g}, surrogate {best_s:g}; Spearman over the grid "
           f"{_spearman(full, small):.2f}; time: full models {full_s:.0f} s, fused surrogates "
-          f"{small_s:.0f} s")  # fmt: skip
+          f"{small_s:.0f} s")
 
 
 if __name__ == "__main__":

@@ -66,9 +66,9 @@ def main() -> None:
     calls: collections.Counter = collections.Counter()
     depth = [0]
 
-    def timed(f, label):  # noqa: ANN001, ANN202
+    def timed(f, label):
         @functools.wraps(f)
-        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def call(*args, **kwargs):
             if depth[0]:
                 return f(*args, **kwargs)
             depth[0] += 1
@@ -90,7 +90,7 @@ def main() -> None:
                               block=64, batch=8, steps=a.steps, eval_every=min(8, a.steps),
                               chars=a.chars or None, threads=1, first_group=a.first_group,
                               seed=a.seed, storage=a.storage, device="cpu",
-                              eval_samples=a.eval_samples)  # fmt: skip
+                              eval_samples=a.eval_samples)
     out = e2e.search_hydro(args, set())
     print(f"hydro from {out['hydro']}: ratio {a.ratio}, {a.steps} steps, first_group "
           f"{a.first_group}, storage {a.storage}, seed {a.seed}, eval_samples "

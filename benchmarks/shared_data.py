@@ -35,8 +35,8 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-from hydro.tuning.group import FusedGroup  # noqa: E402
+import hydro
+from hydro.tuning.group import FusedGroup
 
 SIDE, PAD, CLASSES = 28, 2, 10
 
@@ -86,9 +86,9 @@ def make_task(data_mode: str, batch_size: int, width: int, in_memory: bool = Fal
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(SIDE * SIDE, width), torch.nn.ReLU(),
                                 torch.nn.Linear(width, width), torch.nn.ReLU(),
-                                torch.nn.Linear(width, CLASSES))  # fmt: skip
+                                torch.nn.Linear(width, CLASSES))
     return hydro.Task(model=model, train_data=train, val_data=val, batch_size=batch_size,
-                      steps=10_000, data_mode=data_mode)  # fmt: skip
+                      steps=10_000, data_mode=data_mode)
 
 
 def timed(group: FusedGroup, steps: int) -> tuple[float, float]:
@@ -116,7 +116,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s); MLP {SIDE * SIDE}-{args.width}-"
           f"{args.width}-{CLASSES} at ratio {args.ratio}, batch {args.batch_size}; "
           f"trial-steps/s, medians of {args.repeats} interleaved rounds of {args.steps} fused "
-          "steps\n")  # fmt: skip
+          "steps\n")
     sample = Images(512)
     start = time.process_time()
     for i in range(512):
@@ -129,8 +129,8 @@ def main() -> None:
         members = [(k, {"lr": 1e-3 * (k + 1)}, k) for k in range(n)]
         groups = {mode: FusedGroup(make_task(mode, args.batch_size, args.width, args.in_memory),
                                    members,
-                                   ratio=args.ratio, refill=False)  # fmt: skip
-                  for mode in ("per_trial", "shared")}  # fmt: skip
+                                   ratio=args.ratio, refill=False)
+                  for mode in ("per_trial", "shared")}
         cpu: dict[str, list[float]] = {mode: [] for mode in groups}
         wall: dict[str, list[float]] = {mode: [] for mode in groups}
         for group in groups.values():
@@ -143,7 +143,7 @@ def main() -> None:
         per, shared = (statistics.median(cpu[m]) for m in ("per_trial", "shared"))
         wper, wshared = (statistics.median(wall[m]) for m in ("per_trial", "shared"))
         print(f"| {n} | {per:.0f} | {shared:.0f} | {shared / per:.1f}x | {wper:.0f} | "
-              f"{wshared:.0f} | {wshared / wper:.1f}x |")  # fmt: skip
+              f"{wshared:.0f} | {wshared / wper:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -59,14 +59,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-import hydro  # noqa: E402
-import hydro.optim  # noqa: E402
-from examples.charlm.data import load  # noqa: E402
-from examples.charlm.model import gpt  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.fusion import fuse, trial_loss  # noqa: E402
-from hydro.tuning.group import _schedule  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+import hydro.optim
+from examples.charlm.data import load
+from examples.charlm.model import gpt
+from hydro.errors import HydroWarning
+from hydro.fusion import fuse, trial_loss
+from hydro.tuning.group import _schedule
+from hydro.tuning.outputs import spearman
 
 
 def lr_lambda(warmup: int, steps: int):
@@ -187,17 +187,17 @@ def plot(lrs, widths, sp, mu, path: Path, title: str) -> None:
 # the depth experiment's sizes: one step of the 256-wide, 8-block target costs ~0.35 s here, a
 # fused step of its 8-point learning-rate grid ~1.9 s
 DEPTH_DEFAULTS = dict(seeds=3, steps=200, warmup=20, batch_size=8, block_size=32,
-                      lr_exp=[-14, -7])  # fmt: skip
+                      lr_exp=[-14, -7])
 # name: (width ratio, depth ratio, depth alpha) for Hydro surrogates; the plain models:
 # "full" the target, "narrow" gpt(8 blocks, width 32) and "naive" gpt(2 blocks, width 32), in SP
 SURROGATES = {"(8,1)": (8, 1, 1.0), "(8,2)": (8, 2, 1.0), "(8,4)": (8, 4, 1.0),
-              "(8,2)a.5": (8, 2, 0.5), "(8,4)a.5": (8, 4, 0.5)}  # fmt: skip
+              "(8,2)a.5": (8, 2, 0.5), "(8,4)a.5": (8, 4, 0.5)}
 DEPTH_MODELS = ("full", *SURROGATES, "narrow", "naive")
 WD_GRID = [0.0, 1.0, 4.0, 16.0, 64.0]  # AdamW's decay per step is lr x wd: ~1e-4 x 64 at most
 WARMUP_FRACTIONS = [0, 0.025, 0.075, 0.225, 0.675]  # of the steps: 0, 5, 15, 45, 135 of 200
 
 
-def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, args) -> nn.Module:  # noqa: ANN001
+def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, args) -> nn.Module:
     """One model of the depth experiment, initialized from ``seed``."""
     margs = dict(n_head=args.n_head, block_size=args.block_size)
     if name == "full":
@@ -208,19 +208,19 @@ def build_depth_model(name: str, target: nn.Module, example: tuple, seed: int, a
         return gpt(n_layer=layers, n_embd=args.depth_width // 8, **margs)
     r, d, alpha = SURROGATES[name]
     return hydro.scale(target, r, depth_ratio=d, depth_alpha=alpha, example_inputs=example,
-                       seed=seed)  # fmt: skip
+                       seed=seed)
 
 
 def fused_grid(
     model: nn.Module, trials: list[dict], data: dict, batches: torch.Tensor, args, times=None
-) -> list[float]:  # noqa: ANN001
+) -> list[float]:
     """Validation loss of each trial (``lr``, ``weight_decay``, ``warmup``), all trained at once
     as one fused model (``hydro.fuse`` of copies of ``model``: the same initialization for every
     trial) with ``hydro.optim.AdamW`` and each trial's own schedule: what training each alone
     with ``torch.optim.AdamW`` (muP multipliers through ``param_groups``) would give."""
     fused = fuse([model] * len(trials))
     opt = hydro.optim.AdamW(fused.parameters(), lr=[t["lr"] for t in trials],
-                            weight_decay=[t["weight_decay"] for t in trials])  # fmt: skip
+                            weight_decay=[t["weight_decay"] for t in trials])
     # Hydro's own schedule (warm-up from lr / (warmup + 1), then cosine to 0): the one hydro.tune
     # trains with, so that the end-to-end run and the grids are the same recipe
     sched = hydro.optim.lr_scheduler.TrialScheduler(
@@ -250,7 +250,7 @@ def fused_grid(
     return [math.nan if d or not math.isfinite(v) else v for v, d in zip(losses, fused.diverged)]
 
 
-def depth_data(args) -> dict:  # noqa: ANN001
+def depth_data(args) -> dict:
     data = load(block_size=args.block_size)
     # the validation windows, thinned: a full pass over them costs the 256-wide target ~25 s
     vx, vy = data["val"]
@@ -259,15 +259,15 @@ def depth_data(args) -> dict:  # noqa: ANN001
     return data
 
 
-def depth_batches(data: dict, seed: int, args) -> torch.Tensor:  # noqa: ANN001
+def depth_batches(data: dict, seed: int, args) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(len(data["train"][0]), (args.steps, args.batch_size), generator=g)
 
 
-def depth_target(seed: int, args) -> nn.Module:  # noqa: ANN001
+def depth_target(seed: int, args) -> nn.Module:
     torch.manual_seed(seed)
     return gpt(n_layer=args.depth_layers, n_embd=args.depth_width, n_head=args.n_head,
-               block_size=args.block_size)  # fmt: skip
+               block_size=args.block_size)
 
 
 def depth_main(args: argparse.Namespace) -> None:
@@ -280,7 +280,7 @@ def depth_main(args: argparse.Namespace) -> None:
     names = args.models or list(DEPTH_MODELS)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     res = {"lrs": lrs, "wds": WD_GRID, "warmups": warmups, "steps": args.steps, "seeds": seeds,
-           "lr": {}, "wd": {}, "warmup": {}, "best_lr": {}, "times": {}}  # fmt: skip
+           "lr": {}, "wd": {}, "warmup": {}, "best_lr": {}, "times": {}}
     if args.save and args.save.exists():  # resume: grids already done are kept
         res.update(json.loads(args.save.read_text()))
     start = time.time()
@@ -308,12 +308,12 @@ def depth_main(args: argparse.Namespace) -> None:
                 else:
                     lr = res["best_lr"][name]
                     trials = [{"lr": lr, "weight_decay": wd, "warmup": args.warmup}
-                              for wd in wds if "wd" in args.second]  # fmt: skip
+                              for wd in wds if "wd" in args.second]
                     trials += [{"lr": lr, "weight_decay": 0.0, "warmup": w}
-                               for w in warmups if "warmup" in args.second]  # fmt: skip
+                               for w in warmups if "warmup" in args.second]
                 times: list[float] = []
                 losses = fused_grid(model, trials, data, depth_batches(data, seed, args), args,
-                                    times)  # fmt: skip
+                                    times)
                 res["times"].setdefault(f"{name} {phase}", []).append(
                     [len(trials), float(np.median(times))]
                 )
@@ -328,7 +328,7 @@ def depth_main(args: argparse.Namespace) -> None:
                 save()
                 print(f"{name:>9} {phase:>6} seed {seed}: {time.time() - start:6.0f} s "
                       f"({np.median(times) * 1e3:.0f} ms a fused step of {len(trials)})",
-                      flush=True)  # fmt: skip
+                      flush=True)
             if phase == "lr" and not args.best_lr:
                 med = np.nanmedian(np.array(list(res["lr"][name].values()), dtype=float), axis=0)
                 res["best_lr"][name] = lrs[int(np.nanargmin(med))]
@@ -351,7 +351,7 @@ def merge(paths: list[Path]) -> dict:
         used = {g for r in values.values() for v in r.values() for g in v}
         res[grid] = sorted(used)
         res[key] = {m: {s: [v.get(g) for g in res[grid]] for s, v in runs.items()}
-                    for m, runs in values.items()}  # fmt: skip
+                    for m, runs in values.items()}
     for p in parts:
         res["best_lr"].update(p["best_lr"])
         for k, v in p["times"].items():
@@ -373,14 +373,14 @@ def depth_report(res: dict, plot_path: Path | None = None, reference: str = "ful
     rows = {}
     for key, grid, label in (("lr", res["lrs"], "learning rate"),
                              ("wd", res["wds"], "weight decay"),
-                             ("warmup", res["warmups"], "warm-up steps")):  # fmt: skip
+                             ("warmup", res["warmups"], "warm-up steps")):
         runs = {k: v for k, v in res[key].items() if v}
         if not runs:
             continue
         med = {k: _median(v) for k, v in runs.items()}
         n = max(len(v) for v in runs.values())
         print(f"\n{label}: validation loss after {res['steps']} steps, median of {n} seed(s)"
-              f"{' (each at its own best lr)' if key != 'lr' else ''}; * = best")  # fmt: skip
+              f"{' (each at its own best lr)' if key != 'lr' else ''}; * = best")
         fmt = (lambda v: f"2^{int(round(math.log2(v)))}") if key == "lr" else (lambda v: f"{v:g}")
         print(_grid_table(grid, med, fmt))
         if reference not in med:
@@ -395,9 +395,9 @@ def depth_report(res: dict, plot_path: Path | None = None, reference: str = "ful
         fruns = np.array(list(ref_runs.values()), dtype=float)[:, ran]
         spread = np.nanmax(fruns, axis=0) - np.nanmin(fruns, axis=0)
         print(f"{reference} ({len(fruns)} seed(s)), seed-to-seed range (max - min) per point: "
-              f"{' '.join(f'{s:.3f}' for s in spread)}")  # fmt: skip
+              f"{' '.join(f'{s:.3f}' for s in spread)}")
         print(f"model     | best    | steps off | Spearman | pass | {reference}'s loss there "
-              "| per seed")  # fmt: skip
+              "| per seed")
         for k, v in med.items():
             b = grid[int(np.nanargmin(v))]
             off = _steps_off(grid, b, fbest)
@@ -409,7 +409,7 @@ def depth_report(res: dict, plot_path: Path | None = None, reference: str = "ful
             rows[(key, k)] = dict(best=b, off=off, rho=rho, at=at, ok=ok)
             print(f"{k:>9} | {fmt(b):>7} | {off:+9d} | {rho if rho is not None else math.nan:+8.3f}"
                   f" | {'yes' if ok else 'no':>4} | {at:.3f} ({at - np.nanmin(full):+.3f})     | "
-                  f"{', '.join(per_seed)}")  # fmt: skip
+                  f"{', '.join(per_seed)}")
     times = {k: v for k, v in res["times"].items() if k.endswith(" lr")}
     if times:
         print("\nfused step of the learning-rate grid, median over seeds (ms; per trial):")
@@ -425,7 +425,7 @@ def depth_report(res: dict, plot_path: Path | None = None, reference: str = "ful
     return rows
 
 
-def _grid_table(grid: list[float], med: dict[str, np.ndarray], fmt) -> str:  # noqa: ANN001
+def _grid_table(grid: list[float], med: dict[str, np.ndarray], fmt) -> str:
     head = f"{'':>6} | " + " ".join(f"{k:>9}" for k in med)
     lines = [head, "-" * len(head)]
     for i, g in enumerate(grid):
@@ -447,7 +447,7 @@ def depth_plot(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("lr", res["lrs"], "learning rate (AdamW)"), ("wd", res["wds"], "weight decay"),
-              ("warmup", res["warmups"], "warm-up steps"))  # fmt: skip
+              ("warmup", res["warmups"], "warm-up steps"))
     for ax, (key, grid, label) in zip(axes, panels):
         xs = list(range(len(grid)))
         for k, runs in res[key].items():
@@ -462,14 +462,14 @@ def depth_plot(res: dict, path: Path) -> None:
             ax.plot(xs[i], 0, marker="*", markersize=14, color=line.get_color())
         ax.set_xticks(xs)
         ax.set_xticklabels([f"2^{int(round(math.log2(g)))}" if key == "lr" else f"{g:g}"
-                            for g in grid])  # fmt: skip
+                            for g in grid])
         ax.set_xlabel(label)
         ax.set_ylim(-0.02, 0.6)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss above the model's best (nats/char)")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Depth experiment (char GPT, target 8 blocks x 256): {res['steps']} steps, "
-                 f"median of {len(res['seeds'])} seeds")  # fmt: skip
+                 f"median of {len(res['seeds'])} seeds")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -486,7 +486,7 @@ def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
     models = {k: build_depth_model(k, target, (data["train"][0][:2],), 0, args) for k in names}
     x, y = data["train"]
     opts = {k: torch.optim.AdamW(hydro.parametrize.param_groups(m, 1e-4))
-            for k, m in models.items()}  # fmt: skip
+            for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
     for r in range(rounds + 3):
         idx = torch.randint(len(x), (args.batch_size,))
@@ -500,7 +500,7 @@ def depth_step_times(args: argparse.Namespace, rounds: int = 30) -> None:
                 times[k].append(time.perf_counter() - t0)
     base = float(np.median(times["(8,1)"]))
     print(f"step time, median of {rounds} interleaved steps ({args.batch_size} x "
-          f"{args.block_size} characters, {args.threads} thread(s)):")  # fmt: skip
+          f"{args.block_size} characters, {args.threads} thread(s)):")
     for k, v in times.items():
         ms = float(np.median(v))
         print(f"{k:>6}: {ms * 1e3:7.1f} ms  {ms / base:.2f} x (8,1)")
@@ -532,11 +532,11 @@ def depth_tune(args: argparse.Namespace) -> None:
         task = hydro.Task(model=depth_target(0, args), train_data=data["train"],
                           val_data=data["val"], loss="cross_entropy", optimizer="adamw",
                           scheduler="cosine", steps=args.steps, eval_every=args.steps // 4,
-                          batch_size=args.batch_size)  # fmt: skip
+                          batch_size=args.batch_size)
         t0 = time.perf_counter()
         result = hydro.tune(task, space, n_trials=args.tune_trials, ratio=8, depth_ratio=d,
                             depth_alpha=alpha, fuse=args.tune_fuse, storage="sqlite:///:memory:",
-                            seed=0)  # fmt: skip
+                            seed=0)
         wall = time.perf_counter() - t0
         out[name] = {"wall_s": wall, "params": dict(result.best_params)}
         print(f"{name}: {wall:.0f} s, best {result.best_params}", flush=True)
@@ -561,7 +561,7 @@ def depth_tune(args: argparse.Namespace) -> None:
 def depth_tune_report(tune: dict, grids: dict) -> None:
     """The end-to-end table: each choice's full-model loss against the grids' best."""
     best = min(float(np.nanmin(_median(grids[k]["full"]))) for k in ("lr", "wd", "warmup")
-               if grids[k].get("full"))  # fmt: skip
+               if grids[k].get("full"))
     base = tune.get("(8,1)", {}).get("wall_s")
     print(f"full model's grid best (median of seeds): {best:.4f}")
     print(
@@ -575,7 +575,7 @@ def depth_tune_report(tune: dict, grids: dict) -> None:
         rel = f"{v['wall_s'] / base:.2f}" if base else "-"
         print(f"{k:>9} | {v['wall_s']:11.0f} | {rel:>8} | 2^{math.log2(p['lr']):.2f}, "
               f"{p['weight_decay']:.2f}, {int(p['warmup'])} | {loss:.4f} | "
-              f"{(loss / best - 1) * 100:+.2f}%")  # fmt: skip
+              f"{(loss / best - 1) * 100:+.2f}%")
 
 
 def main() -> None:
@@ -589,7 +589,7 @@ def main() -> None:
     p.add_argument("--step-times", action="store_true", help="--depth: interleaved step times")
     p.add_argument("--save", type=Path, help="--depth: the results as JSON (resumed if there)")
     p.add_argument("--report", type=Path, nargs="+",
-                   help="--depth: report saved results (several are merged)")  # fmt: skip
+                   help="--depth: report saved results (several are merged)")
     p.add_argument(
         "--phases",
         nargs="+",
@@ -609,7 +609,7 @@ def main() -> None:
     p.add_argument("--tune-fuse", type=int, default=8)
     p.add_argument("--tune-seeds", type=int, default=3, help="full-model runs of each choice")
     p.add_argument("--tune-report", type=Path, help="--depth: report a saved --tune result "
-                   "against the grids of --report")  # fmt: skip
+                   "against the grids of --report")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)

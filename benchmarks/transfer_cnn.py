@@ -50,13 +50,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-import hydro  # noqa: E402
-from benchmarks.transfer import lr_lambda  # noqa: E402
-from examples.cnn.data import load  # noqa: E402
-from examples.cnn.model import deep_cnn  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+from benchmarks.transfer import lr_lambda
+from examples.cnn.data import load
+from examples.cnn.model import deep_cnn
+from hydro.errors import HydroWarning
+from hydro.tuning.outputs import spearman
 
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 WIDTH, BLOCKS = 64, 4
 # name -> ("hydro", ratio, depth_ratio) or ("naive", width, blocks)
 MODELS: dict[str, tuple[str, int, int]] = {
@@ -100,13 +101,13 @@ def grid(phase: str, lr: float | None = None) -> list[dict]:
 
 
 def train_grid(model: nn.Module, trials: list[dict], data: dict, batches: torch.Tensor,
-               steps: int) -> tuple[list[float], float]:  # fmt: skip
+               steps: int) -> tuple[list[float], float]:
     """Train one fused copy of ``model`` per trial; each trial's validation loss (NaN when it
     diverged) and the median wall time of a fused step."""
     n = len(trials)
     fused = hydro.fuse([model] * n)
     opt = hydro.optim.SGD(fused.parameters(), lr=[t["lr"] for t in trials], momentum=0.9,
-                          weight_decay=[t["wd"] for t in trials], compile=False)  # fmt: skip
+                          weight_decay=[t["wd"] for t in trials], compile=False)
     default = max(1, steps // 10)
     warm = [default if t["warmup"] is None else t["warmup"] for t in trials]
     sched = hydro.optim.lr_scheduler.TrialScheduler(
@@ -127,7 +128,7 @@ def train_grid(model: nn.Module, trials: list[dict], data: dict, batches: torch.
     xv, yv = data["val"]
     with torch.no_grad():
         val = sum(hydro.trial_loss(F.cross_entropy, fused(xv[i : i + 256]), yv[i : i + 256])
-                  * len(yv[i : i + 256]) for i in range(0, len(yv), 256))  # fmt: skip
+                  * len(yv[i : i + 256]) for i in range(0, len(yv), 256))
     val = (val / len(yv)).tolist()
     bad = fused.diverged.tolist()
     out = [float("nan") if b or not math.isfinite(v) else v for v, b in zip(val, bad)]
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> None:
     data = load(n_train=2048, n_val=512, size=args.size, seed=0)
     example = data["train"][0][:2]
     rows = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() \
-        else []  # fmt: skip
+        else []
     done = {(r["phase"], r["model"], r["seed"]) for r in rows}
     start = time.time()
     names = args.models or list(MODELS)
@@ -166,19 +167,19 @@ def run(args: argparse.Namespace) -> None:
                     continue
                 g = torch.Generator().manual_seed(1000 + seed)  # one batch order per seed
                 batches = torch.randint(len(data["train"][0]), (args.steps, args.batch),
-                                        generator=g)  # fmt: skip
+                                        generator=g)
                 model = build(name, seed, example)
                 trials = grid(phase, lrs.get(name))
                 t0 = time.time()
                 losses, step = train_grid(model, trials, data, batches, args.steps)
                 row = {"phase": phase, "model": name, "seed": seed, "losses": losses,
                        "trials": trials, "fused_step_s": step, "n": len(trials),
-                       "steps": args.steps, "wall_s": time.time() - t0}  # fmt: skip
+                       "steps": args.steps, "wall_s": time.time() - t0}
                 rows.append(row)
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{phase} {name:>10} seed {seed}: {time.time() - t0:5.0f} s "
-                      f"(elapsed {time.time() - start:.0f} s)", flush=True)  # fmt: skip
+                      f"(elapsed {time.time() - start:.0f} s)", flush=True)
     report(rows)
 
 
@@ -191,7 +192,7 @@ def step_times(args: argparse.Namespace, rounds: int = 20) -> dict[str, float]:
     models = {k: build(k, 0, x[:2]) for k in MODELS}
     opts = {k: torch.optim.SGD(hydro.parametrize.param_groups(m, lr=0.01) if MODELS[k][0] ==
                                "hydro" else m.parameters(), lr=0.01, momentum=0.9)
-            for k, m in models.items()}  # fmt: skip
+            for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
     g = torch.Generator().manual_seed(0)
     for r in range(rounds + 2):
@@ -221,7 +222,7 @@ def table(title: str, labels: list[str], runs: dict[str, list[list[float]]]) -> 
         return f"{title}: no full-model runs yet"
     n = min(len(v) for v in runs.values() if v)
     lines = [f"{title} (median of {n}+ seeds; * = best)",
-             f"{'':>8} | " + " ".join(f"{k:>11}" for k in med)]  # fmt: skip
+             f"{'':>8} | " + " ".join(f"{k:>11}" for k in med)]
     for i, lab in enumerate(labels):
         cells = []
         for v in med.values():
@@ -230,17 +231,17 @@ def table(title: str, labels: list[str], runs: dict[str, list[list[float]]]) -> 
         lines.append(f"{lab:>8} | " + " ".join(cells))
     full = med["full"]
     lines.append(f"{'model':>10}  best      shift  Spearman  full's loss there  per-seed best  "
-                 "transfers")  # fmt: skip
+                 "transfers")
     for k, v in med.items():
         shift, rho = verdict(labels, v, full)
         b = int(np.nanargmin(v))
         per_seed = ",".join(labels[int(np.nanargmin(s))] if np.isfinite(s).any() else "-"
-                            for s in np.array(runs[k], dtype=float))  # fmt: skip
+                            for s in np.array(runs[k], dtype=float))
         ok = abs(shift) <= 1 and rho >= 0.9
         lines.append(f"{k:>10}  {labels[b]:>8} {shift:+5d}  {rho:+8.3f}  "
                      f"{_num(full[b]):>6} ({_num(full[b] - np.nanmin(full), '+.3f'):>6})  "
                      f"{per_seed:>18}  "
-                     f"{'yes' if ok else 'NO'}")  # fmt: skip
+                     f"{'yes' if ok else 'NO'}")
     return "\n".join(lines)
 
 
@@ -256,9 +257,9 @@ def report(rows: list[dict]) -> None:
     nw = len(WD_EXP)
     # phase hp holds both grids; phases wd and warmup one each (the full model, run apart)
     wd = {k: [r["losses"][:nw] if r["phase"] == "hp" else r["losses"] for r in rows
-              if r["phase"] in ("hp", "wd") and r["model"] == k] for k in names}  # fmt: skip
+              if r["phase"] in ("hp", "wd") and r["model"] == k] for k in names}
     warm = {k: [r["losses"][nw:] if r["phase"] == "hp" else r["losses"] for r in rows
-                if r["phase"] in ("hp", "warmup") and r["model"] == k] for k in names}  # fmt: skip
+                if r["phase"] in ("hp", "warmup") and r["model"] == k] for k in names}
     bests = best_lrs(rows)
     at = ", ".join(f"{k} 2^{round(math.log2(v))}" for k, v in bests.items())
     print(f"\nphase hp: each model at its own best learning rate ({at})\n")
@@ -282,8 +283,8 @@ def main() -> None:
     p.add_argument("--seed-list", type=int, nargs="+", help="run these seeds (not 0..seeds-1)")
     p.add_argument("--phases", nargs="+", default=["lr", "hp"],
                    choices=["lr", "hp", "wd", "warmup"], help="hp = wd and warmup in one fused "
-                   "model; wd and warmup apart (2 processes)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("transfer_cnn.jsonl"))
+                   "model; wd and warmup apart (2 processes)")
+    p.add_argument("--out", type=Path, default=RESULTS / "transfer_cnn.jsonl")
     p.add_argument("--combine", type=Path, nargs="+", help="report the rows of these files")
     p.add_argument("--report", action="store_true", help="only print the tables from --out")
     p.add_argument("--step-times", action="store_true", help="only the interleaved step times")
@@ -292,7 +293,7 @@ def main() -> None:
         t = step_times(args)
         base = t["(8,1)"]
         print(f"step time alone, median of 20 interleaved steps ({args.batch} images of "
-              f"{args.size}x{args.size}, 1 thread):")  # fmt: skip
+              f"{args.size}x{args.size}, 1 thread):")
         for k, v in t.items():
             print(
                 f"{k:>10}: {v * 1e3:7.1f} ms  {v / base:5.2f} x (8,1)  {v / t['full']:.3f} x full"

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hydro  # noqa: E402
-from benchmarks.transfer import fused_grid  # noqa: E402
-from examples.charlm.data import VOCAB_SIZE, load  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+from benchmarks.transfer import fused_grid
+from examples.charlm.data import VOCAB_SIZE, load
+from hydro.errors import HydroWarning
+from hydro.tuning.outputs import spearman
 
 
 class RotaryAttention(nn.Module):
@@ -100,7 +100,7 @@ class RotaryLM(nn.Module):
 
 # name: (ratio, head policy)
 MODELS = {"full": (1, "keep_head_dim"), "r2 heads": (2, "keep_head_dim"),
-          "r2 dim": (2, "keep_head_count"), "r4 dim": (4, "keep_head_count")}  # fmt: skip
+          "r2 dim": (2, "keep_head_count"), "r4 dim": (4, "keep_head_count")}
 
 
 def main() -> None:
@@ -139,13 +139,13 @@ def main() -> None:
             best = lrs[int(np.nanargmin(runs[name][-1]))]
             print(f"seed {seed} {name:>8} done at {time.time() - start:5.0f} s: best lr "
                   f"2^{int(math.log2(best))}, losses {np.round(runs[name][-1], 3).tolist()}",
-                  flush=True)  # fmt: skip
+                  flush=True)
     med = {n: np.nanmedian(np.array(v, dtype=float), axis=0) for n, v in runs.items()}
     print(f"\nValidation loss after {args.steps} steps, median of {args.seeds} seeds; * = best")
     print("lr     | " + " ".join(f"{n:>9}" for n in MODELS))
     for i, lr in enumerate(lrs):
         cells = [f"{med[n][i]:8.3f}{'*' if med[n][i] == np.nanmin(med[n]) else ' '}"
-                 for n in MODELS]  # fmt: skip
+                 for n in MODELS]
         print(f"2^{int(math.log2(lr)):<4} | " + " ".join(cells))
     full = int(np.nanargmin(med["full"]))
     for name in MODELS:
@@ -153,7 +153,7 @@ def main() -> None:
         per_seed = [f"2^{int(math.log2(lrs[int(np.nanargmin(r))]))}" for r in runs[name]]
         print(f"{name:>8}: best 2^{int(math.log2(lrs[best]))} ({best - full:+d} steps vs full; "
               f"per seed {', '.join(per_seed)}), Spearman vs full "
-              f"{spearman(med[name], med['full']):+.3f}")  # fmt: skip
+              f"{spearman(med[name], med['full']):+.3f}")
     print(f"elapsed {time.time() - start:.0f} s")
 
 

@@ -24,9 +24,9 @@ and over all), each model's seed-to-seed rank agreement (the ceiling for it), ea
 hyperparameter's rank correlation with the loss under each model, the grid's tables, and the
 choices' losses under both models.
 
-    python benchmarks/transfer_short.py --choices benchmarks/end_to_end_short.json \
-        benchmarks/end_to_end_short_more.json --json benchmarks/transfer_short.json
-    python benchmarks/transfer_short.py --report benchmarks/transfer_short.json
+    python benchmarks/transfer_short.py --choices benchmarks/results/end_to_end_short.json \
+        benchmarks/results/end_to_end_short_more.json --json benchmarks/results/transfer_short.json
+    python benchmarks/transfer_short.py --report benchmarks/results/transfer_short.json
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--json",
-        default="benchmarks/transfer_short.json",
+        default=str(HERE / "results" / "transfer_short.json"),
         help="results, by configuration and seed (read, extended and written back)",
     )
     p.add_argument("--choices", nargs="*", help="end_to_end JSON files whose choices to add")

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydro  # noqa: E402
-from examples.charlm.model import gpt  # noqa: E402
+import hydro
+from examples.charlm.model import gpt
 
 VOCAB = 103
 
@@ -54,7 +54,7 @@ def steps(ratio: int, fuse: int, batch: int) -> dict[str, Callable[[], None]]:
     full = gpt(n_layer=4, n_head=4, n_embd=256, block_size=64, dropout=0.1)
     opt = torch.optim.AdamW(full.parameters(), lr=1e-3)
     fused = hydro.fuse([hydro.scale(full, ratio=ratio, example_inputs=(x[:2],))
-                        for _ in range(fuse)])  # fmt: skip
+                        for _ in range(fuse)])
     fused_opt = hydro.optim.AdamW(fused.parameters(), lr=[1e-3] * fuse)
 
     def full_step() -> None:
@@ -76,7 +76,7 @@ def steps(ratio: int, fuse: int, batch: int) -> dict[str, Callable[[], None]]:
         hydro.trial_loss(loss_fn, fused(x), y)
 
     return {"full step": full_step, "fused step": fused_step, "full eval": full_eval,
-            "fused eval": fused_eval}  # fmt: skip
+            "fused eval": fused_eval}
 
 
 def main() -> None:
@@ -98,9 +98,9 @@ def main() -> None:
             for name, fn in fns.items():
                 rounds[r].setdefault(name, []).append(median_time(fn, a.repeats))
     print(f"charlm GPT, batch {a.batch} x 64, {a.fuse} fused, one thread, "
-          f"torch {torch.__version__}")  # fmt: skip
+          f"torch {torch.__version__}")
     print("| ratio | full step ms | fused step ms | per trial | full eval ms | fused eval ms | "
-          "per trial |")  # fmt: skip
+          "per trial |")
     print("|---|---|---|---|---|---|---|")
     for r in a.ratios:
         m = {k: 1e3 * statistics.median(v) for k, v in rounds[r].items()}

@@ -39,16 +39,16 @@ def child(which: str, direct: bool) -> dict:
     backend = step_module._backend
     if direct:
 
-        def backend(options):  # noqa: ANN001, ANN202 - the call before the ShapeEnv fix
+        def backend(options):  # the call before the ShapeEnv fix
             from torch._inductor.compile_fx import compile_fx
 
             config = torch._TorchCompileInductorWrapper(None, None, None).config
             return lambda g, example: compile_fx(g, example, config_patches=config)
 
-    def timed(options):  # noqa: ANN001, ANN202
+    def timed(options):
         inner = backend(options)
 
-        def compile(graph, example):  # noqa: ANN001, ANN202
+        def compile(graph, example):
             start = time.perf_counter()
             out = inner(graph, example)
             spent["compile_fx"] += time.perf_counter() - start
@@ -71,12 +71,12 @@ def child(which: str, direct: bool) -> dict:
             k[len("fxgraph_cache_") :]: v
             for k, v in counters["inductor"].items()
             if k.startswith("fxgraph_cache_")
-        },  # fmt: skip
+        },
         "aot": {
             k[len("autograd_cache_") :]: v
             for k, v in counters["aot_autograd"].items()
             if k.startswith("autograd_cache_")
-        },  # fmt: skip
+        },
     }
 
 
@@ -114,7 +114,7 @@ def main() -> None:
             for label, r in zip(("cold", "warm"), rows):
                 how = f"{label}, {'direct' if direct else 'ShapeEnv'}"
                 print(f"| {which} | {how} | {r['first']:.1f} | {r['trace']:.1f} | "
-                      f"{r['compile_fx']:.1f} | {r['fxgraph']} | {r['aot']} |")  # fmt: skip
+                      f"{r['compile_fx']:.1f} | {r['fxgraph']} | {r['aot']} |")
     print(f"load: {os.getloadavg()}")
 
 

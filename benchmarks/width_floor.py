@@ -35,7 +35,7 @@ Not a test. Sized for a busy, shared 2-core CPU (see docs/transfer.md for the ti
     python benchmarks/width_floor.py                    # all kinds, 3 seeds
     python benchmarks/width_floor.py --kinds heads headdim linear2 conv2 --jobs 1
     python benchmarks/width_floor.py --kinds conv --seeds 2
-    python benchmarks/width_floor.py --report           # the tables from width_floor.jsonl
+    python benchmarks/width_floor.py --report           # the tables from --out
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-import hydro  # noqa: E402
-from benchmarks.transfer import lr_lambda  # noqa: E402
-from hydro.errors import HydroWarning  # noqa: E402
-from hydro.tuning.outputs import spearman  # noqa: E402
+import hydro
+from benchmarks.transfer import lr_lambda
+from hydro.errors import HydroWarning
+from hydro.tuning.outputs import spearman
+
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 
 
 @dataclass
@@ -89,11 +91,11 @@ KINDS = {
         150,
         32,
         head_policy="keep_head_count",
-    ),  # fmt: skip
+    ),
     # second tasks, and the head count (trained fused: see `cell`)
     "linear2": Kind(
         "linear2", "MLP hidden width, shapes", 256, [1, 2, 4, 8, 16], (-12, -5), 150, 64
-    ),  # fmt: skip
+    ),
     "conv2": Kind("conv2", "channels, no normalization", 32, [1, 2, 4, 8], (-11, -5), 150, 32),
     "heads": Kind("heads", "head count (head dim 16)", 8, [1, 2, 4, 8], (-11, -4), 150, 32),
     "headdim": Kind(
@@ -105,7 +107,7 @@ KINDS = {
         150,
         32,
         head_policy="keep_head_count",
-    ),  # fmt: skip
+    ),
 }
 # kinds trained as one fused model per lr grid (hydro.fuse + hydro.optim.AdamW: exactly separate
 # training, tests/fusion), the first three were trained one run at a time
@@ -118,7 +120,7 @@ class MLP(nn.Module):
         self.net = nn.Sequential(
             nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, d_out),
-        )  # fmt: skip
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -135,7 +137,7 @@ class PlainCNN(nn.Module):
             nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1),
             nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(width, w2, 3, padding=1), nn.ReLU(),
             nn.Conv2d(w2, w2, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        )  # fmt: skip
+        )
         self.head = nn.Linear(w2, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,7 @@ def setup(kind: Kind, seed: int) -> tuple[nn.Module, dict, Callable]:
         torch.manual_seed(seed)
         if kind.name == "attention":
             return gpt(n_layer=1, n_head=2, n_embd=2 * kind.width, block_size=16), data, \
-                cross_entropy  # fmt: skip
+                cross_entropy
         # 8 heads of 16: ``heads`` cuts the head count (Hydro's default), ``headdim`` the dim
         return gpt(n_layer=1, n_head=8, n_embd=128, block_size=16), data, cross_entropy
     if kind.name == "linear":
@@ -193,7 +195,7 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train(model: nn.Module, lr: float, data: dict, batches: torch.Tensor, steps: int,
-          loss_of: Callable) -> float:  # fmt: skip
+          loss_of: Callable) -> float:
     """AdamW with muP groups, warm-up and cosine decay; the validation loss (NaN if diverged)."""
     opt = torch.optim.AdamW(hydro.parametrize.param_groups(model, lr=lr), betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps))
@@ -211,23 +213,23 @@ def train(model: nn.Module, lr: float, data: dict, batches: torch.Tensor, steps:
     with torch.no_grad():
         xv, yv = data["val"]
         total = sum(float(loss_of(model(xv[i : i + 256]), yv[i : i + 256])) * len(yv[i : i + 256])
-                    for i in range(0, len(yv), 256))  # fmt: skip
+                    for i in range(0, len(yv), 256))
     loss = total / len(yv)
     return loss if math.isfinite(loss) else float("nan")
 
 
 def train_fused(model: nn.Module, lrs: list[float], data: dict, batches: torch.Tensor,
-                steps: int) -> list[float]:  # fmt: skip
+                steps: int) -> list[float]:
     """``train`` for every learning rate at once: one fused model, ``hydro.optim.AdamW`` (the
     same muP multipliers as ``param_groups``) and per-trial warm-up + cosine; losses per lr."""
     n = len(lrs)
     fused = hydro.fuse([model] * n)
     opt = hydro.optim.AdamW(fused.parameters(), lr=lrs, betas=(0.9, 0.95), weight_decay=0.0,
-                            compile=False)  # fmt: skip
+                            compile=False)
     sched = hydro.optim.lr_scheduler.TrialScheduler(
         opt, lambda o, k: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(max(1, steps // 10),
                                                                        steps))
-    )  # fmt: skip
+    )
     loss_of = cross_entropy if data["train"][1].dtype == torch.long else F.mse_loss
     x, y = data["train"]
     fused.train()
@@ -240,10 +242,10 @@ def train_fused(model: nn.Module, lrs: list[float], data: dict, batches: torch.T
     with torch.no_grad():
         xv, yv = data["val"]
         total = sum(hydro.trial_loss(loss_of, fused(xv[i : i + 256]), yv[i : i + 256])
-                    * len(yv[i : i + 256]) for i in range(0, len(yv), 256))  # fmt: skip
+                    * len(yv[i : i + 256]) for i in range(0, len(yv), 256))
     out = (total / len(yv)).tolist()
     return [float("nan") if d or not math.isfinite(v) else v
-            for v, d in zip(out, fused.diverged.tolist())]  # fmt: skip
+            for v, d in zip(out, fused.diverged.tolist())]
 
 
 def cell(job: tuple[str, int, int]) -> tuple[str, int, int, list[float], float]:
@@ -257,7 +259,7 @@ def cell(job: tuple[str, int, int]) -> tuple[str, int, int, list[float], float]:
     g = torch.Generator().manual_seed(1000 + seed)  # one data order per seed, shared by all cells
     batches = torch.randint(len(data["train"][0]), (kind.steps, kind.batch), generator=g)
     sur = hydro.scale(target, ratio, example_inputs=example, seed=seed,
-                      head_policy=kind.head_policy)  # fmt: skip
+                      head_policy=kind.head_policy)
     start = time.perf_counter()
     lrs = [2.0**e for e in range(kind.lr_exp[0], kind.lr_exp[1] + 1)]
     if name in FUSED:
@@ -289,9 +291,9 @@ def report(name: str, cells: dict[int, dict[int, list[float]]]) -> tuple[str, in
     n = len(seeds)
     lines = [
         f"{name}: {kind.what}, target {kind.width}, median of {n} seed(s), "
-        f"lr grid 2^{kind.lr_exp[0]}..2^{kind.lr_exp[1]}",  # fmt: skip
+        f"lr grid 2^{kind.lr_exp[0]}..2^{kind.lr_exp[1]}",
         f"{'ratio':>5} {'width':>5}  "
-        + " ".join(f"{'2^' + str(round(math.log2(lr))):>6}" for lr in lrs)  # fmt: skip
+        + " ".join(f"{'2^' + str(round(math.log2(lr))):>6}" for lr in lrs)
         + "   best  shift  Spearman  transfers  target there",
     ]
     floor = None
@@ -303,7 +305,7 @@ def report(name: str, cells: dict[int, dict[int, list[float]]]) -> tuple[str, in
         there = med[1][int(np.nanargmin(med[r]))]
         lines.append(f"{r:>5} {kind.width // r:>5}  {cells}   2^{best:<3} {shift:+5d}  "
                      f"{rho:+8.3f}  {'yes' if ok else 'NO ':<9}  {there:.3f} "
-                     f"({there - np.nanmin(med[1]):+.3f})")  # fmt: skip
+                     f"({there - np.nanmin(med[1]):+.3f})")
         if ok:
             floor = kind.width // r
     lines.append(f"floor ({kind.what}): {floor}")
@@ -319,16 +321,16 @@ def main() -> None:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("width_floor.jsonl"),
+        default=RESULTS / "width_floor.jsonl",
         help="one line per finished cell; a rerun skips the cells found there",
     )
     p.add_argument("--report", action="store_true", help="only print the tables from --out")
     args = p.parse_args()
     # the slowest cells first, so that the pool does not end on one long cell
     cost = {"conv": 3, "conv2": 3, "attention": 2, "heads": 2, "headdim": 2, "linear": 1,
-            "linear2": 1}  # fmt: skip
+            "linear2": 1}
     jobs = sorted(((k, s, r) for s in range(args.first_seed, args.seeds) for k in args.kinds
-                   for r in KINDS[k].ratios), key=lambda j: (j[1], -cost[j[0]], j[2]))  # fmt: skip
+                   for r in KINDS[k].ratios), key=lambda j: (j[1], -cost[j[0]], j[2]))
     runs: dict[str, dict[int, dict]] = {k: {r: {} for r in KINDS[k].ratios} for k in args.kinds}
     secs: dict[str, dict[int, list]] = {k: {r: [] for r in KINDS[k].ratios} for k in args.kinds}
     done = set()
@@ -348,7 +350,7 @@ def main() -> None:
             out.write(json.dumps([name, seed, ratio, losses, sec]) + "\n")
             out.flush()
             print(f"{name} seed {seed} ratio {ratio}: {sec:.0f} s "
-                  f"(elapsed {time.time() - start:.0f} s)", flush=True)  # fmt: skip
+                  f"(elapsed {time.time() - start:.0f} s)", flush=True)
     print()
     floors = {}
     for name in args.kinds:

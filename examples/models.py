@@ -17,7 +17,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10),
-    )  # fmt: skip
+    )
 
 
 class ResNet(nn.Module):
@@ -26,13 +26,13 @@ class ResNet(nn.Module):
     def __init__(self, width: int = 64, num_classes: int = 10):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU())  # fmt: skip
+                                  nn.BatchNorm2d(width), nn.ReLU())
         self.body = nn.Sequential(
             nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False),
             nn.BatchNorm2d(2 * width), nn.ReLU(),
             nn.Conv2d(2 * width, 2 * width, 3, padding=1, bias=False),
             nn.BatchNorm2d(2 * width), nn.ReLU(),
-        )  # fmt: skip
+        )
         self.head = nn.Linear(2 * width, num_classes)
 
     def forward(self, x):

@@ -51,7 +51,7 @@ def _model_and_inputs(spec: str) -> tuple[nn.Module, tuple[Any, ...] | None]:
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         return made[0], tuple(made[1])
     raise ConfigError(f"{spec} returned {type(made).__name__}; it must return an nn.Module or "
-                      "a (model, example_inputs) pair")  # fmt: skip
+                      "a (model, example_inputs) pair")
 
 
 def _ratios(text: str) -> list[int]:
@@ -98,7 +98,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     model, inputs, kwargs = factory_inputs(load_callable(args.model)(), args.model)
     report = inspect(model, args.ratio, example_inputs=inputs, example_kwargs=kwargs,
                      head_policy=args.head_policy, depth_ratio=args.depth_ratio,
-                     depth_alpha=args.depth_alpha)  # fmt: skip
+                     depth_alpha=args.depth_alpha)
     print(report)
     if args.json:
         from hydro.files import write_text
@@ -125,13 +125,13 @@ def cmd_coord_check(args: argparse.Namespace) -> int:
             torch.randint(0, _vocab(model), (8, 16)) if x.dtype == torch.long
             else torch.randn(8, *x.shape[1:])
             for x in inputs
-        )  # fmt: skip
+        )
     with torch.no_grad():
         out = model(*inputs)
     target, loss = _synthetic_task(out)
     result = coord_check(model, inputs, target, loss, ratios=_ratios(args.ratios),
                          steps=args.steps, lr=args.lr, optimizer=args.optimizer,
-                         parametrization=args.parametrization, seed=args.seed)  # fmt: skip
+                         parametrization=args.parametrization, seed=args.seed)
     check_writable(args.output, "plot file")
     print(result)
     passed, line = result.verdict(args.threshold)
@@ -208,18 +208,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.output:
         check_writable(args.output, "output file (-o)")  # before the study runs, not after
     given = {meta["config"]: getattr(args, name, None) for name, _, meta in TuneOptions.rows()
-             if meta["flag"] and meta["config"]}  # fmt: skip
+             if meta["flag"] and meta["config"]}
     cfg = config_module.load(args.config, trust=args.trust, steps=args.steps, cache=args.cache,
-                             **given)  # fmt: skip
+                             **given)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     _say_hydro_lines()
     options = cfg.options(progress=args.progress)
     where = f"study '{cfg.study}' of {cfg.storage or DEFAULT_STORAGE}"
     args.resume_hint = f"the finished trials are saved in {where}: run the same command " \
-        "again to resume"  # fmt: skip
+        "again to resume"
     try:
         result = run(cfg.task, cfg.space, options, say=lambda line: print(line, file=sys.stderr),
-                     data_source=cfg.data_source, door="cli")  # fmt: skip
+                     data_source=cfg.data_source, door="cli")
     except HydroError as exc:  # name the file, as for any other mistake in it
         if getattr(exc, "_hydro_task", False):
             raise type(exc)(f"{cfg.path}: task: {exc}") from exc
@@ -230,7 +230,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if result.verification:
         v = result.verification
         print(f"verified top {len(v['configs'])} on the full model: winner trial {v['winner']}, "
-              f"rank agreement (Spearman) {v['spearman']}")  # fmt: skip
+              f"rank agreement (Spearman) {v['spearman']}")
     if args.output:
         result.export(args.output)
         print(f"wrote {args.output}")
@@ -245,7 +245,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     data = export(study, args.output, verification=study.user_attrs.get("hydro_verification"))
     prov = data["provenance"]
     print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}, value "
-          f"{prov['surrogate_value']:.6g}")  # fmt: skip
+          f"{prov['surrogate_value']:.6g}")
     return 0
 
 
@@ -291,7 +291,7 @@ def find_storage(storage: str | None, folder: str = ".") -> str:
     return storage
 
 
-def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
+def _load_study(storage: str | None, name: str | None):
     import optuna
 
     from hydro.errors import StorageError
@@ -303,17 +303,17 @@ def _load_study(storage: str | None, name: str | None):  # noqa: ANN202
         names = optuna.get_all_study_names(storage=opened)
     except (StorageError, ConfigError):
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise cannot_open(url, exc) from exc
     if name is None:
         if len(names) != 1:
             listed = ", ".join(names) or "none"
             raise ConfigError(f"storage {url!r} holds {len(names)} studies ({listed}): name one "
-                              "with --study")  # fmt: skip
+                              "with --study")
         name = names[0]
     if name not in names:
         raise ConfigError(f"storage {url!r} has no study named {name!r}; it has: "
-                          f"{', '.join(names) or 'none'}")  # fmt: skip
+                          f"{', '.join(names) or 'none'}")
     return optuna.load_study(study_name=name, storage=opened)
 
 
@@ -326,7 +326,7 @@ def _vocab(model: nn.Module) -> int:
 
 PARSERS: dict[str, Any] = {"count": _count(1), "count0": _count(0), "ratio": _ratio,
                            "first_group": _first_group, "int": int, "float": float, "str": str,
-                           "compile": str, "policy": str}  # fmt: skip
+                           "compile": str, "policy": str}
 
 
 def _option_flags(p: argparse.ArgumentParser) -> None:
@@ -336,17 +336,17 @@ def _option_flags(p: argparse.ArgumentParser) -> None:
         if not meta["flag"]:
             continue
         shown = "none" if default is None else str(default).lower() \
-            if isinstance(default, bool) else default  # fmt: skip
+            if isinstance(default, bool) else default
         text = f"{meta['help']} (default: the config's, else {shown})".replace("%", "%%")
         if meta["kind"] == "flag":
             p.add_argument(meta["flag"], dest=name, action="store_const", const=True,
-                           default=None, help=text)  # fmt: skip
+                           default=None, help=text)
             continue
         choices = meta["choices"]
         if meta["kind"] == "policy":  # the registry's (hydro_fluid.policies), standard library
             choices, text = policy_names(), f"{text}. {policy_help()}"
         p.add_argument(meta["flag"], dest=name, type=PARSERS[meta["kind"]], default=None,
-                       choices=choices, help=text)  # fmt: skip
+                       choices=choices, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,16 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="the YAML config file (see docs/tuning.md)")
     _option_flags(p)
     p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
-                   "config's task.steps)")  # fmt: skip
+                   "config's task.steps)")
     p.add_argument("--no-cache", dest="cache", action="store_const", const=False,
                    help="capture the model afresh and write nothing to the capture cache "
-                   "(overrides the config's task.cache; HYDRO_CACHE=0 does the same)")  # fmt: skip
+                   "(overrides the config's task.cache; HYDRO_CACHE=0 does the same)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar or lines, no table of the best trials")  # fmt: skip
+                   help="no progress bar or lines, no table of the best trials")
     p.add_argument("--trust", action="append", default=[], metavar="PACKAGE",
                    help="an installed package whose callables the config may name, besides "
                    "your own code (repeatable; adds to the config's trust list; docs/cli.md, "
-                   "'A config is code')")  # fmt: skip
+                   "'A config is code')")
     p.add_argument("-o", "--output", help="also export the best hyperparameters here")
     p.set_defaults(func=cmd_tune)
 
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
     p.add_argument("model", help="module:callable returning the model, or (model, args), "
-                   "(model, {kwargs}) or (model, args, kwargs)")  # fmt: skip
+                   "(model, {kwargs}) or (model, args, kwargs)")
     p.add_argument(
         "--ratio",
         type=_ratio,
@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         "most 4 with attention)",
     )
     p.add_argument("--head-policy", default="keep_head_dim",
-                   choices=["keep_head_dim", "keep_head_count"])  # fmt: skip
+                   choices=["keep_head_dim", "keep_head_count"])
     p.add_argument("--depth-ratio", type=int, default=1, help="keep every k-th repeated block")
     p.add_argument("--depth-alpha", type=float, default=1.0, help="1: CompleteP, 0.5: Depth-muP")
     p.add_argument("--json", help="also write the plan as JSON to this file")
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threshold", type=float, default=2.0,
                    help="pass when the worst hidden layer's spread (largest / smallest mean "
-                   "activation across widths) at the last step is below this")  # fmt: skip
+                   "activation across widths) at the last step is below this")
     p.add_argument("-o", "--output", default="coord_check.png", help="plot file (PNG)")
     p.set_defaults(func=cmd_coord_check)
     return parser
@@ -425,14 +425,14 @@ def check_args(args: argparse.Namespace) -> None:
     if args.command == "tune":
         if not os.path.exists(args.config):
             raise ConfigError(f"config file {args.config!r} does not exist: name a YAML config "
-                              "(see docs/tuning.md), e.g. examples/charlm/tune.yaml")  # fmt: skip
+                              "(see docs/tuning.md), e.g. examples/charlm/tune.yaml")
         if os.path.isdir(args.config):
             raise ConfigError(f"config file {args.config!r} is a directory: name the YAML file "
-                              f"in it, e.g. {args.config}/tune.yaml")  # fmt: skip
+                              f"in it, e.g. {args.config}/tune.yaml")
     if args.command == "coord-check":
         if args.threshold <= 1:
             raise ConfigError(f"--threshold must be above 1 (a ratio of activation sizes), got "
-                              f"{args.threshold}")  # fmt: skip
+                              f"{args.threshold}")
         _ratios(args.ratios)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx
@@ -21,6 +21,9 @@ from hydro.fx.capture import capture
 from hydro.fx.paths import get_path
 from hydro.fx.widths import flat_inputs, op_name
 from hydro.scaling import scale
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -83,9 +86,9 @@ class CoordCheckResult:
             for t in range(self.steps):
                 rows.append([layer, str(t)]
                             + [f"{self.sizes[r][layer][t]:.3g}" for r in self.ratios]
-                            + [f"{self.spread(layer, t):.2f}"])  # fmt: skip
+                            + [f"{self.spread(layer, t):.2f}"])
         cols = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-        fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))  # noqa: E731
+        fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, cols))
         return "\n".join([fmt(head), fmt(["-" * w for w in cols]), *map(fmt, rows)])
 
     def kind(self, layer: str) -> str:
@@ -100,7 +103,7 @@ class CoordCheckResult:
         role = self.roles.get(layer, "?")
         return "output (logits)" if role == "output" else f"{family} ({role})"
 
-    def plot(self, path: str | None = None, threshold: float = 2.0, per_panel: int = 6):  # noqa: ANN201 - Figure
+    def plot(self, path: str | None = None, threshold: float = 2.0, per_panel: int = 6) -> Figure:
         """Activation size against width at the last step, one panel per layer kind (at most
         ``per_panel`` lines each: the layers with the largest spread, named), then the spread
         per step of the worst layers against the ``threshold`` of :meth:`verdict`."""
@@ -114,7 +117,7 @@ class CoordCheckResult:
             LogLocator,
             NullFormatter,
             NullLocator,
-        )  # fmt: skip
+        )
 
         last = self.steps - 1
         layers = list(self.sizes[self.ratios[0]])
@@ -126,7 +129,7 @@ class CoordCheckResult:
         cols = min(panels, 4)
         rows = -(-panels // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows + 0.6),
-                                 squeeze=False)  # fmt: skip
+                                 squeeze=False)
         axes = [ax for row in axes for ax in row]
         colors = plt.get_cmap("tab10")
         judged = set(self.hidden_layers())
@@ -135,7 +138,7 @@ class CoordCheckResult:
             for i, layer in enumerate(worst):
                 ax.plot(widths, [self.sizes[r][layer][last] for r in self.ratios], marker="o",
                         color=colors(i), ls="-" if layer in judged else ":",
-                        label=f"{layer} ({self.spread(layer, last):.2f})")  # fmt: skip
+                        label=f"{layer} ({self.spread(layer, last):.2f})")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             # at least a factor 4 top to bottom: a flat line looks flat, not steep noise
@@ -160,10 +163,10 @@ class CoordCheckResult:
         order = sorted(judged or layers, key=lambda n: -self.spread(n, last))[:per_panel]
         for i, layer in enumerate(order):
             ax.plot(range(self.steps), [self.spread(layer, t) for t in range(self.steps)],
-                    marker="o", color=colors(i), label=layer)  # fmt: skip
+                    marker="o", color=colors(i), label=layer)
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"threshold {threshold:g}")
         ax.set(title="spread (max/min across widths),\nworst judged layers", xlabel="step",
-               ylabel="spread")  # fmt: skip
+               ylabel="spread")
         ax.set_xticks(range(self.steps))
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
@@ -219,7 +222,7 @@ def coord_check(
     model = capture(model, example_inputs)  # once: every ratio scales the same graphs
     for ratio in ratios:
         sur = scale(model, ratio, example_inputs=example_inputs, seed=seed,
-                    parametrization=parametrization)  # fmt: skip
+                    parametrization=parametrization)
         gm = sur.graphs["train"]
         layers = _layers(sur, gm)
         roles = sur.hydro.roles
@@ -229,7 +232,7 @@ def coord_check(
         hidden = [
             s for n, s in sur.hydro.target_shapes.items()
             if roles.get(n) == "hidden" and len(s) >= 2
-        ]  # fmt: skip
+        ]
         result.widths[ratio] = (max(s[0] for s in hidden) if hidden else 1) // ratio
         record: dict[str, list[float]] = {name: [] for name, _ in dict.fromkeys(layers.values())}
         kind = "sgd" if optimizer == "sgd" else "adam"
@@ -248,7 +251,7 @@ def coord_check(
 
 _LAYER_OPS = {"linear", "addmm", "mm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
               "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding",
-              "layer_norm", "batch_norm", "group_norm", "rms_norm"}  # fmt: skip
+              "layer_norm", "batch_norm", "group_norm", "rms_norm"}
 
 
 def _layers(sur: nn.Module, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[str, str]]:
@@ -273,7 +276,7 @@ def _layers(sur: nn.Module, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tup
 class _Recording(torch.fx.Interpreter):
     """Runs a surrogate's graph (with autograd), recording each layer's mean |activation|."""
 
-    def __init__(self, root, gm, layers, record) -> None:  # noqa: ANN001
+    def __init__(self, root, gm, layers, record) -> None:
         super().__init__(root, graph=gm.graph)
         self.gm, self.layers, self.record = gm, layers, record
 

@@ -19,11 +19,11 @@ from hydro.fx.widths import HeadPolicy, op_name, propagate
 from hydro.scaling import build, guess_inputs
 
 _FACTORY_FORMS = ("a model, (model, (x, ...)), (model, {'input_ids': x, ...}) or "
-                  "(model, (x, ...), {'input_ids': x, ...})")  # fmt: skip
+                  "(model, (x, ...), {'input_ids': x, ...})")
 
 
 def factory_inputs(made: Any, spec: str) -> tuple[nn.Module, tuple[Any, ...] | None,
-                                                   dict[str, Any] | None]:  # fmt: skip
+                                                   dict[str, Any] | None]:
     """``(model, args, kwargs)`` from what a ``hydro inspect`` model factory returned.
 
     A factory returns the model alone (Hydro guesses one input, where the model takes a single
@@ -49,7 +49,7 @@ def factory_inputs(made: Any, spec: str) -> tuple[nn.Module, tuple[Any, ...] | N
     if not ok:
         shown = ", ".join(type(p).__name__ for p in parts)
         raise ConfigError(f"{spec} returned ({shown}); a model factory for `hydro inspect` "
-                          f"returns {_FACTORY_FORMS}")  # fmt: skip
+                          f"returns {_FACTORY_FORMS}")
     model = parts[0]
     if args is None and kwargs is None:
         try:
@@ -122,21 +122,21 @@ class InspectReport:
             "floors": [vars(lw) | {"below": lw.below} for lw in self.floors],
             "auto": self.auto,
             "rotary": self.rotary,
-        }  # fmt: skip
+        }
 
     def __str__(self) -> str:
         header = ("module", "kind", "role", "target", "surrogate", "params", "sur params",
-                  "FLOPs", "sur FLOPs", "floor")  # fmt: skip
+                  "FLOPs", "sur FLOPs", "floor")
         body = [
             (r.path, r.kind, r.role, _shape(r.target_shape), _shape(r.surrogate_shape),
              _num(r.target_params), _num(r.surrogate_params), _num(r.target_flops),
              _num(r.surrogate_flops), _floor(r, self.floors))
             for r in self.rows
-        ]  # fmt: skip
+        ]
         t = self.totals
         body.append(("total", "", "", "", "", _num(t["target_params"]),
                      _num(t["surrogate_params"]), _num(t["target_flops"]),
-                     _num(t["surrogate_flops"]), ""))  # fmt: skip
+                     _num(t["surrogate_flops"]), ""))
         widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *body]]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -144,13 +144,13 @@ class InspectReport:
         p = t["target_params"] / max(1, t["surrogate_params"])
         f = t["target_flops"] / max(1, t["surrogate_flops"])
         lines.append(f"ratio {self.ratio}: {p:.1f}x fewer parameters, {f:.1f}x fewer FLOPs "
-                     "per forward pass (matmul-like ops)")  # fmt: skip
+                     "per forward pass (matmul-like ops)")
         lines += [self.auto] if self.auto else []
         below = [lw for lw in self.floors if lw.below]
         closest = bounding(self.floors)
         if below:
             lines.append(f"below the width floor ({len(below)} layers; the learning rate may not "
-                         f"transfer): " + "; ".join(map(str, below[:4])))  # fmt: skip
+                         f"transfer): " + "; ".join(map(str, below[:4])))
         elif closest is not None:
             lines.append(f"width floor: closest to it (bounds the ratio) {closest}")
         lines += [f"attention: {d}" for d in self.head_decisions]
@@ -164,7 +164,7 @@ class InspectReport:
             for name, dim, size in self.kept
         ]
         lines += [f"kept whole: {what} ({size}), a hidden width: {why}"
-                  for what, size, why in self.pinned]  # fmt: skip
+                  for what, size, why in self.pinned]
         return "\n".join(lines)
 
 
@@ -206,7 +206,7 @@ def inspect(
     """
     scaled = build(model, ratio, example_inputs=example_inputs, example_kwargs=example_kwargs,
                    head_policy=head_policy, depth_ratio=depth_ratio,
-                   depth_alpha=depth_alpha)  # fmt: skip
+                   depth_alpha=depth_alpha)
     sur, plan = scaled.surrogate, scaled.plan
     mode = "train" if "train" in sur.graphs else next(iter(sur.graphs))
     sur_values = propagate(sur, sur.graphs[mode], scaled.inputs, scaled.kwargs)
@@ -215,7 +215,7 @@ def inspect(
                            kept=list(plan.kept), pinned=list(plan.pinned),
                            depth_ratio=depth_ratio,
                            stacks=list(sur.hydro.stacks),
-                           depth_multipliers=dict(sur.hydro.depth_multipliers))  # fmt: skip
+                           depth_multipliers=dict(sur.hydro.depth_multipliers))
     roles = sur.hydro.roles
     target_graph = scaled.captured.graphs[mode].graph
     flops: dict[int, tuple[int, int]] = {}  # per parameter id: (target, surrogate) FLOPs
@@ -249,7 +249,7 @@ def inspect(
             tuple(sur_params[main_name].shape) if main_name in sur_params else (),
             sum(p.numel() for _, p in params),
             sum(sur_params[n].numel() for n, _ in params if n in sur_params), f_t, f_s,
-        ))  # fmt: skip
+        ))
     for node in target_graph.nodes:  # attention and products of activations
         if node.op != "call_function" or node in counted_nodes:
             continue
@@ -262,7 +262,7 @@ def inspect(
                 f"{owner[0]}:{node.name}" if owner and owner[0] else node.name, op_name(node), "-",
                 tuple(getattr(out_t, "shape", ())), tuple(getattr(out_s, "shape", ())), 0, 0,
                 f_t, _flops(scaled.node_map[node], sur_values),
-            ))  # fmt: skip
+            ))
     report.floors = layer_widths(plan)
     report.auto = str(sur.hydro.auto) if sur.hydro.auto else None
     report.rotary = [str(table) for table in plan.rotary.values()]
@@ -270,7 +270,7 @@ def inspect(
     by_path = {lw.path: lw.floor for lw in report.floors}
     for row in report.rows:
         row.floor = by_path.get(row.path.split(":")[0] if row.kind == "scaled_dot_product_attention"
-                                else row.path)  # fmt: skip
+                                else row.path)
     return report
 
 
@@ -283,7 +283,7 @@ def _stack_line(st: Any) -> str:
     if st.siblings:
         after += f" (one loop body with {', '.join(repr(s) for s in st.siblings)})"
     return (f"depth: stack '{st.path}' keeps {len(st.kept)} of {len(st.blocks)} blocks "
-            f"({', '.join(st.kept)}){after}, residual branches x {st.multiplier:g}")  # fmt: skip
+            f"({', '.join(st.kept)}){after}, residual branches x {st.multiplier:g}")
 
 
 def _removed_flops(model: nn.Module, stacks: list, flops: dict[int, tuple[int, int]]) -> None:

@@ -434,7 +434,7 @@ READOUT = "mup_readout"
 
 def _insert_readout_multipliers(
     sur, plan, node_map, readouts, info: SurrogateInfo, always: bool = False
-) -> None:  # noqa: ANN001
+) -> None:
     """Multiply each readout's input by a 0-dim buffer (``mup_readout.scale``).
 
     A buffer rather than a literal: a fused group gives each trial its own value (the
@@ -450,7 +450,7 @@ def _insert_readout_multipliers(
             module = READOUT if not names else f"{READOUT}_{len(names)}"
             holder = nn.Module()
             dtype = next((p.dtype for p in sur.parameters() if p.is_floating_point()),
-                         torch.float32)  # fmt: skip
+                         torch.float32)
             holder.register_buffer("scale", torch.tensor(value, dtype=dtype), persistent=False)
             sur.add_module(module, holder)
             for gm in sur.graphs.values():  # get_attr resolves on the owning graph module too

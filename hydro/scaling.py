@@ -122,7 +122,7 @@ def scale(
         head_policy=head_policy, output_mult=output_mult, seed=seed,
         parametrization=parametrization, depth_ratio=depth_ratio, depth_alpha=depth_alpha,
         dynamic=dynamic,
-    )  # fmt: skip
+    )
     d = scaled.depth
     cut = d is not None and d.depth_ratio > 1 and bool(d.stacks)
     if ratio != "auto" and ratio > 1 and not scaled.plan.width and not cut:
@@ -131,7 +131,7 @@ def scale(
             f"scale(ratio={ratio}): every width of {type(model).__name__} is fixed by its "
             "inputs or outputs (input features, classes, vocabulary), so no width is cut and "
             "the surrogate costs what the model does; scale a model with hidden layers"
-        ), stacklevel=2)  # fmt: skip
+        ), stacklevel=2)
     return scaled.surrogate
 
 
@@ -230,7 +230,7 @@ def build(
         options = {"ratio": ratio, "head_policy": head_policy, "output_mult": output_mult,
                    "parametrization": parametrization, "always_readout": always_readout,
                    "depth_ratio": depth_ratio, "depth_alpha": depth_alpha,
-                   "on_meta": on_meta}  # fmt: skip
+                   "on_meta": on_meta}
         akey = _cache.analysis_key(cap, run_inputs, run_kwargs, options)
     cap, depth_plan = depth.cut(cap, model, depth_ratio, depth_alpha)
     if parametrization == "mup":
@@ -244,7 +244,7 @@ def build(
         stored = _cache.load_analysis(akey, cap) if akey else None
         values = stored if stored is not None else fake_run(cap, run_inputs, run_kwargs)
         plan = analyze(cap, run_inputs, run_kwargs, ratio, head_policy=head_policy,
-                       values=values)  # fmt: skip
+                       values=values)
         auto = None
         if parametrization == "mup":  # a naive (sp) model is not meant to transfer anyway
             floor.warn_below(plan, stacklevel=4)
@@ -253,7 +253,7 @@ def build(
     info = parametrize.apply(
         sur, model, plan, node_map, new_tensors, output_mult=output_mult, seed=seed,
         standard=parametrization == "sp", always_readout=always_readout,
-    )  # fmt: skip
+    )
     _apply_depth(sur, depth_plan, node_map, info, standard=parametrization == "sp")
     removed = [b for st in depth_plan.stacks if st.cut for b in st.blocks if b not in st.kept]
     modules.adopt(sur, model, removed, plan)  # the user's classes and names, scaled widths
@@ -288,7 +288,7 @@ def _apply_depth(
 
 def _to_meta(x: Any) -> Any:
     return torch.utils._pytree.tree_map(
-        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, x)  # fmt: skip
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, x)
 
 
 _FIRST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
@@ -299,7 +299,7 @@ def guess_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
     (the first such layer it registers says the shape)."""
     params = pyinspect.signature(model.forward).parameters.values()
     required = [p for p in params if p.default is p.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     first = next((m for m in model.modules() if isinstance(m, _FIRST_LAYERS)), None)
     if len(required) != 1 or first is None:
         raise ScaleError(
@@ -338,7 +338,7 @@ def _rebuild(
         graph = _copy(gm.graph, node_map)
         for node in gm.graph.nodes:
             if node.op == "get_attr" and isinstance(getattr(cap, node.target, None),
-                                                    torch.fx.GraphModule):  # fmt: skip
+                                                    torch.fx.GraphModule):
                 sub = getattr(cap, node.target)
                 sub_graph = _copy(sub.graph, node_map)
                 subs[node.target] = torch.fx.GraphModule(sub, sub_graph, type(sub).__name__)
@@ -366,7 +366,7 @@ def _rebuild(
         n for n, _ in cap.named_buffers(remove_duplicate=False) if n not in persistent
     }
     sur = Captured(graphs, f"{cap.captured_name}Surrogate", state=holder,
-                   non_persistent=non_persistent)  # fmt: skip
+                   non_persistent=non_persistent)
     sur.train(model.training)
     return sur, node_map, new_tensors
 
@@ -385,7 +385,7 @@ def _copy(graph: torch.fx.Graph, node_map: dict) -> torch.fx.Graph:
     return new
 
 
-def _put(root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent=True) -> None:  # noqa: ANN001
+def _put(root: nn.Module, path: str, value: torch.Tensor, kind: str, persistent=True) -> None:
     *parents, leaf = path.split(".")
     mod = root
     for part in parents:
@@ -410,7 +410,7 @@ def _new_tensor(t: torch.Tensor, plan: WidthPlan, cache: dict[int, torch.Tensor]
             new = nn.Parameter(new, requires_grad=t.requires_grad)
     elif isinstance(t, nn.Parameter):
         new = nn.Parameter(torch.empty(new_shape, dtype=t.dtype, device=device),
-                           requires_grad=t.requires_grad)  # fmt: skip
+                           requires_grad=t.requires_grad)
     elif tuple(old_shape) == tuple(new_shape):
         new = t.detach().clone()
     elif id(t) in plan.rotary:  # frequencies of the surrogate's own head dim, same base
@@ -481,7 +481,7 @@ def _rewrite_literals(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -
             if is_int(start) and is_int(step):
                 set_arg(new, "end", start + length * step)
     elif name in ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
-                  "conv_transpose2d", "conv_transpose3d"):  # fmt: skip
+                  "conv_transpose2d", "conv_transpose3d"):
         x = plan.node_syms[b["input"]]
         if b.get("groups", 1) > 1 and b["groups"] == plan.sizes[x[1]]:  # depthwise
             set_arg(new, "groups", plan.new_dim(x[1]))
@@ -497,7 +497,7 @@ def _rewrite_literals(old: torch.fx.Node, new: torch.fx.Node, plan: WidthPlan) -
             if isinstance(base, torch.fx.Node):
                 raise ScaleError(f"{describe(old)}: a computed attention scale cannot be "
                                  "corrected for a smaller head dim; use a ratio that divides "
-                                 "the head count")  # fmt: skip
+                                 "the head count")
             new.update_kwarg("scale", base * d_old / d_new)  # muP 1/d, relative to the target
 
 
@@ -521,13 +521,13 @@ def _rewrite_int(node: torch.fx.Node, want: int, plan: WidthPlan) -> None:
     # the outermost literal where it scales to a whole number (it is this size's alone); an
     # inner one only where no other size reads its product
     fits = [(k, m) for i, (m, k) in enumerate(chain)
-            if (k * new_total) % old_total == 0 and (i == 0 or len(m.users) == 1)]  # fmt: skip
+            if (k * new_total) % old_total == 0 and (i == 0 or len(m.users) == 1)]
     if fits:
         k, m = fits[0]
         plan.int_rewrites[m] = k * new_total // old_total
 
 
-def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:  # noqa: ANN001
+def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:
     x = plan.node_syms[b["self"]]
     dim = b.get("dim", 0) % len(x)
     whole, new_whole = plan.sizes[x[dim]], plan.new_dim(x[dim])
@@ -541,7 +541,7 @@ def _rewrite_slice(old, new, plan: WidthPlan, b: dict, name: str) -> None:  # no
         v = v + whole if v < 0 else v
         if (v * new_whole) % whole:
             raise ScaleError(f"{describe(old)}: a slice at {v} of {whole} does not scale to a "
-                             f"whole index at width {new_whole}")  # fmt: skip
+                             f"whole index at width {new_whole}")
         return v * new_whole // whole
 
     if name == "narrow":
@@ -583,7 +583,7 @@ def _check(
     broken = indexing.out_of_range(sur, values, by_new.get, indexing.sym_size(plan))
     if broken is not None:
         raise ScaleError(f"{describe(broken[0])} {broken[1]} at ratio {plan.ratio}. Report this "
-                         "model: width analysis should have kept that table whole")  # fmt: skip
+                         "model: width analysis should have kept that table whole")
     for new, value in values.items():
         old = by_new.get(new)
         syms = plan.node_syms.get(old) if old is not None else None

@@ -146,7 +146,7 @@ class Placer:
 
     def observe(self, name: str, steps: int, live: int, seconds_per_step: float,
                 utilization: float, score: float | None = None,
-                memory: float | None = None) -> bool:  # fmt: skip
+                memory: float | None = None) -> bool:
         """Record a worker's progress; ``True`` when the group thinned out (a placement event)."""
         seen = self.measured.get(name)
         if seen is None:
@@ -203,7 +203,7 @@ class Placer:
         for name, slots in self.running.items():
             fill = self._fill(name)
             if len(slots) == 1 and fill < 1:
-                (dev, share), = slots  # fmt: skip
+                (dev, share), = slots
                 slots = ((dev, max(share * fill, 1 / self.c)),)
             out[name] = slots
         return out
@@ -216,7 +216,7 @@ class Placer:
         state = PlacementState(groups, self.devices, self._effective(), c=self.c,
                                d=self.d if self.widen else 1, now=self.clock(),
                                start=self.start, end=self.end,
-                               restart_cost=self.restart_cost)  # fmt: skip
+                               restart_cost=self.restart_cost)
         return self.rule.allocate(state)
 
     def room(self) -> float:

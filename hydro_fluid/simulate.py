@@ -276,10 +276,10 @@ def _decide(rule: Policy, c: int, d: int, restart_cost: float, end: float | None
         raise ConfigError(f"policy={rule.name!r} needs end=<deadline in seconds>.")
 
     def decide(now: float, ready: list[TrialGroup], devices: list[Device],
-               running: Allocation) -> Allocation:  # fmt: skip
+               running: Allocation) -> Allocation:
         return rule.allocate(PlacementState(ready, devices, running, c=c, d=d, now=now,
                                             start=0.0, end=end,
-                                            restart_cost=restart_cost))  # fmt: skip
+                                            restart_cost=restart_cost))
 
     return decide
 

@@ -1,4 +1,4 @@
-"""The model of tests/test_capture_cache.py, in a module pytest does not rewrite (its assertion
+"""The model of tests/fx/test_cache.py, in a module pytest does not rewrite (its assertion
 rewriting changes a test module's code, and a key follows the code a process runs)."""
 
 from __future__ import annotations

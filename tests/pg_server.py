@@ -42,7 +42,7 @@ def missing() -> str | None:
     """Why no server can be started here, or None."""
     if bindir() is None:
         return ("the PostgreSQL server binaries (initdb, pg_ctl) are not installed: "
-                "apt-get install postgresql (.ci/run does)")  # fmt: skip
+                "apt-get install postgresql (.ci/run does)")
     if os.geteuid() == 0:
         try:
             pwd.getpwnam(USER)
@@ -79,26 +79,26 @@ class Server:
 
     def _run(self, *cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run([*self.as_user, *cmd], capture_output=True, text=True,
-                              timeout=self.timeout + 30, cwd=self.dir)  # fmt: skip
+                              timeout=self.timeout + 30, cwd=self.dir)
 
     def start(self) -> Server:
         """initdb, then start on a free port (another one if that port was taken meanwhile)."""
         done = self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", USER, "-A", "trust",
-                         "-E", "UTF8", "--locale=C", "--no-sync")  # fmt: skip
+                         "-E", "UTF8", "--locale=C", "--no-sync")
         if done.returncode:
             raise RuntimeError(f"initdb failed: {done.stderr or done.stdout}")
         for _ in range(5):
             self.port = _free_port()
             # durability off: the data are a test's, and fsync on a busy disk costs seconds
             opts = (f"-h 127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off "
-                    "-c synchronous_commit=off -c full_page_writes=off")  # fmt: skip
+                    "-c synchronous_commit=off -c full_page_writes=off")
             done = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l",
                              str(self.dir / "server.log"), "-w", "-t", str(int(self.timeout)),
-                             "-o", opts, "start")  # fmt: skip
+                             "-o", opts, "start")
             if done.returncode == 0:
                 return self
         log = (self.dir / "server.log").read_text()[-2000:] if (self.dir / "server.log").exists() \
-            else ""  # fmt: skip
+            else ""
         raise RuntimeError(f"PostgreSQL did not start: {done.stderr or done.stdout}\n{log}")
 
     def url(self, db: str) -> str:
@@ -109,7 +109,7 @@ class Server:
         """Create database ``db`` with the client tool a user runs; returns its URL."""
         done = subprocess.run([str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port),
                                "-U", USER, db], capture_output=True, text=True,
-                              timeout=self.timeout)  # fmt: skip
+                              timeout=self.timeout)
         if done.returncode:
             raise RuntimeError(f"createdb {db} failed: {done.stderr}")
         return self.url(db)

@@ -80,7 +80,7 @@ class NanoAttention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
                 is_causal=True,
-            )  # fmt: skip
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
@@ -143,7 +143,7 @@ class NanoGPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):  # noqa: ANN201
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         device = idx.device
         b, t = idx.size()
         assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"
@@ -218,14 +218,14 @@ def _hf_lm(kind: str) -> Builder:
             cfg = T.GPT2Config(
                 vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                 bos_token_id=0, eos_token_id=0, use_cache=False,
-            )  # fmt: skip
+            )
             model = T.GPT2LMHeadModel(cfg)
         else:
             cfg = T.LlamaConfig(
                 vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=32,
                 bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
-            )  # fmt: skip
+            )
             model = T.LlamaForCausalLM(cfg)
 
         def batch(b: int, g: torch.Generator) -> Batch:
@@ -243,7 +243,7 @@ def hf_bert() -> tuple[nn.Module, Callable]:
     cfg = T.BertConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=32, num_labels=3, pad_token_id=0,
-    )  # fmt: skip
+    )
     model = T.BertForSequenceClassification(cfg)
 
     def batch(b: int, g: torch.Generator) -> Batch:
@@ -262,7 +262,7 @@ def hf_vit() -> tuple[nn.Module, Callable]:
     cfg = T.ViTConfig(
         image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, num_labels=5,
-    )  # fmt: skip
+    )
     model = T.ViTForImageClassification(cfg)
 
     def batch(b: int, g: torch.Generator) -> Batch:
@@ -286,7 +286,7 @@ def timm_available() -> bool:
 
 
 def _timm(name: str, size: int, stages: tuple[int, ...] | None = None,
-          **kwargs: object) -> Builder:  # fmt: skip
+          **kwargs: object) -> Builder:
     """timm's ``name`` for ``size`` x ``size`` images; ``stages``: how many blocks of each stage
     of ``model.blocks`` to keep (the first ones), for the deep CNNs whose repeated blocks are
     the same code at the same widths as the block before them: fewer of them test nothing less
@@ -347,7 +347,7 @@ def sized(name: str, width: int, heads: int, seq: int) -> tuple[nn.Module, Calla
     (for ``hf_vit``: ``seq`` patches of 4 pixels per side)."""
     if name == "nanogpt":
         model: nn.Module = NanoGPT(NanoConfig(block_size=max(seq, 16), n_layer=1, n_head=heads,
-                                              n_embd=width))  # fmt: skip
+                                              n_embd=width))
 
         def with_targets(b: int, g: torch.Generator) -> Batch:
             x = _ids(b, g, seq)
@@ -367,7 +367,7 @@ def sized(name: str, width: int, heads: int, seq: int) -> tuple[nn.Module, Calla
         side = 4 * math.isqrt(seq)
         cfg = T.ViTConfig(image_size=side, patch_size=4, hidden_size=width, num_hidden_layers=1,
                           num_attention_heads=heads, intermediate_size=2 * width,
-                          num_labels=5)  # fmt: skip
+                          num_labels=5)
 
         def pixels(b: int, g: torch.Generator) -> Batch:
             x = torch.randn(b, 3, side, side, generator=g)
@@ -375,20 +375,20 @@ def sized(name: str, width: int, heads: int, seq: int) -> tuple[nn.Module, Calla
 
         return T.ViTForImageClassification(cfg), pixels
     common = dict(vocab_size=VOCAB, num_hidden_layers=1, num_attention_heads=heads,
-                  hidden_size=width, intermediate_size=2 * width)  # fmt: skip
+                  hidden_size=width, intermediate_size=2 * width)
     if name == "hf_gpt2":
         cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=max(seq, 16), n_embd=width, n_layer=1,
                            n_head=heads, bos_token_id=0, eos_token_id=0,
-                           use_cache=False)  # fmt: skip
+                           use_cache=False)
         model = T.GPT2LMHeadModel(cfg)
     elif name == "hf_llama":
         cfg = T.LlamaConfig(**common, num_key_value_heads=heads // 2,
                             max_position_embeddings=max(seq, 16), bos_token_id=0,
-                            eos_token_id=0, pad_token_id=0, use_cache=False)  # fmt: skip
+                            eos_token_id=0, pad_token_id=0, use_cache=False)
         model = T.LlamaForCausalLM(cfg)
     elif name == "hf_bert":
         cfg = T.BertConfig(**common, max_position_embeddings=max(seq, 16), num_labels=3,
-                           pad_token_id=0)  # fmt: skip
+                           pad_token_id=0)
 
         def masked(b: int, g: torch.Generator) -> Batch:
             x = _ids(b, g, seq)

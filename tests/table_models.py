@@ -24,7 +24,7 @@ class WindowAttention(nn.Module):
         self.heads, self.window = heads, window
         self.table = nn.Parameter(torch.randn((2 * window - 1) ** 2, heads) * 0.02)
         coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window),
-                                            indexing="ij")).flatten(1)  # fmt: skip
+                                            indexing="ij")).flatten(1)
         rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
         self.register_buffer("index", rel[..., 0] * (2 * window - 1) + rel[..., 1], False)
         self.qkv = nn.Linear(width, 3 * width)

@@ -63,16 +63,16 @@ def _many_layers() -> CoordCheckResult:
     norm, linear = ("layer_norm", "vector"), ("linear", "hidden")
     for b in range(4):
         for part, kind in (("ln_1", norm), ("attn.c_attn", linear), ("attn.c_proj", linear),
-                           ("ln_2", norm), ("mlp.c_fc", linear)):  # fmt: skip
+                           ("ln_2", norm), ("mlp.c_fc", linear)):
             layers[f"h.{b}.{part}"] = kind
     layers |= {"h.3.mlp.c_proj": ("linear", "hidden"), "ln_f": ("layer_norm", "vector"),
-               "lm_head": ("linear", "output")}  # fmt: skip
+               "lm_head": ("linear", "output")}
     for i, (name, (op, role)) in enumerate(layers.items()):
         res.ops[name], res.roles[name] = op, role
         grow = 2.0 if name.endswith("c_proj") else 1.0 + i / 100
         for r in ratios:
             res.sizes.setdefault(r, {})[name] = [0.1 * grow ** (3 - r.bit_length()) + t / 10
-                                                 for t in range(steps)]  # fmt: skip
+                                                 for t in range(steps)]
     return res
 
 
@@ -85,7 +85,7 @@ def test_plot_has_one_panel_per_layer_kind_and_few_named_lines(tmp_path) -> None
     try:
         titles = [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.lines]
         assert titles[:4] == ["embedding", "norm, worst 6 of 9", "linear (hidden), worst 6 of 13",
-                              "output (logits)"]  # fmt: skip
+                              "output (logits)"]
         assert titles[4].startswith("spread")
         for ax in fig.axes:
             if not ax.lines:

@@ -79,7 +79,7 @@ def test_labels_out_of_range_before_any_trial():
     t = hydro.Task(model=mlp(3), train_data=(x, y), val_data=(x, y), steps=4)
     study = optuna.create_study()
     with pytest.raises(DataError, match=r"labels range over \[0, 4\] but the model outputs 3 "
-                       r"classes.*labels in \[0, 2\]"):  # fmt: skip
+                       r"classes.*labels in \[0, 2\]"):
         hydro.tune(t, SPACE, n_trials=2, ratio=2, fuse=2, study=study)
     assert study.trials == []  # refused before asking, so nothing is lost or failed
 
@@ -144,11 +144,11 @@ def test_interrupted_trials_are_neither_finished_nor_failed(tmp_path, capsys):
     study = _study_with(["complete", "complete", "pruned", "interrupted", "interrupted", "failed"])
     counts = trial_counts(study)
     assert counts == {"complete": 2, "pruned": 1, "failed": 1, "interrupted": 2, "running": 0,
-                      "finished": 4}  # fmt: skip
+                      "finished": 4}
     data = export(study, tmp_path / "best.yaml")
     assert data["provenance"]["trials_finished"] == 4
     assert data["provenance"]["trials"] == {"complete": 2, "pruned": 1, "failed": 1,
-                                            "interrupted": 2}  # fmt: skip
+                                            "interrupted": 2}
     line = postfix(study)
     assert "failed 1" in line and "interrupted 2" in line
     states = [r["state"] for r in hydro.TuneResult(study, 8).trials]
@@ -159,7 +159,7 @@ def test_no_complete_trial_is_a_study_error(tmp_path):
     study = _study_with(["failed", "interrupted"])
     result = hydro.TuneResult(study, 8)
     with pytest.raises(StudyError, match=r"no complete trial \(1 failed, 0 pruned, 1 "
-                       r"interrupted\); first failure: boom"):  # fmt: skip
+                       r"interrupted\); first failure: boom"):
         _ = result.best_params
     with pytest.raises(StudyError):
         export(study, tmp_path / "best.yaml")

@@ -38,7 +38,7 @@ class HostReads(TorchDispatchMode):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.active = False
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         self.active = True
         return super().__enter__()
 
@@ -58,7 +58,7 @@ class HostReads(TorchDispatchMode):
                         return True
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         bool_index = func is torch.ops.aten.index.Tensor and any(
             i is not None and i.dtype == torch.bool for i in args[1]
         )
@@ -75,7 +75,7 @@ def reads(monkeypatch):
     for name in ("tolist", "numpy"):
         original = getattr(torch.Tensor, name)
 
-        def wrapped(self, *a, _original=original, _name=name, **kw):  # noqa: ANN001, ANN202
+        def wrapped(self, *a, _original=original, _name=name, **kw):
             if counter.active and not counter.on_host(self):
                 counter.reads.append(_name)
             return _original(self, *a, **kw)
@@ -89,10 +89,10 @@ def _mlp_task(**kw) -> hydro.Task:
     x = torch.randn(256, 8, generator=g)
     y = (x @ torch.randn(8, 3, generator=g)).argmax(-1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                torch.nn.ReLU(), torch.nn.Linear(64, 3))  # fmt: skip
+                                torch.nn.ReLU(), torch.nn.Linear(64, 3))
     kw = {"steps": 12, "eval_every": 4, "batch_size": 16, **kw}
     return hydro.Task(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
-                      **kw)  # fmt: skip
+                      **kw)
 
 
 def _cnn_task() -> hydro.Task:
@@ -100,7 +100,7 @@ def _cnn_task() -> hydro.Task:
     x = torch.randn(64, 3, 16, 16, generator=g)
     y = torch.randint(0, 10, (64,), generator=g)
     return hydro.Task(model=ResNet(width=16), train_data=(x[:48], y[:48]),
-                      val_data=(x[48:], y[48:]), steps=12, eval_every=4, batch_size=8)  # fmt: skip
+                      val_data=(x[48:], y[48:]), steps=12, eval_every=4, batch_size=8)
 
 
 def _gpt_task() -> hydro.Task:
@@ -109,7 +109,7 @@ def _gpt_task() -> hydro.Task:
     model = GPT(n_layer=2, n_head=4, n_embd=64, block_size=32, dropout=0.1)
     return hydro.Task(model=model, train_data=(idx[:48, :-1], idx[:48, 1:]),
                       val_data=(idx[48:, :-1], idx[48:, 1:]), steps=12, eval_every=4,
-                      batch_size=4, scheduler="cosine")  # fmt: skip
+                      batch_size=4, scheduler="cosine")
 
 
 SPACE = {"lr": 1e-3, "weight_decay": 0.1, "warmup": 2, "grad_clip": 1.0, "beta2": 0.99}
@@ -195,11 +195,11 @@ def test_refilled_slots_keep_every_evaluation_shared_by_all_slots() -> None:
             return [waiting.pop(0) if waiting else None for _ in slots]
 
     group = FusedGroup(task, [(0, {"lr": 1e-3}, 0), (1, {"lr": 1e9}, 1), (2, {"lr": 3e-3}, 2)],
-                       ratio=2)  # fmt: skip
+                       ratio=2)
     evaluated = []
     plain = group.evaluate
 
-    def evaluate(full=None) -> list[float]:  # noqa: ANN001
+    def evaluate(full=None) -> list[float]:
         evaluated.append((len(group.due()), group.n))
         return plain(full)
 

@@ -81,7 +81,7 @@ def test_help_and_argument_errors_load_no_torch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER.format(heavy=HEAVY), json.dumps([c[0] for c in cases])],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert {"tune", "export", "report", "inspect", "coord-check"} <= set(report["subcommands"])
@@ -105,7 +105,7 @@ def test_module_run_of_the_cli_imports_no_torch():
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "hydro.cli", "tune", "--help"],
         env=_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0 and "--trials" in proc.stdout, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
     assert "hydro.errors" in imported  # the log is complete: it names what the CLI imported
@@ -139,7 +139,7 @@ print("ok")
     proc = subprocess.run(
         [sys.executable, "-c", code.format(heavy=HEAVY)],
         env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
@@ -173,7 +173,7 @@ print(json.dumps({"code": code, "seen": seen, "enabled": gc.isenabled(),
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path,
         env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["code"] == 2 and out["torch"] and out["enabled"]  # the storage is refused
@@ -246,7 +246,7 @@ def import_graph(root: pathlib.Path, packages: tuple[str, ...] = PACKAGES):
         tree = ast.parse(path.read_text(), str(path))
         typing_only = {id(n) for node in ast.walk(tree)
                        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for stmt in node.body for n in ast.walk(stmt)}  # fmt: skip
+                       for stmt in node.body for n in ast.walk(stmt)}
         here = mod if is_package else mod.rpartition(".")[0]
         for node in ast.walk(tree):
             if id(node) in typing_only:
@@ -254,7 +254,7 @@ def import_graph(root: pathlib.Path, packages: tuple[str, ...] = PACKAGES):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
                 faces += [(mod, node.lineno, f"import {t}") for t in targets
-                          if t in packages and t != mod]  # fmt: skip
+                          if t in packages and t != mod]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -333,7 +333,7 @@ def test_the_graph_check_finds_a_circle_and_a_face_import(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("__version__ = '1'\n")
     (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nfrom pkg.sub import b\n"
-                              "if TYPE_CHECKING:\n    from pkg import c\n")  # fmt: skip
+                              "if TYPE_CHECKING:\n    from pkg import c\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import y\n")
     (pkg / "c.py").write_text("import os\nfrom .a import x\nfrom pkg import __version__\n")

@@ -23,7 +23,7 @@ import hydro
 
 
 def data(n: int = 96, n_train: int = 64, features: int = 8,
-         classes: int = 3) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+         classes: int = 3) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``n`` rows of standard normal inputs labelled by a random linear map's argmax; the first
     ``n_train`` train, the rest validate."""
     g = torch.Generator().manual_seed(0)
@@ -36,7 +36,7 @@ def model(width: int = 32, features: int = 8, classes: int = 3) -> torch.nn.Modu
     """``Linear(features, width) -> ReLU -> Linear(width, classes)``, seeded 0."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(features, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, classes))  # fmt: skip
+                               torch.nn.Linear(width, classes))
 
 
 def task(n: int = 256, n_train: int = 192, width: int = 32, **kw: Any) -> hydro.Task:
@@ -48,7 +48,7 @@ def task(n: int = 256, n_train: int = 192, width: int = 32, **kw: Any) -> hydro.
 
 
 def source(n: int = 96, n_train: int = 64, width: int = 64, features: int = 8, classes: int = 3,
-           seeded: bool = True, extra: str = "") -> str:  # fmt: skip
+           seeded: bool = True, extra: str = "") -> str:
     """A model module's text: ``data(n=...)`` and ``model(width=...)`` as :func:`data` and
     :func:`model` (``seeded=False``: the model's weights from the global generator as it is),
     then ``extra`` (more callables for the config to name)."""
@@ -70,7 +70,7 @@ def source(n: int = 96, n_train: int = 64, width: int = 64, features: int = 8, c
 def config(module: str, *, study: str = "toy", storage: str = "sqlite:///toy.db",
            trials: int = 2, ratio: int = 2, fuse: int = 2, top: str = "", task: str = "",
            steps: int = 4, eval_every: int = 2, batch_size: int | None = 16,
-           lr_low: str = "1.0e-3", space: str = "") -> str:  # fmt: skip
+           lr_low: str = "1.0e-3", space: str = "") -> str:
     """A ``hydro tune`` config of ``module:model`` on ``module:data``, one key a line (tests
     edit it with ``str.replace``); ``top`` and ``task`` are more lines of those sections
     (``task`` goes right after ``task.data``). The space searches ``lr`` from ``lr_low`` to
@@ -79,11 +79,11 @@ def config(module: str, *, study: str = "toy", storage: str = "sqlite:///toy.db"
     space = f"  lr: {{type: float, low: {lr_low}, high: 1.0e-1, log: true}}\n{space}"
     return (f"study: {study}\nstorage: {storage}\ntrials: {trials}\nratio: {ratio}\n"
             f"fuse: {fuse}\n{top}task:\n  model: {module}:model\n  data: {module}:data\n{task}"
-            f"  steps: {steps}\n  eval_every: {eval_every}\n{batch}space:\n{space}")  # fmt: skip
+            f"  steps: {steps}\n  eval_every: {eval_every}\n{batch}space:\n{space}")
 
 
 def project(folder: Path, monkeypatch: pytest.MonkeyPatch, module: str, text: str,
-            tune_yaml: str | None = None) -> Path:  # fmt: skip
+            tune_yaml: str | None = None) -> Path:
     """Write ``module``.py (``text``) and, if given, tune.yaml into ``folder`` and run the test
     there, importing the test's own copy of ``module``."""
     (folder / f"{module}.py").write_text(text)

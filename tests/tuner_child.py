@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_task(steps: int, kill_at: int = 0, kill_marker: str = "", *, block_at: int = 0,
-              eval_every: int = 0, checkpoint_every: int = 50) -> Any:  # fmt: skip
+              eval_every: int = 0, checkpoint_every: int = 50) -> Any:
     import hydro
 
     g = torch.Generator().manual_seed(0)
@@ -44,7 +44,7 @@ def make_task(steps: int, kill_at: int = 0, kill_marker: str = "", *, block_at: 
         loss = BlockingLoss(block_at, kill_marker)
     return hydro.Task(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
                       steps=steps, eval_every=eval_every or steps, batch_size=32, loss=loss,
-                      checkpoint_every=checkpoint_every)  # fmt: skip
+                      checkpoint_every=checkpoint_every)
 
 
 class BlockingLoss:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         if where == "ask":
             ask = optuna.Study.ask
 
-            def stopping_ask(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            def stopping_ask(self, *args, **kw):
                 calls["n"] += 1
                 if calls["n"] == int(k):
                     _block(a.marker)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
 
             put = FusedGroup.put
 
-            def stopping_put(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            def stopping_put(self, *args, **kw):
                 calls["n"] += 1
                 if calls["n"] == int(k):
                     _block(a.marker)
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             train = driver.start_group
 
-            def stopping_train(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            def stopping_train(*args, **kw):
                 calls["n"] += 1
                 if calls["n"] == int(k):
                     _block(a.marker)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
         executor = LocalExecutor(devices=[], num_workers=1, max_retries=2)
     task = make_task(a.steps, a.kill_worker_at, a.marker, block_at=a.block_at,
-                     eval_every=a.eval_every, checkpoint_every=a.checkpoint_every)  # fmt: skip
+                     eval_every=a.eval_every, checkpoint_every=a.checkpoint_every)
     storage = a.storage
     if storage.startswith("journal:"):  # a journal file, as several processes share it
         from optuna.storages import JournalStorage
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     # cross-entropy: the same study, whose recorded loss differs by name only
     hydro.tune(task, SPACE, n_trials=a.n_trials, ratio=2, fuse=a.fuse, storage=storage,
                seed=a.seed, pruner=optuna.pruners.NopPruner(), executor=executor,
-               checkpoint_dir=a.checkpoint_dir, force_resume=True)  # fmt: skip
+               checkpoint_dir=a.checkpoint_dir, force_resume=True)
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ class _Guest:
 def _stage(rank: int, cfg: dict, results: Any) -> None:
     try:
         results.put((rank, _train(rank, cfg)))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent, then exit
+    except BaseException:  # report any failure to the parent, then exit
         import traceback
 
         results.put((rank, traceback.format_exc()))

@@ -46,7 +46,7 @@ def train(run: hydro.Run) -> None:
     """Train one fused group of trials (see the module's docstring)."""
     opt = run.register(hydro.optim.AdamW(run.model.parameters(), lr=run.hparam("lr"),
                                          weight_decay=run.hparam("weight_decay", 0.0),
-                                         betas=(0.9, 0.95)))  # fmt: skip
+                                         betas=(0.9, 0.95)))
     warmup = max(1, run.steps // 10)
     schedules = hydro.optim.lr_scheduler
     ramp = schedules.LinearLR(opt, start_factor=0.1, total_iters=warmup)

@@ -66,7 +66,7 @@ def compile_options(value: CompileSpec) -> dict[str, Any] | None:
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
             raise FuseError(f"compile: unknown torch.compile argument(s) {unknown}; "
-                            f"expected {FORMS}")  # fmt: skip
+                            f"expected {FORMS}")
         out = dict(value)
         if out.get("mode") is not None and out["mode"] not in MODES:
             raise FuseError(f"compile: mode {out['mode']!r} is not a torch.compile mode ({MODES})")
@@ -125,7 +125,7 @@ class Lifted:
             return values
         spec = info.in_spec
         if (spec.type is tuple and spec.num_children == 2 and spec.child(0).type is tuple
-                and spec.child(1).type is dict):  # fmt: skip
+                and spec.child(1).type is dict):
             count = spec.child(0).num_children
             names = dict(zip(info.orig_args[count:], values[count:]))
             keywords = {k: names[v] for k, v in zip(spec.child(1).context, info.orig_args[count:])}
@@ -210,12 +210,12 @@ class Compiler:
         if first:
             try:
                 fn = self._cache[key] = self._compile(lifted.module, inputs, code)
-            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+            except Exception as exc:  # any compiler failure: fall back, say so
                 self._fail(exc)
                 return gm(*args, **kwargs)
         try:
             out = fn(*inputs)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+        except Exception as exc:  # any compiler failure: fall back, say so
             if not first and not _from_compiler(exc):
                 raise
             self._fail(exc)
@@ -335,7 +335,7 @@ def _direct_cached(module: torch.fx.GraphModule) -> bool:
 def _from_compiler(exc: BaseException) -> bool:
     """Whether ``exc`` came from dynamo or a backend (not from running the model)."""
     names = {"BackendCompilerFailed", "Unsupported", "TorchRuntimeError",
-             "InternalTorchDynamoError"}  # fmt: skip
+             "InternalTorchDynamoError"}
     return type(exc).__name__ in names or type(exc).__module__.startswith("torch._dynamo")
 
 

@@ -23,7 +23,7 @@ METADATA_ONLY = frozenset(
 ) | {aten.new_empty_strided.default}
 
 
-def shared_factory(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set) -> bool:  # noqa: ANN001
+def shared_factory(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set) -> bool:
     """A batch-free result of a factory is shared by the trials: copy the op as it is.
 
     Returns ``False`` (the usual rules apply) where the result carries the batch (a size read
@@ -36,7 +36,7 @@ def shared_factory(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: s
     return True
 
 
-def batch_arange(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set) -> bool:  # noqa: ANN001
+def batch_arange(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set) -> bool:
     """``arange`` as long as the batch (in-batch labels ``arange(B)``, a contrastive loss's
     targets): each trial counts its own samples, ``0 .. B-1``, not the folded batch's
     ``0 .. n*B-1``. Returns ``False`` for any other ``arange`` (positions along a sequence)."""
@@ -55,7 +55,7 @@ def batch_arange(rw, node: torch.fx.Node, found: list[torch.fx.Node], kinds: set
     per = rw.fn(torch.floor_divide, end, rw.n) if isinstance(end, torch.fx.Node) else end // rw.n
     counted = rw.fn(torch.arange, per, **kwargs)
     grown = rw.graph.call_method("expand", (rw.graph.call_method("unsqueeze", (counted, 0)),
-                                            rw.n, -1))  # fmt: skip
+                                            rw.n, -1))
     rw.env[node] = rw.fn(from_trials, grown, spec)
     rw.spec[node] = spec
     return True

@@ -45,7 +45,7 @@ MIXED = "mixed"
 _VIEWS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default,
     aten.flatten.using_ints, aten.unflatten.int,
-}  # fmt: skip
+}
 
 
 def batch_symbols(gm: torch.fx.GraphModule) -> set:
@@ -89,7 +89,7 @@ def _multiple(e: sympy.Expr, syms: set) -> bool:
         return False
     factors = sympy.Mul.make_args(rest)
     return all(f == 1 or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer
-                                         and f.exp > 0) for f in factors)  # fmt: skip
+                                         and f.exp > 0) for f in factors)
 
 
 def _size(size: object) -> sympy.Expr:

@@ -62,7 +62,7 @@ def _linear(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     out = ("T",) if out == "?" else out
     bias = rw.as_trial(b)
     rw.env[node] = rw.fn(ops.trial_linear, rw.env[x], rw.as_trial(w), bias, rw.n, xs, out,
-                         transposed)  # fmt: skip
+                         transposed)
     rw.spec[node] = out
     return True
 
@@ -77,7 +77,7 @@ def _embedding(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
     out = rw.out_spec(node)
     out = ("T",) if out == "?" else out
     rw.env[node] = rw.fn(ops.trial_embedding, rw.env[w], rw.env[ids], pad, rw.n,
-                         rw.spec.get(ids), out)  # fmt: skip
+                         rw.spec.get(ids), out)
     rw.spec[node] = out
     return True
 
@@ -100,7 +100,7 @@ def _norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
         None if w is None else rw.env[w], None if b is None else rw.env[b], eps, rw.n,
         rw.spec.get(x), None if w is None else rw.spec[w], None if b is None else rw.spec[b],
         out, rank,
-    )  # fmt: skip
+    )
     rw.spec[node] = out
     return True
 
@@ -120,7 +120,7 @@ def _group_norm(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> boo
     eps = arg(node, 4, "eps", 1e-5)
     _batched_input(rw, node, x, "group_norm")
     new = rw.fn(ops.trial_group_norm, rw.stacked_value(x, 1), groups, rw.as_trial(w),
-                rw.as_trial(b), eps, rw.n)  # fmt: skip
+                rw.as_trial(b), eps, rw.n)
     rw.set_stacked(node, new, 1)
     return True
 
@@ -166,7 +166,7 @@ def _conv(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
     # channel-stacked input; the result stays channel-stacked for the layers that follow
     xin = rw.env[x] if shared else rw.stacked_value(x, 1)
     new = rw.fn(ops.trial_conv, dims, xin, rw.as_trial(w), rw.as_trial(b), stride, padding,
-                dilation, groups, rw.n, shared)  # fmt: skip
+                dilation, groups, rw.n, shared)
     rw.set_stacked(node, new, 1)
     return True
 
@@ -180,7 +180,7 @@ def _conv_transpose(rw: _Rewriter, node: Node, found: list[Node], kinds: set) ->
     args = [arg(node, i, name, default) for i, name, default in (
         (2, "bias", None), (3, "stride", [1] * k), (4, "padding", [0] * k),
         (5, "output_padding", [0] * k), (6, "groups", 1), (7, "dilation", [1] * k),
-    )]  # fmt: skip
+    )]
     args[0] = rw.as_trial(args[0])
     new = rw.fn(ops.trial_conv_transpose, k, rw.stacked_value(x, 1), rw.as_trial(w), *args, rw.n)
     rw.set_stacked(node, new, 1)
@@ -202,7 +202,7 @@ SAMPLERS = {  # op: (kind, position of a scalar probability or None)
     aten.rand_like.default: ("rand", None), aten.randn_like.default: ("randn", None),
     aten.bernoulli.default: ("bernoulli", None), aten.bernoulli.p: ("bernoulli", 1),
     aten.bernoulli_.float: ("bernoulli", 1),
-}  # fmt: skip
+}
 
 
 def _sample(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool:
@@ -234,7 +234,7 @@ def _stream(rw: _Rewriter, node: Node) -> Node:
     if not hasattr(rw, "hydro_keys"):
         if rng.SEED not in rw.tensors or rng.STEP not in rw.tensors:
             raise rw.error(node, "a random op needs the fused model's per-trial seed and step "
-                           "buffers; build the graph through hydro.fuse")  # fmt: skip
+                           "buffers; build the graph through hydro.fuse")
         salts = {m: j for j, m in enumerate(m for m in rw.template.graph.nodes if draws(m))}
         bufs = []
         for name in (rng.SEED, rng.STEP):
@@ -286,14 +286,14 @@ def _attention(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
             rw.env[node] = rw.fn(
                 ops.trial_masked_attention, rw.folded(q), rw.folded(k), rw.folded(v),
                 rw.env[mask], causal, scale, gqa, rw.n, specs, s,
-            )  # fmt: skip
+            )
             rw.spec[node] = s
             return True
     rw.env[node] = rw.fn(
         ops.trial_attention, rw.folded(q), rw.folded(k), rw.folded(v),
         None if mask is None else rw.folded(mask), p, causal, scale, gqa, rw.n, s,
         _stream(rw, node), ("T",) if per_trial else None,
-    )  # fmt: skip
+    )
     rw.spec[node] = s
     return True
 
@@ -316,7 +316,7 @@ def _recurrent(rw: _Rewriter, node: Node, found: list[Node], kinds: set) -> bool
         [rw.env[p] for p in params], has_biases, layers, bidir, batch_first, rw.n,
         rw.spec.get(x), [rw.spec.get(h) for h in hx], [rw.spec.get(p) for p in params], out,
         drop,
-    )  # fmt: skip
+    )
     rw.spec[node] = out
     return True
 
@@ -334,7 +334,7 @@ def _recurrent_cell(rw: _Rewriter, node: Node, found: list[Node], kinds: set) ->
         recurrent.trial_cell, kind, rw.env[x], [rw.env[h] for h in hx],
         [None if w is None else rw.env[w] for w in weights], rw.n, rw.spec.get(x),
         [rw.spec.get(h) for h in hx], [rw.spec.get(w) for w in weights], out,
-    )  # fmt: skip
+    )
     if kind == "lstm":
         rw.env[node], rw.spec[node] = new, out
     else:  # a single tensor

@@ -15,7 +15,7 @@ _ELEMENTWISE = {
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
     aten.contiguous.default, aten.detach.default, aten.alias.default, aten.type_as.default,
     aten.lift_fresh_copy.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-}  # fmt: skip
+}
 
 
 def _is_aten(target: object) -> bool:
@@ -56,11 +56,11 @@ _SPATIAL = {
     "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2,
     "_upsample_nearest_exact3d": 3, "upsample_linear1d": 1, "upsample_bilinear2d": 2,
     "upsample_bicubic2d": 2, "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2,
-}  # fmt: skip
+}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
 # element-wise activations without the pointwise tag
 _ACTIVATIONS = {
     "hardswish", "hardswish_", "hardtanh", "hardtanh_", "relu6", "mish", "mish_", "elu", "elu_",
     "leaky_relu", "leaky_relu_", "silu", "silu_", "gelu", "gelu_", "celu", "selu", "softplus",
     "hardsigmoid", "hardsigmoid_",
-}  # fmt: skip
+}

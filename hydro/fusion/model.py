@@ -247,7 +247,7 @@ class FusedModel(nn.Module):
         """``{"compiles": graphs compiled, "seconds": their compile time}`` (:meth:`compile`)."""
         return Compiler.summary(self._compiler)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
+    def _apply(self, fn, recurse=True):  # nn.Module signature
         out = super()._apply(fn, recurse)
         for name in self._frozen_shared:  # a dtype or device move copies n rows: one again
             p = self.get_parameter(name)
@@ -332,7 +332,7 @@ class FusedModel(nn.Module):
         but runs nothing, so no trial's random stream moves."""
         gm = self._graph_for(args, kwargs, shared, _flat_inputs(args, kwargs))
         return any(n.op == "call_function" and n.target is _random.stream_keys
-                   for n in gm.graph.nodes)  # fmt: skip
+                   for n in gm.graph.nodes)
 
     def _checked_graph(self, args: tuple, kwargs: dict, shared: bool) -> torch.fx.GraphModule:
         """The fused graph of this call, its inputs checked (:meth:`forward`'s, and the whole
@@ -541,7 +541,7 @@ class FusedModel(nn.Module):
         none is)."""
         graphs = [g for found in self._captures.values() for d in found for g in d.values()]
         graphs += [g for src in self._sources if isinstance(src, Captured)
-                   for g in src.graphs.values()]  # fmt: skip
+                   for g in src.graphs.values()]
         if not graphs:
             return True
         drops = (
@@ -549,7 +549,7 @@ class FusedModel(nn.Module):
             torch.ops.aten.scaled_dot_product_attention.default,
         )
         return any(node.op == "call_function" and node.target in drops and not _draws_nothing(node)
-                   for g in graphs for node in g.graph.nodes)  # fmt: skip
+                   for g in graphs for node in g.graph.nodes)
 
     def _unshare(self, name: str) -> None:
         """One copy per trial again for a frozen shared parameter (a trial loads other values):

@@ -92,7 +92,7 @@ def shared_size(size: int, n: int) -> int:
 def pointwise(
     op: Callable, n: int, specs: Sequence[Spec], out: Spec, rank: int, /, *args: object,
     **kwargs: object,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A broadcasting op with per-trial operands, run once over an explicit trial dimension."""
     lifted = [lift(a, n, s, rank) for a, s in zip(args, specs)]
     return settle(op(*lifted, **kwargs), out)
@@ -113,7 +113,7 @@ class _BatchedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, transposed):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, bias, transposed):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.transposed = bias is not None, transposed
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -122,7 +122,7 @@ class _BatchedLinear(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         # under autocast the forward's GEMM ran in a lower precision (bf16/fp16) and the
         # backward, outside the autocast region, gets its gradient in that precision: the
@@ -265,7 +265,7 @@ def shared_to_channels(x: torch.Tensor, n: int, cdim: int = 1) -> torch.Tensor:
 
 def stack_operand(
     x: object, n: int, spec: Spec, cdim: int, channels: int, rank: int
-) -> object:  # fmt: skip
+) -> object:
     """A batch-free operand of a broadcasting op whose result is channel-stacked.
 
     A per-trial value (``"T"``, ``[n, ...]``: a layer scale ``gamma.view(1, -1, 1, 1)``, a
@@ -292,7 +292,7 @@ def stack_operand(
 def stacked_pointwise(
     op: Callable, n: int, cdim: int, rank: int, specs: Sequence[Spec | str | None], /,
     *args: object, **kwargs: object,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A broadcasting op on channel-stacked values (spec ``"stacked"``) with per-trial or shared
     operands. The channel count is read from the stacked operand at run time: a surrogate's
     recorded shapes are those of the model it was scaled from."""
@@ -307,7 +307,7 @@ def stacked_pointwise(
 
 def stacked_layer_norm(
     x: torch.Tensor, channels: int, weight, bias, eps: float, n: int, per_trial: bool
-) -> torch.Tensor:  # noqa: ANN001
+) -> torch.Tensor:
     """``layer_norm`` over the last dimension of a value channel-stacked there
     (``[B, H, W, n * C]``, ConvNeXt's channels-last norm): each trial's ``C`` channels
     normalized, then its own affine (``per_trial``: ``[n, C]``) or the shared one."""
@@ -325,7 +325,7 @@ def stacked_layer_norm(
 
 def trial_group_norm(
     x: torch.Tensor, groups: int, weight, bias, eps: float, n: int
-) -> torch.Tensor:  # noqa: ANN001
+) -> torch.Tensor:
     """``group_norm`` on channel-stacked ``[B, n * C, ...]``: each trial's groups are groups of
     the stacked value (statistics per sample and group), then per-trial affine parameters."""
     y = F.group_norm(x, n * groups, None, None, eps)
@@ -339,13 +339,13 @@ def trial_group_norm(
 
 def trial_batch_norm(
     x, weight, bias, running_mean, running_var, training, momentum, eps
-) -> torch.Tensor:  # noqa: ANN001
+) -> torch.Tensor:
     """``n`` BatchNorms as one on channel-stacked ``[B, n * C, ...]``; running statistics update
     in place (the flattened buffers are views of the ``[n, C]`` ones)."""
     return F.batch_norm(
         x, _channels(running_mean), _channels(running_var), _channels(weight), _channels(bias),
         training, momentum, eps,
-    )  # fmt: skip
+    )
 
 
 def _pair(v: object) -> tuple[int, int]:
@@ -356,7 +356,7 @@ def _conv_out(size: int, k: int, stride: int, pad: int, dil: int) -> int:
     return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
 
 
-def conv_as_bmm(x: torch.Tensor, weight: object, stride, padding, dilation) -> bool:  # noqa: ANN001
+def conv_as_bmm(x: torch.Tensor, weight: object, stride, padding, dilation) -> bool:
     """Whether a 2-D convolution of channel-stacked ``x`` runs as one batched GEMM over
     unfolded patches rather than as a grouped convolution: on a CPU, a 1x1 convolution or one
     with at most 16 output positions per image. Measured (``benchmarks/fusion.py --convs``,
@@ -373,7 +373,7 @@ def conv_as_bmm(x: torch.Tensor, weight: object, stride, padding, dilation) -> b
     return positions <= 16
 
 
-def bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor:  # noqa: ANN001
+def bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor:
     """``n`` 2-D convolutions (``groups`` 1) of channel-stacked ``x`` as one ``baddbmm``:
     trial ``k``'s filters ``[C_out, C_in * kh * kw]`` times its unfolded patches."""
     b, _, h, w = x.shape
@@ -392,7 +392,7 @@ def bmm_conv(x, weight, bias, stride, padding, dilation, n: int) -> torch.Tensor
 
 def trial_conv(
     dims: int, x, weight, bias, stride, padding, dilation, groups: int, n: int, shared: bool
-) -> torch.Tensor:  # noqa: ANN001
+) -> torch.Tensor:
     """``n`` convolutions as one, channel-stacked ``[B, n * C_out, ...]`` out (trial ``k`` is
     group block ``k``): a grouped convolution on channel-stacked ``x`` (or a batched GEMM over
     unfolded patches where :func:`conv_as_bmm` says so), or (``shared``) one convolution with all
@@ -408,7 +408,7 @@ def trial_conv(
 
 def trial_conv_transpose(
     dims: int, x, weight, bias, stride, padding, output_padding, groups: int, dilation, n: int
-) -> torch.Tensor:  # noqa: ANN001
+) -> torch.Tensor:
     """``n`` transposed convolutions as one grouped one on channel-stacked ``[B, n * C_in, ...]``
     (weights ``[n, C_in, C_out / groups, ...]``), channel-stacked out."""
     fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[dims]
@@ -430,7 +430,7 @@ def trial_dropout(
 def trial_random(
     kind: str, x: torch.Tensor, n: int, spec: Spec, keys: torch.Tensor, p: object = None,
     dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``rand_like``/``randn_like``/``bernoulli`` of ``x`` from each trial's own stream (``x``'s
     values matter only as ``bernoulli``'s probabilities when ``p`` is ``None``)."""
     t = to_trials(x, n, spec)
@@ -447,7 +447,7 @@ def trial_random(
 def trial_attention(
     q, k, v, mask, p, causal: bool, scale, gqa: bool, n: int, spec: Spec, keys: torch.Tensor,
     mask_spec: Spec = None,
-) -> torch.Tensor:  # noqa: ANN001  # fmt: skip
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with dropout (the math form): one rate or a per-trial
     rate ``p[n]``, each trial's attention weights dropped from its own stream (``keys``). A
     per-trial mask (``mask_spec`` ``("T",)``, ``[n, ...]``) meets each trial's own scores."""
@@ -486,7 +486,7 @@ def _heads_folded(x: torch.Tensor, n: int, spec: Spec) -> torch.Tensor:
 
 def trial_masked_attention(
     q, k, v, mask, causal: bool, scale, gqa: bool, n: int, specs: Sequence[Spec], out: Spec
-) -> torch.Tensor:  # noqa: ANN001
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with a per-trial mask or additive bias ``[n, ...]`` (a
     learned relative-position table read per trial) over folded ``q``, ``k``, ``v``: one call to
     torch's kernel with the trials folded into the heads, so the bias needs no copy per sample
@@ -501,7 +501,7 @@ def trial_masked_attention(
         m = m.expand(m.shape[0], n, *heads, *m.shape[-2:])
     m = m.flatten(1, m.dim() - 3)
     y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=causal, scale=scale,
-                                       enable_gqa=gqa)  # fmt: skip
+                                       enable_gqa=gqa)
     return settle(y.unflatten(1, (n, *heads)).movedim(1, 0), out)
 
 
@@ -514,7 +514,7 @@ def trial_reduce(op_name: str, x: torch.Tensor, n: int, spec: Spec) -> torch.Ten
 def trial_loss_op(
     op: Callable, n: int, specs: Sequence[Spec], reduction: int, ignore_index: int | None,
     target_pos: int, weight_pos: int | None, *args: object,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A loss op over folded values as each trial's own loss ``[n]``.
 
     ``args`` are the op's arguments with ``reduction`` already set to ``none``; the per-sample
@@ -547,7 +547,7 @@ def _as_folded(spec: Spec) -> Spec:
 
 def vmap_call(
     op: Callable, n: int, specs: Sequence[Spec], outs: Sequence[Spec], treespec, *leaves
-) -> object:  # noqa: ANN001
+) -> object:
     """Fallback: run the op once per trial under ``torch.func.vmap``, trial dimension leading."""
     mapped = [i for i, s in enumerate(specs) if s and s[0] in ("F", "SB", "T")]
     values = list(leaves)

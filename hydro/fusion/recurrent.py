@@ -45,7 +45,7 @@ def back(y: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 def _cell(kind: str, gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
           w_hh_t: torch.Tensor, b_hh: torch.Tensor | None,
-          w_hr_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+          w_hr_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One step for every trial: ``gi`` ``[n, B, G*H]`` (input projection with ``b_ih``), ``h``
     ``[n, B, H_out]``; the new ``(h, c)``."""
     gh = torch.bmm(h, w_hh_t) if b_hh is None else torch.baddbmm(b_hh, h, w_hh_t)
@@ -68,7 +68,7 @@ Step = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def _lstm_slopes(acts: torch.Tensor, big_c: torch.Tensor, tanh_c: torch.Tensor,
-                 c0: torch.Tensor, reverse: bool) -> None:  # fmt: skip
+                 c0: torch.Tensor, reverse: bool) -> None:
     """The gates' local derivatives for every step at once, written over the values the LSTM's
     forward left (a fresh whole-sequence tensor costs page faults on the CPU, more than the
     arithmetic): d/dc for i, f and the doubled g into the gate slots of ``acts`` (g i(1-i),
@@ -108,7 +108,7 @@ class _LSTMLayer(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, gi, h0, c0, w_hh, reverse):  # noqa: ANN001, ANN205
+    def forward(ctx, gi, h0, c0, w_hh, reverse):
         n, steps, batch, four = gi.shape
         hid = four // 4
         w_t = w_hh.transpose(1, 2)
@@ -137,7 +137,7 @@ class _LSTMLayer(torch.autograd.Function):
         return hs, h.clone(), c / 2
 
     @staticmethod
-    def backward(ctx, grad_hs, grad_h, grad_c):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_hs, grad_h, grad_c):
         hs, h0, c0, w_hh = ctx.saved_tensors
         acts, big_c = ctx.acts, ctx.big_c
         steps, n, batch, _, hid = acts.shape
@@ -173,7 +173,7 @@ class _LSTMLayer(torch.autograd.Function):
 
 
 def _lstm_layer(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
-                weights: Sequence[torch.Tensor | None], reverse: bool) -> Step:  # fmt: skip
+                weights: Sequence[torch.Tensor | None], reverse: bool) -> Step:
     """An LSTM layer-direction without projection over ``x`` ``[n, T, B, in]`` by
     :class:`_LSTMLayer`: the input projection of every step in one batched matmul, both biases
     added by it, and the ``g`` gate's rows of the weights and bias doubled (by autograd ops, so
@@ -188,13 +188,13 @@ def _lstm_layer(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
     w_in = (w_ih * scale[:, None]).transpose(1, 2)
     bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
     gi = (torch.matmul(rows, w_in) if bias is None
-          else torch.baddbmm((bias * scale).unsqueeze(1), rows, w_in))  # fmt: skip
+          else torch.baddbmm((bias * scale).unsqueeze(1), rows, w_in))
     gi = gi.view(n, steps, batch, -1)
     return _LSTMLayer.apply(gi, h, c, w_hh * scale[:, None], reverse)
 
 
 def _direction(kind: str, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
-               weights: Sequence[torch.Tensor | None], reverse: bool) -> Step:  # fmt: skip
+               weights: Sequence[torch.Tensor | None], reverse: bool) -> Step:
     """One layer in one direction over ``x`` ``[n, T, B, in]``: its outputs ``[n, T, B, H_out]``
     and last ``(h, c)``."""
     w_ih, w_hh, b_ih, b_hh, w_hr = weights
@@ -260,7 +260,7 @@ def trial_rnn(
             k = layer * dirs + d
             c0 = states[1][:, k] if kind == "lstm" else None
             y, h, c = _direction(kind, xs, states[0][:, k], c0, (w_ih, w_hh, b_ih, b_hh, w_hr),
-                                 reverse=d == 1)  # fmt: skip
+                                 reverse=d == 1)
             outs.append(y)
             h_n.append(h)
             c_n.append(c)
@@ -295,7 +295,7 @@ def trial_cell(
     states = [per_trial(h, n, s) for h, s in zip(hx, hx_specs)]
     states = [s.unsqueeze(1) if unbatched else s for s in states]
     w_ih, w_hh, b_ih, b_hh = (None if w is None else per_trial(w, n, s)
-                              for w, s in zip(weights, weight_specs))  # fmt: skip
+                              for w, s in zip(weights, weight_specs))
     gi = torch.bmm(xs, w_ih.transpose(1, 2))
     if b_ih is not None:
         gi = gi + b_ih.unsqueeze(1)

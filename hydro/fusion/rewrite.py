@@ -54,7 +54,7 @@ _MIXING = {
     "diff", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind", "slice",
     "logsumexp", "max", "min", "amax", "amin", "sum", "mean", "var", "std", "norm", "any", "all",
     "argmax", "argmin", "index_add", "index_copy", "take_along_dim", "tensor_split",
-}  # fmt: skip
+}
 _LOSSES = {
     # op: (position of reduction, of target, of ignore_index or None, of class weights or None)
     aten.cross_entropy_loss.default: (3, 1, 4, 2),
@@ -132,7 +132,7 @@ class _Rewriter(_StackedLayout):
     """The state of one :func:`fuse_graph` run: ``env`` maps old nodes to new ones, ``spec`` old
     nodes to the layout spec of their new value (``ops.Spec``, or a list for several tensors)."""
 
-    def __init__(self, template, n, shared, tensors, shared_names, literals) -> None:  # noqa: ANN001
+    def __init__(self, template, n, shared, tensors, shared_names, literals) -> None:
         self.template, self.n, self.shared = template, n, shared
         self.tensors, self.shared_names, self.literals = tensors, shared_names, literals
         self.facts = batch_facts(template)
@@ -217,7 +217,7 @@ class _Rewriter(_StackedLayout):
         self.owners[name] = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self.graph.get_attr(name)
 
-    def copy(self, node: Node, convert) -> Node:  # noqa: ANN001
+    def copy(self, node: Node, convert) -> Node:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), convert)
         new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
         new.meta = dict(node.meta)
@@ -305,7 +305,7 @@ class _Rewriter(_StackedLayout):
         if _random(target) and not _draws(node):
             logger.warning("hydro.fuse: node '%s' (%s) draws from torch's generator, not from each "
                            "trial's own stream: with it a trial's result depends on its group",
-                           node.name, node.format_node())  # fmt: skip
+                           node.name, node.format_node())
         if kinds & {"T"} or node.name in self.literals:
             if _pointwise(target):
                 self.pointwise(node, found)
@@ -495,7 +495,7 @@ class _Rewriter(_StackedLayout):
             self.env[node] = self.fn(
                 ops.trial_loss_op, target, self.n, specs, reduction, ignore, tgt_pos, weight_pos,
                 *new_args,
-            )  # fmt: skip
+            )
         else:
             x = node.args[0]
             kind = target._overloadpacket.__name__
@@ -564,7 +564,7 @@ class _Rewriter(_StackedLayout):
             args = (new_x, idx)
         elif target in (aten.sum.default, aten.mean.default):  # (before "sum" of _SHIFTABLE)
             self.env[node] = self.fn(ops.trial_reduce, target._overloadpacket.__name__, new_x,
-                                     self.n, ("T",))  # fmt: skip
+                                     self.n, ("T",))
             self.spec[node] = ("T",)
             return True
         elif target._overloadpacket.__name__ in _SHIFTABLE:
@@ -591,7 +591,7 @@ class _Rewriter(_StackedLayout):
         batch statistics): folded, it would mix the trials too, so it runs on each trial's own
         batch (``torch.func.vmap`` over the trials) and its value is per trial from here on."""
         logger.info("hydro.fuse: node '%s' (%s) %s: computed per trial", node.name,
-                    node.format_node(), what)  # fmt: skip
+                    node.format_node(), what)
         self.vmap(node, found)
 
     def vmap(self, node: Node, found: list[Node]) -> None:
@@ -621,7 +621,7 @@ class _Rewriter(_StackedLayout):
 class _VmapOp(torch.nn.Module):
     """Calls :func:`ops.vmap_call` for one node (holds what a graph argument cannot)."""
 
-    def __init__(self, op, n, specs, outs, treespec) -> None:  # noqa: ANN001
+    def __init__(self, op, n, specs, outs, treespec) -> None:
         super().__init__()
         self.op, self.n, self.specs, self.outs, self.treespec = op, n, specs, outs, treespec
 
@@ -633,7 +633,7 @@ _SHIFTABLE = {
     "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind",
     "transpose", "softmax", "log_softmax", "flatten", "unflatten", "narrow", "cumsum", "sum",
     "mean", "amax", "amin", "movedim", "diagonal",
-}  # fmt: skip
+}
 
 
 def _shift(dim: object) -> object:
@@ -642,7 +642,7 @@ def _shift(dim: object) -> object:
     return dim + 1 if isinstance(dim, int) and dim >= 0 else dim
 
 
-def _trial_expand(t: torch.Tensor, sizes, n: int, dim: int, spec) -> torch.Tensor:  # noqa: ANN001
+def _trial_expand(t: torch.Tensor, sizes, n: int, dim: int, spec) -> torch.Tensor:
     per = list(sizes)
     per[dim] = per[dim] // n
     missing = len(per) - (t.dim() - 1)  # expand may add leading dimensions

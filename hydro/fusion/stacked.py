@@ -118,7 +118,7 @@ class _StackedLayout:
         parts, rank = node.args[0], val.dim()
         if not all(isinstance(a, Node) and self.spec.get(a) is not None
                    and self.spec[a][0] in ("F", "SB") and tuple(self.spec[a][1:]) == (0, 1)
-                   and a.meta["val"].dim() == rank for a in parts):  # fmt: skip
+                   and a.meta["val"].dim() == rank for a in parts):
             return False
         cdim = self.stacked[held[0]][1]
         dim = _arg(node, 1, "dim", 0) % rank
@@ -198,7 +198,7 @@ class _StackedLayout:
         w_new = None if w is None else (self.as_trial(w) if per_trial else self.env[w])
         b_new = None if b is None else (self.as_trial(b) if per_trial else self.env[b])
         new = self.fn(ops.stacked_layer_norm, self.stacked[x][0], shape[0], w_new, b_new, eps,
-                      self.n, per_trial)  # fmt: skip
+                      self.n, per_trial)
         self.set_stacked(node, new, cdim)
         return True
 

@@ -94,7 +94,7 @@ class TrainStep:
     def __call__(
         self, args: tuple, target: Any, kwargs: Mapping[str, Any] | None = None, *,
         shared: bool = True,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """One step on the inputs ``args``/``kwargs`` (one model's, or each trial's with
         ``shared=False``) and ``target``; returns each trial's loss ``[n]`` (detached)."""
         kwargs = dict(kwargs or {})
@@ -189,12 +189,12 @@ class TrainStep:
                 graph = make_fx(fn, tracing_mode="fake")(*detached)
             except _Unsupported:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a loss or model that does not trace
+            except Exception as exc:  # a loss or model that does not trace
                 raise _Unsupported(f"the step does not trace ({_first_line(exc)})") from exc
             compiled = _backend(compiler.options)(graph, detached)
         except _Unsupported:
             raise
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+        except Exception as exc:  # any compiler failure: fall back, say so
             self._reason = f"the whole-step compile failed ({_first_line(exc)})"
             compiler.__dict__["_step_failed"] = self._reason  # for every step of this compiler
             warnings.warn(
@@ -229,11 +229,11 @@ class _Plan:
         lifted_tensors = lifted.tensors(gm)
         ids = {id(t): i for i, t in enumerate(lifted_tensors)}
         per_group = [[p for p in g["params"] if p.requires_grad and id(p) in ids]
-                     for g in opt.param_groups]  # fmt: skip
+                     for g in opt.param_groups]
         trainable = {id(p) for p in fused.parameters() if p.requires_grad and id(p) in ids}
         if {id(p) for ps in per_group for p in ps} != trainable:
             raise _Unsupported("the optimizer does not hold exactly the fused model's trained "
-                               "parameters")  # fmt: skip
+                               "parameters")
         self.per_group = per_group
         self.params = [p for ps in per_group for p in ps]
         self.lifted_pos = [ids[id(p)] for p in self.params]
@@ -241,16 +241,16 @@ class _Plan:
             raise _Unsupported("no trained parameter")
         opt._prepare_state(per_group)
         self.keys = tuple(k for k in opt._state_keys()
-                          if all(k in opt.state[p] for p in self.params))  # fmt: skip
+                          if all(k in opt.state[p] for p in self.params))
         self.buckets = opt._bucket_plan(per_group)  # those of hydro.optim's compiled step
         self.mutated = [fused.get_buffer(name) for name in gm.hydro_mutated]
         # held, not just their ids: a freed tensor's id may come back on another
         self._held = [opt.state[p][k] for p in self.params for k in (opt.cohort_key, *self.keys)]
         self._any = {k: opt._any(k) for k in ("weight_decay", "momentum", "amsgrad")
-                     if k in opt.per_trial_keys}  # fmt: skip
+                     if k in opt.per_trial_keys}
         self._positional = -1  # a count of positional tensor inputs the graph takes as given
         self.structure = (type(opt).__name__, self.buckets, self.keys, tuple(self._any.items()),
-                          tuple(len(ps) for ps in per_group))  # fmt: skip
+                          tuple(len(ps) for ps in per_group))
 
     def valid(self) -> bool:
         """Whether the optimizer's state and switches are those this plan was built for (a
@@ -259,19 +259,19 @@ class _Plan:
         held = iter(self._held)
         try:
             if any(opt.state[p][k] is not next(held)
-                   for p in self.params for k in (opt.cohort_key, *self.keys)):  # fmt: skip
+                   for p in self.params for k in (opt.cohort_key, *self.keys)):
                 return False
         except KeyError:
             return False
         if tuple(k for k in opt._state_keys()
-                 if all(k in opt.state[p] for p in self.params)) != self.keys:  # fmt: skip
+                 if all(k in opt.state[p] for p in self.params)) != self.keys:
             return False
         return {k: opt._any(k) for k in self._any} == self._any
 
     def inputs(
         self, gm: torch.fx.GraphModule, lifted: Lifted, args: tuple, kwargs: dict, target: Any,
         norms: list[float] | None,
-    ) -> tuple[list[torch.Tensor], tuple]:  # fmt: skip
+    ) -> tuple[list[torch.Tensor], tuple]:
         """The step's tensors, each once, and where each role finds them (``structure``)."""
         opt, fused = self.opt, self.fused
         like = self.params[0]
@@ -297,7 +297,7 @@ class _Plan:
         roles: list[list[torch.Tensor]] = [
             lifted.tensors(gm), flat_in, flat_target, state, cohorts,
             [h for hs in hypers for h in hs], [fused.diverged, fused.trial_step], self.mutated,
-        ]  # fmt: skip
+        ]
         if norms is not None:
             limit = getattr(self, "_limit", None)
             if limit is None or limit[0] != norms:
@@ -367,7 +367,7 @@ def _traced_step(
         # the fused model's forward bookkeeping (hydro.fusion.model.FusedModel.forward)
         trial_step.add_(diverged.logical_not())
         broken = [~torch.isfinite(b.reshape(b.shape[0], -1)).all(dim=1)
-                  for b in mutated if b.is_floating_point()]  # fmt: skip
+                  for b in mutated if b.is_floating_point()]
         if broken:
             diverged.logical_or_(torch.stack(broken).any(dim=0))
         for b, old in zip(mutated, saved):
@@ -389,7 +389,7 @@ def _traced_step(
             per_group.append(params[offset : offset + count])
             for _, _, members in buckets:
                 firsts.append({**dict.fromkeys(plan.keys), opt.cohort_key:
-                               cohorts[offset + members[0]]})  # fmt: skip
+                               cohorts[offset + members[0]]})
             offset += count
         state_lists = {k: state[j :: len(plan.keys)] for j, k in enumerate(plan.keys)}
         opt._tracing, saved_any = True, dict(opt._traced_any)

@@ -83,7 +83,7 @@ KEY_FILE = ".hydro-cache-key"  # this user's secret: every entry carries an HMAC
 _OFF = ("0", "false", "no", "off")
 
 stats = {"hits": 0, "misses": 0, "writes": 0, "rebuilt": 0,
-         "analysis_hits": 0, "analysis_misses": 0, "analysis_writes": 0}  # fmt: skip
+         "analysis_hits": 0, "analysis_misses": 0, "analysis_writes": 0}
 """Counts in this process: entries loaded, keys not found, entries written, entries rebuilt
 (programs and analyses), and the same for width analyses."""
 
@@ -139,12 +139,12 @@ def is_private() -> bool:
         return True
     try:
         check_private(folder, "capture cache directory", holds="captured graphs",
-                      other=f"another {ENV_DIR} (or set {ENV_SWITCH}=0)")  # fmt: skip
+                      other=f"another {ENV_DIR} (or set {ENV_SWITCH}=0)")
     except PermissionError as exc:
         if folder not in _warned:
             _warned.add(folder)
             warnings.warn(HydroWarning(f"{exc}; capturing without the cache until then"),
-                          stacklevel=4)  # fmt: skip
+                          stacklevel=4)
         return False
     return True
 
@@ -197,7 +197,7 @@ def _mac(secret: bytes, k: str, *parts: bytes) -> str:
 def _check_mac(k: str, mac: Any, *parts: bytes) -> None:
     secret = _secret()
     if secret is None or not isinstance(mac, str) \
-            or not hmac.compare_digest(mac, _mac(secret, k, *parts)):  # fmt: skip
+            or not hmac.compare_digest(mac, _mac(secret, k, *parts)):
         raise ValueError("was not written by this user's Hydro, or changed since")
 
 
@@ -208,7 +208,7 @@ def _warn(path: str, why: str, again: str = "capturing the model again") -> None
     warnings.warn(HydroWarning(
         f"capture cache entry {path} {why}; {again} and rewriting it "
         f"(remove {os.path.dirname(path)} to clear the cache)"
-    ), stacklevel=2)  # fmt: skip
+    ), stacklevel=2)
 
 
 def _live(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -264,7 +264,7 @@ def load(k: str, model: nn.Module, name: str = "GraphModule") -> torch.fx.GraphM
         if not isinstance(graph, dict) or sorted(graph.get("attrs", ())) != sorted(attrs):
             raise ValueError("reads other tensors than it lists")
         gm = serial.decode(graph, attrs, name)
-    except Exception as exc:  # noqa: BLE001 - any failure: never trusted, captured again
+    except Exception as exc:  # any failure: never trusted, captured again
         _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})")
         return None
     stats["hits"] += 1
@@ -282,7 +282,7 @@ def store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
     not plain data: it is then not stored) or the directory cannot be written."""
     try:
         return _store(k, gm, model)
-    except Exception:  # noqa: BLE001 - the cache only ever saves time: a capture never fails here
+    except Exception:  # the cache only ever saves time: a capture never fails here
         return False
 
 
@@ -305,11 +305,11 @@ def _store(k: str, gm: torch.fx.GraphModule, model: nn.Module) -> bool:
     torch.save(own, consts)
     meta = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
             "tensors": tensors,
-            "devices": {t: str(_attr(gm, t).device) for t in own}}  # fmt: skip
+            "devices": {t: str(_attr(gm, t).device) for t in own}}
 
     def write(tmp: str, secret: bytes) -> None:
         parts = (json.dumps(meta).encode(), json.dumps(graph, separators=(",", ":")).encode(),
-                 consts.getvalue())  # fmt: skip
+                 consts.getvalue())
         with zipfile.ZipFile(tmp, "w") as z:
             for name, part in zip(("meta.json", "graph.json", "constants.pt"), parts):
                 z.writestr(name, part)
@@ -340,7 +340,7 @@ def write_entry(path: str, write: Any) -> bool:
             warnings.warn(HydroWarning(
                 f"cannot write the capture cache in {folder} ({exc}); set {ENV_DIR} to a "
                 f"folder you can write, or {ENV_SWITCH}=0"
-            ), stacklevel=4)  # fmt: skip
+            ), stacklevel=4)
         return False
     return True
 
@@ -405,7 +405,7 @@ def analysis_key(
             ("inputs", walk.inputs((tuple(args), dict(kwargs)))),
             ("options", walk.value(dict(options))),
         ]
-    except Exception:  # noqa: BLE001 - an option that cannot be keyed: not cached
+    except Exception:  # an option that cannot be keyed: not cached
         return None
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
@@ -452,7 +452,7 @@ def _decode_values(data: Any, cap: nn.Module) -> dict[torch.fx.Node, Any]:
         if isinstance(v, dict) and len(v) == 1 and "T" in v:
             return reader.tensor(v["T"])
         if isinstance(v, dict) and len(v) == 1 and ("l" in v or "t" in v):
-            (kind, items), = v.items()  # fmt: skip
+            (kind, items), = v.items()
             serial._check(isinstance(items, list), "a bad list")
             out = [value(x) for x in items]
             return out if kind == "l" else tuple(out)
@@ -491,14 +491,14 @@ def _same(a: Any, b: Any) -> bool:
         return _same_tensor(a, b)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b or (a != a and b != b)  # noqa: PLR0124 - NaN literals
+    return a == b or (a != a and b != b)  # NaN literals
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     concrete = all(type(d) is int for t in (a, b) for d in (*t.shape, *t.stride()))
     return (concrete and type(a) is type(b) and a.shape == b.shape and a.stride() == b.stride()
             and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype
-            and a.device == b.device and a.requires_grad == b.requires_grad)  # fmt: skip
+            and a.device == b.device and a.requires_grad == b.requires_grad)
 
 
 def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
@@ -528,7 +528,7 @@ def load_analysis(k: str, cap: nn.Module) -> dict[torch.fx.Node, Any] | None:
         if data.get("torch") != torch.__version__ or data.get("hydro") != _hydro_version():
             raise ValueError("was written by another torch or Hydro version")
         values = _decode_values(data.get("values"), cap)
-    except Exception as exc:  # noqa: BLE001 - any failure: never trusted, analyzed again
+    except Exception as exc:  # any failure: never trusted, analyzed again
         _rebuilt(path, f"is stale or damaged ({type(exc).__name__}: {str(exc)[:80]})", again)
         return None
     stats["analysis_hits"] += 1
@@ -544,10 +544,10 @@ def store_analysis(k: str, cap: nn.Module, values: Mapping[torch.fx.Node, Any]) 
         back = _decode_values(json.loads(json.dumps(data)), cap)
         if any(not _same(values[n], back[n]) for n in values):
             return False
-    except Exception:  # noqa: BLE001 - the cache only ever saves time
+    except Exception:  # the cache only ever saves time
         return False
     entry = {"schema": SCHEMA, "key": k, "torch": torch.__version__, "hydro": _hydro_version(),
-             "values": data}  # fmt: skip
+             "values": data}
 
     def write(tmp: str, secret: bytes) -> None:
         text = json.dumps(entry, separators=(",", ":")).encode()

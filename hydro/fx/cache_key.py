@@ -37,7 +37,7 @@ class _Uncacheable(Exception):
 
 _MODULE_STATE = frozenset(nn.Module().__dict__) - {"training"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
+          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 # attributes that differ between processes and that no forward reads: HuggingFace's generation
 # config keeps the hash() of itself (strings hash differently in every process)
@@ -62,12 +62,12 @@ def model_state(model: nn.Module) -> ModelState | None:
     try:
         walk = _Walk()
         return ModelState(walk.model(model), dict(walk.classes))
-    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+    except Exception:  # state that breaks the walk: not cached, never an error
         return None
 
 
 def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any,
-        state: ModelState | None = None) -> str | None:  # fmt: skip
+        state: ModelState | None = None) -> str | None:
     """The cache key of exporting ``model`` on ``(args, kwargs)`` with ``dynamic`` shapes in its
     current mode, or ``None`` when the model cannot be keyed (then it is not cached).
     ``state``: :func:`model_state` taken earlier (before an earlier export of the same capture
@@ -91,7 +91,7 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any,
             raise _Uncacheable("a global forward hook")
     except _Uncacheable:
         return None
-    except Exception:  # noqa: BLE001 - state that breaks the walk: not cached, never an error
+    except Exception:  # state that breaks the walk: not cached, never an error
         return None
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
@@ -100,7 +100,7 @@ def key(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], dynamic: Any,
 def _autocast() -> list:
     """Autocast in force around the capture (export records its casts)."""
     return [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)))
-            for d in ("cpu", "cuda")]  # fmt: skip
+            for d in ("cpu", "cuda")]
 
 
 def _hydro_version() -> str:
@@ -156,7 +156,7 @@ class _Walk:
         if t is None:
             return None
         return (tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad,
-                str(t.layout), isinstance(t, nn.Parameter), type(t).__name__)  # fmt: skip
+                str(t.layout), isinstance(t, nn.Parameter), type(t).__name__)
 
     def _class(self, cls: type) -> None:
         for c in cls.__mro__:
@@ -226,17 +226,17 @@ class _Walk:
             return ["type", _qualname(v)]
         if isinstance(v, types.FunctionType):
             return ["fn", v.__module__, v.__qualname__, _code(v.__code__),
-                    None if shallow else self._closure(v, depth)]  # fmt: skip
+                    None if shallow else self._closure(v, depth)]
         if isinstance(v, types.MethodType):
             owner = v.__self__
             return ["method", self.value(v.__func__, shallow, depth + 1),
-                    ["self"] if id(owner) in self.stack else _qualname(type(owner))]  # fmt: skip
+                    ["self"] if id(owner) in self.stack else _qualname(type(owner))]
         if _builtin(v):
             return ["builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v))]
         if isinstance(v, functools.partial):
             return ["partial", self.value(v.func, shallow, depth + 1),
                     self.value(v.args, shallow, depth + 1),
-                    self.value(v.keywords, shallow, depth + 1)]  # fmt: skip
+                    self.value(v.keywords, shallow, depth + 1)]
         if shallow:
             raise _Uncacheable("an object")  # globals: plain data and code only
         if id(v) in self.stack:
@@ -255,7 +255,7 @@ class _Walk:
             return [type(v).__name__, sorted(json.dumps(self.value(x, depth=d)) for x in v)]
         if isinstance(v, Mapping):
             items = [(json.dumps(self.value(k, depth=d)), self.value(x, depth=d))
-                     for k, x in v.items() if k not in _VOLATILE]  # fmt: skip
+                     for k, x in v.items() if k not in _VOLATILE]
             return [_qualname(type(v)), sorted(items, key=lambda kv: kv[0])]
         if isinstance(v, nn.Module):  # held as a plain attribute, not a submodule
             self._class(type(v))
@@ -277,7 +277,7 @@ class _Walk:
     def _closure(self, fn: types.FunctionType, depth: int) -> Any:
         cells = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
         return [self.value(cells, depth=depth + 1), self.value(fn.__defaults__, depth=depth + 1),
-                self.value(fn.__kwdefaults__, depth=depth + 1)]  # fmt: skip
+                self.value(fn.__kwdefaults__, depth=depth + 1)]
 
 
 def _builtin(v: Any) -> bool:
@@ -308,7 +308,7 @@ def _code(code: types.CodeType) -> str:
         h.update(c.co_code)
         h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars,
                        c.co_firstlineno, c.co_filename, c.co_argcount,
-                       c.co_kwonlyargcount, c.co_flags)).encode())  # fmt: skip
+                       c.co_kwonlyargcount, c.co_flags)).encode())
         h.update(getattr(c, "co_linetable", b"") or b"")
         for const in c.co_consts:
             if isinstance(const, types.CodeType):

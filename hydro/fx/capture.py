@@ -117,7 +117,7 @@ def copy_captured(
     memo = {} if memo is None else memo
     given = graphs or {}
     graphs = {mode: given[mode] if mode in given else _copy_graph_module(gm, mode, edit)
-              for mode, gm in cap.graphs.items()}  # fmt: skip
+              for mode, gm in cap.graphs.items()}
     new = Captured.__new__(Captured)
     memo[id(cap)] = new
     nn.Module.__init__(new)
@@ -170,7 +170,7 @@ def _dim(size: Any, tables: Mapping[Any, int]) -> int | tuple[str, int, int | No
 
 
 _PASS = {"view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone", "to", "_to_copy",
-         "alias", "contiguous", "lift_fresh_copy"}  # fmt: skip
+         "alias", "contiguous", "lift_fresh_copy"}
 
 
 def _opname(node: Any) -> str | None:
@@ -326,7 +326,7 @@ Dynamic = Mapping[str, Any] | Literal["auto"] | None
 def check_dynamic(dynamic: Dynamic) -> None:
     """A :class:`TraceError` naming what is wrong with a ``dynamic=`` argument."""
     how = ('pass dynamic={"seq": 1} (a name for each dimension index, applied to every tensor '
-           'input with that dimension) or {"input_ids": {1: "seq"}} (per input)')  # fmt: skip
+           'input with that dimension) or {"input_ids": {1: "seq"}} (per input)')
     if dynamic is None or dynamic is False or dynamic == "auto":
         return
     if not isinstance(dynamic, Mapping):
@@ -364,7 +364,7 @@ def dynamic_shapes(
     asked: list[tuple[str, int]] = []
     values = dict(zip(names, args)) | dict(kwargs)
     per_input = isinstance(dynamic, Mapping) and any(isinstance(v, Mapping)
-                                                     for v in dynamic.values())  # fmt: skip
+                                                     for v in dynamic.values())
     if per_input:
         unknown = sorted(set(dynamic) - set(values))
         if unknown:

@@ -46,7 +46,7 @@ from hydro.fx.nodes import clean_path
 _ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
 _A = torch.ops.aten
 _PASSTHROUGH = (_A.to.dtype, _A.to.dtype_layout, _A._to_copy.default, _A.clone.default,
-                _A.alias.default, _A.contiguous.default, _A.detach.default)  # fmt: skip
+                _A.alias.default, _A.contiguous.default, _A.detach.default)
 
 
 @dataclass
@@ -138,7 +138,7 @@ def candidates(model: nn.Module) -> list[Stack]:
         found.append(stack)
     # a stack inside a block of another stack is that block's business
     inside = {s.path for s in found for o in found if o is not s
-              for b in o.head + o.blocks if s.path.startswith(b + ".")}  # fmt: skip
+              for b in o.head + o.blocks if s.path.startswith(b + ".")}
     return [s for s in found if s.path not in inside]
 
 
@@ -214,7 +214,7 @@ def cut(
         if not gone(name):
             register_at(holder, name, t, "buffer", persistent=name in persistent)
     non_persistent = {n for n, _ in cap.named_buffers(remove_duplicate=False)
-                      if n not in persistent}  # fmt: skip
+                      if n not in persistent}
     out = Captured(graphs, cap.captured_name, state=holder, non_persistent=non_persistent)
     out.train(cap.training)
     return out, plan
@@ -328,7 +328,7 @@ def _confirm(graph: torch.fx.Graph, group: list[Stack], foreign: list[str]) -> _
         outputs.append(out[0])
     # block 0's stream input: what block 1 reads of block 0, at the same place in block 0
     where = [(k, j) for k, n in enumerate(segs[1]) for j, a in enumerate(n.args)
-             if a is outputs[0]]  # fmt: skip
+             if a is outputs[0]]
     if not where:
         return "the blocks are not chained (a block's output does not feed the next)"
     firsts = {segs[0][k].args[j] for k, j in where}
@@ -375,7 +375,7 @@ def _loop_body(
             return "the parent's code between blocks differs from block to block"
         for n in (n for n in seg if owner[n] is None):
             inside = next((b for p in _paths(n) for b in foreign
-                           if p == b or p.startswith(b + ".")), None)  # fmt: skip
+                           if p == b or p.startswith(b + ".")), None)
             if inside:
                 return f"the blocks' operations are interleaved with those of {inside}"
     return body
@@ -452,7 +452,7 @@ def insert_multipliers(
                 module = DEPTH if not names else f"{DEPTH}_{len(names)}"
                 holder = nn.Module()
                 holder.register_buffer("scale", torch.tensor(value, dtype=dtype),
-                                       persistent=False)  # fmt: skip
+                                       persistent=False)
                 sur.add_module(module, holder)
                 for gm in sur.graphs.values():
                     gm.add_module(module, holder)
@@ -493,7 +493,7 @@ def warn_deep_cut(plan: DepthPlan, stacklevel: int = 3) -> bool:
         "a CompleteP surrogate at depth ratio 4 chose a learning rate 2.2 doublings above the "
         "target's (40% worse loss), where depth_alpha=0.5 (Depth-muP) chose as well as keeping "
         "every block; use depth_alpha=0.5, or depth_ratio=2."
-    ), stacklevel=stacklevel)  # fmt: skip
+    ), stacklevel=stacklevel)
     return True
 
 
@@ -526,7 +526,7 @@ def warn_no_cut(plan: DepthPlan, model: nn.Module, stacklevel: int = 3) -> bool:
         f"target's depth: {why}. A block is cut when it is one module holding its residual add, "
         "or the i-th items of sibling lists run by one loop body in order (docs/concepts.md, "
         "'Depth')"
-    ), stacklevel=stacklevel)  # fmt: skip
+    ), stacklevel=stacklevel)
     return True
 
 

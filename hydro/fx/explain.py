@@ -18,7 +18,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _HYDRO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DATA_DEPENDENT = ("data-dependent", "GuardOnDataDependentSymNode", "DataDependent",
                    "could not guard on data-dependent", "Could not extract specialized integer",
-                   "unbacked")  # fmt: skip
+                   "unbacked")
 
 
 def explain(exc: BaseException, model: nn.Module) -> str:

@@ -46,7 +46,7 @@ MAX_AUTO_RATIO = 64
 MAX_AUTO_RATIO_ATTENTION = 4
 
 _CONV = ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d",
-         "conv_transpose3d")  # fmt: skip
+         "conv_transpose3d")
 _PRODUCTS = ("matmul", "bmm", "mm", "einsum")
 
 
@@ -67,7 +67,7 @@ class LayerWidth:
     def __str__(self) -> str:
         unit = "head dim" if self.kind == "attention" else "width"
         return (f"'{self.path}' ({self.kind}): {unit} {self.target} -> {self.surrogate}, "
-                f"floor {self.floor}")  # fmt: skip
+                f"floor {self.floor}")
 
 
 @dataclass
@@ -88,7 +88,7 @@ def check_ratio(ratio: Any) -> None:
         return
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ScaleError(f"ratio must be a positive integer (1, 2, 4, 8...) or 'auto', got "
-                         f"{ratio!r}")  # fmt: skip
+                         f"{ratio!r}")
 
 
 def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[LayerWidth]:
@@ -118,7 +118,7 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
         name = plan.tensor_names[key][0]
         path = weight_norm.layer_path(name)
         rows.setdefault((path, kind), _row(path, kind, plan.sizes[narrow], plan.new_dim(narrow),
-                                           floors))  # fmt: skip
+                                           floors))
     used = {u.node for us in plan.uses.values() for u in us}
     for node in plan.node_syms:
         if node.op != "call_function" or node in used:
@@ -129,7 +129,7 @@ def layer_widths(plan: WidthPlan, floors: dict[str, int] | None = None) -> list[
         owner = module_of(node)
         path = owner[0] if owner and owner[0] else node.name
         rows.setdefault((path, "attention"), _row(path, "attention", plan.sizes[d],
-                                                  plan.new_dim(d), floors))  # fmt: skip
+                                                  plan.new_dim(d), floors))
     return list(rows.values())
 
 
@@ -154,7 +154,7 @@ def _head_dim(node: torch.fx.Node, plan: WidthPlan) -> int | None:
 def _heads_shrink(node: torch.fx.Node, plan: WidthPlan) -> bool:
     """An attention op whose head count is width (its head dim kept, so still at a floor)."""
     q = plan.node_syms.get(bound(node).get("query")) if op_name(node) == \
-        "scaled_dot_product_attention" else None  # fmt: skip
+        "scaled_dot_product_attention" else None
     return isinstance(q, TensorSyms) and len(q) >= 3 and plan.is_width(q[-3])
 
 
@@ -175,7 +175,7 @@ def warn_below(plan: WidthPlan, stacklevel: int = 3) -> list[LayerWidth]:
             f"learning rate was measured to transfer: {shown}{more}. The surrogate's optimum may "
             "not be the model's; use a smaller ratio, or ratio='auto' to pick the largest safe "
             "one (docs/transfer.md, 'Width floor')."
-        ), stacklevel=stacklevel)  # fmt: skip
+        ), stacklevel=stacklevel)
     return below
 
 
@@ -249,9 +249,9 @@ def warn_if_full(choice: AutoChoice, model_name: str) -> None:
     if choice.ratio == 1:
         warnings.warn(HydroWarning(
             f"ratio='auto' chose 1 for {model_name}: the surrogate is the model itself, because "
-            f"{choice.reason}"), stacklevel=4)  # fmt: skip
+            f"{choice.reason}"), stacklevel=4)
 
 
 __all__ = ["FLOORS", "MAX_AUTO_RATIO", "MAX_AUTO_RATIO_ATTENTION", "AutoChoice", "LayerWidth",
            "bounding", "check_ratio", "choose", "layer_widths", "task_ratio",
-           "warn_below"]  # fmt: skip
+           "warn_below"]

@@ -116,7 +116,7 @@ def _draw_sites(
             finally:
                 sys.setprofile(None)
                 drew = _state()[1:] != _state_of(np_state)
-    except Exception:  # noqa: BLE001 - locating is best effort; the draw was seen anyway
+    except Exception:  # locating is best effort; the draw was seen anyway
         pass
     finally:
         for name, fn in wrapped.items():
@@ -174,7 +174,7 @@ def watch(model: nn.Module, args: tuple, kwargs: Mapping[str, Any], mode: str) -
         "SpecAugment mask hides the same frames at every step). Draw with torch's RNG instead "
         "(torch.rand, torch.randint, torch.bernoulli), which the graph replays at each step, or "
         "turn it off for tuning (its probability to 0, e.g. mask_time_prob=0)"
-    ), stacklevel=5)  # fmt: skip
+    ), stacklevel=5)
 
 
 __all__ = ["probability_to_zero", "watch"]

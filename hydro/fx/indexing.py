@@ -20,7 +20,7 @@ from hydro.fx.paths import get_path
 from hydro.fx.rules.common import TensorSyms, bound, op_name
 
 _THROUGH = ("view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone", "to",
-            "_to_copy", "alias", "expand", "unsqueeze", "squeeze")  # fmt: skip
+            "_to_copy", "alias", "expand", "unsqueeze", "squeeze")
 
 
 def index_reads(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, int, Any]]:
@@ -77,11 +77,11 @@ def out_of_range(
             if want is not None and size < want:
                 return old, (f"reads rows of a table by index, but the table's dimension {dim} "
                              f"shrank from {want} to {size}: index values up to {want - 1} "
-                             "would be out of range")  # fmt: skip
+                             "would be out of range")
             const = constant_index(root, idx)
             if const is not None and const.numel() and int(const.max()) >= size:
                 return old, (f"reads rows up to {int(const.max())} of a table of {size} rows "
-                             "(its index is a buffer of the model)")  # fmt: skip
+                             "(its index is a buffer of the model)")
     return None
 
 

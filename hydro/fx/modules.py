@@ -141,7 +141,7 @@ def adopt(
     root.__dict__.pop("_hydro_scan", None)  # a new tree: has_hooks lists it again
 
 
-def _adopt(parent: nn.Module, template: nn.Module, prefix: str, removed: set, inside: dict):  # noqa: ANN202
+def _adopt(parent: nn.Module, template: nn.Module, prefix: str, removed: set, inside: dict):
     old = dict(parent._modules)
     children: OrderedDict[str, nn.Module] = OrderedDict()
     for name, t_child in template._modules.items():

@@ -34,7 +34,7 @@ LOSS_OPS = frozenset({
     "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss",
     "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
     "kl_div", "soft_margin_loss", "multilabel_margin_loss", "margin_ranking_loss",
-})  # fmt: skip
+})
 
 
 @dataclass
@@ -97,7 +97,7 @@ def output_pins(a: Any, output: Any) -> list[Pin]:
         syms = a.node_syms.get(n) if n is not None else None
         if isinstance(syms, TensorSyms):
             pins.append(Pin(list(syms), f"returned by the model (output {i}) beside no loss: "
-                            "code outside the model reads it at full size"))  # fmt: skip
+                            "code outside the model reads it at full size"))
     return pins
 
 
@@ -117,7 +117,7 @@ def out_of_range(plan: Any, selects: Iterable[Select]) -> list[Pin]:
         size = plan.new_dim(sel.sym)
         if not -size <= sel.index < size:
             pins.append(Pin([sel.sym], f"{describe(sel.node)} picks index {sel.index}, outside "
-                            f"the width cut to {size}", hidden_only=False))  # fmt: skip
+                            f"the width cut to {size}", hidden_only=False))
     return pins
 
 
@@ -142,8 +142,8 @@ def warn_pinned(plan: Any, stacklevel: int = 3) -> None:
         f"ratio {plan.ratio} keeps {len(plan.pinned)} hidden width(s) whole, so the surrogate is "
         f"larger than it could be: {shown}. Return the loss from the model (outputs beside a "
         "loss are not kept whole), or read the width differently; `hydro inspect` lists them."
-    ), stacklevel=stacklevel)  # fmt: skip
+    ), stacklevel=stacklevel)
 
 
 __all__ = ["Pin", "Select", "hidden_classes", "output_pins", "out_of_range", "select_pins",
-           "warn_pinned"]  # fmt: skip
+           "warn_pinned"]

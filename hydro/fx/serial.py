@@ -49,17 +49,17 @@ _FUNCTIONS: dict[str, Callable] = {
     f"operator.{n}": getattr(operator, n)
     for n in ("getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
               "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "not_")
-}  # fmt: skip
+}
 _FUNCTIONS.update({f"torch.{n}": getattr(torch, n)
                    for n in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not",
-                             "sym_ite", "sym_sqrt") if hasattr(torch, n)})  # fmt: skip
+                             "sym_ite", "sym_sqrt") if hasattr(torch, n)})
 _FUNCTIONS.update({"math.ceil": math.ceil, "math.floor": math.floor, "math.sqrt": math.sqrt})
 _FUNCTION_NAMES = {id(f): n for n, f in _FUNCTIONS.items()}
 _NAMESPACES = ("aten", "prims")
 _HIGHER_ORDER = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
 _OPS = ("placeholder", "get_attr", "call_function", "output")
 _BAD_CHARS = {c for c in map(chr, range(32)) if c not in "\n\t"} | {"\x7f", "\x85", "\u2028",
-                                                                       "\u2029"}  # fmt: skip
+                                                                       "\u2029"}
 
 
 def identifier(name: Any) -> bool:
@@ -120,7 +120,7 @@ class _Writer:
             pytree = {"args": list(info.orig_args),
                       "in": torch.utils._pytree.treespec_dumps(info.in_spec),
                       "out": None if info.out_spec is None
-                      else torch.utils._pytree.treespec_dumps(info.out_spec)}  # fmt: skip
+                      else torch.utils._pytree.treespec_dumps(info.out_spec)}
         else:
             raise Unsupported(f"a graph with {type(codegen).__name__}")
         nodes, attrs = [], []
@@ -131,7 +131,7 @@ class _Writer:
                 attrs.append(node.target)
             nodes.append([node.op, node.name, self.target(node), self.arg(node.args),
                           [[k, self.arg(v)] for k, v in node.kwargs.items()],
-                          self.meta(node.meta)])  # fmt: skip
+                          self.meta(node.meta)])
         out = {"nodes": nodes, "pytree": pytree, "subgraphs": subs, "attrs": attrs}
         if top:
             out["symbols"] = self.symbols
@@ -189,7 +189,7 @@ class _Writer:
         if stack is not None:
             out["nn_module_stack"] = [[k, path, kind if isinstance(kind, str) else
                                        f"{kind.__module__}.{kind.__qualname__}"]
-                                      for k, (path, kind) in stack.items()]  # fmt: skip
+                                      for k, (path, kind) in stack.items()]
         if meta.get("stack_trace") is not None:
             out["stack_trace"] = meta["stack_trace"]
         return out
@@ -200,7 +200,7 @@ class _Writer:
                 raise Unsupported(f"a {v.layout} tensor")
             return {"T": [[self.size(s) for s in v.shape], [self.size(s) for s in v.stride()],
                           self.size(v.storage_offset()), str(v.dtype).removeprefix("torch."),
-                          str(v.device), bool(v.requires_grad)]}  # fmt: skip
+                          str(v.device), bool(v.requires_grad)]}
         if isinstance(v, torch.SymInt):
             return {"S": self.size(v)}
         if v is None or isinstance(v, (bool, int)):
@@ -233,7 +233,7 @@ class _Writer:
                 if vr is None or e not in hints or not identifier(name):
                     raise Unsupported(f"a symbol {name} without a range or hint")
                 lo, hi = (int(b) if isinstance(b, sympy.Integer) else None
-                          for b in (vr.lower, vr.upper))  # fmt: skip
+                          for b in (vr.lower, vr.upper))
                 self.symbols[name] = [lo, hi, int(hints[e])]
             return {"s": name}
         if e.is_Add:
@@ -288,10 +288,10 @@ class _Reader:
         hints = self.env.var_to_val if hints is None else hints
         for sym_name, (lo, hi, hint) in data["symbols"].items():
             _check(identifier(sym_name) and all(x is None or type(x) is int for x in (lo, hi))
-                   and type(hint) is int, "a bad symbol")  # fmt: skip
+                   and type(hint) is int, "a bad symbol")
             sym = sympy.Symbol(sym_name, integer=True, positive=True)
             self.env.var_to_range[sym] = ValueRanges(-int_oo if lo is None else lo,
-                                                     int_oo if hi is None else hi)  # fmt: skip
+                                                     int_oo if hi is None else hi)
             hints[sym] = sympy.Integer(hint)
             self.symbols[sym_name], self.hints[sym] = sym, hint
         self.tensors: dict[str, torch.Tensor] = {}
@@ -321,7 +321,7 @@ class _Reader:
         env: dict[str, torch.fx.Node] = {}
         for op, node_name, target, args, kwargs, meta in data["nodes"]:
             _check(op in _OPS and identifier(node_name) and node_name not in env,
-                   f"a bad node {node_name!r}")  # fmt: skip
+                   f"a bad node {node_name!r}")
             if op == "call_function":
                 target = self.target(target)
             elif op == "get_attr":
@@ -368,7 +368,7 @@ class _Reader:
         if a is None or isinstance(a, (bool, str)) or type(a) is int:
             return a
         _check(isinstance(a, dict) and len(a) == 1, f"a bad argument {a!r}")
-        (kind, v), = a.items()  # fmt: skip
+        (kind, v), = a.items()
         if kind == "n":
             _check(v in env, f"a node used before it is made: {v!r}")
             return env[v]
@@ -382,7 +382,7 @@ class _Reader:
 
     def meta(self, m: Any) -> dict:
         _check(isinstance(m, dict) and set(m) <= {"val", "nn_module_stack", "stack_trace"},
-               "bad metadata")  # fmt: skip
+               "bad metadata")
         out: dict[str, Any] = {}
         if "val" in m:
             out["val"] = self.value(m["val"])
@@ -404,7 +404,7 @@ class _Reader:
         if v is None or isinstance(v, bool) or type(v) is int:
             return v
         _check(isinstance(v, dict) and len(v) == 1, f"a bad value {v!r}")
-        (kind, x), = v.items()  # fmt: skip
+        (kind, x), = v.items()
         if kind == "T":
             # one fake tensor per distinct description (most nodes repeat a few shapes: making
             # each one's symbolic sizes is most of a load); Hydro's passes share values too
@@ -431,7 +431,7 @@ class _Reader:
         _check(len(sizes) == len(strides) and type(grad) is bool, "a bad tensor")
         dev = _torch_value("device", device)
         elem = torch.empty_strided(sizes, strides, dtype=_torch_value("dtype", dtype),
-                                   device="meta")  # fmt: skip
+                                   device="meta")
         off = self.size(offset)
         if not (type(off) is int and off == 0):
             elem = elem.as_strided(sizes, strides, off)
@@ -457,7 +457,7 @@ class _Reader:
         if type(s) is int:
             return sympy.Integer(s)
         _check(isinstance(s, dict) and len(s) == 1, f"a bad size {s!r}")
-        (kind, x), = s.items()  # fmt: skip
+        (kind, x), = s.items()
         if kind == "s":
             _check(x in self.symbols, f"an unknown symbol {x!r}")
             return self.symbols[x]
@@ -466,7 +466,7 @@ class _Reader:
             _check(type(n) is int and 0 < n < 64, "a bad power")
             return sympy.Pow(self.expr(base), n)
         _check(kind in ("+", "*", "//", "min", "max") and isinstance(x, list) and x,
-               f"a bad size {s!r}")  # fmt: skip
+               f"a bad size {s!r}")
         parts = [self.expr(y) for y in x]
         if kind in ("min", "max"):
             return (Min if kind == "min" else Max)(*parts)

@@ -155,7 +155,7 @@ def _solve(a: Analysis, ratio: int, head_policy: HeadPolicy) -> WidthPlan:
 
 
 def _pinned_widths(a: Analysis, chosen: list[pins.Pin], sources: set[int],
-                   base: list[int]) -> list[tuple[str, int, str]]:  # fmt: skip
+                   base: list[int]) -> list[tuple[str, int, str]]:
     """The hidden widths that only the pins keep whole, each with the first pin's reason."""
     if not chosen:
         return []
@@ -172,7 +172,7 @@ def _pinned_widths(a: Analysis, chosen: list[pins.Pin], sources: set[int],
 
 
 def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
-                  pinned: list[int]) -> WidthPlan:  # fmt: skip
+                  pinned: list[int]) -> WidthPlan:
     roots = {a.find(s) for s in range(len(a.sizes))}
     fixed = _close_fixed(a, pinned)
     derived = {a.find(c.out) for c in a.sums} | {a.find(c.part) for c in a.parts}
@@ -255,7 +255,7 @@ def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
                 power = on_left or on_right
                 if on_left and on_right or num % den:
                     raise node_error(c.node, f"a dimension of size {a.sizes[root]} would have to "
-                                     f"become {num}/{den}" + _heads_hint(c, a, ratio))  # fmt: skip
+                                     f"become {num}/{den}" + _heads_hint(c, a, ratio))
                 size = round((num // den) ** (1 / power))
                 new[root] = size
                 follow(root, c.lhs + c.rhs)
@@ -269,7 +269,7 @@ def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
         root=a.root, ratio=ratio, values=a.values, node_syms=a.node_syms, param_syms=a.param_syms,
         tensor_names=a.tensor_names, sizes=a.sizes, parent=a.parent, new_size=new,
         width=dep, fixed=fixed, uses=a.uses, head_decisions=decisions,
-    )  # fmt: skip
+    )
     _verify(a, plan, node_error)
     _check_tables(a, plan, touching)
     plan.literal_rewrites = _attention_scales(a, plan, decisions)
@@ -278,7 +278,7 @@ def _solve_pinned(a: Analysis, ratio: int, head_policy: HeadPolicy,
         if key in {id(p) for p in a.root.parameters()}:
             for i, s in enumerate(syms):
                 if s in a.indexed or any(a.find(s) == a.find(c.whole) and c.sliced
-                                         for c in a.parts):  # fmt: skip
+                                         for c in a.parts):
                     if not plan.is_width(s) and a.sizes[s] > 1:
                         plan.kept.append((name, i, a.sizes[s]))
     return plan
@@ -299,7 +299,7 @@ def _width_sources(a: Analysis) -> set[int]:
     tables = _table_keys(a)
     counts = _counts(a)
     return {a.find(s) for key, syms in a.param_syms.items() if key not in tables for s in syms
-            if s in a.param_dim_syms and a.find(s) not in counts}  # fmt: skip
+            if s in a.param_dim_syms and a.find(s) not in counts}
 
 
 def _counts(a: Analysis) -> set[int]:
@@ -321,17 +321,17 @@ def _counts(a: Analysis) -> set[int]:
     in_other |= {a.find(s) for c in a.parts for s in (c.part, c.whole)}
     in_other |= {a.find(s) for c in a.sums if a.find(c.out) in contracted for s in c.parts}
     return {r for r, own in owners.items() if len(own) == 1 and r not in contracted
-            and r in in_sums and r not in in_other}  # fmt: skip
+            and r in in_sums and r not in in_other}
 
 
 def _heads_hint(c: Product, a: Analysis, ratio: int) -> str:
     sizes = [a.sizes[s] for s in c.lhs + c.rhs]
     return (f" (a reshape of {[a.sizes[s] for s in c.lhs]} into {[a.sizes[s] for s in c.rhs]}; "
             f"with grouped-query attention both the query and the key/value head counts must "
-            f"stay whole: try a ratio dividing {math.gcd(*sizes)})")  # fmt: skip
+            f"stay whole: try a ratio dividing {math.gcd(*sizes)})")
 
 
-def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:  # noqa: ANN001
+def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> bool:
     """Resolve a split ``known = outer * inner`` with two unknowns by the head policy.
 
     Head splits (``C = H * D``) go before packed projections (``3C = 3 * C``): the split with
@@ -367,7 +367,7 @@ def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> 
                         dep.add(a.find(solve))
                     why = "" if kept == orders[0][0] else f"; whole heads of {dim} do not fit"
                     text = (f"{describe(c.node)}: {heads} heads x {dim} -> {new[a.find(outer)]} "
-                            f"heads x {new[a.find(inner)]} (kept the {kept}{why})")  # fmt: skip
+                            f"heads x {new[a.find(inner)]} (kept the {kept}{why})")
                     if text not in decisions:  # the train and eval graphs split alike
                         decisions.append(text)
                     pending.remove(c)
@@ -382,7 +382,7 @@ def _head_policy(a, pending, new, value, policy, decisions, node_error, dep) -> 
     return False
 
 
-def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
+def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:
     v = plan.new_dim
     for c in a.products:
         lhs = math.prod(v(s) for s in c.lhs) * c.lhs_const
@@ -390,14 +390,14 @@ def _verify(a: Analysis, plan: WidthPlan, node_error) -> None:  # noqa: ANN001
         if lhs != rhs:
             raise node_error(c.node, f"a reshape of {[a.sizes[s] for s in c.lhs]} into "
                              f"{[a.sizes[s] for s in c.rhs]} would need {lhs} == {rhs}"
-                             + _heads_hint(c, a, plan.ratio))  # fmt: skip
+                             + _heads_hint(c, a, plan.ratio))
     for c in a.sums:
         if v(c.out) != sum(v(s) for s in c.parts):
             raise node_error(c.node, "a concatenation's parts do not add up after scaling")
 
 
 _BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "instance_norm",
-                "_native_batch_norm_legit_functional", "cudnn_batch_norm")  # fmt: skip
+                "_native_batch_norm_legit_functional", "cudnn_batch_norm")
 
 
 def _running_stats(a: Analysis) -> set[int]:
@@ -446,7 +446,7 @@ def _check_tables(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
         old, new = a.sizes[syms[dim]], plan.new_dim(syms[dim])
         where = f"'{name}' (dimension {dim}, size {old} -> {new} at ratio {plan.ratio})"
         rules = ("not a rotary table 1 / base ** (arange(0, d, 2) / d), a sinusoid table, an "
-                 "arange or log(arange) sequence, an identity or a constant")  # fmt: skip
+                 "arange or log(arange) sequence, an identity or a constant")
         if is_param:
             if tables.looks_structured(t, shrinking):
                 raise ScaleError(
@@ -469,7 +469,7 @@ def _check_tables(a: Analysis, plan: WidthPlan, touching: set[int]) -> None:
 
 
 _PASS_THROUGH = ("view", "reshape", "_unsafe_view", "transpose", "permute", "t", "contiguous",
-                 "clone", "to", "_to_copy", "expand", "unsqueeze", "alias")  # fmt: skip
+                 "clone", "to", "_to_copy", "expand", "unsqueeze", "alias")
 
 
 def _scalar_factor(node: torch.fx.Node) -> tuple[int, float, bool] | None:
@@ -513,7 +513,7 @@ def _attention_scales(a: Analysis, plan: WidthPlan, decisions: list[str]) -> dic
         rewrites[mul] = (i, new)
         op = "/" if divides else "x"
         text = (f"{describe(mul)}: attention scale {op} {value:g} -> {op} {new:g} "
-                f"(muP 1/d for head dim {d_old} -> {d_new})")  # fmt: skip
+                f"(muP 1/d for head dim {d_old} -> {d_new})")
         if text not in decisions:
             decisions.append(text)
     return rewrites

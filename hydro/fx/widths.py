@@ -185,7 +185,7 @@ def subgraph_call(node: torch.fx.Node, root: torch.nn.Module) -> tuple[Any, int]
 class _Recorder(torch.fx.Interpreter):
     """Runs a graph with ``self`` bound to the captured module, recording every node's value."""
 
-    def __init__(self, root, graph, mode, values) -> None:  # noqa: ANN001
+    def __init__(self, root, graph, mode, values) -> None:
         super().__init__(root, graph=graph)
         self.mode, self.values, self.root = mode, values, root
 
@@ -330,7 +330,7 @@ class Analysis:
             return TensorSyms(self.new_sym(d) for d in value.shape)
         if isinstance(value, (tuple, list)):
             return [self.fresh(v) for v in value] if isinstance(value, list) else tuple(
-                self.fresh(v) for v in value)  # fmt: skip
+                self.fresh(v) for v in value)
         if isinstance(value, int) and not isinstance(value, bool):
             return IntSym(None)
         return None
@@ -383,7 +383,7 @@ class Analysis:
         for a in self._expansions(src):
             for b in self._expansions(dst):
                 groups = self._groups([s for s in a if self.sizes[s] != 1],
-                                      [s for s in b if self.sizes[s] != 1])  # fmt: skip
+                                      [s for s in b if self.sizes[s] != 1])
                 score = sum(len(ga) + len(gb) for ga, gb in groups)
                 if best is None or score < best[0]:
                     best = (score, groups, a, b)
@@ -434,7 +434,7 @@ class Analysis:
             groups.append((ga, gb))
         return groups
 
-    def product(self, node, lhs, rhs, lhs_const: int = 1, rhs_const: int = 1) -> None:  # noqa: ANN001
+    def product(self, node, lhs, rhs, lhs_const: int = 1, rhs_const: int = 1) -> None:
         self.products.append(Product(node, list(lhs), list(rhs), lhs_const, rhs_const))
 
     def sum(self, node: torch.fx.Node, out: int, parts: list[int]) -> None:
@@ -459,7 +459,7 @@ class Analysis:
             self.derived_syms.add(per_group)
             self.products.append(Product(node, [channels], [per_group], 1, groups))
 
-    def use_param(self, w_node: Any, node: torch.fx.Node, fan_in, fan_out, act) -> None:  # noqa: ANN001
+    def use_param(self, w_node: Any, node: torch.fx.Node, fan_in, fan_out, act) -> None:
         """Record that ``node`` uses the parameter ``w_node`` reads, with ``fan_in`` and
         ``fan_out`` given as dimensions of ``w_node`` (mapped back to the parameter's own
         through transposes: ``x @ W.T`` uses ``W`` as ``F.linear`` does)."""
@@ -493,7 +493,7 @@ class Analysis:
             if name in TRANSPOSES and isinstance(self.values.get(arg), torch.Tensor):
                 perms.append(transpose_perm(arg, self.values[arg].dim()))
             elif name not in ("to", "_to_copy", "alias", "detach", "contiguous", "clone",
-                              "_weight_norm"):  # fmt: skip
+                              "_weight_norm"):
                 return None
             arg = arg.args[0]
         return None

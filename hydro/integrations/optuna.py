@@ -97,7 +97,7 @@ class TransferSampler(BaseSampler):
     def sample_independent(
         self, study: optuna.Study, trial: FrozenTrial, param_name: str,
         param_distribution: BaseDistribution,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         config = self._replayed(trial)
         if config is not None and param_name in config:
             value = config[param_name]
@@ -111,7 +111,7 @@ class TransferSampler(BaseSampler):
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._base.before_trial(study, trial)
 
-    def after_trial(self, study, trial, state, values) -> None:  # noqa: ANN001
+    def after_trial(self, study, trial, state, values) -> None:
         self._base.after_trial(study, trial, state, values)
 
     def _replayed(self, trial: FrozenTrial) -> dict[str, Any] | None:

@@ -7,9 +7,10 @@ Every parameter has a leading trial dimension ``[n, ...]``. Each hyperparameter 
 A step is a fixed sequence of ``torch._foreach_*`` ops over all parameters, with every per-trial
 value (learning rate, betas, bias corrections, weight decay, momentum) a tensor ``[n, 1, ...]``
 broadcast over the trial dimension: the number of ops does not depend on ``n`` (asserted in
-``tests/test_optim_ops.py``), there is no Python loop over trials and no host synchronization.
+``tests/optim/test_step_ops.py``), there is no Python loop over trials and no host synchronization.
 The arithmetic is ``torch.optim``'s single-tensor implementation with trial ``k``'s values
-(checked step by step against ``torch.optim`` in ``tests/test_optim.py`` and ``tests/fusion``).
+(checked step by step against ``torch.optim`` in ``tests/optim/test_against_torch.py`` and
+``tests/fusion``).
 Eagerly, the update runs parameter by parameter (a fixed handful of ops each, whatever ``n``)
 with its intermediates in two scratch buffers shared by all parameters, so each parameter's
 passes hit the cache; ``compile=True`` runs the step through ``torch.compile`` as two graphs, the
@@ -244,7 +245,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return moved
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim signature
+    def step(self, closure=None):  # torch.optim signature
         """One update of every trial that has not diverged (no host synchronization)."""
         loss = None
         if closure is not None:
@@ -360,7 +361,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 active, vectors = self._math[0](grads, firsts, plan, hypers, flags, like)
                 self._math[1](per_group, grads, state, vectors, plan)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so
+        except Exception as exc:  # any compiler failure: fall back, say so
             warnings.warn(
                 f"hydro.optim.{type(self).__name__}(compile={self.compile!r}): "
                 f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
@@ -385,12 +386,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(ps):
                 mults = optimizer_multipliers(p, self.kind)
                 buckets.setdefault((mults, id(self.state[p][self.cohort_key]), p.dtype),
-                                   []).append(i)  # fmt: skip
+                                   []).append(i)
             plan.append(tuple((m, d, tuple(i)) for (m, _, d), i in buckets.items()))
         return tuple(plan)
 
     @classmethod
-    def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:  # noqa: ANN001
+    def _traced_update(cls, per_group, grads, state, vectors, plan) -> None:
         """The second graph of :meth:`_compiled_step`: each parameter's ``[n, 1, ...]`` views
         of its bucket's coefficient vectors, in parameter order, and the update."""
         params = [p for ps in per_group for p in ps]
@@ -408,7 +409,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     coeffs[k].append(v)
         cls._elementwise(params, grads, state, coeffs)
 
-    def _traced_coefficients(self, grads, states, plan, hypers, flags, like):  # noqa: ANN001, ANN202
+    def _traced_coefficients(self, grads, states, plan, hypers, flags, like):
         """The first graph of :meth:`_compiled_step`: the isolation flags and every bucket's
         coefficient vectors ``[n]`` (``step``'s arithmetic; the trials are masked whether or not
         any is frozen, an identity then); returns the active trials and the vectors."""
@@ -423,10 +424,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             for (lr_mult, wd_mult), dtype, _ in buckets:
                 vectors = self._coefficients(hyper, next(first), lr_mult, wd_mult, active, like)
                 out.append({k: v if v.dtype == torch.bool else v.to(dtype)
-                            for k, v in vectors.items()})  # fmt: skip
+                            for k, v in vectors.items()})
         return active, out
 
-    def _run(self, params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _run(self, params, grads, state, coeffs) -> None:
         """The eager update, parameter by parameter (:meth:`_update`)."""
         for i, p in enumerate(params):
             self._update(
@@ -459,7 +460,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._scratch_views[key] = views
         return views
 
-    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+    def _update(self, p, g, state, c, scratch) -> None:
         """The eager update of one parameter (``state``, ``c``: its state and coefficients)."""
         raise NotImplementedError
 
@@ -508,11 +509,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _new_cohort(self, p: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):
         raise NotImplementedError
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs) -> None:
         """The update of every parameter as ``_foreach`` ops, for ``torch.compile`` to fuse."""
         raise NotImplementedError
 
@@ -588,7 +589,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         with re-initializing slot ``k`` of the fused model's parameters, and with
         :meth:`hydro.optim.lr_scheduler.TrialScheduler.reset_trial` (after this call) when a
         scheduler drives the learning rate: the new trial then trains exactly as it would alone
-        from its step 0 (``tests/test_optim_reset.py``).
+        from its step 0 (``tests/optim/test_reset_trial.py``).
 
         Args:
             k: the slot, ``0 <= k < n``.
@@ -675,7 +676,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             {key: v[k].clone() for key, v in self.state.get(p, {}).items()
              if torch.is_tensor(v) and v.dim()}
             for p in params
-        ]  # fmt: skip
+        ]
         return {"groups": groups, "state": state}
 
     def load_trial_state(self, k: int, trial: dict[str, Any]) -> None:
@@ -687,7 +688,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (self.n or 0):
             raise ConfigError(f"load_trial_state: slot {k!r} is not one of the {self.n} fused "
-                              "trials")  # fmt: skip
+                              "trials")
         params = [p for g in self.param_groups for p in g["params"]]
         if len(trial["state"]) != len(params) or len(trial["groups"]) != len(self.param_groups):
             raise ConfigError(

@@ -206,7 +206,7 @@ class TrialScheduler:
         the trial's own arguments); the slot's schedule goes on from the saved step."""
         self.schedulers[k].load_state_dict(state["scheduler"])
         for group, values in zip(self.optimizer.trial_optimizers()[k].param_groups,
-                                 state["stand_in"]):  # fmt: skip
+                                 state["stand_in"]):
             group.update(values)
         self._sync()
 
@@ -268,7 +268,7 @@ class StepLR(TrialScheduler):
 
     arg_names = ("step_size", "gamma")
 
-    def __init__(self, optimizer: FusedOptimizer, step_size, gamma=0.1) -> None:  # noqa: ANN001
+    def __init__(self, optimizer: FusedOptimizer, step_size, gamma=0.1) -> None:
         self._per_trial(optimizer, step_size=step_size, gamma=gamma)
         super().__init__(optimizer)
 
@@ -283,7 +283,7 @@ class MultiStepLR(TrialScheduler):
     arg_names = ("milestones", "gamma")
     nested = ("milestones",)
 
-    def __init__(self, optimizer: FusedOptimizer, milestones, gamma=0.1) -> None:  # noqa: ANN001
+    def __init__(self, optimizer: FusedOptimizer, milestones, gamma=0.1) -> None:
         self._per_trial(optimizer, milestones=milestones, gamma=gamma)
         super().__init__(optimizer)
 
@@ -297,7 +297,7 @@ class ExponentialLR(TrialScheduler):
 
     arg_names = ("gamma",)
 
-    def __init__(self, optimizer: FusedOptimizer, gamma) -> None:  # noqa: ANN001
+    def __init__(self, optimizer: FusedOptimizer, gamma) -> None:
         self._per_trial(optimizer, gamma=gamma)
         super().__init__(optimizer)
 
@@ -310,7 +310,7 @@ class CosineAnnealingLR(TrialScheduler):
 
     arg_names = ("T_max", "eta_min")
 
-    def __init__(self, optimizer: FusedOptimizer, T_max, eta_min=0.0) -> None:  # noqa: ANN001, N803
+    def __init__(self, optimizer: FusedOptimizer, T_max, eta_min=0.0) -> None:
         self._per_trial(optimizer, T_max=T_max, eta_min=eta_min)
         super().__init__(optimizer)
 
@@ -324,7 +324,7 @@ class LinearLR(TrialScheduler):
 
     arg_names = ("start_factor", "end_factor", "total_iters")
 
-    def __init__(  # noqa: ANN001
+    def __init__(
         self, optimizer: FusedOptimizer, start_factor=1.0 / 3, end_factor=1.0, total_iters=5
     ) -> None:
         self._per_trial(
@@ -348,7 +348,7 @@ class SequentialLR(TrialScheduler):
     arg_names = ("milestones", "schedulers")
     nested = ("milestones",)
 
-    def __init__(  # noqa: ANN001
+    def __init__(
         self, optimizer: FusedOptimizer, schedulers: Sequence[TrialScheduler], milestones
     ) -> None:
         self.children = list(schedulers)
@@ -389,9 +389,9 @@ class OneCycleLR(TrialScheduler):
     arg_names = (
         "max_lr", "total_steps", "pct_start", "anneal_strategy", "cycle_momentum",
         "base_momentum", "max_momentum", "div_factor", "final_div_factor", "three_phase",
-    )  # fmt: skip
+    )
 
-    def __init__(  # noqa: ANN001
+    def __init__(
         self,
         optimizer: FusedOptimizer,
         max_lr,

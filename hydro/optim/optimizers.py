@@ -75,7 +75,7 @@ class SGD(FusedOptimizer):
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov,
-        )  # fmt: skip
+        )
         super().__init__(params, defaults, compile=compile)
         self._validate()
 
@@ -109,7 +109,7 @@ class SGD(FusedOptimizer):
                     done.add(id(t))
                     t |= active.to(t.device) & (self._on(group, "momentum", t) != 0)
 
-    def _advance_traced(self, per_group, cohorts, keys, active, hypers) -> None:  # noqa: ANN001
+    def _advance_traced(self, per_group, cohorts, keys, active, hypers) -> None:
         """:meth:`_advance_cohorts` on the traced tensors of :mod:`hydro.fusion.step`."""
         if "momentum_buffer" not in keys:
             return
@@ -121,7 +121,7 @@ class SGD(FusedOptimizer):
                     t |= active & (hyper["momentum"] != 0)
             offset += len(ps)
 
-    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):
         f64 = torch.float64
         lr = self._on(group, "lr", like) * lr_mult
         out = {"active": active, "neg_lr": torch.where(active, -lr, 0.0)}
@@ -145,7 +145,7 @@ class SGD(FusedOptimizer):
         return out
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs) -> None:
         d = torch._foreach_addcmul(grads, params, coeffs["wd"]) if "wd" in coeffs else grads
         if "active" in coeffs:  # a frozen trial's gradient may be non-finite: zero it
             d = [torch.where(a, g, 0.0) for a, g in zip(coeffs["active"], d)]
@@ -157,7 +157,7 @@ class SGD(FusedOptimizer):
             d = torch._foreach_addcmul(d_scaled, bufs, coeffs["x"])
         torch._foreach_addcmul_(params, d, coeffs["neg_lr"])
 
-    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+    def _update(self, p, g, state, c, scratch) -> None:
         s1, s2 = scratch
         d = _decayed_gradient(p, g, c, out=s2)
         if "momentum_buffer" in state:
@@ -216,7 +216,7 @@ class Adam(FusedOptimizer):
         steps = {id(self.state[p]["step"]): self.state[p]["step"] for ps in per_group for p in ps}
         torch._foreach_add_(list(steps.values()), [active.to(s.device) for s in steps.values()])
 
-    def _advance_traced(self, per_group, cohorts, keys, active, hypers) -> None:  # noqa: ANN001
+    def _advance_traced(self, per_group, cohorts, keys, active, hypers) -> None:
         """:meth:`_advance_cohorts` on the traced tensors of :mod:`hydro.fusion.step`."""
         done = set()
         for t in cohorts:
@@ -224,7 +224,7 @@ class Adam(FusedOptimizer):
                 done.add(id(t))
                 t.add_(active)
 
-    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):  # noqa: ANN001, ANN202
+    def _coefficients(self, group, state, lr_mult, wd_mult, active, like):
         # torch computes these per trial in double precision; so do we, as [n] vectors.
         lr = self._on(group, "lr", like) * lr_mult
         wd = self._on(group, "weight_decay", like) * wd_mult
@@ -254,7 +254,7 @@ class Adam(FusedOptimizer):
         return out
 
     @staticmethod
-    def _elementwise(params, grads, state, coeffs) -> None:  # noqa: ANN001
+    def _elementwise(params, grads, state, coeffs) -> None:
         d = grads
         if "decay" in coeffs:  # AdamW: decoupled weight decay
             torch._foreach_mul_(params, coeffs["decay"])
@@ -280,7 +280,7 @@ class Adam(FusedOptimizer):
         step = torch._foreach_mul(exp_avg, coeffs["neg_step_size"])
         torch._foreach_addcdiv_(params, step, denom)
 
-    def _update(self, p, g, state, c, scratch) -> None:  # noqa: ANN001
+    def _update(self, p, g, state, c, scratch) -> None:
         # Seven ops over this parameter's memory (one more for weight decay, one for frozen
         # trials), intermediates in two scratch tensors: s2 holds the gradient used until v is
         # updated, then the step; s1 holds d * d, then the denominator.

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 _LAZY = {"Task": "hydro.tuning.task", "Loop": "hydro.tuning.loop", "Run": "hydro.tuning.loop",
          "TuneOptions": "hydro.tuning.options", "TuneResult": "hydro.tuning.outputs",
          "export": "hydro.tuning.outputs", "tune": "hydro.tuning.tune",
-         "verify": "hydro.tuning.outputs"}  # fmt: skip
+         "verify": "hydro.tuning.outputs"}
 
 __all__ = ["Loop", "Run", "Task", "TuneOptions", "TuneResult", "export", "tune", "verify"]
 

@@ -35,7 +35,7 @@ from hydro_fluid.executors.local import start_ticks
 __all__ = ["HEARTBEAT_SECONDS", "INTERRUPTED", "POLL_SECONDS", "STALE_SECONDS", "Heartbeat",
            "after_tell", "ask", "counts", "fail", "fail_unfinished", "finished", "is_void",
            "put_back", "reclaim_stale", "report_and_ask", "seed_and_resume", "seed_sampler",
-           "sweep_checkpoints", "tell", "tell_safely", "trial_seed"]  # fmt: skip
+           "sweep_checkpoints", "tell", "tell_safely", "trial_seed"]
 
 INTERRUPTED = "interrupted: the process running it stopped; re-asked with the same parameters"
 
@@ -56,7 +56,7 @@ def tell(
             trial.set_user_attr("group_seconds", round(info.seconds, 3))
             trial.set_user_attr("worker_pid", info.pid)
         if outcome.state == "complete" and outcome.value is not None \
-                and math.isfinite(outcome.value):  # fmt: skip
+                and math.isfinite(outcome.value):
             tell_safely(study, trial, outcome.value)
         elif outcome.state == "pruned":
             tell_safely(study, trial, state=TrialState.PRUNED)
@@ -103,7 +103,7 @@ def tell_safely(study: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> N
         study.set_user_attr("hydro_sampler_exhausted", True)
 
 
-def report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:  # noqa: ANN001
+def report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> bool:
     """Give the study a member's intermediate value; True when its pruner prunes it.
     ``hook(number, step, value)`` is then told of the report (the progress bar)."""
     try:
@@ -141,7 +141,7 @@ def is_void(trial: FrozenTrial) -> bool:
     """Whether a finished row does not count as a trial: interrupted (and asked again) or a
     surplus ask of a shared study."""
     return trial.state == TrialState.FAIL and trial.user_attrs.get("fail_reason") in (
-        INTERRUPTED, _SURPLUS)  # fmt: skip
+        INTERRUPTED, _SURPLUS)
 
 
 def finished(study: optuna.Study) -> int:
@@ -190,21 +190,21 @@ _MACHINE = machine_id()
 
 def _me() -> dict[str, Any]:
     return {"host": socket.gethostname(), "machine": _MACHINE, "pid": os.getpid(),
-            "started": start_ticks(os.getpid())}  # fmt: skip
+            "started": start_ticks(os.getpid())}
 
 
 def _owner_alive(t: FrozenTrial, now: float) -> bool:
     owner = t.user_attrs.get(_OWNER)
     taken = t.user_attrs.get(_TAKEN)
     if taken is not None and t.datetime_start is not None \
-            and taken != t.datetime_start.isoformat():  # fmt: skip
+            and taken != t.datetime_start.isoformat():
         # put back and taken up again since this owner was recorded: the record is the last
         # owner's, and the new one records itself right after its ask
         return now - t.datetime_start.timestamp() < STALE_SECONDS
     # this host's pid table decides only for an owner on this machine (a record written before
     # the machine id was kept counts as this host's, as it did then); any other by heartbeat
     if isinstance(owner, dict) and owner.get("host") == socket.gethostname() \
-            and owner.get("machine", _MACHINE) == _MACHINE:  # fmt: skip
+            and owner.get("machine", _MACHINE) == _MACHINE:
         pid = owner.get("pid")
         if pid == os.getpid():
             with _ACTIVE_LOCK:
@@ -247,10 +247,10 @@ def put_back(study: optuna.Study, trial_id: int, *, owner: Any = None) -> bool:
     try:
         t = storage.get_trial(trial_id)
         if t.state != TrialState.RUNNING or (owner is not None and (
-                t.user_attrs.get(_OWNER) != owner or _owner_alive(t, time.time()))):  # fmt: skip
+                t.user_attrs.get(_OWNER) != owner or _owner_alive(t, time.time()))):
             return False  # another process's, or being taken by one (not yet recorded)
         storage.set_trial_user_attr(trial_id, _INTERRUPTIONS,
-                                    int(t.user_attrs.get(_INTERRUPTIONS, 0)) + 1)  # fmt: skip
+                                    int(t.user_attrs.get(_INTERRUPTIONS, 0)) + 1)
         if not _to_waiting(study, t):
             return False
     except UpdateFinishedTrialError:
@@ -283,7 +283,7 @@ def _rewind_queue(study: optuna.Study, number: int) -> None:
     storage = study._storage
     cursor = getattr(storage, "_prev_waiting_trial_number", None)
     if isinstance(storage, InMemoryStorage) and isinstance(cursor, dict) \
-            and study._study_id in cursor:  # fmt: skip
+            and study._study_id in cursor:
         with storage._lock:
             cursor[study._study_id] = min(cursor[study._study_id], number)
 
@@ -295,10 +295,10 @@ def fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> Non
     update now stays RUNNING, owned by this process: once it has exited, the next run
     reclaims it."""
     again = isinstance(exc, (KeyboardInterrupt, StorageError)) or \
-        getattr(exc, "_hydro_resume_others", False)  # fmt: skip
+        getattr(exc, "_hydro_resume_others", False)
     # one line, never a traceback
     reason = INTERRUPTED if again else \
-        (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:500]  # fmt: skip
+        (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:500]
     for t in trials:
         try:
             if again:
@@ -309,7 +309,7 @@ def fail_unfinished(study: optuna.Study, trials: Any, exc: BaseException) -> Non
             pass  # still failing: the error on its way out says so, and the next run reclaims it
 
 
-def fail(study, trial_id, number, params, reason, *, requeue) -> bool:  # noqa: ANN001
+def fail(study, trial_id, number, params, reason, *, requeue) -> bool:
     """Fail a RUNNING trial (True if this call did it: of racing processes one wins), and with
     ``requeue`` enqueue its parameters to be asked again."""
     storage = study._storage
@@ -334,7 +334,7 @@ def trial_seed(trial: FrozenTrial | optuna.Trial, base: int) -> int:
 
 
 def seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any],
-                     base: int, checkpoints: Any) -> int:  # fmt: skip
+                     base: int, checkpoints: Any) -> int:
     """Give a newly asked trial its seed (``hydro_seed``) and, if it re-asks a trial whose
     tuner died (``hydro_retry_of``), that trial's seed and last checkpoint: the checkpoint is
     handed to the new number, its reported values are reported again (for the pruner) and
@@ -351,7 +351,7 @@ def seed_and_resume(study: optuna.Study, trial: optuna.Trial, params: dict[str, 
     if old is not None:
         storage = study._storage
         before = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
-            study._study_id, int(old)))  # fmt: skip
+            study._study_id, int(old)))
         seed = trial_seed(before, base)
     trial.set_user_attr(_SEED, seed)
     if old is None or checkpoints is None:
@@ -371,7 +371,7 @@ def sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     writers. Returns how many."""
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     waiting = {t.user_attrs.get(_RETRY_OF) for t in trials.values()
-               if t.state in (TrialState.WAITING, TrialState.RUNNING)}  # fmt: skip
+               if t.state in (TrialState.WAITING, TrialState.RUNNING)}
     waiting |= {n for n, t in trials.items() if t.state == TrialState.WAITING}  # put back
     removed = checkpoints.sweep_partial()
     for number in checkpoints.numbers():
@@ -383,7 +383,7 @@ def sweep_checkpoints(study: optuna.Study, checkpoints: Any) -> int:
     return removed
 
 
-def ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  # noqa: ANN001
+def ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:
     """Ask up to ``k`` trials, keeping only those within ``n_trials`` over the whole study.
     ``trials``: a snapshot of the study read just before (it serves the first ask).
 
@@ -413,7 +413,7 @@ def ask(study, k, n_trials, seed, heart, trials=None) -> list[optuna.Trial]:  # 
         now = study.get_trials(deepcopy=False)
         mine = next((u for u in now if u._trial_id == t._trial_id), None)
         if mine is None or mine.state != TrialState.RUNNING \
-                or mine.user_attrs.get(_OWNER) != heart.me:  # fmt: skip
+                or mine.user_attrs.get(_OWNER) != heart.me:
             heart.release([t._trial_id])
             _clash(t, "another process took it meanwhile")
             continue
@@ -456,7 +456,7 @@ class Heartbeat:
                 storage = self.study._storage
                 left = [storage.get_trial(i) for i in ids]
                 fail_unfinished(self.study, [t for t in left if t.state == TrialState.RUNNING],
-                                 exc)  # fmt: skip
+                                 exc)
             except StorageError:
                 pass  # the next run reclaims them
         self.release(list(self.owned))
@@ -492,7 +492,7 @@ class Heartbeat:
                     storage.set_trial_user_attr(trial_id, _BEAT, time.time())
                     if native:  # a storage with Optuna's own heartbeat must not fail it either
                         storage.record_heartbeat(trial_id)
-                except Exception:  # noqa: BLE001 - finished meanwhile, or a transient error
+                except Exception:  # finished meanwhile, or a transient error
                     pass
 
 

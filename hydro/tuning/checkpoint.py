@@ -37,7 +37,7 @@ from hydro_fluid.executors.scratch import private_dir as _private_dir
 from hydro_fluid.executors.worker import _alive
 
 __all__ = ["CheckpointError", "TrialCheckpoints", "default_root", "for_study", "load", "save",
-           "rng_state", "set_rng_state", "study_id"]  # fmt: skip
+           "rng_state", "set_rng_state", "study_id"]
 
 FILE = "group.pt"
 STUDY_UID = "hydro_study_uid"  # the study's user attr naming its checkpoint directory
@@ -123,7 +123,7 @@ def set_aside(path: str | os.PathLike, why: str) -> Path:
     aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
     os.replace(path, aside)
     warnings.warn(HydroWarning(f"checkpoint {path} {why}; moved aside to {aside.name}, "
-                               "starting afresh"), stacklevel=2)  # fmt: skip
+                               "starting afresh"), stacklevel=2)
     return aside
 
 
@@ -206,13 +206,13 @@ class TrialCheckpoints:
             return None
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - truncated, planted pickle, not torch at all
+        except Exception as exc:  # truncated, planted pickle, not torch at all
             set_aside(path, f"is unreadable ({why(exc)})")
             return None
         mine = {"study": self.study, "seed": int(seed), "params": dict(params)}
         if not isinstance(state, dict) or any(state.get(k) != v for k, v in mine.items()):
             set_aside(path, f"belongs to another study or trial, not trial {number} of study "
-                      f"{self.study}")  # fmt: skip
+                      f"{self.study}")
             return None
         return state
 
@@ -260,7 +260,7 @@ def rng_state() -> dict[str, Any]:
     """The random states a training step draws from: torch (CPU and CUDA), Python, numpy."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "python": [version, list(internal), gauss]}  # fmt: skip
+                             "python": [version, list(internal), gauss]}
     try:
         import numpy as np
 

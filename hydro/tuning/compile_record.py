@@ -53,7 +53,7 @@ def load(k: str) -> dict[str, float | None] | None:
             data = json.load(f)
         speedup = data["speedup"]
         record = {"compile_s": float(data["compile_s"]),
-                  "speedup": None if speedup is None else float(speedup)}  # fmt: skip
+                  "speedup": None if speedup is None else float(speedup)}
         if data.get("key") != k or data.get("version") != VERSION:
             return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -71,7 +71,7 @@ def store(k: str, compile_s: float, speedup: float | None) -> bool:
     if not cache.enabled():
         return False
     data = {"version": VERSION, "key": k, "compile_s": round(max(compile_s, 0.01), 3),
-            "speedup": None if speedup is None else round(max(speedup, 0.01), 4)}  # fmt: skip
+            "speedup": None if speedup is None else round(max(speedup, 0.01), 4)}
     path = os.path.join(cache.directory(), k + SUFFIX)
 
     def write(tmp: str, secret: bytes) -> None:

@@ -76,7 +76,7 @@ def unavailable() -> str | None:
         fn = torch.compile(lambda x: x * 2 + 1, backend="inductor", fullgraph=True)
         if not torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0)):
             return "torch.compile gave a wrong result on a one-op check"
-    except Exception as exc:  # noqa: BLE001 - any failure means: do not compile
+    except Exception as exc:  # any failure means: do not compile
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"torch.compile cannot run here ({type(exc).__name__}: {first})"
     return None
@@ -128,7 +128,7 @@ def time_eager_step(group: Any, start: float) -> None:
         speedup = measured["speedup"] or SPEEDUP
         on, line = decide(step_s, left, measured["compile_s"], speedup)
         said = "measured here before" if measured["speedup"] else \
-            "compile measured here before, speed-up assumed"  # fmt: skip
+            "compile measured here before, speed-up assumed"
         line += f"; {said} (x{speedup:.2f})"
     if on and unavailable():
         on, line = False, f"compile: auto -> off ({unavailable()})"

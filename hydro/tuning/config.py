@@ -29,7 +29,7 @@ TOP_KEYS = {*TuneOptions.config_keys(), "sampler_args", "pruner_args", "task", "
 TASK_KEYS = {"model", "model_args", "data", "data_args", "loss", "metric", "direction",
              "optimizer", "scheduler", "steps", "eval_every", "eval_samples",
              "precision", "batch_size", "target_key", "checkpoint_every", "dynamic", "data_mode",
-             "cache", "train"}  # fmt: skip
+             "cache", "train"}
 # what only Hydro's own recipe reads: refused beside your own training function (task.train)
 RECIPE_KEYS = (
     "loss",
@@ -100,7 +100,7 @@ class TuneConfig:
             deadline=self.deadline, checkpoint_dir=self.checkpoint_dir,
             fuse_memory=self.fuse_memory, timeout=self.timeout, compile=self.compile,
             callbacks=list(self.trackers),
-        ).replace(**{**self.extra, **changes})  # fmt: skip
+        ).replace(**{**self.extra, **changes})
 
 
 def import_object(spec: str, key: str, path: str, trust: Sequence[str] = ()) -> Any:
@@ -118,7 +118,7 @@ def load(path: str, trust: Sequence[str] = (), **overrides: Any) -> TuneConfig:
     """
     try:
         with open(path) as f:
-            raw = yaml.load(f, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+            raw = yaml.load(f, Loader=_UniqueKeys)  # a SafeLoader subclass
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     except FileNotFoundError as exc:
@@ -185,13 +185,13 @@ def load(path: str, trust: Sequence[str] = (), **overrides: Any) -> TuneConfig:
         trackers=trackers_from_config(raw.get("trackers"), f"{path}: trackers"),
     )
     handled = {f for f in TuneConfig.__dataclass_fields__} | {"trials", "sampler_args",
-                                                               "pruner_args"}  # fmt: skip
+                                                               "pruner_args"}
     names = TuneOptions.config_keys()
     cfg.extra = {names[k]: v for k, v in raw.items() if k in names and k not in handled}
     if isinstance(cfg.fuse, int) and isinstance(cfg.first_group, int) \
-            and cfg.first_group > cfg.fuse:  # fmt: skip
+            and cfg.first_group > cfg.fuse:
         raise ConfigError(f"{path}: first_group ({cfg.first_group}) must not exceed fuse "
-                          f"({cfg.fuse}): it is the size of the first fused group")  # fmt: skip
+                          f"({cfg.fuse}): it is the size of the first fused group")
     try:  # the options the file sets beyond those above, checked as hydro.tune checks them
         cfg.options().validate()
     except ConfigError as exc:
@@ -214,14 +214,14 @@ class _UniqueKeys(yaml.SafeLoader):
                 continue
             if first != line:
                 raise ConfigError(f"key {key!r} is given twice (lines {first} and {line}); "
-                                  "keep one")  # fmt: skip
+                                  "keep one")
         return super().construct_mapping(node, deep=deep)
 
 
 def _study(value: Any, path: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{path}: study must be a name (a string), got {value!r}; quote it "
-                          "if YAML reads it as something else (study: 'yes')")  # fmt: skip
+                          "if YAML reads it as something else (study: 'yes')")
     return value
 
 
@@ -265,16 +265,16 @@ def _task(spec: Any, path: str, trust: Sequence[str] = ()) -> Any:
         if mixed:
             raise ConfigError(f"{path}: task.train names your own training function, which "
                               f"does its own {', '.join(mixed)}: remove "
-                              f"task.{mixed[0]}")  # fmt: skip
+                              f"task.{mixed[0]}")
         train = import_object(spec["train"], "task.train", path, trust)
     try:
         data = data_fn(**data_args)
-    except Exception as exc:  # noqa: BLE001 - user code: say which call failed
+    except Exception as exc:  # user code: say which call failed
         raise ConfigError(f"{path}: task.data: {spec['data']}(**data_args) raised "
-                          f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+                          f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(data, Mapping) or not {"train", "val"} <= set(data):
         raise ConfigError(f"{path}: task.data {spec['data']} must return a dict with 'train' "
-                          "and 'val'")  # fmt: skip
+                          "and 'val'")
 
     # a partial pickles (worker processes need it) and keeps the factory's signature, whose
     # keyword arguments are the searchable architecture choices
@@ -283,19 +283,19 @@ def _task(spec: Any, path: str, trust: Sequence[str] = ()) -> Any:
                                    "eval_samples", "precision",
                                    "batch_size", "target_key", "checkpoint_every", "dynamic",
                                    "data_mode", "cache")
-              if k in spec}  # fmt: skip
+              if k in spec}
     try:
         if train is not None:
             from hydro.tuning.loop import Loop
 
             if "steps" not in spec:
                 raise ConfigError("task.steps is required with task.train (the steps of "
-                                  "each trial)")  # fmt: skip
+                                  "each trial)")
             example = {k: data[k] for k in ("example_inputs", "example_kwargs") if k in data}
             return Loop(train=train, model=factory, train_data=_data(data["train"]),
-                        val_data=_data(data["val"]), **example, **kwargs)  # fmt: skip
+                        val_data=_data(data["val"]), **example, **kwargs)
         return Task(model=factory, train_data=_data(data["train"]), val_data=_data(data["val"]),
-                    loss=loss, metric=metric, **kwargs)  # fmt: skip
+                    loss=loss, metric=metric, **kwargs)
     except HydroError as exc:
         raise type(exc)(f"{path}: task: {exc}") from exc
 
@@ -317,11 +317,11 @@ def _check_arguments(fn: Any, args: Mapping, where: str, spec: str) -> None:
     for name in args:
         if name not in known:
             raise ConfigError(f"{where}: {spec} takes no argument {name!r}; it takes "
-                              f"{', '.join(known) or 'no arguments'}")  # fmt: skip
+                              f"{', '.join(known) or 'no arguments'}")
 
 
 def _sampler(raw: Mapping, space: dict, seed: int, path: str,
-             flag: str | None = None) -> optuna.samplers.BaseSampler:  # fmt: skip
+             flag: str | None = None) -> optuna.samplers.BaseSampler:
     """The config's ``sampler`` (or ``flag``'s, from the command line), seeded by ``seed``."""
     name = raw.get("sampler", "tpe")
     where = flag or f"{path}: sampler"
@@ -331,12 +331,12 @@ def _sampler(raw: Mapping, space: dict, seed: int, path: str,
         for key, dist in space.items():
             if not isinstance(dist, optuna.distributions.CategoricalDistribution):
                 raise ConfigError(f"{where} 'grid' needs categorical distributions; "
-                                  f"space.{key} is not one")  # fmt: skip
+                                  f"space.{key} is not one")
             grid[key] = list(dist.choices)
         return optuna.samplers.GridSampler(grid, seed=seed)
     if name not in SAMPLERS:
         raise ConfigError(f"{where} {name!r} is unknown; use one of "
-                          f"{', '.join(sorted([*SAMPLERS, 'grid']))}")  # fmt: skip
+                          f"{', '.join(sorted([*SAMPLERS, 'grid']))}")
     try:
         return SAMPLERS[name](seed, **args)
     except TypeError as exc:
@@ -348,7 +348,7 @@ def _pruner(raw: Mapping, path: str, flag: str | None = None) -> optuna.pruners.
     name = raw.get("pruner", "median")
     if name not in PRUNERS:
         raise ConfigError(f"{flag or f'{path}: pruner'} {name!r} is unknown; use one of "
-                          f"{', '.join(sorted(PRUNERS))}")  # fmt: skip
+                          f"{', '.join(sorted(PRUNERS))}")
     try:
         return PRUNERS[name](**_mapping(raw.get("pruner_args", {}), "pruner_args", path))
     except TypeError as exc:
@@ -359,7 +359,7 @@ def _unknown(spec: Mapping, allowed: set[str], path: str, prefix: str) -> None:
     unknown = sorted(set(spec) - allowed)
     if unknown:
         raise ConfigError(f"{path}: unknown key '{prefix}{unknown[0]}'; allowed keys: "
-                          f"{', '.join(sorted(allowed))}")  # fmt: skip
+                          f"{', '.join(sorted(allowed))}")
 
 
 def _mapping(value: Any, key: str, path: str) -> dict:
@@ -374,7 +374,7 @@ def _ratio(value: Any, path: str) -> int | str:
     if value == "auto" or not isinstance(value, bool) and isinstance(value, int) and value >= 1:
         return value
     raise ConfigError(f"{path}: ratio must be 'auto' or an integer >= 1 (2, 4, 8...), got "
-                      f"{value!r}")  # fmt: skip
+                      f"{value!r}")
 
 
 def _fuse(value: Any, path: str) -> int | str:
@@ -393,7 +393,7 @@ def _timeout(value: Any, path: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 < value < float("inf"):  # fmt: skip
+            not 0 < value < float("inf"):
         raise ConfigError(f"{path}: timeout must be a number of seconds above 0, got {value!r}")
     return float(value)
 
@@ -401,7 +401,7 @@ def _timeout(value: Any, path: str) -> float | None:
 def _alpha(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"{path}: depth_alpha must be a number in [0, 1] (1: CompleteP, 0.5: "
-                          f"Depth-muP), got {value!r}")  # fmt: skip
+                          f"Depth-muP), got {value!r}")
     return float(value)
 
 

@@ -141,35 +141,35 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
     first_group = o.first_group
     if first_group == "auto":
         first_group = auto_first_group(study.pruner, most, o.device) \
-            if is_task and o.executor is None else 0  # fmt: skip
+            if is_task and o.executor is None else 0
     if o.executor is not None and not is_task:
         raise ConfigError("an executor runs Hydro's training loop: pass a Task or your own "
-                          "training function, not a group callback")  # fmt: skip
+                          "training function, not a group callback")
     if first_group and (o.executor is not None or not is_task):
         raise ConfigError("first_group trains a first group alone in this process, before any "
                           "other: with an executor every other slot would wait for it. Use "
-                          "executor=None, or first_group=0")  # fmt: skip
+                          "executor=None, or first_group=0")
     if o.world_size > 1 and isinstance(trainer, Loop):
         raise ConfigError("world_size > 1 splits Hydro's own training step over devices: your "
-                          "own training function trains each group on one device")  # fmt: skip
+                          "own training function trains each group on one device")
     if is_task:
         if space is None:
             raise ConfigError("optimize(study, task, space, ...) needs a search space")
         check_space(space, None if isinstance(trainer, Loop) else trainer.model_args(),
-                    steps=trainer.steps if isinstance(trainer, Task) else None)  # fmt: skip
+                    steps=trainer.steps if isinstance(trainer, Task) else None)
         want = optuna.study.StudyDirection.MINIMIZE if trainer.direction == "minimize" \
-            else optuna.study.StudyDirection.MAXIMIZE  # fmt: skip
+            else optuna.study.StudyDirection.MAXIMIZE
         if study.direction != want:
             raise ConfigError(f"the study's direction is {study.direction.name.lower()} but the "
-                              f"task's is {trainer.direction}")  # fmt: skip
+                              f"task's is {trainer.direction}")
     elif fuse == "auto":
         raise ConfigError("fuse='auto' sizes Hydro's fused groups: with a group callback, give "
-                          "fuse a number")  # fmt: skip
+                          "fuse a number")
     if is_task and not isinstance(trainer, Loop) and fuse == "auto" \
-            and o.fuse_memory is not None and isinstance(space, dict):  # fmt: skip
+            and o.fuse_memory is not None and isinstance(space, dict):
         # a budget no trial fits is a mistake in the options: said before a trial is asked
         check_budget(trainer, space, ratio=o.ratio, device=o.device, memory=o.fuse_memory,
-                     depth=(o.depth_ratio, o.depth_alpha), seed=o.base_seed)  # fmt: skip
+                     depth=(o.depth_ratio, o.depth_alpha), seed=o.base_seed)
     if study.user_attrs.get("hydro_occupancy") is not None:
         study.set_user_attr("hydro_occupancy", None)  # describes the last run only
     if study.user_attrs.get("hydro_sampler_exhausted"):
@@ -192,7 +192,7 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
     with terminate_as_interrupt(), Heartbeat(study) as heart:
         try:
             asked_before = len(study.get_trials(deepcopy=False, states=_ASKED)) \
-                if o.deadline is not None else 0  # fmt: skip
+                if o.deadline is not None else 0
             while True:
                 if timeout is not None and time.perf_counter() - start > timeout:
                     if o.deadline is not None and timeout == o.deadline:
@@ -213,7 +213,7 @@ def drive(study: optuna.Study, trainer: Any, space: Space | None, options: TuneO
                         bar.update()
                     continue
                 where = Where(study=study, heart=heart, bar=bar, start=start,
-                              occupancy=occupancy, checkpoints=checkpoints)  # fmt: skip
+                              occupancy=occupancy, checkpoints=checkpoints)
                 if is_task and o.executor is None:
                     _Stream(trainer, space, engine, where).run()
                 elif is_task:
@@ -254,7 +254,7 @@ def _check_deadline(study: optuna.Study, o: TuneOptions, start: float, asked_bef
     raise ConfigError(f"the deadline of {o.deadline:g} s passed "
                       f"{time.perf_counter() - start:.2g} s into the search, before its first "
                       "trial was asked: give it more seconds (they count from the start of the "
-                      "search, after the model is built)")  # fmt: skip
+                      "search, after the model is built)")
 
 
 def make_executor(executor: Any) -> Any:
@@ -274,7 +274,7 @@ def make_executor(executor: Any) -> Any:
             raise ExecutorError(str(exc)) from exc
     if isinstance(executor, str):
         raise ConfigError(f"unknown executor {executor!r}: use 'inline', 'local', 'ray' or a "
-                          "hydro_fluid executor")  # fmt: skip
+                          "hydro_fluid executor")
     from hydro_fluid.executors.protocol import check_executor
 
     return check_executor(executor)  # an object: checked against the Executor protocol
@@ -328,12 +328,12 @@ def _trial_checkpoints(study: optuna.Study, root: Any) -> _checkpoint.TrialCheck
         raise ConfigError(f"checkpoint_dir must be a directory path, got {root!r}")
     if root is not None and os.path.exists(root) and not os.path.isdir(root):
         raise ConfigError(f"checkpoint_dir {os.fspath(root)!r} is a file: give a directory "
-                          "(it is created if missing)")  # fmt: skip
+                          "(it is created if missing)")
     root = root if root is not None else _checkpoint.default_root(study)
     return _checkpoint.for_study(study, root) if root is not None else None
 
 
-def _run_batch(study, callback, space, trials, heart, callbacks=()) -> None:  # noqa: ANN001
+def _run_batch(study, callback, space, trials, heart, callbacks=()) -> None:
     """Run one batch of asked trials through a group callback; whatever happens, none of them
     stays RUNNING."""
     told: set[int] = set()
@@ -361,10 +361,10 @@ def refuse_directions(name: str, directions: Sequence[Any]) -> None:
         raise ConfigError(f"study {name!r} has {len(directions)} objectives ({names}): Hydro "
                           "tunes one value (the task's metric) and cannot run a "
                           "multi-objective study. Use a study with one direction (another "
-                          "study name).")  # fmt: skip
+                          "study name).")
 
 
-def _run_callback_batch(study, callback, space, trials, told) -> None:  # noqa: ANN001
+def _run_callback_batch(study, callback, space, trials, told) -> None:
     if space is not None:
         for t in trials:
             sample(t, space)
@@ -374,7 +374,7 @@ def _run_callback_batch(study, callback, space, trials, told) -> None:  # noqa: 
     results = list(callback(trials))
     if len(results) != len(trials):
         raise ConfigError(f"the group callback returned {len(results)} results for "
-                          f"{len(trials)} trials")  # fmt: skip
+                          f"{len(trials)} trials")
     for t, r in zip(trials, results):
         if isinstance(r, optuna.TrialPruned):
             tell_safely(study, t, state=TrialState.PRUNED)

@@ -62,7 +62,7 @@ def _not_training() -> tuple[str, ...]:
 def _is_user(filename: str) -> bool:
     # "<...>": generated code (torch.fx graph modules, frozen modules), never the user's file
     return not filename.startswith("<") and \
-        not os.path.realpath(filename).startswith(_library_dirs())  # fmt: skip
+        not os.path.realpath(filename).startswith(_library_dirs())
 
 
 def describe(exc: BaseException, task: Any) -> str | None:
@@ -111,7 +111,7 @@ def _role(frame: types.FrameType, task: Any) -> str:
     for role, objs in (("loss", [getattr(task, "loss", None)]),
                        ("metric", [getattr(task, "metric", None)]),
                        ("train", [getattr(task, "train", None)]), ("model", [task.model]),
-                       ("data", [task.train_data, task.val_data])):  # fmt: skip
+                       ("data", [task.train_data, task.val_data])):
         for obj in objs:
             if obj is None or isinstance(obj, (str, tuple, dict, torch.Tensor)):
                 continue
@@ -130,7 +130,7 @@ def _codes(obj: Any) -> set[types.CodeType]:
         roots = [obj.__code__]
     else:
         roots = [v.__code__ for c in type(obj).__mro__ for v in vars(c).values()
-                 if isinstance(v, types.FunctionType)]  # fmt: skip
+                 if isinstance(v, types.FunctionType)]
     found: set[types.CodeType] = set()
     while roots:
         code = roots.pop()
@@ -169,7 +169,7 @@ class Faults:
             return True
         found = re.search(r" raised ([\w.]+)", exc)
         return found is not None and found.group(1).rsplit(".", 1)[-1] in \
-            {c.__name__ for c in self.catch}  # fmt: skip
+            {c.__name__ for c in self.catch}
 
     def failed(self, what: str, reason: str, key: tuple | None) -> None:
         """A group of ``key`` failed because user code raised (``what``, :func:`describe`);
@@ -189,4 +189,4 @@ class Faults:
             return
         raise UserCodeError(f"{self.first} (every trial of this run failed this way, in "
                             f"{self.groups} group{'s' if self.groups > 1 else ''}: fix it and "
-                            "run again)")  # fmt: skip
+                            "run again)")

@@ -78,7 +78,7 @@ def fingerprint(
     if depth_ratio > 1:  # depth_alpha changes nothing while no block is cut
         scale["depth_alpha"] = float(depth_alpha)
     data: dict[str, Any] = {"train_data": _data(task.train_data),
-                            "val_data": _data(task.val_data)}  # fmt: skip
+                            "val_data": _data(task.val_data)}
     if data_source is not None:
         data["source"] = _plain(dict(data_source))
     if not hasattr(task, "loss"):  # your own training function: its name and its source
@@ -91,7 +91,7 @@ def fingerprint(
                        "eval_every": task.eval_every, "batch_size": task.batch_size},
             "space": _space(space),
             "ratio": scale,
-        }  # fmt: skip
+        }
         return json.loads(json.dumps({"version": VERSION, "parts": parts}, sort_keys=True))
     parts = {
         "model": _model(task, model),
@@ -109,7 +109,7 @@ def fingerprint(
                    **({"precision": task.precision} if task.precision != "fp32" else {})},
         "space": _space(space),
         "ratio": scale,
-    }  # fmt: skip
+    }
     # a JSON round trip: what is compared is exactly what the storage gives back
     return json.loads(json.dumps({"version": VERSION, "parts": parts}, sort_keys=True))
 
@@ -141,7 +141,7 @@ def check_study(
                 f"{where} has no definition this hydro can compare (it was created by an older "
                 "hydro, or outside hydro): its trials cannot be checked against this model, "
                 "data and space; resuming it, and recording this definition for later runs"),
-                stacklevel=3)  # fmt: skip
+                stacklevel=3)
         study.set_user_attr(FINGERPRINT, definition)
         return
     changed = differences(stored["parts"], definition["parts"])
@@ -159,13 +159,13 @@ def check_study(
     before = min(waiting) if waiting else len(trials)
     earlier = list(study.user_attrs.get(EARLIER, []))
     earlier.append({"before_trial": before, "task": study.user_attrs.get("hydro_task", {}),
-                    "changed": changed, "definition": stored})  # fmt: skip
+                    "changed": changed, "definition": stored})
     study.set_user_attr(EARLIER, earlier)
     study.set_user_attr(FINGERPRINT, definition)
     warnings.warn(HydroWarning(
         f"{where}: continuing it with another definition, as forced (changed: "
         f"{', '.join(changed)}); its trials before number {before} trained with the old one"),
-        stacklevel=3)  # fmt: skip
+        stacklevel=3)
 
 
 def recipe_for(study: optuna.Study, number: int) -> dict[str, Any]:
@@ -268,14 +268,14 @@ def _probe(space: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
             for name, dist in trial.distributions.items():
                 dists.setdefault(name, set()).add(_dist(dist))
             returned.append({k: _plain(v) for k, v in dict(result or {}).items()})
-    except Exception:  # noqa: BLE001 - user code; the run itself will say what is wrong
+    except Exception:  # user code; the run itself will say what is wrong
         return None, None
     finally:
         optuna.logging.set_verbosity(level)
     params = {k: v.pop() if len(v) == 1 else sorted(v) for k, v in dists.items()}
     # a value returned the same by every probe is fixed; one derived from a draw varies
     fixed = {k: v for k, v in returned[0].items()
-             if k not in dists and all(r.get(k, ...) == v for r in returned)}  # fmt: skip
+             if k not in dists and all(r.get(k, ...) == v for r in returned)}
     return params, fixed
 
 
@@ -403,7 +403,7 @@ def _model_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     a, b = old.get("architecture"), new.get("architecture")
     if a and b and a != b:
         count = (f" ({a['parameters']}→{b['parameters']} parameters)"
-                 if a["parameters"] != b["parameters"] else "")  # fmt: skip
+                 if a["parameters"] != b["parameters"] else "")
         return [f"model architecture{count}"]
     return []  # one side could not build its model: name and arguments agree
 

@@ -71,7 +71,7 @@ class _Fleet(_Stream):
         # the worker reads the run's options (those that pickle: Options.for_worker)
         fn = functools.partial(_stream_in_worker, self.task, self.options.for_worker(), fuse,
                                checkpoints=self.checkpoints,
-                               study=_checkpoint.study_id(self.study))  # fmt: skip
+                               study=_checkpoint.study_id(self.study))
         placement = {}
         if self.world_size == 1 and isinstance(self.executor, PlacingExecutor):
             # the policy decides each group's devices (data parallel when it widens one); a
@@ -82,7 +82,7 @@ class _Fleet(_Stream):
         self._guard(lambda: self.executor.run([], fn, more=self.more, on_result=self.ended,
                                               request=self.answer, world_size=self.sizes,
                                               preload=["torch.export._trace"],
-                                              **placement))  # fmt: skip
+                                              **placement))
         self.faults.check(end=True)
 
     def more(self, room: float = 1.0) -> list:
@@ -106,7 +106,7 @@ class _Fleet(_Stream):
         # with fuse="auto" the placement policy packs by the memory the sizing measured
         return [TrialGroup(name, tuple(t.number for t, _ in members),
                            (self.task.steps,) * len(members),
-                           memory_per_trial=self.key_memory.get(key, 0.0))]  # fmt: skip
+                           memory_per_trial=self.key_memory.get(key, 0.0))]
 
     def _world_size(self, key: tuple) -> int:
         """How many slots a new group of ``key`` trains on: ``world_size``, or 1 where its
@@ -119,7 +119,7 @@ class _Fleet(_Stream):
             warnings.warn(HydroWarning(
                 f"batch size {batch} does not divide by world_size {self.world_size}: its "
                 "groups train on one slot each (data parallel splits a batch into equal shards)"
-            ), stacklevel=2)  # fmt: skip
+            ), stacklevel=2)
         return 1
 
     def _assign(self, t: optuna.Trial, params: dict, name: str, slot: int) -> tuple:
@@ -197,7 +197,7 @@ class _Fleet(_Stream):
             self.keys[part], self.gids[part] = self.keys.get(base), self.gids.get(base, 0)
             self.sizes.setdefault(part, self.sizes.get(base, 1))  # as the executor runs it
             self.logs[part] = [[self._assign(self.running[n], self.params[n], part, slot)
-                                for slot, n in enumerate(numbers)]]  # fmt: skip
+                                for slot, n in enumerate(numbers)]]
 
     def _count(self, name: str, counts: Sequence[int] | None) -> None:
         if counts is None:
@@ -235,7 +235,7 @@ class _Fleet(_Stream):
             reason = f"trial {number} (group {gid}): {what}"
             first = first or reason
             self.tell(self.running[number], Outcome("fail", None, 0, reason), None,
-                      fault=not caught)  # fmt: skip
+                      fault=not caught)
         if caught:
             return
         self.faults.failed(what, first or f"{name}: {what}", self.keys.get(name))

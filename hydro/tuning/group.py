@@ -89,7 +89,7 @@ def check_device(device: Any) -> str:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"device {device!r} is not a torch device: use 'cpu', 'cuda' or "
-                          "'cuda:N'") from exc  # fmt: skip
+                          "'cuda:N'") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -100,7 +100,7 @@ def check_device(device: Any) -> str:
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"device {device!r}: this machine has "
-                              f"{torch.cuda.device_count()} CUDA device(s)")  # fmt: skip
+                              f"{torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
         raise ConfigError(f"device {device!r}: Hydro trains on 'cpu' or 'cuda[:N]'")
     return str(dev)
@@ -139,7 +139,7 @@ def structure(task: Task, args: tuple) -> Any:
             settings = tuple(sorted(
                 (k, v) for k, v in vars(m).items()
                 if not k.startswith("_") and isinstance(v, (bool, int, str, type(None)))
-            ))  # fmt: skip
+            ))
             parts.append((name, type(m).__qualname__, settings))
         _STRUCTURES[key] = tuple(parts)
     return _STRUCTURES[key]
@@ -151,7 +151,7 @@ _INIT_NAMES = frozenset({
     "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
     "eye_", "dirac_", "sparse_", "random_", "exponential_", "bernoulli_", "cauchy_",
     "log_normal_", "geometric_",
-})  # fmt: skip
+})
 
 
 class _SkipInit(TorchFunctionMode):
@@ -159,7 +159,7 @@ class _SkipInit(TorchFunctionMode):
     no values, and torch runs meta random fills through Python decompositions whose first call
     imports ``torch._dynamo`` (over a second). Shapes, dtypes and modules are unchanged."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) in _INIT_NAMES:
             first = args[0] if args else kwargs.get("tensor")  # nn.init passes it by name
@@ -202,14 +202,14 @@ def _lit(x: Any) -> Any:
     return torch.fx.node.map_arg(x, lambda n: ("node", n.name))
 
 
-def _literal_sites(task, scaled, args0, name, value, example) -> list | None:  # noqa: ANN001
+def _literal_sites(task, scaled, args0, name, value, example) -> list | None:
     """Where the captured graphs write factory argument ``name`` as a literal, or ``None``."""
     from hydro.fx.capture import capture
 
     # training is where a literal like dropout acts; the eval graph keeps the first member's
     other = capture(task.build_model(**{**args0, name: value}), example[0], example[1],
                     modes=("train",), dynamic=task.dynamic,
-                    cache=_capture_cache.for_task(task))  # fmt: skip
+                    cache=_capture_cache.for_task(task))
     sites = []
     for mode, gm in scaled.captured.graphs.items():
         if mode not in other.graphs:
@@ -249,7 +249,7 @@ class Member:
 
 
 def set_recipe(group: Any, task: Any, members: Sequence[tuple[Any, dict[str, Any], int]],
-               ratio: int, device: Any, depth_ratio: int, depth_alpha: float) -> tuple:  # fmt: skip
+               ratio: int, device: Any, depth_ratio: int, depth_alpha: float) -> tuple:
     """What makes a group (of :class:`FusedGroup` or :class:`hydro.tuning.loop.LoopGroup`): its
     task, ratio, device, depth cut, key and batch size set on ``group``; returns the first
     member's parameters, whether a readout multiplier is searched, and the recipe a later group
@@ -312,14 +312,14 @@ class FusedGroup:
         note: Callable[[str], None] | None = None,
     ) -> None:
         first, readout, same = set_recipe(self, task, members, ratio, device, depth_ratio,
-                                          depth_alpha)  # fmt: skip
+                                          depth_alpha)
         if like is not None and like.task is task and like.recipe == same:
             # an earlier group of this key: its capture and width analysis serve this one (a
             # member's surrogate depends only on its own arguments and seed)
             self.builder, target = like.builder, None
         else:
             sample_batch = next(task.train_batches(min(self.batch_size, 2),
-                                                   seed=int(members[0][2])))  # fmt: skip
+                                                   seed=int(members[0][2])))
             target = _target(task, first)
             task.validate(target, sample_batch)  # clear errors before any training
             if task.example_inputs is not None:
@@ -328,13 +328,13 @@ class FusedGroup:
                 args, kwargs, _ = task.split(sample_batch)
                 example = (args, kwargs)
             self.builder = _Builder(task, ratio, example, target, first, readout,
-                                    (depth_ratio, depth_alpha))  # fmt: skip
+                                    (depth_ratio, depth_alpha))
         self.recipe = same
         self.shared = task.data_mode == "shared"
         self.data_seed = int(members[0][2])
         # shared data: one stream for the group, read once per fused step
         self.batches = task.train_batches(self.batch_size, seed=self.data_seed) \
-            if self.shared else None  # fmt: skip
+            if self.shared else None
         self.members = [self._member(i, p, sd) for i, p, sd in members]
         modules = [self.builder.make(m.params, m.seed) for m in self.members]
         self.widths = _widths(modules[0])
@@ -346,7 +346,7 @@ class FusedGroup:
                 f"inputs or outputs), so the ratio-{ratio} surrogate equals the full model: "
                 "Hydro tunes the full model itself, fused. Use a model with hidden layers, or "
                 "ratio=1."
-            ), stacklevel=3)  # fmt: skip
+            ), stacklevel=3)
         self.compile = compiling.check_compile(compile)
         self._note = note or (lambda line: None)
         self._trials_left = len(members) if trials_left is None else int(trials_left)
@@ -361,7 +361,7 @@ class FusedGroup:
             compile_record.use_private_inductor_cache()
             if like is None:  # compiles at its first step: timed, kept for "auto" to read
                 self._compiled = {"key": None, "mode": model_compile, "eager_s": None,
-                                  "times": []}  # fmt: skip
+                                  "times": []}
         # fuse's FusedModel, handed the fresh surrogates rather than copying them
         self.fused = FusedModel(modules, own=True).compile(model_compile).to(device)
         self.compiled_graphs = None  # set when a resize turned compiling off
@@ -373,7 +373,7 @@ class FusedGroup:
         self.slot_params = [m.params for m in self.members]  # what slot k's schedule reads
         # a compiled model steps the optimizer's compiled update too; eager: its own default
         self.opt = _optimizer(task, self.fused, self.slot_params,
-                              compile=True if model_compile else "auto")  # fmt: skip
+                              compile=True if model_compile else "auto")
         self.sched = _scheduler(task, self.opt, self.slot_params, always=refill)
         self.clip = [p.get("grad_clip") for p in self.slot_params]
         # float16: a loss scale per trial (an overflow skips its own trial's step only)
@@ -389,11 +389,11 @@ class FusedGroup:
         self.batch_norm = like.batch_norm if target is None else parallel.batch_norm(target)
         self.rank, self.world_size = 0, 1  # data parallel replicas (distribute)
 
-    def _member(self, id: Any, params: dict[str, Any], seed: int) -> Member:  # noqa: A002
+    def _member(self, id: Any, params: dict[str, Any], seed: int) -> Member:
         params = dict(params)
         if group_key(params, self.task) != self.key:
             raise ConfigError(f"trial {id!r} cannot join this fused group: its batch size or "
-                              "architecture differs (group_key)")  # fmt: skip
+                              "architecture differs (group_key)")
         batches = None if self.shared else self.task.train_batches(self.batch_size, seed=int(seed))
         return Member(id, params, int(seed), batches)
 
@@ -403,14 +403,14 @@ class FusedGroup:
         return len(self.members)
 
     @collector_paused()
-    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
+    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:
         """Start trial ``id`` in ``slot`` from scratch: a fresh surrogate from ``seed``, a fresh
         optimizer state and schedule with its own hyperparameters, its own data stream."""
         member = self._member(id, params, seed)
         if "output_mult" in member.params and not self.builder.readout:
             raise ConfigError("output_mult is searched but this group was built without it")
         self.fused.load_trial(slot, self.builder.make(member.params, member.seed).to(self.device),
-                              seed=member.seed)  # fmt: skip
+                              seed=member.seed)
         hyper = _hyper(self.task, member.params)
         self.opt.reset_trial(slot, **hyper)
         if self.scales is not None:
@@ -419,7 +419,7 @@ class FusedGroup:
         if self.sched is None:
             if "warmup" in member.params:
                 raise ConfigError("warmup is searched but this group was built without "
-                                  "schedules (refill=False)")  # fmt: skip
+                                  "schedules (refill=False)")
         else:
             self.sched.reset_trial(slot, base_lr=hyper["lr"])  # rebuilt from slot_params
         self.clip[slot] = member.params.get("grad_clip")
@@ -428,7 +428,7 @@ class FusedGroup:
         why = self.unsplittable(self.world_size)
         if why:
             raise ConfigError(f"trial {id!r} cannot join this data parallel group: {why}. "
-                              "Train its group with world_size 1")  # fmt: skip
+                              "Train its group with world_size 1")
 
     def trial_state(self, slot: int) -> dict[str, Any]:
         """The trial in ``slot`` as it stands (copies, tensors and plain containers only): its
@@ -443,7 +443,7 @@ class FusedGroup:
             "optimizer": self.opt.trial_state(slot),
             "scheduler": self.sched.trial_state(slot) if self.sched is not None else None,
             **({"loss_scale": self.scales.trial_state(slot)} if self.scales is not None else {}),
-        }  # fmt: skip
+        }
 
     def resume(self, slot: int, state: dict[str, Any]) -> None:
         """Put the trial of :meth:`trial_state` in ``slot``, at its step: its data stream is
@@ -482,7 +482,7 @@ class FusedGroup:
             self.batches = self.task.train_batches(self.batch_size, seed=self.data_seed)
             self.skip(steps)
 
-    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:  # noqa: A002
+    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:
         """Start trial ``id`` in a new slot at the end (the group grows by one) and return that
         slot. The trial starts from scratch exactly as with :meth:`put`; the other slots go on
         bit for bit."""
@@ -521,15 +521,15 @@ class FusedGroup:
             return None
         if self.batch_size % world_size:
             return (f"batch size {self.batch_size} does not divide by world_size {world_size}: "
-                    "data parallel splits every batch into equal shards")  # fmt: skip
+                    "data parallel splits every batch into equal shards")
         if self.batch_norm:
             return (f"{self.batch_norm} normalizes over the batch: on a shard its statistics "
-                    "differ from the whole batch's")  # fmt: skip
+                    "differ from the whole batch's")
         sample = next(self.task.train_batches(world_size, seed=self.members[0].seed))
         if parallel.random_ops(self.fused, stack_batches([sample] * self.n), self.task):
             return ("the model draws random numbers in training (dropout, drop-path, sampling) "
                     "whose per-trial masks follow each row's place in the batch: a shard "
-                    "would draw other masks")  # fmt: skip
+                    "would draw other masks")
         return None
 
     def distribute(self, rank: int, world_size: int) -> None:
@@ -543,7 +543,7 @@ class FusedGroup:
         why = self.unsplittable(world_size)
         if why:
             raise ConfigError(f"this group cannot train data parallel: {why}. Train it with "
-                              "world_size 1")  # fmt: skip
+                              "world_size 1")
         self.rank, self.world_size = int(rank), int(world_size)
 
     def step(self) -> torch.Tensor:
@@ -560,7 +560,7 @@ class FusedGroup:
         # shared: one batch, copied to the device once, fed to every slot
         batch = batches[0] if self.shared else stack_batches(batches)
         losses = _train_step(self.task, self.fused, self.opt, batch, self.clip, self.device,
-                             shared=self.shared, reduce=reduce, scales=self.scales)  # fmt: skip
+                             shared=self.shared, reduce=reduce, scales=self.scales)
         if self.sched is not None:
             self.sched.step()
         for m in self.members:
@@ -602,7 +602,7 @@ class FusedGroup:
         data parallel replicas)."""
         flags, steps = parallel.share(
             torch.stack([self.fused.diverged.long(), self.fused.trial_step]).tolist(),
-            self.rank, self.world_size)  # fmt: skip
+            self.rank, self.world_size)
         # a frozen trial's random stream stops counting: its step count is where it diverged
         return {k: int(steps[k]) for k in range(self.n) if flags[k]}
 
@@ -633,9 +633,9 @@ class FusedGroup:
             else:
                 samples = self.eval_blocks * SAMPLE_BLOCK if self.eval_blocks else None
                 values = evaluate(self.task, self.fused, self.batch_size, self.device, full,
-                                  samples=samples)  # fmt: skip
+                                  samples=samples)
         values, self.measured = parallel.share((values, self.measured), self.rank,
-                                               self.world_size)  # fmt: skip
+                                               self.world_size)
         return values
 
     def _measure(self, full: Sequence[int]) -> list[float]:
@@ -675,7 +675,7 @@ def _target(task: Task, params: dict[str, Any]) -> nn.Module:
 _CANONICAL = (0.125, 0.0625)
 
 
-def _canonical(task, target, params0, names):  # noqa: ANN001, ANN202
+def _canonical(task, target, params0, names):
     """``(target, args0, probe)`` for a group: the target built with its float factory
     arguments at ``_CANONICAL[0]`` (where that leaves its tensors as they are: they only act in
     forward), and the rate each literal site is located with; else the first trial's."""
@@ -686,7 +686,7 @@ def _canonical(task, target, params0, names):  # noqa: ANN001, ANN202
     rates = dict.fromkeys(floats, _CANONICAL[0])
     try:
         canon = _target(task, {**params0, **rates})
-    except Exception:  # noqa: BLE001 - a factory that refuses the rate: the first trial's
+    except Exception:  # a factory that refuses the rate: the first trial's
         return target, args0, {}
     a, b = ({**dict(m.named_parameters()), **dict(m.named_buffers())} for m in (target, canon))
     same = a.keys() == b.keys() and all(
@@ -702,14 +702,14 @@ class _Builder:
     """Surrogates for one group: one capture and width analysis, then each member an
     independent draw from its seed with its own factory arguments (see :func:`build_members`)."""
 
-    def __init__(self, task, ratio, example, target, params0, readout, depth=(1, 1.0)) -> None:  # noqa: ANN001
+    def __init__(self, task, ratio, example, target, params0, readout, depth=(1, 1.0)) -> None:
         self.task, self.ratio, self.example, self.readout = task, ratio, example, readout
         self.depth = {"depth_ratio": int(depth[0]), "depth_alpha": float(depth[1])}
         self.names = sorted(k for k in task.model_args() if k in params0)
         target, self.args0, self.probe = _canonical(task, target, params0, self.names)
         self.scaled = build(target, ratio, example_inputs=example[0], example_kwargs=example[1],
                             seed=0, always_readout=readout, dynamic=task.dynamic,
-                            cache=_capture_cache.for_task(task), **self.depth)  # fmt: skip
+                            cache=_capture_cache.for_task(task), **self.depth)
         self._shared: dict[str, torch.fx.GraphModule] | None = None  # see make
         self.token = uuid.uuid4().hex  # its members' signatures name it (unique, pickled too)
 
@@ -722,7 +722,7 @@ class _Builder:
             sur = build(_target(task, params), self.ratio, example_inputs=ex_args,
                         example_kwargs=ex_kwargs, seed=int(seed), always_readout=self.readout,
                         dynamic=task.dynamic, cache=_capture_cache.for_task(task),
-                        **self.depth).surrogate  # fmt: skip
+                        **self.depth).surrogate
         else:
 
             def edit(mode: str, graph: torch.fx.Graph) -> None:
@@ -748,7 +748,7 @@ class _Builder:
             sur = self.scaled.sample(int(seed), edit=edit if differs else None, graphs=shared)
             # equal literals, equal graphs: the fused model compares this, not generated code
             sur._hydro_signature = (f"hydro.builder {self.token} "
-                                    f"{[(n, repr(args[n])) for n in differs]}")  # fmt: skip
+                                    f"{[(n, repr(args[n])) for n in differs]}")
         _apply_model_params(sur, params, task.model_args())
         return sur
 
@@ -829,4 +829,4 @@ def _blocks(sur: nn.Module) -> dict[str, int]:
     if not stacks:
         return {}
     return {"target": sum(len(s.blocks) for s in stacks),
-            "surrogate": sum(len(s.kept) for s in stacks)}  # fmt: skip
+            "surrogate": sum(len(s.kept) for s in stacks)}

@@ -67,7 +67,7 @@ def train_group(
     n = len(params)
     group = FusedGroup(task, [(k, p, s) for k, (p, s) in enumerate(zip(params, seeds))],
                        ratio=ratio, device=device, refill=False, depth_ratio=depth_ratio,
-                       depth_alpha=depth_alpha)  # fmt: skip
+                       depth_alpha=depth_alpha)
     outcomes: dict[int, Outcome] = {}
     history: dict[int, list[tuple[int, float]]] = {k: group.members[k].history for k in range(n)}
     first = 1
@@ -85,7 +85,7 @@ def train_group(
                 k = alive[pos]
                 if k not in outcomes:
                     outcomes[k] = Outcome("fail", None, at, f"diverged at step {at}: "
-                                          "non-finite loss or gradient", history[k])  # fmt: skip
+                                          "non-finite loss or gradient", history[k])
         for k in pruned() if pruned is not None else ():
             if k in alive and k not in outcomes:
                 last = history[k][-1][1] if history[k] else None
@@ -95,7 +95,7 @@ def train_group(
             for pos, k in enumerate(alive):
                 if k not in outcomes:
                     _evaluated(k, step, float(values[pos]), history[k], outcomes, report,
-                               task.steps)  # fmt: skip
+                               task.steps)
         # members that ended (pruned, failed) leave the fused model and stop costing compute
         gone = [pos for pos, k in enumerate(alive) if k in outcomes]
         if gone:
@@ -103,7 +103,7 @@ def train_group(
                 break
             group.drop(gone)
         if checkpoint is not None and checkpoint_every and step % checkpoint_every == 0 \
-                and step < task.steps:  # fmt: skip
+                and step < task.steps:
             _checkpoint.save(checkpoint, _state(step, group, outcomes, history))
     for m in group.members:
         if m.id not in outcomes:
@@ -112,11 +112,11 @@ def train_group(
     info = GroupInfo(ratio=ratio, size=n, widths=group.widths, depth_ratio=depth_ratio,
                      depth_alpha=depth_alpha, blocks=group.blocks,
                      seconds=time.perf_counter() - start,
-                     occupancy=group.live_steps / max(1, group.steps * n))  # fmt: skip
+                     occupancy=group.live_steps / max(1, group.steps * n))
     return [outcomes[k] for k in range(n)], info
 
 
-def _evaluated(k, step, v, history, outcomes, report, last) -> None:  # noqa: ANN001
+def _evaluated(k, step, v, history, outcomes, report, last) -> None:
     """Record member ``k``'s validation value; end it on a non-finite value or a prune."""
     history.append((step, v))
     if not math.isfinite(v):
@@ -125,7 +125,7 @@ def _evaluated(k, step, v, history, outcomes, report, last) -> None:  # noqa: AN
         outcomes[k] = Outcome("pruned", v, step, "", history)
 
 
-def _state(step, group, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
+def _state(step, group, outcomes, history) -> dict[str, Any]:
     """Everything the loop needs to go on after ``step``: tensors and plain containers only."""
     return {
         "step": step,
@@ -138,7 +138,7 @@ def _state(step, group, outcomes, history) -> dict[str, Any]:  # noqa: ANN001
     }
 
 
-def _resume(saved, group, outcomes, history) -> int:  # noqa: ANN001
+def _resume(saved, group, outcomes, history) -> int:
     """Put a freshly built group in the state of checkpoint ``saved``; returns the next step."""
     step = int(saved["step"])
     for k, v in saved["history"].items():

@@ -106,7 +106,7 @@ class Loop:
         if self.example_inputs is None and self.example_kwargs is None and self.train_data is None:
             raise ConfigError("a training function needs example inputs for capture: pass "
                               "example_inputs=(x,) or example_kwargs={...} (a batch's model "
-                              "inputs), or train_data")  # fmt: skip
+                              "inputs), or train_data")
 
     # --- what the engine reads of a Task -------------------------------------------------
 
@@ -159,7 +159,7 @@ class _Turns:
                 self._body()
         except _Stop:
             pass
-        except BaseException as exc:  # noqa: BLE001 - handed to the engine, raised there
+        except BaseException as exc:  # handed to the engine, raised there
             self.error = exc
         finally:
             self.finished = True
@@ -292,7 +292,7 @@ class Run:
             else:
                 raise ConfigError(f"run.hparam({name!r}): trial {s.id} has no {name!r} (its "
                                   f"hyperparameters: {sorted(s.params)}); search it or give "
-                                  f"a default: run.hparam({name!r}, default)")  # fmt: skip
+                                  f"a default: run.hparam({name!r}, default)")
         return out
 
     def register(self, obj: Any, **hparams: str | Callable[[dict[str, Any]], Any]) -> Any:
@@ -311,13 +311,13 @@ class Run:
         if not (hasattr(obj, "reset_trial") and hasattr(obj, "trial_state")):
             raise ConfigError(f"run.register takes a hydro.optim optimizer or a "
                               f"hydro.optim.lr_scheduler scheduler, got {type(obj).__name__}: "
-                              "reset any other per-trial state in run.on_trial(fn)")  # fmt: skip
+                              "reset any other per-trial state in run.on_trial(fn)")
         keys = set(getattr(obj, "per_trial_keys", ()))
         unknown = sorted(set(hparams) - keys)
         if unknown:
             raise ConfigError(f"run.register: {type(obj).__name__} has no per-trial "
                               f"hyperparameter {', '.join(unknown)} (it has "
-                              f"{', '.join(sorted(keys)) or 'none'})")  # fmt: skip
+                              f"{', '.join(sorted(keys)) or 'none'})")
         self._registered.append((obj, hparams))
         return obj
 
@@ -363,7 +363,7 @@ class Run:
             values = [float(v) for v in values]
         if len(values) != self.n:
             raise ConfigError(f"run.report takes one value per slot ({self.n}), got "
-                              f"{len(values)}")  # fmt: skip
+                              f"{len(values)}")
         if not self.due:
             raise ConfigError(
                 "run.report was called where no trial's report is due: report "
@@ -394,7 +394,7 @@ class Run:
         data = self._group.task.val_data if data is None else data
         if data is None:
             raise ConfigError("run.val_batches() needs data: pass val_data to hydro.tune, or "
-                              "give run.val_batches(data)")  # fmt: skip
+                              "give run.val_batches(data)")
         return val_stream(data, batch_size or self._group.batch_size)
 
 
@@ -424,15 +424,15 @@ class LoopGroup:
     def __init__(self, task: Loop, members: Sequence[tuple[Any, dict[str, Any], int]], *,
                  ratio: int, device: str | torch.device = "cpu", depth_ratio: int = 1,
                  depth_alpha: float = 1.0, like: LoopGroup | None = None,
-                 capacity: int | None = None, **_: Any) -> None:  # fmt: skip
+                 capacity: int | None = None, **_: Any) -> None:
         first, readout, same = set_recipe(self, task, members, ratio, device, depth_ratio,
-                                          depth_alpha)  # fmt: skip
+                                          depth_alpha)
         if like is not None and like.task is task and like.recipe == same:
             self.builder = like.builder
         else:
             target = _target(task, first)
             self.builder = _Builder(task, ratio, task.example(), target, first, readout,
-                                    (depth_ratio, depth_alpha))  # fmt: skip
+                                    (depth_ratio, depth_alpha))
         self.recipe = same
         self.compile = False
         self.compiled_graphs = None
@@ -461,12 +461,12 @@ class LoopGroup:
         self.task.train(self.run)
         if self.live_slots and not self.run._iterating:
             raise ConfigError("train(run) returned before its first step: loop `for step in "
-                              "run:` (one iteration per training step) until it ends")  # fmt: skip
+                              "run:` (one iteration per training step) until it ends")
         if self.live_slots:
             first = self.slots[self.live_slots[0]]
             raise ConfigError(f"train(run) returned while trial {first.id} was at step "
                               f"{first.step} of {self.task.steps}: loop `for step in run:` "
-                              "to its end (Hydro ends it when no trial is left)")  # fmt: skip
+                              "to its end (Hydro ends it when no trial is left)")
 
     # --- the engine's view ---------------------------------------------------------------
 
@@ -487,7 +487,7 @@ class LoopGroup:
         if self.due_after_step() and self.run._reported is None:
             raise ConfigError(f"train(run) did not call run.report(values) at step "
                               f"{self.steps + 1}, where a report was due (run.due was "
-                              "True)")  # fmt: skip
+                              "True)")
         for p in self.live_slots:
             self.slots[p].member.step += 1
         self.steps += 1
@@ -514,16 +514,16 @@ class LoopGroup:
         flags = self.fused.diverged.tolist()
         return {k: self.slots[p].step for k, p in enumerate(self.live_slots) if flags[p]}
 
-    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
+    def put(self, slot: int, id: Any, params: dict[str, Any], seed: int) -> None:
         """Start trial ``id`` in live slot ``slot`` from scratch."""
         self._start(self.live_slots[slot], id, params, seed)
 
-    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:  # noqa: A002
+    def add(self, id: Any, params: dict[str, Any], seed: int) -> int:
         """Start trial ``id`` in an idle slot; returns its index among the live slots."""
         idle = [p for p in range(self.capacity) if p not in self.live_slots]
         if not idle:
             raise ConfigError("this group has no idle slot: a training function's group keeps "
-                              "its size")  # fmt: skip
+                              "its size")
         self._start(idle[0], id, params, seed)
         self.live_slots.append(idle[0])
         return len(self.live_slots) - 1
@@ -546,13 +546,13 @@ class LoopGroup:
         with torch.no_grad():
             self.fused.diverged[p] = True  # the fused optimizers leave a diverged slot alone
 
-    def _start(self, p: int, id: Any, params: dict[str, Any], seed: int) -> None:  # noqa: A002
+    def _start(self, p: int, id: Any, params: dict[str, Any], seed: int) -> None:
         member = Member(id, dict(params), int(seed), None)
         if group_key(member.params, self.task) != self.key:
             raise ConfigError(f"trial {id!r} cannot join this fused group: its batch size or "
-                              "architecture differs")  # fmt: skip
+                              "architecture differs")
         self.fused.load_trial(p, self.builder.make(member.params, member.seed).to(self.device),
-                              seed=member.seed)  # fmt: skip
+                              seed=member.seed)
         with torch.no_grad():
             self.fused.diverged[p] = False
         self.slots[p] = _Slot(member)
@@ -575,14 +575,14 @@ class LoopGroup:
             "history": [list(h) for h in s.history], "drawn": s.drawn,
             "model": self.fused.trial_state(p),
             "registered": [o.trial_state(p) for o, _ in self.run._registered],
-        }  # fmt: skip
+        }
 
     def resume(self, slot: int, state: dict[str, Any]) -> None:
         """Put the trial of :meth:`trial_state` in live slot ``slot``, at its step."""
         registered = state.get("registered")
         if registered is None or len(registered) != len(self.run._registered):
             raise ConfigError("the checkpoint's registered optimizers and schedulers differ "
-                              "from this training function's")  # fmt: skip
+                              "from this training function's")
         self.put(slot, state["id"], state["params"], int(state["seed"]))
         p = self.live_slots[slot]
         self.fused.load_trial_state(p, state["model"])
@@ -600,7 +600,7 @@ class LoopGroup:
     def distribute(self, rank: int, world_size: int) -> None:
         if world_size != 1:
             raise ConfigError(f"this group cannot train data parallel: "
-                              f"{self.unsplittable(world_size)}")  # fmt: skip
+                              f"{self.unsplittable(world_size)}")
 
     # --- data ----------------------------------------------------------------------------
 
@@ -610,7 +610,7 @@ class LoopGroup:
             source = self.task.train_data if data is None else data
             if source is None:
                 raise ConfigError("run.batch() needs data: pass train_data to hydro.tune, or "
-                                  "give run.batch(data)")  # fmt: skip
+                                  "give run.batch(data)")
             s.stream = train_stream(source, self.batch_size, s.seed)
         s.drawn += 1
         return next(s.stream)
@@ -620,7 +620,7 @@ class LoopGroup:
             source = self.task.train_data if data is None else data
             if source is None:
                 raise DataError("run.batch(shared=True) needs data: pass train_data to "
-                                "hydro.tune, or give run.batch(data, shared=True)")  # fmt: skip
+                                "hydro.tune, or give run.batch(data, shared=True)")
             self._shared_stream = train_stream(source, self.batch_size, self.slots[0].seed)
         return next(self._shared_stream)
 
@@ -635,7 +635,7 @@ def _hyper(opt: Any, params: dict[str, Any], names: dict[str, Any], slot: int) -
         elif isinstance(source, str):
             if source not in params:
                 raise ConfigError(f"run.register: {key}={source!r} but the trial has no "
-                                  f"{source!r} (it has {sorted(params)})")  # fmt: skip
+                                  f"{source!r} (it has {sorted(params)})")
             out[key] = params[source]
         elif key == "betas" and ("beta1" in params or "beta2" in params):
             b1, b2 = opt.param_groups[0]["betas"]  # this slot's values where not searched
@@ -646,7 +646,7 @@ def _hyper(opt: Any, params: dict[str, Any], names: dict[str, Any], slot: int) -
 
 
 def make_group(task: Any, members: Sequence[tuple[Any, dict[str, Any], int]], options: Any,
-               **kwargs: Any) -> Any:  # fmt: skip
+               **kwargs: Any) -> Any:
     """The fused group the engine trains for ``task`` with the run's ``options`` (its ratio and
     depth cut; in this process or an executor's worker): a :class:`LoopGroup` for a
     :class:`Loop`, else a :class:`hydro.tuning.group.FusedGroup`. ``kwargs``: the device, an
@@ -654,7 +654,7 @@ def make_group(task: Any, members: Sequence[tuple[Any, dict[str, Any], int]], op
     if options.matmul_precision is not None:  # where groups train: this process or a worker
         torch.set_float32_matmul_precision(options.matmul_precision)
     kwargs.update(ratio=options.ratio, depth_ratio=options.depth_ratio,
-                  depth_alpha=options.depth_alpha)  # fmt: skip
+                  depth_alpha=options.depth_alpha)
     if isinstance(task, Loop):
         return LoopGroup(task, members, **kwargs)
     from hydro.tuning.group import FusedGroup

@@ -43,7 +43,7 @@ class LossScales:
     """
 
     def __init__(self, n: int, device: Any, init: float = 2.0**16, growth: float = 2.0,
-                 backoff: float = 0.5, interval: int = 2000) -> None:  # fmt: skip
+                 backoff: float = 0.5, interval: int = 2000) -> None:
         self.init, self.growth, self.backoff, self.interval = init, growth, backoff, interval
         self.scales = torch.full((n,), float(init), dtype=torch.float32, device=device)
         self.clean = torch.zeros(n, dtype=torch.int32, device=device)
@@ -84,7 +84,7 @@ class LossScales:
         grow = self.clean >= self.interval
         factor = torch.where(found, torch.full_like(self.scales, self.backoff),
                              torch.where(grow, torch.full_like(self.scales, self.growth),
-                                         torch.ones_like(self.scales)))  # fmt: skip
+                                         torch.ones_like(self.scales)))
         self.scales = self.scales * factor
         self.clean = torch.where(grow, torch.zeros_like(self.clean), self.clean)
 

@@ -23,8 +23,8 @@ DEFAULT_STORAGE = "sqlite:///hydro.db"
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 
 
-def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None = "",  # noqa: A002
-         kind: str = "", choices: Sequence[str] | None = None) -> Any:  # fmt: skip
+def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None = "",
+         kind: str = "", choices: Sequence[str] | None = None) -> Any:
     """A field of :class:`TuneOptions`: its default and its row of the options table.
 
     ``flag``/``config``: the CLI flag and the config key (``""``: derived from the name;
@@ -230,7 +230,7 @@ class TuneOptions:
         """The options as a Markdown table (docs/options.md prints it; a test keeps the two
         equal): option, default, config key, flag, what it does."""
         rows = ["| option | default | config key | flag | what it does |",
-                "|---|---|---|---|---|"]  # fmt: skip
+                "|---|---|---|---|---|"]
         for name, default, m in cls.rows():
             shown = "`()`" if default == () else f"`{default!r}`"
             key = f"`{m['config']}`" if m["config"] else "Python only"
@@ -271,16 +271,16 @@ class TuneOptions:
         most = MAX_FUSE if self.fuse == "auto" else self.fuse
         fg = self.first_group
         if fg != "auto" and (isinstance(fg, bool) or not isinstance(fg, int)
-                             or not 0 <= fg <= most):  # fmt: skip
+                             or not 0 <= fg <= most):
             raise ConfigError(f"first_group must be an integer from 0 to fuse ({most}) or "
-                              f"'auto', got {fg!r}")  # fmt: skip
+                              f"'auto', got {fg!r}")
         if fg not in ("auto", 0) and self.executor not in (None, "inline"):
             raise ConfigError("first_group trains a first group alone in this process, before "
                               "any other: with an executor every other slot would wait for it. "
-                              "Use executor=None, or first_group=0")  # fmt: skip
+                              "Use executor=None, or first_group=0")
         if self.matmul_precision not in (None, *MATMUL_PRECISIONS):
             raise ConfigError(f"matmul_precision must be highest, high or medium, got "
-                              f"{self.matmul_precision!r}")  # fmt: skip
+                              f"{self.matmul_precision!r}")
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ConfigError(f"world_size must be an integer >= 1, got {ws!r}")
@@ -295,23 +295,23 @@ class TuneOptions:
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.study, str) and not _is_study(self.study):
             raise ConfigError(f"study must be a name (a string) or an optuna.Study, got "
-                              f"{self.study!r}")  # fmt: skip
+                              f"{self.study!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
             import os
 
             if not isinstance(self.checkpoint_dir, os.PathLike):
                 raise ConfigError(f"checkpoint_dir must be a directory path, got "
-                                  f"{self.checkpoint_dir!r}")  # fmt: skip
+                                  f"{self.checkpoint_dir!r}")
         if not isinstance(self.force_resume, bool):
             raise ConfigError(f"force_resume must be true or false, got {self.force_resume!r}")
         if self.world_size > 1 and self.executor in (None, "inline"):
             raise ConfigError(f"world_size {self.world_size} trains each group on several "
                               "worker processes: pass an executor (local, ray), or use "
-                              "world_size 1")  # fmt: skip
+                              "world_size 1")
         if get_policy(self.policy).uses_deadline and self.executor in (None, "inline"):
             raise ConfigError(f"policy {self.policy!r} places groups on an executor's devices "
                               "by a deadline: use executor='local' (or 'ray'), or another "
-                              "policy")  # fmt: skip
+                              "policy")
         return self
 
     @property
@@ -323,7 +323,7 @@ class TuneOptions:
         """What an executor's workers get: the options that may not pickle (objects, Python
         callables) left out; the workers read the rest."""
         return self.replace(study=None, storage=None, sampler=None, pruner=None, executor=None,
-                            callbacks=(), catch=())  # fmt: skip
+                            callbacks=(), catch=())
 
 
 def _is_study(obj: Any) -> bool:
@@ -336,7 +336,7 @@ def _seconds(value: Any, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 < value < math.inf:  # fmt: skip
+            not 0 < value < math.inf:
         raise ConfigError(f"{name} must be a number of seconds above 0, got {value!r}")
     return float(value)
 
@@ -346,7 +346,7 @@ def _catch(catch: Any) -> tuple[type[BaseException], ...]:
     for c in items:
         if not (isinstance(c, type) and issubclass(c, Exception)):
             raise ConfigError(f"catch must hold exception classes (e.g. catch=(ValueError,)), "
-                              f"got {c!r}")  # fmt: skip
+                              f"got {c!r}")
     return items
 
 

@@ -30,7 +30,7 @@ from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
 
 __all__ = ["TuneResult", "best_trial", "check_writable", "export", "open_study", "spearman",
-           "training", "verify"]  # fmt: skip
+           "training", "verify"]
 
 
 @dataclass
@@ -73,7 +73,7 @@ class TuneResult:
              "fail_reason": t.user_attrs.get("fail_reason")}
             for t in self.study.get_trials(deepcopy=False)
             if not is_surplus(t)
-        ]  # fmt: skip
+        ]
 
     @property
     def occupancy(self) -> dict[str, Any] | None:
@@ -97,7 +97,7 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
         counts = trial_counts(study)
         reasons = [t.user_attrs.get("fail_reason") for t in study.get_trials(deepcopy=False)
                    if t.state == TrialState.FAIL
-                   and not (is_interrupted(t) or is_surplus(t))]  # fmt: skip
+                   and not (is_interrupted(t) or is_surplus(t))]
         first = next((r for r in reasons if r), None)
         raise StudyError(
             f"study {study.study_name!r} has no complete trial ({counts['failed']} failed, "
@@ -115,20 +115,20 @@ def check_writable(path: str | os.PathLike, what: str = "output file") -> str:
         raise ConfigError(f"{what} {path!r} is a directory: name a file, e.g. {path}/best.yaml")
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write the {what} {path!r}: directory {folder!r} does not "
-                          "exist. Create it or name another path.")  # fmt: skip
+                          "exist. Create it or name another path.")
     existed = os.path.exists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
         raise ConfigError(f"cannot write the {what} {path!r}: {exc.strerror or exc}. Name a "
-                          "path you can write.") from exc  # fmt: skip
+                          "path you can write.") from exc
     if not existed:
         os.remove(path)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write the {what} {path!r}: directory {folder!r} is not "
                           "writable (the file is written beside its name, then renamed over "
-                          "it). Name a path in a directory you can write.")  # fmt: skip
+                          "it). Name a path in a directory you can write.")
     return path
 
 
@@ -139,10 +139,10 @@ def task_recipe(task: Any) -> dict[str, Any]:
 
         return {"loop": callable_name(task.train), "steps": task.steps,
                 "batch_size": task.batch_size, "eval_every": task.eval_every,
-                "direction": task.direction}  # fmt: skip
+                "direction": task.direction}
     return {"optimizer": task.optimizer, "scheduler": task.scheduler, "steps": task.steps,
             "batch_size": task.batch_size, "eval_every": task.eval_every,
-            "loss": task.loss_name, "direction": task.direction}  # fmt: skip
+            "loss": task.loss_name, "direction": task.direction}
 
 
 def training(params: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
@@ -228,7 +228,7 @@ def export(
         data["verification"] = verification
     # the whole text first, then one rename: an existing file is never left truncated
     text = json.dumps(data, indent=2) if path.endswith(".json") else \
-        yaml.safe_dump(data, sort_keys=False)  # fmt: skip
+        yaml.safe_dump(data, sort_keys=False)
     write_text(path, text)
     return data
 
@@ -263,10 +263,10 @@ def open_study(
         return optuna.create_study(
             storage=opened, study_name=study_name, direction=direction,
             sampler=sampler, pruner=pruner, load_if_exists=True,
-        )  # fmt: skip
+        )
     except (StorageError, ConfigError):
         raise  # already one line saying what to do
-    except Exception as exc:  # noqa: BLE001 - SQLAlchemy, file system, journal errors...
+    except Exception as exc:  # SQLAlchemy, file system, journal errors...
         raise cannot_open(url, exc) from exc
 
 
@@ -305,11 +305,11 @@ def verify(
     for members in groups.values():
         outcomes, _ = train_group(task, [trained_params(t) for t in members], ratio=1,
                                   seeds=[trial_seed(t, seed) for t in members],
-                                  device=device)  # fmt: skip
+                                  device=device)
         for t, o in zip(members, outcomes):
             full[t.number] = o.value if o.state == "complete" else None
     rows = [{"trial": t.number, "params": trained_params(t), "surrogate_value": t.value,
-             "full_value": full[t.number]} for t in top]  # fmt: skip
+             "full_value": full[t.number]} for t in top]
     finite = [r for r in rows if r["full_value"] is not None and math.isfinite(r["full_value"])]
     pick = max if reverse else min
     winner = pick(finite, key=lambda r: r["full_value"])["trial"] if finite else None

@@ -159,7 +159,7 @@ class Progress:
             self.bar = tqdm(total=self.total, file=self.file, dynamic_ncols=True, mininterval=0.0,
                             desc="trial-steps" if self.counts_steps else "trials",
                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}"
-                                       "{postfix}")  # fmt: skip
+                                       "{postfix}")
         self.update()
 
     # -- what the driver tells it -------------------------------------------------------------
@@ -175,7 +175,7 @@ class Progress:
         self.evaluated = True
         if value == value and (self.interim is None  # not NaN
                                or (value > self.interim if self.maximize
-                                   else value < self.interim)):  # fmt: skip
+                                   else value < self.interim)):
             self.interim = float(value)
         self.update()
 
@@ -337,7 +337,7 @@ def top_table(study: optuna.Study, k: int = 5) -> str:
     names = sorted({n for t in top for n in t.params})
     rows = [["trial", "value", *names]]
     rows += [[str(t.number), f"{t.value:.6g}", *(_fmt(t.params.get(n)) for n in names)]
-             for t in top]  # fmt: skip
+             for t in top]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join([head, *lines])

@@ -21,10 +21,10 @@ from hydro.errors import ConfigError
 from hydro.tuning.task import Task, autocast
 
 DEFAULTS = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "adam": {"lr": 1e-3, "weight_decay": 0.0},
-            "sgd": {"lr": 1e-2, "weight_decay": 0.0}}  # fmt: skip
+            "sgd": {"lr": 1e-2, "weight_decay": 0.0}}
 
 
-def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None, scales=None) -> torch.Tensor:  # noqa: ANN001, E501
+def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None, scales=None) -> torch.Tensor:  # noqa: E501
     """One step of every member; returns their losses ``[n]`` (detached, on the device: no host
     synchronization). ``reduce(losses)``, run after the backward pass, averages the losses and
     gradients of data parallel replicas and returns the averaged losses. ``scales`` (float16:
@@ -43,7 +43,7 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None,
     """
     args, kwargs, y = task.split(batch, device)
     if reduce is None and getattr(fused, "_compiler", None) is not None \
-            and task.precision == "fp32":  # fmt: skip
+            and task.precision == "fp32":
         return _whole_step(task, fused, opt, shared, clip)(args, y, kwargs, shared=shared)
     with autocast(task.precision, device):  # the forward and the losses; not the update
         losses = task.trial_losses(fused(*args, shared=shared, **kwargs), y, shared=shared)
@@ -71,7 +71,7 @@ def _train_step(task, fused, opt, batch, clip, device, shared=True, reduce=None,
 
 
 def _whole_step(task: Task, fused: nn.Module, opt: fused_optim.FusedOptimizer, shared: bool,
-                clip: Sequence[float | None]) -> Any:  # fmt: skip
+                clip: Sequence[float | None]) -> Any:
     """The group's :class:`hydro.fusion.step.TrainStep`, kept on the fused model while its
     optimizer and task stay; the clipping norms are read each step (a refill changes them
     without a recompile)."""
@@ -80,7 +80,7 @@ def _whole_step(task: Task, fused: nn.Module, opt: fused_optim.FusedOptimizer, s
     kept = fused.__dict__.get("_hydro_train_step")
     if kept is None or kept[0] is not opt or kept[1] is not task or kept[2] != shared:
         step = train_step(fused, opt, functools.partial(task.trial_losses, shared=shared),
-                          loss_key=("task", id(task), shared))  # fmt: skip
+                          loss_key=("task", id(task), shared))
         kept = fused.__dict__["_hydro_train_step"] = (opt, task, shared, step)
     step = kept[3]
     step.clip = list(clip)
@@ -158,17 +158,17 @@ def _optimizer(
     wd = column("weight_decay", defaults["weight_decay"])
     if task.optimizer == "sgd":
         return fused_optim.SGD(fused.parameters(), lr=lr, momentum=column("momentum", 0.0),
-                               weight_decay=wd, compile=compile)  # fmt: skip
+                               weight_decay=wd, compile=compile)
     cls = fused_optim.AdamW if task.optimizer == "adamw" else fused_optim.Adam
     return cls(fused.parameters(), lr=lr, betas=(column("beta1", 0.9), column("beta2", 0.999)),
-               eps=column("eps", 1e-8), weight_decay=wd, compile=compile)  # fmt: skip
+               eps=column("eps", 1e-8), weight_decay=wd, compile=compile)
 
 
 def _hyper(task: Task, p: dict[str, Any]) -> dict[str, Any]:
     """One trial's optimizer hyperparameters, as :meth:`FusedOptimizer.reset_trial` takes them."""
     defaults = DEFAULTS[task.optimizer]
     out = {"lr": float(p.get("lr", defaults["lr"])),
-           "weight_decay": float(p.get("weight_decay", defaults["weight_decay"]))}  # fmt: skip
+           "weight_decay": float(p.get("weight_decay", defaults["weight_decay"]))}
     if task.optimizer == "sgd":
         out["momentum"] = float(p.get("momentum", 0.0))
     else:
@@ -187,7 +187,7 @@ def _scheduler(
     warm = [int(p.get("warmup", 0)) for p in params]
     if any(w >= steps for w in warm):
         raise ConfigError(f"warmup {max(warm)} must be shorter than steps ({steps}): draw "
-                          f"warm-ups of at most {steps - 1}, or train more steps")  # fmt: skip
+                          f"warm-ups of at most {steps - 1}, or train more steps")
     if task.scheduler == "none" and not any(warm) and not always:
         return None
     return fused_optim.lr_scheduler.TrialScheduler(
@@ -200,7 +200,7 @@ def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> A
     for the full model, whatever the other members of its group do."""
     if warmup >= steps:
         raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps}): draw "
-                          f"warm-ups of at most {steps - 1}, or train more steps")  # fmt: skip
+                          f"warm-ups of at most {steps - 1}, or train more steps")
     S = torch.optim.lr_scheduler
     rest = steps - max(warmup, 1)
     if kind == "cosine":

@@ -57,7 +57,7 @@ def run(
 
     if not isinstance(trainer, (Task, Loop)):
         raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "
-                          f"{type(trainer).__name__}")  # fmt: skip
+                          f"{type(trainer).__name__}")
     options = options.validate()
     options.device = check_device(options.device)
     options.progress = wanted(options.progress)  # None: on a terminal or in a notebook
@@ -69,7 +69,7 @@ def run(
         )
     if isinstance(trainer, Loop) and options.verify_top_k:  # said now, not after the search
         raise ConfigError("verify_top_k trains the full model with Hydro's recipe: with your "
-                          "own loop, train the exported configurations yourself")  # fmt: skip
+                          "own loop, train the exported configurations yourself")
     executor = make_executor(options.executor)
     check_space(space, _names(trainer), steps=trainer.steps if isinstance(trainer, Task) else None)
     try:
@@ -82,9 +82,9 @@ def run(
         check_single_objective(study)
     else:
         sampler = options.sampler or optuna.samplers.TPESampler(seed=options.seed,
-                                                                constant_liar=True)  # fmt: skip
+                                                                constant_liar=True)
         study = open_study(options.storage, options.study, trainer.direction, sampler,
-                           options.pruner)  # fmt: skip
+                           options.pruner)
     auto = options.ratio == "auto"
     recorded = recorded_ratio(study) if auto else None
     ratio = recorded if recorded is not None else task_ratio(trainer, options.ratio)
@@ -93,9 +93,9 @@ def run(
     where = f"study {name!r}" + ("" if is_study else f" in {_storage_name(options.storage)}")
     definition = fingerprint(trainer, space, ratio=ratio, depth_ratio=options.depth_ratio,
                              depth_alpha=options.depth_alpha, model=built,
-                             data_source=data_source)  # fmt: skip
+                             data_source=data_source)
     hints = {"new_name": "--study NAME, or study: in the config",
-             "force_hint": "--force-resume"} if door == "cli" else {}  # fmt: skip
+             "force_hint": "--force-resume"} if door == "cli" else {}
     check_study(study, definition, where=where, force=options.force_resume, **hints)
     study.set_user_attr("hydro_task", task_recipe(trainer))  # export's training recipe
     if say is not None:
@@ -105,7 +105,7 @@ def run(
         result = TuneResult(study, ratio)
         if options.verify_top_k:
             result.verification = verify(trainer, study, options.verify_top_k,
-                                         seed=options.base_seed, device=options.device)  # fmt: skip
+                                         seed=options.base_seed, device=options.device)
             study.set_user_attr("hydro_verification", result.verification)
     return result
 
@@ -138,11 +138,11 @@ def preflight(trainer: Task | Loop, space: Space) -> nn.Module | None:
         for name, dist in space.items():
             if name in names:
                 arch[name] = (dist.choices[0] if hasattr(dist, "choices")
-                              else getattr(dist, "low", None))  # fmt: skip
+                              else getattr(dist, "low", None))
     if not isinstance(trainer.model, nn.Module):
         needed = [p.name for p in inspect.signature(trainer.model).parameters.values()
                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                  and p.name not in arch]  # fmt: skip
+                  and p.name not in arch]
         if needed:
             return None
     model = trainer.build_model(**arch)
@@ -174,7 +174,7 @@ def _opening(study: optuna.Study, options: TuneOptions, auto: bool, kept: bool) 
         line = f"{where}: new, {target} trials to finish"
     else:
         line = (f"resuming {where}: {c['complete'] + c['pruned']} finished ({c['complete']} "
-                f"complete, {c['pruned']} pruned)")  # fmt: skip
+                f"complete, {c['pruned']} pruned)")
         if c["failed"]:
             line += f", {c['failed']} failed"
         if c["interrupted"]:
@@ -185,5 +185,5 @@ def _opening(study: optuna.Study, options: TuneOptions, auto: bool, kept: bool) 
     how = " (the study's)" if kept else " (auto)" if auto else ""
     depth = f", depth ratio {options.depth_ratio}" if options.depth_ratio > 1 else ""
     fuse = (f"{options.fuse} trials per fused group" if options.fuse != "auto" else
-            "fuse auto (trials per fused group from the device's memory, per key)")  # fmt: skip
+            "fuse auto (trials per fused group from the device's memory, per key)")
     return f"{line}; ratio {options.ratio}{how}{depth}, {fuse}"

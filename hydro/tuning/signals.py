@@ -31,7 +31,7 @@ __all__ = ["Terminated", "interrupt_at_a_clean_point", "terminate_as_interrupt"]
 # and imports: an exception raised in a module's body that a C++ extension is running (torch's
 # import does) ends the process with "terminate called after throwing ...", exit 134
 _UNSAFE = ("sqlalchemy", "sqlite3", "alembic", "optuna", "hydro.tuning.bookkeeping",
-           "hydro.tuning.checkpoint", "importlib._bootstrap")  # fmt: skip
+           "hydro.tuning.checkpoint", "importlib._bootstrap")
 _RETRY_SECONDS = 0.05
 _MAX_TRIES = 200  # then raised wherever it lands: ten seconds in storage code is a hang
 
@@ -80,7 +80,7 @@ def interrupt_at_a_clean_point(seen: list[int] | None = None) -> Iterator[None]:
     ``seen`` as in :func:`terminate_as_interrupt`.
     """
     with _at_a_clean_point(signal.SIGINT, (signal.default_int_handler, signal.SIG_IGN),
-                           KeyboardInterrupt, seen, give_up_after=2):  # fmt: skip
+                           KeyboardInterrupt, seen, give_up_after=2):
         yield
 
 

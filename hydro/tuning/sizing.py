@@ -25,7 +25,7 @@ from hydro.errors import ConfigError
 from hydro.tuning.task import Task
 
 __all__ = ["FuseSize", "MAX_FUSE", "check_fuse", "check_memory", "fuse_size", "fuse_sizes",
-           "memory_budget"]  # fmt: skip
+           "memory_budget"]
 
 GIB = 1024**3
 # The largest size measured on the CPU examples (benchmarks/fuse_auto.py: within 2x of the best
@@ -68,9 +68,9 @@ class FuseSize:
     def describe(self) -> str:
         """One line, e.g. ``fuse auto -> 24 per group on cuda:0 (19.2 GiB of 80 GiB)``."""
         of = (_bytes(self.capacity) if self.device.startswith("cuda")
-              else f"{_bytes(self.budget)} budget")  # fmt: skip
+              else f"{_bytes(self.budget)} budget")
         why = {"memory": "", "trials": ", capped by the trials left", "max": f", capped at "
-               f"{MAX_FUSE}"}[self.limit]  # fmt: skip
+               f"{MAX_FUSE}"}[self.limit]
         return (
             f"fuse auto -> {self.n} per group on {self.device} ({_bytes(self.used)} of {of}{why})"
         )
@@ -79,7 +79,7 @@ class FuseSize:
         """Plain values, for the study's user attributes and the export."""
         return {"n": self.n, "device": self.device, "per_trial_bytes": self.per_trial,
                 "fixed_bytes": self.fixed, "budget_bytes": self.budget,
-                "limit": self.limit}  # fmt: skip
+                "limit": self.limit}
 
 
 def check_fuse(fuse: Any, where: str = "fuse") -> int | str:
@@ -87,7 +87,7 @@ def check_fuse(fuse: Any, where: str = "fuse") -> int | str:
     if fuse == "auto" or (not isinstance(fuse, bool) and isinstance(fuse, int) and fuse >= 1):
         return fuse
     raise ConfigError(f"{where} must be an integer >= 1 (trials per fused group) or 'auto' "
-                      f"(sized to the device's memory), got {fuse!r}")  # fmt: skip
+                      f"(sized to the device's memory), got {fuse!r}")
 
 
 def check_memory(memory: Any, where: str = "fuse_memory") -> float | None:
@@ -95,10 +95,10 @@ def check_memory(memory: Any, where: str = "fuse_memory") -> float | None:
     if memory is None:
         return None
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) \
-            or not 0 < memory < math.inf:  # fmt: skip
+            or not 0 < memory < math.inf:
         raise ConfigError(f"{where} must be a positive number of GiB (the memory one fused "
                           f"group may use), got {memory!r}; leave it out for a share of the "
-                          "free memory")  # fmt: skip
+                          "free memory")
     return float(memory)
 
 
@@ -157,7 +157,7 @@ def fuse_size(
         raise ConfigError(f"fuse='auto' measures groups for {device} on a GPU of this process, "
                           "which sees none (a Ray cluster's GPUs are elsewhere): give fuse a "
                           "number of trials, or fuse_memory (GiB of a GPU per group) to size "
-                          "them from the CPU estimate")  # fmt: skip
+                          "them from the CPU estimate")
     if unseen:  # a GPU elsewhere: the CPU's estimate against the budget given for it
         budget = capacity = int(memory * GIB)
     else:
@@ -209,10 +209,10 @@ def fuse_sizes(
     """:func:`fuse_size` for each distinct device of ``devices`` (one entry per worker slot:
     a device listed k times is shared by k groups, each sized for its share)."""
     return {d: fuse_size(task, params, device=d, share=list(devices).count(d), **kwargs)
-            for d in dict.fromkeys(devices)}  # fmt: skip
+            for d in dict.fromkeys(devices)}
 
 
-def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # noqa: ANN001
+def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:
     """``(fixed, per_trial)`` bytes of a fused training step of trials like ``params``."""
     from hydro.tuning.group import FusedGroup
 
@@ -226,7 +226,7 @@ def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # no
     # one probe group builds the surrogate (capture, width analysis); its step is estimated on
     # the meta device, where a fused model cannot run (it reads values) but a surrogate can
     group = FusedGroup(task, members[:1], ratio=ratio, device="cpu", depth_ratio=depth[0],
-                       depth_alpha=depth[1])  # fmt: skip
+                       depth_alpha=depth[1])
     args, kwargs, _ = task.split(next(group.batches or group.members[0].batches), "cpu")
 
     def surrogate(n: int) -> torch.nn.Module:
@@ -238,7 +238,7 @@ def _measure(task, params, ratio, device, depth, seed) -> tuple[int, int]:  # no
     slots = OPTIMIZER_SLOTS.get(task.optimizer, 2)
     try:
         return 0, estimate_memory(surrogate, inputs, 1, device="meta", optimizer_slots=slots)
-    except Exception:  # noqa: BLE001 - an op the meta device cannot run, or a view its strides
+    except Exception:  # an op the meta device cannot run, or a view its strides
         # refuse (SDPA's output): count the same over one real forward
         return 0, estimate_memory(surrogate, inputs, 1, device="cpu", optimizer_slots=slots)
 
@@ -256,7 +256,7 @@ class _Call(torch.nn.Module):
         return self.model(*inputs[:k], **dict(zip(self.names, inputs[k:])))
 
 
-def _peak(task, members, ratio, device, depth) -> int:  # noqa: ANN001
+def _peak(task, members, ratio, device, depth) -> int:
     """Peak bytes allocated on a GPU by building a fused group and taking one step."""
     from hydro.tuning.group import FusedGroup
 
@@ -266,7 +266,7 @@ def _peak(task, members, ratio, device, depth) -> int:  # noqa: ANN001
     start = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     group = FusedGroup(task, members, ratio=ratio, device=device, depth_ratio=depth[0],
-                       depth_alpha=depth[1])  # fmt: skip
+                       depth_alpha=depth[1])
     group.step()
     group.step()  # the optimizer's state exists from the first step on: the second is the peak
     torch.cuda.synchronize(dev)

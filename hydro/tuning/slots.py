@@ -101,12 +101,12 @@ class Occupancy:
     def as_dict(self) -> dict[str, Any]:
         return {"fuse": self.fuse, "steps": self.steps, "live": self.live,
                 "steps_asking": self.steps_asking, "live_asking": self.live_asking,
-                "while_asking": self.fraction(True), "overall": self.fraction(False)}  # fmt: skip
+                "while_asking": self.fraction(True), "overall": self.fraction(False)}
 
 
 def train_slots(group: FusedGroup, source: Any, *, fuse: int, joined: dict[int, float],
                 after_step: Callable[[], None] | None = None,
-                checkpoints: TrialCheckpoints | None = None, every: int = 0) -> None:  # fmt: skip
+                checkpoints: TrialCheckpoints | None = None, every: int = 0) -> None:
     """The loop of continuous batching, wherever the group trains (this process or a worker):
     :func:`step_slots` until the group has no member left, each member saved in
     ``checkpoints`` every ``every`` fused steps, ``after_step`` after each step that leaves
@@ -130,7 +130,7 @@ def save_trials(group: FusedGroup, checkpoints: TrialCheckpoints | None, every: 
 
 def play_round(seats: dict[tuple, Seat], *, fuse: Callable[[tuple], int],
                checkpoints: TrialCheckpoints | None, every: int,
-               fault: Callable[[tuple, BaseException], bool] | None = None) -> None:  # fmt: skip
+               fault: Callable[[tuple, BaseException], bool] | None = None) -> None:
     """One round of continuous batching, wherever groups train (the tuner's process or a
     worker): each seated group takes one turn (:func:`step_slots`), saves its trials every
     ``every`` fused steps, and leaves ``seats`` once it has no member. ``fault(key, exc)``
@@ -138,7 +138,7 @@ def play_round(seats: dict[tuple, Seat], *, fuse: Callable[[tuple], int],
     for key, seat in list(seats.items()):
         try:
             step_slots(seat.group, seat.source, fuse=fuse(key), joined=seat.joined,
-                       checkpoints=checkpoints)  # fmt: skip
+                       checkpoints=checkpoints)
         except Exception as exc:
             if fault is None or not fault(key, exc):
                 raise
@@ -149,7 +149,7 @@ def play_round(seats: dict[tuple, Seat], *, fuse: Callable[[tuple], int],
 
 
 def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dict[int, float],
-               checkpoints: TrialCheckpoints | None = None) -> None:  # fmt: skip
+               checkpoints: TrialCheckpoints | None = None) -> None:
     """One turn of continuous batching: one fused step of ``group``, the evaluations that are
     due, and each ended trial told and its slot refilled (or dropped; a trial that has a
     checkpoint in ``checkpoints`` resumes from it).
@@ -175,7 +175,7 @@ def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dic
     if due:
         for slot, at in group.diverged().items():
             ended[slot] = Outcome("fail", None, at, f"diverged at step {at}: non-finite "
-                                  "loss or gradient", group.members[slot].history)  # fmt: skip
+                                  "loss or gradient", group.members[slot].history)
     due = [slot for slot in due if slot not in ended]
     if due:
         # a trial's last evaluation reads the whole validation split, the others may read a
@@ -197,7 +197,7 @@ def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dic
                 finite.append(slot)
             else:
                 ended[slot] = Outcome("fail", None, m.step, "non-finite validation value",
-                                      m.history)  # fmt: skip
+                                      m.history)
         items = [(group.members[k].id, group.members[k].step, values[k]) for k in finite]
         pruned = source.report(items) if items else set()
         for slot in finite:
@@ -217,7 +217,7 @@ def step_slots(group: FusedGroup, source: TrialSource, *, fuse: int, joined: dic
         number = group.members[slot].id
         info = GroupInfo(ratio=group.ratio, size=fuse, widths=group.widths,
                          depth_ratio=group.depth_ratio, depth_alpha=group.depth_alpha,
-                         blocks=group.blocks, seconds=now - joined.pop(number, now))  # fmt: skip
+                         blocks=group.blocks, seconds=now - joined.pop(number, now))
         told.append((number, ended[slot], info))
     freed = []
     for slot, nxt in zip(slots, source.refill(told, slots, group.key)):
@@ -264,7 +264,7 @@ class _Remote:
     """
 
     def __init__(self, ctx: Any, occupancy: Occupancy, cursor: int, asking: bool,
-                 task: Any = None, any_key: bool = False) -> None:  # fmt: skip
+                 task: Any = None, any_key: bool = False) -> None:
         self.ctx, self.occupancy, self.cursor, self.asking = ctx, occupancy, cursor, asking
         self.world_size = ctx.world_size  # the replicas that train the group (_replicas)
         self.task, self.any_key = task, any_key
@@ -280,13 +280,13 @@ class _Remote:
 
     def eval_blocks(self, measured: int | None) -> int | None:
         got = _ask_driver(self.ctx, ("eval_blocks", measured, self.occupancy.counts()),
-                          self.world_size)  # fmt: skip
+                          self.world_size)
         return got["blocks"]
 
     def refill(self, told: list, slots: list[int], key: tuple) -> list:
         wants = [(self.cursor + i, slot) for i, slot in enumerate(slots)]
         got = _ask_driver(self.ctx, ("refill", told, wants, self.any_key,
-                                     self.occupancy.counts()), self.world_size)  # fmt: skip
+                                     self.occupancy.counts()), self.world_size)
         self.cursor += len(slots)
         self.asking = got["asking"]
         out = []
@@ -306,7 +306,7 @@ class _Hosted:
     worker stays as full as its first group was."""
 
     def __init__(self, task: Any, options: Any, device: Any, fuse: int, source: _Remote,
-                 checkpoints: TrialCheckpoints | None) -> None:  # fmt: skip
+                 checkpoints: TrialCheckpoints | None) -> None:
         self.task, self.options, self.device = task, options, device
         self.compile = options.compile  # "auto": each key's first group here decides (not said)
         self.every = options.checkpoint_every or 0
@@ -334,7 +334,7 @@ class _Hosted:
             group = self.built[key] = make_group(
                 self.task, ms, self.options, device=self.device, like=like,
                 compile=like.compile if like is not None else self.compile,
-                capacity=self.fuse)  # fmt: skip
+                capacity=self.fuse)
             self.seats[key] = Seat(group, self.source, {m[0]: time.perf_counter() for m in ms})
         return [self.groups[k] for k in by_key]
 
@@ -366,7 +366,7 @@ class _Hosted:
         self.admit()
         live, asking = self.n, self.source.asking
         play_round(self.seats, fuse=lambda key: self.fuse, checkpoints=self.checkpoints,
-                   every=self.every)  # fmt: skip
+                   every=self.every)
         self.source.occupancy.add(1, live, asking)
         self.rounds += 1
 
@@ -398,7 +398,7 @@ class _Hosted:
 
 
 def _stream_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
-                      study=""):  # noqa: ANN001, ANN202  # fmt: skip
+                      study=""):
     """:func:`_train_in_worker`, where an exception the user's code raised (data, loss, metric)
     becomes a one-line :class:`~hydro.errors.UserCodeError`, which the executor does not retry
     (it would raise again) and whose message the driver gives the group's trials."""
@@ -406,7 +406,7 @@ def _stream_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
 
     try:
         return _train_in_worker(task, options, fuse, group, ctx, checkpoints=checkpoints,
-                                study=study)  # fmt: skip
+                                study=study)
     except Exception as exc:
         what = describe(exc, task)
         if what is None:
@@ -415,7 +415,7 @@ def _stream_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
 
 
 def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
-                     study=""):  # noqa: ANN001, ANN202  # fmt: skip
+                     study=""):
     """Fused groups with continuous batching in an executor's worker, at most one per key
     (:class:`_Hosted`). Its trials come from the driver; a freed slot takes the driver's next
     trial of any key (one data parallel group: of its own key). With ``every`` it
@@ -439,11 +439,11 @@ def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
             saved = _checkpoint.load(ctx.checkpoint_dir)
         except _checkpoint.CheckpointError as exc:  # truncated, or a planted pickle
             set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
-                      f"is unreadable ({_checkpoint.why(exc.__cause__ or exc)})")  # fmt: skip
+                      f"is unreadable ({_checkpoint.why(exc.__cause__ or exc)})")
         if saved is not None and (saved.get("study") != study or saved.get("first") != first
-                                  or "groups" not in saved):  # fmt: skip
+                                  or "groups" not in saved):
             set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
-                      f"belongs to another study or group than {group.name}")  # fmt: skip
+                      f"belongs to another study or group than {group.name}")
             saved = None
     # data parallel: every rank resumes rank 0's checkpoint, whatever world size wrote it
     saved = parallel.share(saved, ctx.rank, ctx.world_size)
@@ -461,7 +461,7 @@ def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
     if saved is not None:
         try:
             hosted.restore(saved)
-        except Exception as exc:  # noqa: BLE001 - another model's state, keys missing
+        except Exception as exc:  # another model's state, keys missing
             from hydro.tuning.faults import describe
 
             if describe(exc, task) is not None:  # the user's data raised replaying its stream
@@ -469,7 +469,7 @@ def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
             if ctx.rank == 0:  # every rank restored the same state and fails alike
                 why = _checkpoint.why(exc)
                 set_aside(Path(ctx.checkpoint_dir) / _checkpoint.FILE,
-                          f"does not fit {group.name}'s model ({why})")  # fmt: skip
+                          f"does not fit {group.name}'s model ({why})")
             saved = None
             occupancy = Occupancy(fuse)  # from step 0, as a first attempt
             source = _Remote(ctx, occupancy, 1, got["asking"], task, any_key=ctx.world_size == 1)
@@ -495,7 +495,7 @@ def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
         # for the executor's placement policy: rounds, live members, best value so far (lower
         # is better); and a move it asks for: checkpoint here, resume where it puts us
         values = [sign * v for g in hosted.groups.values() for m in g.members
-                  for _, v in m.history[-1:]]  # fmt: skip
+                  for _, v in m.history[-1:]]
         ctx.progress(hosted.rounds, hosted.n, min(values, default=None))
         stop = ctx.should_stop(agree=world_size == ctx.world_size)
         if stop and not isinstance(task, Task):  # your own loop: each trial saved alone
@@ -504,7 +504,7 @@ def _train_in_worker(task, options, fuse, group, ctx, *, checkpoints=None,
                 g.close()
         elif ctx.rank == 0 and (stop or (every and hosted.rounds % every == 0)):
             _checkpoint.save(ctx.checkpoint_dir, {**hosted.state(), "study": study,
-                                                  "first": first})  # fmt: skip
+                                                  "first": first})
         if stop:
             raise Stopped
     return {"occupancy": occupancy.counts()}
@@ -519,7 +519,7 @@ def _replicas(group: FusedGroup, ctx: Any) -> int:
         group.distribute(ctx.rank, ctx.world_size)
         return ctx.world_size
     warnings.warn(HydroWarning(f"group {ctx.group_name!r} trains on one process, not "
-                               f"{ctx.world_size}: {why}"), stacklevel=2)  # fmt: skip
+                               f"{ctx.world_size}: {why}"), stacklevel=2)
     return 1 if ctx.rank == 0 else 0
 
 
@@ -530,7 +530,7 @@ def _group_state(group: FusedGroup) -> dict[str, Any]:
         "members": [
             [m.id, dict(m.params), m.seed, m.step, [list(h) for h in m.history]]
             for m in group.members
-        ],  # fmt: skip
+        ],
         "model": group.fused.state_dict(),
         "optimizer": group.opt.state_dict(),
         "scheduler": group.sched.state_dict(),

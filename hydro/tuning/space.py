@@ -75,13 +75,13 @@ def check_warmup(
             values = [int(c) for c in dist.choices]
         except (TypeError, ValueError):
             raise ConfigError(f"space['warmup'] choices {list(dist.choices)} must be numbers of "
-                              "steps") from None  # fmt: skip
+                              "steps") from None
         low, high, shown = min(values), max(values), f"has choices {list(dist.choices)}"
     else:
         return  # suggest() names an unsupported distribution
     if low < 0:
         raise ConfigError(f"space['warmup'] {shown}: a warm-up is a number of steps >= 0; "
-                          "raise its low end to 0 or more")  # fmt: skip
+                          "raise its low end to 0 or more")
     if high >= steps:
         raise ConfigError(
             f"space['warmup'] {shown}, but each trial trains {steps} steps and a warm-up must "
@@ -168,7 +168,7 @@ def from_config(spec: Mapping[str, Any], where: str = "space") -> dict[str, Base
             raise ConfigError(f"{key} must be a mapping with a 'type' (float, int, categorical)")
         kind = d["type"]
         allowed = {"float": {"low", "high", "log", "step"}, "int": {"low", "high", "log", "step"},
-                   "categorical": {"choices"}}.get(kind)  # fmt: skip
+                   "categorical": {"choices"}}.get(kind)
         if allowed is None:
             raise ConfigError(f"{key}.type is {kind!r}; use float, int or categorical")
         unknown = set(d) - allowed - {"type"}

@@ -33,7 +33,7 @@ from sqlalchemy import exc as sa_exc
 from hydro.errors import ConfigError, StorageError
 
 __all__ = ["DEFAULT_TIMEOUT", "ENV_TIMEOUT", "GuardedStorage", "cannot_open", "check_driver",
-           "open_storage", "put_back_if_same", "redact", "storage_timeout"]  # fmt: skip
+           "open_storage", "put_back_if_same", "redact", "storage_timeout"]
 
 ENV_TIMEOUT = "HYDRO_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -54,7 +54,7 @@ def storage_timeout() -> float:
         value = -1.0
     if not value > 0 or value == float("inf"):
         raise ConfigError(f"{ENV_TIMEOUT} must be a number of seconds above 0, got {text!r}: "
-                          f"unset it for the default ({DEFAULT_TIMEOUT:g} s)")  # fmt: skip
+                          f"unset it for the default ({DEFAULT_TIMEOUT:g} s)")
     return value
 
 
@@ -93,7 +93,7 @@ def redact(url: str) -> str:
 
     try:
         parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+    except Exception:  # a malformed URL is shown as given
         return url
     return parsed.render_as_string(hide_password=True) if parsed.password else url
 
@@ -105,12 +105,12 @@ def cannot_open(url: Any, exc: BaseException) -> StorageError:
     shown = redact(url) if isinstance(url, str) else url
     lines = [line.strip() for line in str(exc).splitlines()]
     detail = " ".join(line for line in lines if line and not line.startswith(
-        ("[SQL:", "[parameters:", "(Background on this error")))  # fmt: skip
+        ("[SQL:", "[parameters:", "(Background on this error")))
     if not detail.startswith("("):  # SQLAlchemy's own text names the driver's error type
         detail = f"{type(exc).__name__}: {detail}"
     return StorageError(f"cannot open Optuna storage {shown!r}: {detail}. Check the URL "
                         "(e.g. sqlite:///path/to/hydro.db, postgresql://user@host/db) and that "
-                        "its directory or server is reachable.")  # fmt: skip
+                        "its directory or server is reachable.")
 
 
 def _where(url: str) -> str:
@@ -119,7 +119,7 @@ def _where(url: str) -> str:
 
     try:
         parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - a malformed URL is shown as given
+    except Exception:  # a malformed URL is shown as given
         return repr(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database:
         return repr(parsed.database)
@@ -140,12 +140,12 @@ def _message(kind: str, url: str, exc: BaseException, timeout: float) -> str:
     if kind in ("readonly", "open"):
         return (f"cannot write the study database {where} ({detail}): make the file and its "
                 "directory writable (SQLite writes a journal beside the file), or choose another "
-                f"path with --storage; {left}")  # fmt: skip
+                f"path with --storage; {left}")
     if kind == "disk":
         return (f"the study database {where} failed ({detail}): free space on its disk, or "
-                f"choose another path with --storage; {left}")  # fmt: skip
+                f"choose another path with --storage; {left}")
     return (f"the study storage {where} failed ({detail}): check that it is reachable and run "
-            f"the same command again (finished trials are kept); {left}")  # fmt: skip
+            f"the same command again (finished trials are kept); {left}")
 
 
 def _storage_error(kind: str, url: str, exc: BaseException, timeout: float) -> StorageError:
@@ -257,17 +257,17 @@ _GUARDED = sorted(
         "_get_stale_trial_ids",
         "_get_trials",
         "_set_trial_param",
-    }  # fmt: skip
+    }
 )
 for _name in _GUARDED:
     _method = getattr(RDBStorage, _name, None)
     if callable(_method) and _name not in ("remove_session", "get_heartbeat_interval",
-                                           "get_heartbeat_stale_trial_callback"):  # fmt: skip
+                                           "get_heartbeat_stale_trial_callback"):
         setattr(GuardedStorage, _name, _guarded(_method))
 
 
 def _set_trial_state_values(self: GuardedStorage, trial_id: int, state: TrialState,
-                            values: Any = None) -> bool:  # fmt: skip
+                            values: Any = None) -> bool:
     """Optuna's ``set_trial_state_values``, where taking a WAITING trial (``study.ask``) is one
     conditional UPDATE: Optuna reads the state, then writes it, and SQLite has no ``SELECT ...
     FOR UPDATE``, so two processes that read the same WAITING row both took it."""
@@ -291,7 +291,7 @@ def _swap_state(session: Any, trial_id: int, old: TrialState, new: TrialState) -
     SQLite the database, until the transaction ends); False if its state was not ``old``."""
     trial = models.TrialModel
     return bool(session.query(trial).filter(trial.trial_id == trial_id, trial.state == old)
-                .update({trial.state: new}, synchronize_session=False))  # fmt: skip
+                .update({trial.state: new}, synchronize_session=False))
 
 
 def put_back_if_same(storage: RDBStorage, trial_id: int, started: datetime) -> bool:
@@ -305,7 +305,7 @@ def put_back_if_same(storage: RDBStorage, trial_id: int, started: datetime) -> b
             if not _swap_state(session, trial_id, TrialState.RUNNING, TrialState.WAITING):
                 return False
             if models.TrialModel.find_or_raise_by_id(trial_id, session).datetime_start \
-                    != started:  # fmt: skip
+                    != started:
                 session.rollback()  # taken up again since it was read
                 return False
         return True
@@ -334,7 +334,7 @@ _DRIVERS: dict[tuple[str, str], tuple[str, str, str]] = {
         "use mysql+pymysql:// with pymysql installed (pip install pymysql)",
     ),
     ("mysql", "pymysql"): ("the MySQL driver pymysql", "pip install pymysql", ""),
-}  # fmt: skip
+}
 
 
 def check_driver(url: str) -> None:
@@ -349,7 +349,7 @@ def check_driver(url: str) -> None:
 
     try:
         dialect = make_url(url).get_dialect()
-    except Exception:  # noqa: BLE001 - malformed URL, unknown dialect: said when it is opened
+    except Exception:  # malformed URL, unknown dialect: said when it is opened
         return
     try:
         (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 2, else 1.4
@@ -357,10 +357,10 @@ def check_driver(url: str) -> None:
         name, driver = dialect.name, dialect.driver
         what, install, other = _DRIVERS.get((name, driver), (
             f"the database driver {exc.name or driver} (SQLAlchemy's {name}+{driver})",
-            "install the package that provides it", ""))  # fmt: skip
+            "install the package that provides it", ""))
         why = (str(exc) or type(exc).__name__).splitlines()[0]
         raise StorageError(f"storage {_where(url)} needs {what} ({why}): {install}"
-                           f"{'; or ' + other if other else ''}") from exc  # fmt: skip
+                           f"{'; or ' + other if other else ''}") from exc
 
 
 def open_storage(url: str) -> GuardedStorage:

@@ -81,7 +81,7 @@ class _Stream:
         self.study, self.task, self.space, self.n_trials = where.study, task, space, o.n_trials
         self.ratio, self.fuse, self.seed, self.device = o.ratio, o.fuse, o.base_seed, o.device
         self.heart, self.bar, self.start, self.timeout = where.heart, where.bar, where.start, \
-            o.timeout  # fmt: skip
+            o.timeout
         self.hook = self.bar.reported if self.bar is not None else None
         self.pending: dict[tuple, list[tuple[optuna.Trial, dict]]] = {}
         self.running: dict[int, optuna.Trial] = {}  # asked, not yet told
@@ -114,7 +114,7 @@ class _Stream:
                 self.study.set_user_attr(STUDY_ATTR, int(measured))
                 got = int(measured)
                 line = (f"validation subsample of the intermediate evaluations: {got} blocks "
-                        f"of {SAMPLE_BLOCK} samples (measured)")  # fmt: skip
+                        f"of {SAMPLE_BLOCK} samples (measured)")
                 if self.bar is not None:
                     self.bar.note(line)
                 else:
@@ -153,7 +153,7 @@ class _Stream:
         finished, _ = counts(self.study)
         sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
                            remaining=self.n_trials - finished, memory=self.fuse_memory,
-                           depth=self.depth, seed=self.seed)  # fmt: skip
+                           depth=self.depth, seed=self.seed)
         self.key_sizes[key] = min(s.n for s in sizes.values())
         self.key_memory[key] = max(s.per_trial for s in sizes.values()) / 2**30  # GiB
         self._announce(params, sizes.values())
@@ -168,18 +168,18 @@ class _Stream:
             record["sizes"] = [*record["sizes"], {**key, **size.as_dict()}]
             if self.bar is not None:
                 self.bar.note(f"{size.describe()}: batch size {key['batch_size']}"
-                              + "".join(f", {k} {v}" for k, v in args.items()))  # fmt: skip
+                              + "".join(f", {k} {v}" for k, v in args.items()))
         self.study.set_user_attr("hydro_fuse", record)
         self.occupancy.fuse = max(self.occupancy.fuse, *self.key_sizes.values())
 
     def out_of_memory(self, key: tuple, live: list[tuple[optuna.Trial, dict]],
-                      exc: BaseException) -> None:  # fmt: skip
+                      exc: BaseException) -> None:
         """A group of ``key`` ran out of memory with ``live`` trials: later groups of the key
         fuse half as many, and those trials wait to start afresh in them; a lone trial fails."""
         if len(live) < 2:
             for t, _ in live:
                 self.tell(t, Outcome("fail", None, 0, f"out of memory even with a single trial: "
-                                     f"{type(exc).__name__}: {exc}"[:500]), None)  # fmt: skip
+                                     f"{type(exc).__name__}: {exc}"[:500]), None)
             return
         self.key_sizes[key] = (len(live) + 1) // 2  # as the executors split a group
         self.pending[key] = [*live, *self.pending.get(key, [])]
@@ -213,7 +213,7 @@ class _Stream:
             # round trains
             live, asking = sum(g.group.n for g in self.live.values()), self.asking
             play_round(self.live, fuse=self.size, checkpoints=self.checkpoints,
-                       every=self.every, fault=self._fault)  # fmt: skip
+                       every=self.every, fault=self._fault)
             if refill:
                 self._fill()
             self.occupancy.add(1, live, asking)
@@ -276,16 +276,16 @@ class _Stream:
                     self.out_of_memory(key, fits, exc)
                     continue
                 self.pending.setdefault(key, [])[:0] = \
-                    [f for f in fits if f[0].number not in members]  # fmt: skip
+                    [f for f in fits if f[0].number not in members]
                 self._out_of_memory(key, exc)
-            except Exception as exc:  # noqa: BLE001 - the user's data or model factory?
+            except Exception as exc:  # the user's data or model factory?
                 what = describe(exc, self.task)
                 if what is None:
                     raise
                 self.user_fault(key, what, fits, exc=exc)
 
     def user_fault(self, key: tuple, what: str, fits: list[tuple[optuna.Trial, dict]] = (),
-                   exc: BaseException | None = None) -> None:  # fmt: skip
+                   exc: BaseException | None = None) -> None:
         """User code raised (``what``, :func:`describe`; ``exc`` where it raised here) while
         ``key``'s live group trained or took ``fits``: those trials fail with a one-line reason
         naming each, the group is dropped, and the run stops if every trial it ended failed
@@ -303,7 +303,7 @@ class _Stream:
             reason = f"trial {number} (group {gid}): {what}"
             first = first or reason
             self.tell(t, Outcome("fail", None, steps.get(number, 0), reason), None,
-                      fault=not caught)  # fmt: skip
+                      fault=not caught)
         if caught:  # an expected failure: the trials end, the run goes on
             return
         self.faults.failed(what, first or f"group {gid}: {what}", key)
@@ -382,7 +382,7 @@ class _Stream:
             trials = self.study.get_trials(deepcopy=False)
         finished, running = counts(self.study, trials)
         got = ask(self.study, 1, self.n_trials, self.seed, self.heart, trials) \
-            if finished + running < self.n_trials else []  # fmt: skip
+            if finished + running < self.n_trials else []
         if not got:
             self.asking = False
             return None
@@ -393,7 +393,7 @@ class _Stream:
         if isinstance(self.task, Task):  # your own loop reads any name
             check_names(params, self.task.model_args())
         self.seeds[t.number] = seed_and_resume(self.study, t, params, self.seed,
-                                                self.checkpoints)  # fmt: skip
+                                                self.checkpoints)
         t.set_user_attr("ratio", self.ratio)
         if self.task.data_mode == "shared":  # its result depends on its group's data stream
             t.set_user_attr("data_mode", "shared")
@@ -423,7 +423,7 @@ class _Stream:
         return None
 
     def tell(self, trial: optuna.Trial, outcome: Outcome, info: GroupInfo | None,
-             fault: bool = False) -> None:  # fmt: skip
+             fault: bool = False) -> None:
         """Tell ``trial``'s ``outcome`` (``fault``: it failed because user code raised), then
         call the run's callbacks with the finished trial."""
         told = tell(self.study, trial, outcome, info)
@@ -457,7 +457,7 @@ def start_group(
                        stream.options, device=stream.device, like=like,
                        compile=like.compile if like is not None else stream.compile,
                        trials_left=stream.n_trials - counts(stream.study)[0],
-                       note=stream.say_compile, capacity=stream.fuse_for(key))  # fmt: skip
+                       note=stream.say_compile, capacity=stream.fuse_for(key))
     stream.built[key] = group  # a key's next group reuses its capture (seconds per group)
     for slot in range(group.n):  # a trial re-asked after its tuner died goes on from there
         resume_slot(group, slot, stream.checkpoints)
@@ -469,7 +469,7 @@ class _InProcess(Seat):
     own trial source (:class:`hydro.tuning.slots.TrialSource`)."""
 
     def __init__(self, stream: _Stream, gid: int, group: FusedGroup,
-                 trials: dict[int, optuna.Trial], refill: bool = True) -> None:  # fmt: skip
+                 trials: dict[int, optuna.Trial], refill: bool = True) -> None:
         self.stream, self.gid, self.group, self.trials = stream, gid, group, trials
         self.source = self
         self.refills = refill

@@ -189,7 +189,7 @@ class Task:
             return self.model
         try:
             model = self.model(**arch)
-        except Exception as exc:  # noqa: BLE001 - any error of user code, reported with its call
+        except Exception as exc:  # any error of user code, reported with its call
             raise ModelError(
                 f"the model factory {_call(self.model, arch)} raised {type(exc).__name__}: "
                 f"{exc}. Check its arguments (model_args and searched architecture choices)."
@@ -223,7 +223,7 @@ class Task:
         try:
             with torch.no_grad():
                 out = model(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - user code: report it with what it was given
+        except Exception as exc:  # user code: report it with what it was given
             raise ModelError(
                 f"running the model ({type(model).__name__}) on a batch of train_data failed: "
                 f"{type(exc).__name__}: {exc}. Inputs were {_describe(args, kwargs)}."
@@ -256,7 +256,7 @@ class Task:
                     )
         try:
             value = self.loss(logits, target)
-        except Exception as exc:  # noqa: BLE001 - user code or a shape mismatch
+        except Exception as exc:  # user code or a shape mismatch
             raise DataError(
                 f"the loss {self.loss_name} fails on the model's output "
                 f"{tuple(logits.shape)} and the targets {_shape(target)}: "
@@ -272,7 +272,7 @@ class Task:
     def train_batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         """An endless stream of training batches (the same stream for the same seed)."""
         if isinstance(self.train_data, (tuple, Mapping)) and _length(self.train_data) < batch_size \
-                and batch_size not in self.__dict__.setdefault("_small", set()):  # fmt: skip
+                and batch_size not in self.__dict__.setdefault("_small", set()):
             self._small.add(batch_size)  # once per task and batch size, not per trial
             _warn_small(_length(self.train_data), batch_size)
         return train_stream(self.train_data, batch_size, seed)
@@ -296,7 +296,7 @@ class Task:
         if isinstance(self.val_data, (tuple, Mapping)):
             size = _length(self.val_data)
             return (_take(self.val_data, slice(i * SAMPLE_BLOCK, (i + 1) * SAMPLE_BLOCK))
-                    for i in sample_order(size))  # fmt: skip
+                    for i in sample_order(size))
         return val_stream(self.val_data, SAMPLE_BLOCK)
 
     def inputs_of(self, batch_inputs: Any) -> tuple[Any, ...]:
@@ -394,7 +394,7 @@ class Task:
                         "and targets the same length (one target per example)"
                     )
             tensors = {("inputs" if len(inputs) == 1 else f"inputs[{i}]"): t
-                       for i, t in enumerate(inputs)}  # fmt: skip
+                       for i, t in enumerate(inputs)}
             tensors["targets"] = y
         elif isinstance(data, Mapping):
             if not data:
@@ -453,7 +453,7 @@ def check_settings(obj: Any) -> None:
     if not isinstance(obj.cache, bool):
         raise ConfigError(f"cache must be true (the on-disk capture cache, the default) "
                           f"or false (capture afresh, write nothing), got "
-                          f"{obj.cache!r}")  # fmt: skip
+                          f"{obj.cache!r}")
     _positive(obj.steps, "steps")
     if obj.batch_size is None:  # a DataLoader's own, else 32
         loader = obj.train_data if isinstance(obj.train_data, DataLoader) else None
@@ -465,13 +465,13 @@ def check_settings(obj: Any) -> None:
     if getattr(obj, "eval_samples", None) not in (None, "auto"):
         if isinstance(obj.eval_samples, str):
             raise ConfigError(f"eval_samples must be a positive integer or 'auto', got "
-                              f"{obj.eval_samples!r}")  # fmt: skip
+                              f"{obj.eval_samples!r}")
         _positive(obj.eval_samples, "eval_samples")
     if getattr(obj, "precision", "fp32") not in PRECISIONS:
         names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
         hint = f" (did you mean {names[obj.precision]!r}?)" if obj.precision in names else ""
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got "
-                          f"{obj.precision!r}{hint}")  # fmt: skip
+                          f"{obj.precision!r}{hint}")
     ce = obj.checkpoint_every
     if isinstance(ce, bool) or not isinstance(ce, int) or ce < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0 (0: never), got {ce!r}")
@@ -509,7 +509,7 @@ def train_stream(data: Data, batch_size: int, seed: int) -> Iterator[Batch]:
             yield _batch(batch)
         if not yielded:
             size = len(data.dataset if isinstance(data, DataLoader) else data) \
-                if hasattr(data, "__len__") else None  # fmt: skip
+                if hasattr(data, "__len__") else None
             if size is not None and size < batch_size:
                 raise DataError(
                     f"train_data holds {size} samples, fewer than one batch of "
@@ -618,7 +618,7 @@ def _warn_small(size: int, batch_size: int) -> None:
     warnings.warn(HydroWarning(
         f"train_data holds {size} samples, fewer than a batch of {batch_size}: every batch "
         "draws them with replacement, so each repeats samples; use a batch_size of at most "
-        f"{size}, or more training data"), stacklevel=3)  # fmt: skip
+        f"{size}, or more training data"), stacklevel=3)
 
 
 def _positive(value: Any, name: str) -> None:
@@ -728,7 +728,7 @@ def _loader(data: Any, batch_size: int, shuffle: bool, seed: int) -> Any:
             return DataLoader(data.dataset, batch_size=batch_size, shuffle=shuffle,
                               drop_last=shuffle, generator=g, collate_fn=data.collate_fn,
                               num_workers=data.num_workers, pin_memory=data.pin_memory,
-                              worker_init_fn=data.worker_init_fn)  # fmt: skip
+                              worker_init_fn=data.worker_init_fn)
         return DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle,
-                          generator=g)  # fmt: skip
+                          generator=g)
     return data(batch_size)

@@ -35,7 +35,7 @@ from typing import Any
 from hydro.errors import ConfigError
 
 _HOW = ("A config runs code like a Python script: trust only packages whose functions you would "
-        "run on this config's arguments.")  # fmt: skip
+        "run on this config's arguments.")
 
 
 def check_trust(entries: Any, where: str = "trust") -> tuple[str, ...]:
@@ -50,14 +50,14 @@ def check_trust(entries: Any, where: str = "trust") -> tuple[str, ...]:
         entries = [entries]
     if not isinstance(entries, (list, tuple)):
         raise ConfigError(f"{where} must be a list of package names (e.g. [timm, transformers]), "
-                          f"got {entries!r}")  # fmt: skip
+                          f"got {entries!r}")
     for entry in entries:
         if not isinstance(entry, str) or not all(p.isidentifier() for p in entry.split(".")):
             raise ConfigError(f"{where}: {entry!r} is not a package name (e.g. timm, "
-                              "torchvision.models)")  # fmt: skip
+                              "torchvision.models)")
         if _is_stdlib(entry):
             raise ConfigError(f"{where}: {entry!r} is a module of the standard library, which a "
-                              "config never names")  # fmt: skip
+                              "config never names")
     return tuple(entries)
 
 
@@ -79,7 +79,7 @@ def check_callable_name(spec: Any, where: str) -> tuple[str, str]:
     if _is_stdlib(module_name):
         raise ConfigError(f"{where}: {spec!r} names the standard library module "
                           f"{module_name.split('.')[0]!r}; a config names your own code or a "
-                          "package it trusts (e.g. mypkg.model:build)")  # fmt: skip
+                          "package it trusts (e.g. mypkg.model:build)")
     if any(part.startswith("_") for part in attr.split(".")):
         raise ConfigError(f"{where}: {spec!r} names a private attribute; name a public callable")
     return module_name, attr
@@ -116,7 +116,7 @@ def resolve_callable(
             inspect.getattr_static(obj, part, None), (property, functools.cached_property)
         ):  # reading it would run its getter: code called before any check of what it returns
             raise ConfigError(f"{where}: {spec!r} reads the property {part!r} of an object; "
-                              "name a function or class")  # fmt: skip
+                              "name a function or class")
         if not hasattr(obj, part):
             raise ConfigError(f"{where}: module {module_name!r} has no attribute {part!r}")
         obj = getattr(obj, part)
@@ -126,16 +126,16 @@ def resolve_callable(
                 raise ConfigError(f"{where}: {spec!r} reaches the standard library module "
                                   f"{name.split('.')[0]!r} through the attribute {part!r}; a "
                                   "config names your own code or a package it "
-                                  "trusts")  # fmt: skip
+                                  "trusts")
             rest = ".".join(parts[i + 1 :])
             hint = f"name it {name}:{rest}" if rest else f"name a callable in it, {name}:NAME"
             raise ConfigError(f"{where}: {spec!r} reaches the module {name!r} through an "
-                              f"attribute; a module goes before the colon: {hint}")  # fmt: skip
+                              f"attribute; a module goes before the colon: {hint}")
     home = _home(obj)
     if home is not None and _is_stdlib(home):
         raise ConfigError(f"{where}: {spec!r} is a callable of the standard library module "
                           f"{home.split('.')[0]!r}; a config names your own code or a package "
-                          "it trusts")  # fmt: skip
+                          "it trusts")
     if home is not None and home != module_name:
         _check_location(home, spec, where, trust, reexport=True)
     if not callable(obj):
@@ -175,9 +175,9 @@ def _check_location(
         return
     top = module_name.split(".")[0]
     what = (f"is a callable of the installed package {top!r} (defined in {module_name})"
-            if reexport else f"names the installed package {top!r}")  # fmt: skip
+            if reexport else f"names the installed package {top!r}")
     raise ConfigError(f"{where}: {spec!r} {what}, which this config does not trust: add "
-                      f"'trust: [{top}]' to the config or pass --trust {top}. {_HOW}")  # fmt: skip
+                      f"'trust: [{top}]' to the config or pass --trust {top}. {_HOW}")
 
 
 @functools.cache

@@ -81,23 +81,23 @@ def tune(
         raise ConfigError(f"hydro.tune got unknown option(s) {', '.join(unknown)}; the options "
                           f"are {', '.join(sorted(names))}"
                           + (f" (and, with a training function, {', '.join(sorted(LOOP_ARGS))})"
-                             if not isinstance(trainer, Task) else ""))  # fmt: skip
+                             if not isinstance(trainer, Task) else ""))
     if isinstance(trainer, Task):
         if model is not None or loop_args:
             given = ", ".join(sorted(["model"] * (model is not None) + list(loop_args)))
             raise ConfigError(f"{given}: these describe your own training function; a Task "
-                              "holds its model and data itself")  # fmt: skip
+                              "holds its model and data itself")
     elif isinstance(trainer, Loop):
         if model is not None or loop_args:
             raise ConfigError("a Loop holds its model and settings: pass them to Loop(...)")
     elif callable(trainer):
         if model is None:
             raise ConfigError("hydro.tune(train, space, model=...): your own training function "
-                              "needs the model it trains (an nn.Module or a factory)")  # fmt: skip
+                              "needs the model it trains (an nn.Module or a factory)")
         if "steps" not in loop_args:
             raise ConfigError("hydro.tune(train, space, model=..., steps=N): give the training "
                               "steps of each trial (the iterations of "
-                              "`for step in run`)")  # fmt: skip
+                              "`for step in run`)")
         trainer = Loop(train=trainer, model=model, **loop_args)
     opts = (options or TuneOptions()).replace(**kwargs)
     return run(trainer, space, opts)
@@ -106,4 +106,4 @@ def tune(
 # a training function's settings, given to hydro.tune beside the options (hydro.tuning.loop.Loop)
 LOOP_ARGS = frozenset({"steps", "eval_every", "train_data", "val_data", "example_inputs",
                        "example_kwargs", "batch_size", "direction", "dynamic",
-                       "cache"})  # fmt: skip
+                       "cache"})

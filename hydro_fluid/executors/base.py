@@ -375,7 +375,7 @@ class Ledger:
             self.pending.append((part, 0))
 
     def give_up(self, group: TrialGroup, attempt: int, reason: str,
-                deterministic: bool = False) -> None:  # fmt: skip
+                deterministic: bool = False) -> None:
         """End the group: its trials FAIL with ``reason`` (pruned ones stay PRUNED)."""
         pruned = self.pruned[group.name]
         trials = {
@@ -383,7 +383,7 @@ class Ledger:
             for t in group.trial_ids
         }
         self._result(GroupResult(group, None, trials, attempt + 1, reason,
-                                 deterministic=deterministic))  # fmt: skip
+                                 deterministic=deterministic))
 
     def ordered_results(self) -> list[GroupResult]:
         return sorted(self.results, key=lambda r: (self.order[r.group.name], r.group.name))

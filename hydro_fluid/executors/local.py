@@ -25,7 +25,7 @@ from .base import GroupResult, Ledger, MoreFn, ReportFn, RequestFn, ResultFn, Wo
 from .scratch import claim_mp_tempdir, private_dir
 
 # start_ticks and _scratch_dir are imported from here by the tuner and the tests
-from .worker import _scratch_dir, _Spec, _worker_main, start_ticks  # noqa: F401
+from .worker import _scratch_dir, _Spec, _worker_main, start_ticks
 
 __all__ = ["LocalExecutor"]
 
@@ -209,7 +209,7 @@ class LocalExecutor:
         else:
             placer = self._placer(policy, deadline, max_world_size)
             run = _PlacedRun(self, ledger, fn, report, sizes, root, more, request, world_size,
-                             preload, placer=placer)  # fmt: skip
+                             preload, placer=placer)
         try:
             run.loop()
         finally:
@@ -249,7 +249,7 @@ class LocalExecutor:
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"max_world_size must be an int >= 1, got {d!r}.")
         return Placer(policy, devices, c=self.max_packed, d=min(d or len(devices), len(devices)),
-                      deadline=deadline, restart_cost=self.restart_cost)  # fmt: skip
+                      deadline=deadline, restart_cost=self.restart_cost)
 
 
 def _gpu_gib(device: str) -> float:
@@ -293,7 +293,7 @@ class _Run:
     """The parent's event loop for one ``LocalExecutor.run`` call."""
 
     def __init__(self, executor: LocalExecutor, ledger: Ledger, fn, report, sizes, root: Path,
-                 more=None, request=None, world_size=1, preload=()):  # fmt: skip
+                 more=None, request=None, world_size=1, preload=()):
         self.ex, self.ledger, self.fn, self.report = executor, ledger, fn, report
         self.more, self.request, self.world_size = more, request, world_size
         self.sizes: dict[str, int] = dict(sizes)
@@ -363,7 +363,7 @@ class _Run:
         return None
 
     def _start(self, group: TrialGroup, attempt: int, slots: list[int],
-               ranks: list[tuple[str, int]] | None = None) -> None:  # fmt: skip
+               ranks: list[tuple[str, int]] | None = None) -> None:
         """Start ``group`` on ``slots`` of the pool, or on ``ranks`` ((device, threads) per
         rank) placed by a policy."""
         if ranks is None:
@@ -630,7 +630,7 @@ class _PlacedRun(PlacementEvents, _Run):
         for name in [n for n in self.waiting if n in plan]:
             group, slots = self.waiting.pop(name), plan[name]
             ranks = [(self._torch_device(dev), self.placer.threads(share, self.threads))
-                     for dev, share in slots]  # fmt: skip
+                     for dev, share in slots]
             self.placer.started(name, slots)
             self._start(group, self.attempts.pop(name), [], ranks)
             record = self.ex.measured.setdefault(name, {"start": time.monotonic() - self.t0})

@@ -109,4 +109,4 @@ def check_executor(executor: Any) -> Executor:
         missing.insert(0, "a callable run")
     name = f"{type(executor).__name__}()" if not isinstance(executor, str) else repr(executor)
     raise ConfigError(f"executor {name} is not a hydro_fluid.Executor: it lacks "
-                      f"{', '.join(missing)} (see hydro_fluid.executors.protocol)")  # fmt: skip
+                      f"{', '.join(missing)} (see hydro_fluid.executors.protocol)")

@@ -79,7 +79,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa: ANN001
+def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:
     """Connect this process to Ray: to ``address`` (or ``RAY_ADDRESS``), else a new local Ray.
 
     A Ray cluster has no authentication: anyone who reaches its ports runs code as this user.
@@ -110,14 +110,14 @@ def _init_ray(ray, address: str | None, kwargs: dict[str, Any]) -> None:  # noqa
     # this process stops cleanly and takes them down (ray.shutdown ends them with SIGKILL
     # one second after the blocked SIGTERM)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) \
-        if main and address == "local" else None  # fmt: skip
+        if main and address == "local" else None
     try:
         with _loopback_only() if local else nullcontext():
             ray.init(address=address, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - Ray's start-up fails in many ways: one line each
+    except Exception as exc:  # Ray's start-up fails in many ways: one line each
         try:
             ray.shutdown()  # what it did start
-        except Exception:  # noqa: BLE001, S110 - nothing more to clean up
+        except Exception:  # nothing more to clean up
             pass
         first = (str(exc).strip().splitlines() or [""])[0]
         where = "a new local Ray" if address == "local" else f"Ray at {address!r}"
@@ -352,12 +352,12 @@ class RayExecutor:
             res, short = node.get("Resources", {}), node["NodeID"][:8]
             if self.use_gpus:
                 devices += [Device(f"{short}/gpu{i}", "gpu", 16.0, node=node["NodeID"])
-                            for i in range(int(res.get("GPU", 0)))]  # fmt: skip
+                            for i in range(int(res.get("GPU", 0)))]
             else:
                 n = int(res.get("CPU", 0) // self.cpus_per_worker)
                 memory = float(res.get("memory", 2 * 2**30)) / 2**30 / max(n, 1)
                 devices += [Device(f"{short}/cpu{i}", "cpu", memory, node=node["NodeID"])
-                            for i in range(n)]  # fmt: skip
+                            for i in range(n)]
         return devices
 
     def _placer(self, policy: str, deadline: float | None, d: int | None) -> Placer:
@@ -371,7 +371,7 @@ class RayExecutor:
                 "cpus_per_worker on every node); lower cpus_per_worker or add nodes."
             )
         return Placer(policy, devices, c=self.max_packed, d=min(d or len(devices), len(devices)),
-                      deadline=deadline, restart_cost=self.restart_cost)  # fmt: skip
+                      deadline=deadline, restart_cost=self.restart_cost)
 
 
 # --- the pieces that live in Ray --------------------------------------------------------

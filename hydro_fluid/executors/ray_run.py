@@ -191,7 +191,7 @@ class _RayRun:
         """Take new groups from ``more`` while fewer groups than slots run and none waits."""
         asked = False
         while self.more is not None and len(self.running) < self.capacity \
-                and not self.ledger.pending:  # fmt: skip
+                and not self.ledger.pending:
             groups = list(self.more())
             if not groups:
                 break

@@ -35,7 +35,7 @@ from .registry import (
 )
 
 __all__ = ["PlacementState", "Policy", "check_policy", "get_policy", "make_policy",
-           "policy_help", "policy_names", "register_policy"]  # fmt: skip
+           "policy_help", "policy_names", "register_policy"]
 
 # the built-in ones first, in this order (the CLI lists them so), then any other module here
 for _name in ("fifo", "static", "dynamic", "deadline"):

@@ -38,4 +38,4 @@ class Deadline(Policy):
             raise ConfigError("policy 'deadline' needs a deadline (state.end)")
         return deadline(state.groups, state.devices, state.c, state.d, now=state.now,
                         end=state.end, start=state.start, running=state.running,
-                        restart_cost=state.restart_cost)  # fmt: skip
+                        restart_cost=state.restart_cost)

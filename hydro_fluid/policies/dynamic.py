@@ -33,4 +33,4 @@ class DynamicFluid(Policy):
     def allocate(self, state: PlacementState) -> Allocation:
         return dynamic_fluid(state.groups, state.devices, state.c, state.d,
                              running=state.running,
-                             restart_cost=state.restart_cost)  # fmt: skip
+                             restart_cost=state.restart_cost)

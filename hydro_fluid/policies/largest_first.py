@@ -41,4 +41,4 @@ class LargestFirst(Policy):
         # sorted() is stable: equal work keeps arrival order
         ordered = sorted(state.groups, key=lambda g: -g.work)
         return dynamic_fluid(ordered, state.devices, state.c, state.d, running=state.running,
-                             restart_cost=state.restart_cost)  # fmt: skip
+                             restart_cost=state.restart_cost)

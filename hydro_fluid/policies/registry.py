@@ -82,7 +82,7 @@ def get_policy(name: str) -> type[Policy]:
     cls = _BY_NAME.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ConfigError(f"unknown placement policy {name!r}: use one of "
-                          f"{', '.join(policy_names())}")  # fmt: skip
+                          f"{', '.join(policy_names())}")
     return cls
 
 
@@ -103,12 +103,12 @@ def check_policy(policy: Any, deadline_s: Any = None) -> None:
         if deadline_s is None:
             raise ConfigError(f"policy {name!r} needs a deadline: pass deadline=SECONDS")
         if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) \
-                or not deadline_s > 0:  # fmt: skip
+                or not deadline_s > 0:
             raise ConfigError(f"deadline must be a number of seconds > 0, got {deadline_s!r}")
     elif deadline_s is not None:
         users = " or ".join(repr(n) for n in policy_names() if get_policy(n).uses_deadline)
         raise ConfigError(f"deadline={deadline_s!r} is only used by policy {users}, not "
-                          f"{name!r}: drop it or use policy={users}")  # fmt: skip
+                          f"{name!r}: drop it or use policy={users}")
 
 
 def _qualified(cls: type) -> str:

@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*argv: str, timeout: float) -> str:
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_gpu_suite_runs_on_the_cpu_and_writes_its_json_and_table(tmp_path: Path) -> None:
     _run("benchmarks/gpu_suite.py", "--device", "cpu", "--small", "--no-compile",
-         "--dp-on-cpu", "--out", str(tmp_path), timeout=240)  # fmt: skip
+         "--dp-on-cpu", "--out", str(tmp_path), timeout=240)
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     table = (tmp_path / "gpu_suite.md").read_text()
     assert result["device"] == "cpu" and result["small"]
@@ -44,7 +44,7 @@ def test_gpu_suite_runs_on_the_cpu_and_writes_its_json_and_table(tmp_path: Path)
     assert precision["fp32"]["first_loss_diff"] == 0 < precision["fp16"]["first_loss_diff"] < 0.05
     assert all(s <= 2.0**16 for s in precision["fp16"]["scales"])
     for title in ("## Dropout", "## Fusion", "## fuse='auto'", "## Data parallel",
-                  "## End to end", "## Precision"):  # fmt: skip
+                  "## End to end", "## Precision"):
         assert title in table
     assert "| MLP w64 | 4 | fused | eager |" in table
 
@@ -52,7 +52,7 @@ def test_gpu_suite_runs_on_the_cpu_and_writes_its_json_and_table(tmp_path: Path)
 def test_gpu_suite_skips_data_parallel_with_fewer_than_two_gpus(tmp_path: Path) -> None:
     skip = "dropout,fusion,fuse_auto,end_to_end,precision"
     _run("benchmarks/gpu_suite.py", "--device", "cpu", "--small", "--no-compile", "--skip", skip,
-         "--out", str(tmp_path), timeout=60)  # fmt: skip
+         "--out", str(tmp_path), timeout=60)
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert "needs 2" in result["data_parallel"]["skipped"]
     assert "needs 2" in (tmp_path / "gpu_suite.md").read_text()
@@ -60,6 +60,6 @@ def test_gpu_suite_skips_data_parallel_with_fewer_than_two_gpus(tmp_path: Path) 
 
 def test_dropout_benchmark_prints_its_per_element_table() -> None:
     out = _run("benchmarks/dropout.py", "--n", "2", "--repeats", "1", "--min-time", "0.01",
-               "--skip-group", timeout=120)  # fmt: skip
+               "--skip-group", timeout=120)
     rows = [line for line in out.splitlines() if line.startswith("| [")]
     assert [r.split("|")[2].strip() for r in rows[:3]] == ["torch", "streams v1", "streams"]

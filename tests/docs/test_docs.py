@@ -200,7 +200,7 @@ SHRINK = {
                                         ("width=1024, batch=128", "width=128, batch=16")],
     "docs/reference/examples.md": [("n_layer=4, n_head=4, n_embd=256",
                                     "n_layer=1, n_head=4, n_embd=64")],
-}  # fmt: skip
+}
 
 
 def _shrunk(block: Block) -> str:
@@ -250,7 +250,7 @@ def _run_python(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         script.write_text(code)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{block.id} failed as a script:\n{proc.stderr[-3000:]}"
         return
     import torch
@@ -286,7 +286,7 @@ TINY_CONFIG = {  # the examples' tune.yaml files, shrunk: the same model and dat
         "examples.own_loop.data:load": {"block_size": 16, "max_chars": 20_000},
         "examples.cnn.data:load": {"n_train": 64, "n_val": 32, "size": 16, "seed": 0},
     },
-}  # fmt: skip
+}
 
 
 def commands(code: str) -> list[str]:
@@ -347,7 +347,7 @@ def _run_shell(block: Block, tmp_path: Path, monkeypatch, capsys) -> None:
                     assert (ROOT / m.group(2)).is_file(), f"{block.id}: no script {m.group(2)}"
                 elif not any(re.match(p, part) for p, _ in NOT_RUN):
                     pytest.fail(f"{block.id}: `{part}` neither runs nor is skipped by rule: "
-                                "add a rule here or a docs-test marker")  # fmt: skip
+                                "add a rule here or a docs-test marker")
     finally:
         torch.set_num_threads(threads)
 
@@ -355,7 +355,7 @@ def _run_shell(block: Block, tmp_path: Path, monkeypatch, capsys) -> None:
 # --- yaml blocks ---------------------------------------------------------------------------------
 
 RECIPE_KEYS = {"optimizer", "optimizer_args", "scheduler", "warmup", "steps", "batch_size",
-               "grad_clip"}  # fmt: skip
+               "grad_clip"}
 
 
 def _check_yaml(block: Block, tmp_path: Path) -> None:

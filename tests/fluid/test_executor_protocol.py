@@ -20,7 +20,7 @@ from hydro_fluid import (
 from tests import toy
 
 
-def _params(fn) -> dict[str, inspect.Parameter]:  # noqa: ANN001
+def _params(fn) -> dict[str, inspect.Parameter]:
     return dict(inspect.signature(fn).parameters)
 
 
@@ -52,7 +52,7 @@ class _Plain:
         self.slots = self.inner.slots
         self.calls: list[dict] = []
 
-    def run(self, groups, fn, **kw):  # noqa: ANN001, ANN003, ANN201
+    def run(self, groups, fn, **kw):
         self.calls.append(kw)
         return self.inner.run(groups, fn, **kw)
 
@@ -60,7 +60,7 @@ class _Plain:
 class _Recording(LocalExecutor):
     calls: list[dict]
 
-    def run(self, groups, fn, **kw):  # noqa: ANN001, ANN003, ANN201
+    def run(self, groups, fn, **kw):
         self.calls = [*getattr(self, "calls", []), kw]
         return super().run(groups, fn, **kw)
 
@@ -69,13 +69,13 @@ def test_check_executor_refuses_what_lacks_a_member_and_names_it():
     assert check_executor(_Plain()).slots == ["cpu"]
     assert not isinstance(_Plain(), PlacingExecutor)
     with pytest.raises(ConfigError, match=r"executor object\(\) is not a hydro_fluid.Executor: "
-                                          "it lacks run, slots"):  # fmt: skip
+                                          "it lacks run, slots"):
         check_executor(object())
     with pytest.raises(ConfigError, match="executor 'gpu' .* lacks run, slots"):
         check_executor("gpu")
 
     class NoSlots:
-        def run(self, groups, fn, **kw):  # noqa: ANN001, ANN003, ANN201
+        def run(self, groups, fn, **kw):
             return []
 
     with pytest.raises(ConfigError, match=r"NoSlots\(\) is not .* it lacks slots \("):
@@ -87,7 +87,7 @@ def test_the_tuner_asks_a_policy_only_of_a_placing_executor():
     for executor, placed in ((_Plain(), False), (_Recording(devices=[], num_workers=1), True)):
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         optimize(study, toy.task(steps=4), space, n_trials=2, ratio=2, fuse=2,
-                 executor=executor, policy="fifo")  # fmt: skip
+                 executor=executor, policy="fifo")
         assert [t.state.name for t in study.trials] == ["COMPLETE"] * 2
         (kw,) = executor.calls
         assert ("policy" in kw) is placed and kw.get("policy", "fifo") == "fifo"

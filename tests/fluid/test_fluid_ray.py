@@ -28,7 +28,7 @@ def local_ray():
 
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *sys.path])
     _init_ray(ray, None, {"num_cpus": 2, "num_gpus": 2, "log_to_driver": False,
-                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})  # fmt: skip
+                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})
     yield
     ray.shutdown()
 
@@ -131,7 +131,7 @@ def test_ray_does_not_retry_a_deterministic_error(make_executor):
     """As on the LocalExecutor: an error marked deterministic (user code raised) ends the
     group after one attempt, its one-line message the trials' reason (a dead worker is still
     retried: test_killed_ray_worker_is_retried_from_checkpoint)."""
-    from tests.test_user_faults import _raise
+    from tests.tuning.test_user_faults import _raise
 
     [result] = make_executor(max_retries=1).run([TrialGroup("d", (1,), (1,))], _raise)
     assert result.attempts == 1 and result.deterministic
@@ -208,7 +208,7 @@ def test_a_local_ray_started_by_the_executor_listens_on_loopback_only():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", LOCAL_RAY_SCRIPT], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["nodes"] == ["127.0.0.1"] and seen["gcs"].startswith("127.0.0.1:")

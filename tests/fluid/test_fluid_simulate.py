@@ -137,7 +137,7 @@ def test_simulate_input_errors():
     cluster = Cluster.homogeneous(1, 1)
     group = TrialGroup("g", (0,), (10,))
     with pytest.raises(ConfigError, match="unknown placement policy 'round_robin': use one of "
-                       "fifo, static, dynamic, deadline"):  # fmt: skip
+                       "fifo, static, dynamic, deadline"):
         simulate([group], cluster, "round_robin")
     with pytest.raises(ValueError, match="needs end="):
         simulate([group], cluster, "deadline")

@@ -57,8 +57,8 @@ def test_dynamic_packs_then_widens_and_moves_a_group_with_its_checkpoint(tmp_pat
     first = ex.decisions[0].allocation
     # the long group gets a whole device; the two short ones share the other, half each
     assert first["long"] == (("cpu0", 1.0),) or first["long"] == (("cpu1", 1.0),)
-    (dev_a, share_a), = first["short-a"]  # fmt: skip
-    (dev_b, share_b), = first["short-b"]  # fmt: skip
+    (dev_a, share_a), = first["short-a"]
+    (dev_b, share_b), = first["short-b"]
     assert dev_a == dev_b != first["long"][0][0] and share_a == share_b == 0.5
     # ... and their worker processes split that device's 2 threads
     assert results["short-a"].value["placements"] == [[1, 1, 0]]

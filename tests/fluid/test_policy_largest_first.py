@@ -32,7 +32,7 @@ def test_it_is_registered_everywhere_by_its_module_alone():
 def test_long_groups_start_first_and_the_tail_is_at_the_lower_bound():
     cluster = Cluster.homogeneous(1, 4)
     spans = {p: simulate(_work(), cluster, p, c=1, d=1).makespan
-             for p in ("fifo", "dynamic", "largest_first")}  # fmt: skip
+             for p in ("fifo", "dynamic", "largest_first")}
     bound = lower_bound(_work(), cluster, d=1)
     assert spans["largest_first"] == pytest.approx(bound)  # 600 s: the long group itself
     assert spans["dynamic"] >= 1.4 * spans["largest_first"]  # 900 s: the long ones start last

@@ -179,10 +179,10 @@ class NodeLog:
                 self.file = self.folder / f"{os.getpid()}-{uuid.uuid4().hex}.json"
             self.steps += 1
             self.file.write_text(json.dumps({"node": self.node, "pid": os.getpid(),
-                                             "steps": self.steps}))  # fmt: skip
+                                             "steps": self.steps}))
             stalled = self.folder / "stalled"
             if self.node == self.stall_on and self.steps == self.stall_at \
-                    and not stalled.exists():  # fmt: skip
+                    and not stalled.exists():
                 tmp = self.folder / f".stalled.{os.getpid()}"
                 tmp.write_text(json.dumps({"node": self.node, "pid": os.getpid()}))
                 os.replace(tmp, stalled)
@@ -191,7 +191,7 @@ class NodeLog:
         return torch.nn.functional.cross_entropy(out, y)
 
 
-def make_task(loss: NodeLog):  # noqa: ANN201
+def make_task(loss: NodeLog):
     return toy.task(steps=STEPS, eval_every=EVERY, batch_size=BATCH, loss=loss)
 
 
@@ -204,7 +204,7 @@ def attempts(folder: Path) -> list[dict]:
 def sqlite_study(tmp_path: Path) -> optuna.Study:
     return optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
                                sampler=optuna.samplers.RandomSampler(seed=0),
-                               pruner=optuna.pruners.NopPruner())  # fmt: skip
+                               pruner=optuna.pruners.NopPruner())
 
 
 def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tmp_path):
@@ -215,7 +215,7 @@ def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tm
     executor = make_executor(checkpoint_dir=tmp_path / "checkpoints")
     assert len(executor.slots) == 2  # one CPU on each node
     optimize(study, make_task(NodeLog(str(log))), SPACE, n_trials=4, ratio=2, fuse=2,
-             executor=executor, checkpoint_every=EVERY, policy="fifo")  # fmt: skip
+             executor=executor, checkpoint_every=EVERY, policy="fifo")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     node_of = {a["pid"]: a["node"] for a in attempts(log)}
     # two groups of two trials, trained at once: one on each node
@@ -230,7 +230,7 @@ def test_a_study_spreads_its_groups_over_both_nodes(two_nodes, make_executor, tm
     assert result.ok and result.value == 3
 
 
-def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN001, ANN201
+def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):
     """Run a study whose group on the worker node stops at its step ``STALL_AT`` (after its
     checkpoint); a thread then removes that node with SIGKILL. Returns the study, how often
     each trial was told, what the thread saw, and the attempts' logs."""
@@ -241,7 +241,7 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
     told = Counter()
     tell = study.tell
 
-    def counting_tell(trial, *args, **kwargs):  # noqa: ANN001, ANN202
+    def counting_tell(trial, *args, **kwargs):
         told[getattr(trial, "number", trial)] += 1
         return tell(trial, *args, **kwargs)
 
@@ -258,7 +258,7 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
             watched["sockets"] = off_loopback()  # both nodes and their workers are up
             cluster.remove_node(worker, allow_graceful=False)  # SIGKILL: a lost node
             watched["removed"] = True
-        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+        except Exception as exc:  # reported by the assertions below
             watched["error"] = repr(exc)
 
     watcher = threading.Thread(target=remove_the_worker_node_once_it_stalls, daemon=True)
@@ -266,7 +266,7 @@ def lose_the_worker_node(two_nodes, executor, tmp_path, n_trials):  # noqa: ANN0
     task = make_task(NodeLog(str(log), stall_on=worker.node_id, stall_at=STALL_AT))
     # fifo: one group per node, so that one trains on the worker node (dynamic may pack both)
     optimize(study, task, SPACE, n_trials=n_trials, ratio=2, fuse=2, executor=executor,
-             checkpoint_every=EVERY, policy="fifo")  # fmt: skip
+             checkpoint_every=EVERY, policy="fifo")
     watcher.join(timeout=60)
     assert watched.get("removed"), watched
     assert json.loads((log / "stalled").read_text())["node"] == worker.node_id
@@ -365,7 +365,7 @@ def test_a_policy_sees_a_node_leave_and_resumes_its_group_elsewhere(
     fn = functools.partial(steps_stalling_on, folder=str(tmp_path), node=worker.node_id, at=5)
     groups = [TrialGroup("a", (0,), (20,)), TrialGroup("b", (1,), (20,))]
     results = {r.group.name: r for r in executor.run(groups, fn, policy="dynamic",
-                                                     max_world_size=1)}  # fmt: skip
+                                                     max_world_size=1)}
     watcher.join(timeout=60)
     assert watched.get("removed") and watched["sockets"][0] == []  # nothing off loopback
     assert all(r.ok for r in results.values()), [(r.error, r.attempts) for r in results.values()]
@@ -375,7 +375,7 @@ def test_a_policy_sees_a_node_leave_and_resumes_its_group_elsewhere(
     left = [d for d in executor.decisions if d.event == "devices"]
     assert left, "the node leaving was never an event"
     assert all(not slots[0][0].startswith(worker.node_id[:8])
-               for d in left for slots in d.allocation.values())  # fmt: skip
+               for d in left for slots in d.allocation.values())
 
 
 @pytest.mark.parametrize(
@@ -383,7 +383,7 @@ def test_a_policy_sees_a_node_leave_and_resumes_its_group_elsewhere(
     [("127.0.0.1:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
      ("10.0.0.1:6379", False), ("head:6379", False), ("ray://127.0.0.1:10001", False),
      ("auto", False)],
-)  # fmt: skip
+)
 def test_which_addresses_a_driver_joins_on_loopback(address, loopback):
     """A driver joins a cluster at a loopback address on 127.0.0.1 (Ray would use the network
     address); a Ray Client address or ``auto`` is left to Ray."""

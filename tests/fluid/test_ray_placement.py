@@ -31,7 +31,7 @@ def local_ray():
         ray.shutdown()
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *sys.path])
     _init_ray(ray, None, {"num_cpus": 4, "num_gpus": 0, "log_to_driver": False,
-                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})  # fmt: skip
+                          "runtime_env": {"env_vars": {"PYTHONPATH": path}}})
     yield
     ray.shutdown()
 
@@ -146,12 +146,12 @@ def test_optimize_places_its_groups_on_ray_with_the_dynamic_policy(executor, tmp
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
     task = hydro.Task(model=model, train_data=(x[:96], y[:96]), val_data=(x[96:], y[96:]),
                       steps=8, eval_every=4, batch_size=32,
-                      loss=torch.nn.functional.cross_entropy)  # fmt: skip
+                      loss=torch.nn.functional.cross_entropy)
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
-                                sampler=optuna.samplers.RandomSampler(seed=0))  # fmt: skip
+                                sampler=optuna.samplers.RandomSampler(seed=0))
     space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}
     optimize(study, task, space, n_trials=4, ratio=2, fuse=2, executor=executor,
-             policy="dynamic", checkpoint_dir=str(tmp_path / "checkpoints"))  # fmt: skip
+             policy="dynamic", checkpoint_dir=str(tmp_path / "checkpoints"))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING)) == []
     # the policy placed the tuner's groups: its decisions name them

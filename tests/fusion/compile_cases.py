@@ -18,7 +18,7 @@ def mlp(p: float) -> nn.Module:
     torch.manual_seed(0)
     # no bias before BatchNorm: its true gradient is 0, and Adam would amplify rounding noise
     return nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.Dropout(p), nn.ReLU(),
-                         nn.Linear(16, 3))  # fmt: skip
+                         nn.Linear(16, 3))
 
 
 def gpt(p: float) -> nn.Module:
@@ -48,7 +48,7 @@ def gpt_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def snapshot(fused: nn.Module, opt: torch.optim.Optimizer, losses: torch.Tensor) -> dict:
     """Copies of one step's losses, parameters, optimizer state and buffers, by kind and name."""
     state = {f"{k}.{s}": v.clone() for k, p in fused.named_parameters()
-             for s, v in opt.state[p].items() if torch.is_tensor(v)}  # fmt: skip
+             for s, v in opt.state[p].items() if torch.is_tensor(v)}
     return {
         "loss": {"loss": losses.detach().clone()},
         "param": {k: p.detach().clone() for k, p in fused.named_parameters()},

@@ -35,7 +35,7 @@ class WindowAttention(nn.Module):
     ``(2w - 1)^2``-row table by an index buffer (a shared buffer when ``learned`` is off)."""
 
     def __init__(self, width: int = 16, heads: int = 2, window: int = 3, side: int = 6,
-                 drop: float = 0.0, learned: bool = True) -> None:  # fmt: skip
+                 drop: float = 0.0, learned: bool = True) -> None:
         super().__init__()
         self.heads, self.window, self.side, self.drop = heads, window, side, drop
         rows = (2 * window - 1) ** 2
@@ -45,7 +45,7 @@ class WindowAttention(nn.Module):
             g = torch.Generator().manual_seed(0)
             self.register_buffer("table", torch.randn(rows, heads, generator=g))
         coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window),
-                                            indexing="ij")).flatten(1)  # fmt: skip
+                                            indexing="ij")).flatten(1)
         rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
         self.register_buffer("index", rel[..., 0] * (2 * window - 1) + rel[..., 1], False)
         self.embed = nn.Linear(3, width)
@@ -75,7 +75,7 @@ class T5Attention(nn.Module):
     ``nn.Embedding(buckets, heads)``, added through ``attn_mask``, unscaled scores."""
 
     def __init__(self, width: int = 16, heads: int = 2, buckets: int = 8,
-                 max_distance: int = 12) -> None:  # fmt: skip
+                 max_distance: int = 12) -> None:
         super().__init__()
         self.heads, self.buckets, self.max_distance = heads, buckets, max_distance
         self.tok = nn.Embedding(VOCAB, width)
@@ -99,7 +99,7 @@ class T5Attention(nn.Module):
         b, t = ids.shape
         h = self.tok(ids)
         q, k, v = (f(h).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k,
-                                                                             self.v))  # fmt: skip
+                                                                             self.v))
         bias = self.rel(self.bucket(t, ids.device)).permute(2, 0, 1).unsqueeze(0)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         h = h + self.o(y.transpose(1, 2).reshape(b, t, -1))
@@ -198,7 +198,7 @@ def _train(members: list[nn.Module], slot: int, seed: int, steps: int) -> list:
     fused = fuse([copy.deepcopy(m) for m in members])
     fused.reseed_trial(slot, seed)
     opt = hydro.optim.SGD(fused.parameters(), lr=[0.1] * len(members), momentum=0.9,
-                          weight_decay=0.01)  # fmt: skip
+                          weight_decay=0.01)
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(steps):
@@ -234,12 +234,12 @@ def test_attention_dropout_with_a_per_trial_bias_is_each_trials_own() -> None:
     ],
 )
 @pytest.mark.parametrize("boolean", [False, True])
-def test_masked_attention_equals_each_trials_own_call(q_shape, kv_heads, mask_shape, boolean):  # noqa: ANN001
+def test_masked_attention_equals_each_trials_own_call(q_shape, kv_heads, mask_shape, boolean):
     """The fused op against one SDPA call per trial, values and gradients (the mask's too)."""
     n, g = 3, torch.Generator().manual_seed(0)
     kv_shape = q_shape if kv_heads is None else (*q_shape[:1], kv_heads, *q_shape[2:])
     q, k, v = (torch.randn(n, *s, generator=g, dtype=torch.float64, requires_grad=True)
-               for s in (q_shape, kv_shape, kv_shape))  # fmt: skip
+               for s in (q_shape, kv_shape, kv_shape))
     raw = torch.randn(n, *mask_shape, generator=g, dtype=torch.float64)
     mask = (raw > -1).logical_or(torch.eye(5, dtype=torch.bool)[0]) if boolean else raw
     mask.requires_grad_(not boolean)
@@ -249,7 +249,7 @@ def test_masked_attention_equals_each_trials_own_call(q_shape, kv_heads, mask_sh
     fused = ops.trial_masked_attention(*folded, mask, False, None, gqa, n, [spec] * 3, spec)
     sdpa = F.scaled_dot_product_attention
     alone = torch.stack([sdpa(q[t], k[t], v[t], attn_mask=mask[t], enable_gqa=gqa)
-                         for t in range(n)])  # fmt: skip
+                         for t in range(n)])
     torch.testing.assert_close(fused.unflatten(0, (n, -1)), alone, rtol=1e-12, atol=1e-14)
     seed = torch.randn(alone.shape, generator=g, dtype=torch.float64)
     inputs = (q, k, v) if boolean else (q, k, v, mask)

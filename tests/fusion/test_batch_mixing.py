@@ -24,9 +24,9 @@ class Contrastive(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.image = nn.Sequential(nn.Conv2d(3, width, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                                   nn.Flatten(), nn.Linear(width, width))  # fmt: skip
+                                   nn.Flatten(), nn.Linear(width, width))
         self.text = nn.Sequential(nn.Embedding(50, width), nn.Flatten(),
-                                  nn.Linear(6 * width, width))  # fmt: skip
+                                  nn.Linear(6 * width, width))
         self.logit_scale = nn.Parameter(torch.tensor(2.0))
 
     def forward(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def _inputs(kind: str, step: int) -> tuple:
     g = torch.Generator().manual_seed(100 + step)
     if kind == "contrastive":
         return (torch.randn(5, 3, 8, 8, generator=g, dtype=torch.float64),
-                torch.randint(0, 50, (5, 6), generator=g))  # fmt: skip
+                torch.randint(0, 50, (5, 6), generator=g))
     return (torch.randn(6, 8, generator=g, dtype=torch.float64),)
 
 

@@ -44,7 +44,7 @@ CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses
 AOT = {"backend": "aot_eager"}
 
 
-def build(case: str, compile: object, lrs: list[float], rates=(0.1, 0.2, 0.3)):  # noqa: ANN201
+def build(case: str, compile: object, lrs: list[float], rates=(0.1, 0.2, 0.3)):
     make = CASES[case][0]
     fused = hydro.fuse([make(p) for p in rates], compile=compile).double().train()
     backend = compile.get("backend", True) if isinstance(compile, dict) else bool(compile)
@@ -264,7 +264,7 @@ def test_relu_saves_its_activation_not_a_bool_mask() -> None:
     recompute it from the activation the next layer's gradient saves anyway."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 3))  # fmt: skip
+                          nn.Linear(16, 3))
     compiled = hydro.fuse(model, n=2, compile={"backend": "aot_eager_decomp_partition"})
     eager = hydro.fuse(model, n=2)
     x = torch.randn(8, 6)

@@ -29,7 +29,7 @@ class FineTune(nn.Module):
                 nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                 nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.ReLU(),
                 nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-            )  # fmt: skip
+            )
             width = 32
         else:
             self.backbone = nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh())
@@ -79,7 +79,7 @@ def test_frozen_backbone_is_shared_and_training_is_exact(cnn: bool) -> None:
         p = fused.get_parameter(name)
         assert p.stride(0) == 0 and not p.requires_grad
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr,
-                              weight_decay=0.01) for m, lr in zip(separate, LRS)]  # fmt: skip
+                              weight_decay=0.01) for m, lr in zip(separate, LRS)]
     fopt = hydro.optim.AdamW(fused.parameters(), lr=LRS, weight_decay=0.01)
     for step, (x, y) in enumerate(_data(cnn)):
         losses = []
@@ -103,7 +103,7 @@ def test_frozen_backbone_is_shared_and_training_is_exact(cnn: bool) -> None:
                     assert_close(fp[name].grad[k], p.grad, **TOL, msg=f"step {step}: grad {name}")
                     for key in ("exp_avg", "exp_avg_sq"):
                         assert_close(fopt.state[fp[name]][key][k], o.state[p][key], **TOL,
-                                     msg=f"step {step}: {key} {name}")  # fmt: skip
+                                     msg=f"step {step}: {key} {name}")
                 else:
                     assert fp[name].grad is None
             for name, b in m.named_buffers():
@@ -111,7 +111,7 @@ def test_frozen_backbone_is_shared_and_training_is_exact(cnn: bool) -> None:
     assert fused.fallbacks == []
 
 
-def _flops(fn) -> int:  # noqa: ANN001
+def _flops(fn) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()

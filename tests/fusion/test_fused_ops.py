@@ -25,12 +25,12 @@ class _Count(TorchDispatchMode):
         super().__init__()
         self.ops: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
-def _aten_ops(make, n: int) -> list[str]:  # noqa: ANN001
+def _aten_ops(make, n: int) -> list[str]:
     fused, call = make(n)
     call(fused)  # capture and build the graph outside the count
     with _Count() as counter:
@@ -39,12 +39,12 @@ def _aten_ops(make, n: int) -> list[str]:  # noqa: ANN001
     return counter.ops
 
 
-def _zoo(name: str, **kw: object):  # noqa: ANN202
-    def make(n: int):  # noqa: ANN202
+def _zoo(name: str, **kw: object):
+    def make(n: int):
         case = ZOO[name](**kw)
         fused = fuse(case.model, n=n)
 
-        def call(f):  # noqa: ANN001, ANN202
+        def call(f):
             return trial_loss(case.loss, f(*case.inputs), case.target)
 
         return fused, call
@@ -52,7 +52,7 @@ def _zoo(name: str, **kw: object):  # noqa: ANN202
     return make
 
 
-def _nanogpt(n: int):  # noqa: ANN202
+def _nanogpt(n: int):
     model, make = build("nanogpt")
     args, kwargs = make(2, torch.Generator().manual_seed(0))
     fused = fuse(model, n=n)
@@ -64,7 +64,7 @@ def _nanogpt(n: int):  # noqa: ANN202
     [_zoo("mlp", width=32, batch=8), _zoo("resnet", width=8, batch=4), _nanogpt],
     ids=["mlp", "cnn_bn", "nanogpt"],
 )
-def test_aten_ops_per_step_do_not_grow_with_n(make) -> None:  # noqa: ANN001
+def test_aten_ops_per_step_do_not_grow_with_n(make) -> None:
     small, large = _aten_ops(make, 2), _aten_ops(make, 64)
     assert len(small) == len(large), (len(small), len(large))
     assert sorted(small) == sorted(large)

@@ -67,7 +67,7 @@ def stacked_net(seed: int = 0, batch: int = 3) -> zoo.Case:
     return zoo.Case(StackedNet(), (x,), torch.randint(0, 5, (batch,), generator=g), F.cross_entropy)
 
 
-def _graph(fused, *inputs) -> torch.fx.Graph:  # noqa: ANN001
+def _graph(fused, *inputs) -> torch.fx.Graph:
     fused(*inputs)
     (gm,) = fused._graphs.values()
     return gm.graph
@@ -115,7 +115,7 @@ def test_dispatched_ops_have_no_transposes_between_convolutions() -> None:
             super().__init__()
             self.moves = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.permute.default, torch.ops.aten.transpose.int):
                 self.moves += 1
             return func(*args, **(kwargs or {}))
@@ -136,17 +136,17 @@ def test_dispatched_ops_have_no_transposes_between_convolutions() -> None:
 
 
 @pytest.fixture
-def stacked_zoo(monkeypatch):  # noqa: ANN001, ANN201
+def stacked_zoo(monkeypatch):
     monkeypatch.setitem(zoo.ZOO, "stacked", stacked_net)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_stacked_residual_cnn_exact(stacked_zoo, opt: str) -> None:  # noqa: ANN001
+def test_stacked_residual_cnn_exact(stacked_zoo, opt: str) -> None:
     run, cases = build("stacked", 3, opt)
     train_and_compare(run, cases, steps=3, shared=True)
 
 
-def test_stacked_residual_cnn_exact_per_trial_batches(stacked_zoo) -> None:  # noqa: ANN001
+def test_stacked_residual_cnn_exact_per_trial_batches(stacked_zoo) -> None:
     run, cases = build("stacked", 3, "sgd")
     train_and_compare(run, cases, steps=2, shared=False)
 
@@ -181,7 +181,7 @@ def skip_net(seed: int = 0, batch: int = 3) -> zoo.Case:
     return zoo.Case(SkipNet(), (x,), torch.randint(0, 5, (batch,), generator=g), F.cross_entropy)
 
 
-def test_channel_concatenation_stays_stacked(monkeypatch) -> None:  # noqa: ANN001
+def test_channel_concatenation_stays_stacked(monkeypatch) -> None:
     case = skip_net()
     graph = _graph(fuse(case.model, n=3), *case.inputs)
     assert len(_calls(graph, (ops.stacked_cat,))) == 2
@@ -251,13 +251,13 @@ def test_trial_conv_forms_equal_per_trial_convolutions(shape: tuple) -> None:
     g = torch.Generator().manual_seed(0)
     xs = torch.randn(n, b, c_in, h, w, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(n, c_out, c_in, k, k, dtype=torch.float64, generator=g,
-                         requires_grad=True)  # fmt: skip
+                         requires_grad=True)
     bias = torch.randn(n, c_out, dtype=torch.float64, generator=g, requires_grad=True)
     stacked = ops.to_channels(xs.flatten(0, 1), n)
     y = ops.trial_conv(2, stacked, weight, bias, [stride] * 2, [pad] * 2, [dil] * 2, 1, n, False)
     expected = torch.stack([
         F.conv2d(xs[t], weight[t], bias[t], stride, pad, dil) for t in range(n)
-    ])  # fmt: skip
+    ])
     got = ops.from_channels(y, n).unflatten(0, (n, b))
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     (got * expected.detach().cos()).sum().backward()

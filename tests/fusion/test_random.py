@@ -122,7 +122,7 @@ def test_kept_values_are_scaled_exactly_and_dropped_ones_are_zero(dtype) -> None
 def _mlp(p: float, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 32),
-                         nn.ReLU(), nn.Dropout(p), nn.Linear(32, 3)).double()  # fmt: skip
+                         nn.ReLU(), nn.Dropout(p), nn.Linear(32, 3)).double()
 
 
 def test_dropout_zero_is_an_exact_identity_forward_and_backward() -> None:
@@ -315,13 +315,13 @@ def _same(a: list, b: list) -> None:
         assert la == pytest.approx(lb, rel=1e-12, abs=1e-14), step
         for name in ga:
             torch.testing.assert_close(ga[name], gb[name], rtol=1e-12, atol=1e-14,
-                                       msg=f"grad {name} at step {step}")  # fmt: skip
+                                       msg=f"grad {name} at step {step}")
             torch.testing.assert_close(wa[name], wb[name], rtol=1e-12, atol=1e-14,
-                                       msg=f"weight {name} at step {step}")  # fmt: skip
+                                       msg=f"weight {name} at step {step}")
 
 
 @pytest.mark.parametrize("build", [_mlp, _charlm, _nanogpt], ids=["mlp", "charlm", "nanogpt"])
-def test_trial_equals_itself_in_any_group_and_slot(build) -> None:  # noqa: ANN001
+def test_trial_equals_itself_in_any_group_and_slot(build) -> None:
     kind = build.__name__.strip("_")
     me = build(0.2, 7)
     steps = 4
@@ -340,7 +340,7 @@ def test_trial_equals_itself_in_any_group_and_slot(build) -> None:  # noqa: ANN0
 def _dropout_net(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 64),
-                         nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 3)).double()  # fmt: skip
+                         nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 3)).double()
 
 
 def _tune(fuse_: int) -> dict[int, tuple]:
@@ -349,9 +349,9 @@ def _tune(fuse_: int) -> dict[int, tuple]:
     y = (x @ torch.randn(8, 3, generator=g, dtype=torch.float64)).argmax(-1)
     task = hydro.Task(model=_dropout_net, train_data=(x[:192], y[:192]),
                       val_data=(x[192:], y[192:]), steps=8, eval_every=4,
-                      batch_size=16)  # fmt: skip
+                      batch_size=16)
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True),
-             "dropout": FloatDistribution(0.1, 0.5)}  # fmt: skip
+             "dropout": FloatDistribution(0.1, 0.5)}
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     optimize(study, task, space, n_trials=3, ratio=2, fuse=fuse_, seed=3)
     return {t.number: (t.params, t.intermediate_values, t.value) for t in study.trials}
@@ -377,7 +377,7 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
     x = torch.randn(128, 8, generator=g, dtype=torch.float64)
     y = x[:, :3].argmax(-1)
     task = hydro.Task(model=functools.partial(_dropout_net), train_data=(x, y),
-                      val_data=(x[:32], y[:32]), steps=6, batch_size=16)  # fmt: skip
+                      val_data=(x[:32], y[:32]), steps=6, batch_size=16)
     group = FusedGroup(task, [(0, {"dropout": 0.2}, 1), (1, {"dropout": 0.4}, 2)], ratio=2)
     for _ in range(3):
         group.step()
@@ -391,7 +391,7 @@ def test_late_trial_with_dropout_equals_it_alone() -> None:
 
 
 @pytest.mark.parametrize("per_trial", [False, True], ids=["one_rate", "per_trial_rates"])
-def test_aten_ops_of_a_step_with_dropout_do_not_grow_with_n(per_trial) -> None:  # noqa: ANN001
+def test_aten_ops_of_a_step_with_dropout_do_not_grow_with_n(per_trial) -> None:
     idx = torch.randint(0, 60, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def ops(n: int) -> list[str]:
@@ -498,12 +498,12 @@ def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_asi
     """Through the tuner: a group checkpoint written with draw version 1 refuses to resume a
     group with dropout (one line, before any step); a trial checkpoint of version 1 is set
     aside and its trial starts afresh (``resume_slot``). Without dropout either resumes (the
-    test above, and tests/test_faults.py's checkpoint from before random streams)."""
+    test above, and tests/tuning/test_faults.py's checkpoint from before random streams)."""
     from hydro.tuning import checkpoint
     from hydro.tuning.lockstep import train_group
     from hydro.tuning.slots import resume_slot
-    from tests.test_data_parallel import dropout_task
-    from tests.test_faults import stopped_at_8
+    from tests.tuning.test_data_parallel import dropout_task
+    from tests.tuning.test_faults import stopped_at_8
 
     task, params = dropout_task(steps=8), [{"lr": 1e-2}, {"lr": 3e-2}]
     stopped_at_8(task, params, tmp_path)
@@ -522,10 +522,10 @@ def test_a_group_checkpoint_of_the_older_draw_is_refused_and_a_trial_one_set_asi
         def __init__(self) -> None:
             self.aside: list[str] = []
 
-        def load(self, number, seed, params):  # noqa: ANN001, ANN202
+        def load(self, number, seed, params):
             return state
 
-        def path(self, number):  # noqa: ANN001, ANN202
+        def path(self, number):
             (tmp_path / "trial-0.pt").touch()
             return tmp_path / "trial-0.pt"
 

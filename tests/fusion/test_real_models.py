@@ -31,7 +31,7 @@ def _double(x: object) -> object:
     return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def batches(name: str, make) -> list:  # noqa: ANN001
+def batches(name: str, make) -> list:
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(3):
@@ -77,7 +77,7 @@ def tol(t: torch.Tensor) -> dict:
     return dict(rtol=rtol, atol=atol) if t.dtype == torch.float64 else dict(rtol=2e-6, atol=0)
 
 
-def check(name: str, fused, models, opts, fused_opt, data) -> None:  # noqa: ANN001
+def check(name: str, fused, models, opts, fused_opt, data) -> None:
     batch = next(t for t in (*data[0][0], *data[0][1].values()) if isinstance(t, torch.Tensor))
     labels = torch.randint(0, 5, (batch.shape[0],), generator=torch.Generator().manual_seed(3))
     # A key bias gets an exactly-zero gradient (softmax ignores it): rounding noise on both
@@ -129,12 +129,12 @@ def check(name: str, fused, models, opts, fused_opt, data) -> None:  # noqa: ANN
                 if adam:
                     for key in ("exp_avg", "exp_avg_sq"):
                         assert_close(state[key][k], o.state[p][key], **tol(p),
-                                     msg=f"{name} step {step}: {key} {pname}")  # fmt: skip
+                                     msg=f"{name} step {step}: {key} {pname}")
                 else:
                     t = tol(p)
                     t["atol"] = max(t["atol"], t["rtol"] * gscale[k])
                     assert_close(state["momentum_buffer"][k], o.state[p]["momentum_buffer"],
-                                 **t, msg=f"{name} step {step}: momentum {pname}")  # fmt: skip
+                                 **t, msg=f"{name} step {step}: momentum {pname}")
             fb = dict(fused.named_buffers())
             for bname, b in m.named_buffers():
                 t = tol(b)
@@ -147,15 +147,15 @@ def check(name: str, fused, models, opts, fused_opt, data) -> None:  # noqa: ANN
                 assert_close(fb[bname][k], b, **t, msg=f"{name} step {step}: {bname}")
 
 
-def train_both(name: str, fused, models, data, sgd: bool = False) -> None:  # noqa: ANN001
+def train_both(name: str, fused, models, data, sgd: bool = False) -> None:
     if sgd:
         opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, weight_decay=0.01)
-                for m, lr in zip(models, TIMM_LRS)]  # fmt: skip
+                for m, lr in zip(models, TIMM_LRS)]
         fused_opt = hydro.optim.SGD(fused.parameters(), lr=TIMM_LRS, momentum=0.9,
-                                    weight_decay=0.01)  # fmt: skip
+                                    weight_decay=0.01)
     else:
         opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m, lr in
-                zip(models, LRS)]  # fmt: skip
+                zip(models, LRS)]
         fused_opt = hydro.optim.AdamW(fused.parameters(), lr=LRS, weight_decay=0.01)
     check(name, fused, models, opts, fused_opt, data)
 
@@ -203,7 +203,7 @@ def test_timm_model_fused_training_is_exact(name: str) -> None:
         batch, size = TIMM_DATA[name]
         g = torch.Generator().manual_seed(7)
         data = [((torch.randn(batch, 3, size, size, generator=g, dtype=torch.float64),), {})
-                for _ in range(3)]  # fmt: skip
+                for _ in range(3)]
     separate = [copy.deepcopy(m) for m in members]
     fused = fuse(members)
     train_both(name, fused, separate, data, sgd=True)

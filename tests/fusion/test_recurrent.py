@@ -28,12 +28,12 @@ class RecurrentLM(nn.Module):
 
     def __init__(self, kind: str = "LSTM", hidden: int = 64, emb: int = 64, layers: int = 2,
                  tie: bool = False, bidirectional: bool = False, proj: int = 0,
-                 batch_first: bool = False) -> None:  # fmt: skip
+                 batch_first: bool = False) -> None:
         super().__init__()
         self.encoder = nn.Embedding(VOCAB, emb)
         extra = {"proj_size": proj} if proj else {}
         self.rnn = getattr(nn, kind)(emb, hidden, layers, bidirectional=bidirectional,
-                                     batch_first=batch_first, **extra)  # fmt: skip
+                                     batch_first=batch_first, **extra)
         self.decoder = nn.Linear((proj or hidden) * (2 if bidirectional else 1), VOCAB)
         if tie:
             self.decoder.weight = self.encoder.weight
@@ -111,7 +111,7 @@ def test_the_input_size_is_a_width_unless_fixed():
 
 
 @pytest.mark.parametrize("name", ["lstm_tied", "gru_bidirectional", "lstm_proj_batch_first",
-                                  "rnn", "lstm_bidirectional"])  # fmt: skip
+                                  "rnn", "lstm_bidirectional"])
 def test_fused_recurrent_training_equals_separate_training(name):
     seeds = itertools.count()
 
@@ -158,7 +158,7 @@ def test_dropout_between_layers_is_each_trials_own_in_any_group_and_slot(kind):
     alone = _train_slot([me], 0, seed=42, steps=3)
     group = [_dropout_lm(0.1, 1, kind), _dropout_lm(0.0, 2, kind), me]  # per-trial rates
     for got in (_train_slot(group, 2, seed=42, steps=3),
-                _train_slot([me, _dropout_lm(0.5, 3, kind)], 0, seed=42, steps=3)):  # fmt: skip
+                _train_slot([me, _dropout_lm(0.5, 3, kind)], 0, seed=42, steps=3)):
         for (la, ga, wa), (lb, gb, wb) in zip(got, alone, strict=True):
             assert la == pytest.approx(lb, rel=1e-12, abs=1e-14)
             for name in ga:
@@ -257,17 +257,17 @@ class Packed(nn.Module):
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         packed = nn.utils.rnn.pack_padded_sequence(self.encoder(ids), lengths, batch_first=True,
-                                                   enforce_sorted=False)  # fmt: skip
+                                                   enforce_sorted=False)
         out, _ = self.rnn(packed)
         out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True,
-                                                  total_length=ids.shape[1])  # fmt: skip
+                                                  total_length=ids.shape[1])
         return self.decoder(out)
 
 
 def test_packed_sequences_are_refused_naming_the_op_and_what_to_do():
     ids, lengths = _ids(), torch.tensor([16, 9, 4, 12])
     for call in (lambda: hydro.scale(Packed(), 4, example_inputs=(ids, lengths)),
-                 lambda: hydro.fuse(Packed(), n=2)(ids, lengths)):  # fmt: skip
+                 lambda: hydro.fuse(Packed(), n=2)(ids, lengths)):
         with pytest.raises(TraceError, match=r"self.rnn\(packed\).*PackedSequence") as err:
             call()
         assert "Call the layer on the padded tensor" in str(err.value)
@@ -306,7 +306,7 @@ def test_fused_lstm_gradients_equal_separate_ones_with_a_given_state():
         F.mse_loss(out, y).backward()
         for name, p in m.named_parameters():
             torch.testing.assert_close(params[name].grad[k], p.grad, rtol=1e-10, atol=1e-13,
-                                       msg=name)  # fmt: skip
+                                       msg=name)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -320,9 +320,9 @@ def test_the_fused_lstm_layer_passes_gradcheck(steps, reverse):
     g = torch.Generator().manual_seed(steps)
     x, w_ih, w_hh, b, h0, c0 = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
                                 for s in [(2, steps, 3, 4), (2, 20, 4), (2, 20, 5), (2, 20),
-                                          (2, 3, 5), (2, 3, 5)])  # fmt: skip
+                                          (2, 3, 5), (2, 3, 5)])
 
-    def layer(x, w_ih, w_hh, b, h0, c0):  # noqa: ANN001, ANN202
+    def layer(x, w_ih, w_hh, b, h0, c0):
         return _lstm_layer(x, h0, c0, [w_ih, w_hh, b, None, None], reverse)
 
     assert torch.autograd.gradcheck(layer, (x, w_ih, w_hh, b, h0, c0))

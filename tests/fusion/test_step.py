@@ -42,10 +42,10 @@ def small(p: float) -> nn.Module:
 
 
 CASES = {"mlp": (mlp, mlp_batch, mlp_losses), "gpt": (gpt, gpt_batch, gpt_losses),
-         "small": (small, mlp_batch, mlp_losses)}  # fmt: skip
+         "small": (small, mlp_batch, mlp_losses)}
 
 
-def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2, 0.3), **hyper):  # noqa: ANN003, ANN201
+def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2, 0.3), **hyper):
     fused = hydro.fuse([CASES[case][0](p) for p in rates], compile=compile).double().train()
     backend = compile.get("backend", True) if isinstance(compile, dict) else bool(compile)
     n = len(rates)
@@ -59,7 +59,7 @@ def build(case: str, compile: object, optimizer: str = "adamw", rates=(0.1, 0.2,
     return fused, opt
 
 
-def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:  # noqa: ANN001
+def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:
     """Every step's losses, parameters, optimizer state and buffers, through :func:`train_step`
     (the two-graph path where the model is not compiled)."""
     _, batch, losses_of = CASES[case]
@@ -71,7 +71,7 @@ def train(case: str, fused, opt, steps: int, clip=None, first: int = 0) -> list:
     return records
 
 
-def whole(case: str, fused, opt) -> None:  # noqa: ANN001
+def whole(case: str, fused, opt) -> None:
     """Assert that the model's steps ran as one graph (compiled once)."""
     assert train_step(fused, opt, CASES[case][2]).reason is None
     assert fused.compile_stats["compiles"] == 1, fused.compile_stats
@@ -100,7 +100,7 @@ def test_sgd_momentum_nesterov_and_clipping_equal_eager() -> None:
     """Per-trial momentum (one trial without), Nesterov, weight decay and per-trial clipping
     norms (one trial unclipped) in the graph."""
     hyper = {"momentum": [0.9, 0.0, 0.8], "nesterov": [True, False, False],
-             "weight_decay": [0.0, 1e-2, 1e-3]}  # fmt: skip
+             "weight_decay": [0.0, 1e-2, 1e-3]}
     clip = [0.05, None, 0.1]
     eager = train("mlp", *build("mlp", False, "sgd", **hyper), 4, clip=clip)
     fused, opt = build("mlp", AOT, "sgd", **hyper)
@@ -220,7 +220,7 @@ def test_inductor_step_equals_eager_and_hits_the_compile_caches() -> None:
     whole("small", again, opt)
     hits = (counters["inductor"]["fxgraph_cache_hit"] - before[0].get("fxgraph_cache_hit", 0),
             counters["aot_autograd"]["autograd_cache_hit"]
-            - before[1].get("autograd_cache_hit", 0))  # fmt: skip
+            - before[1].get("autograd_cache_hit", 0))
     assert hits == (1, 1), (hits, dict(counters["inductor"]), dict(counters["aot_autograd"]))
 
 

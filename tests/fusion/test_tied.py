@@ -28,7 +28,7 @@ def _gpt2(seed: int, dropout: float) -> torch.nn.Module:
     return model.double(), make
 
 
-def test_tied_head_takes_the_fused_path(caplog) -> None:  # noqa: ANN001
+def test_tied_head_takes_the_fused_path(caplog) -> None:
     members, make = zip(*(_gpt2(k, p) for k, p in enumerate([0.0, 0.1, 0.2])))
     assert members[0].lm_head.weight is members[0].transformer.wte.weight
     _, kwargs = make[0](3, torch.Generator().manual_seed(0))

@@ -74,7 +74,7 @@ def test_fuse_n_initializations() -> None:
     torch.testing.assert_close(fused(x)[0], model(x))
 
 
-def surrogate_like(case) -> nn.Module:  # noqa: ANN001
+def surrogate_like(case) -> nn.Module:
     """An MLP carrying mup infshapes against a 8x wider base, as a Hydro surrogate does."""
     mup.set_base_shapes(case.model, MLP(width=256), rescale_params=False, do_assert=False)
     return case.model

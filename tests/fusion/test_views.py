@@ -32,7 +32,7 @@ class _Count(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
@@ -107,7 +107,7 @@ def test_trial_cross_entropy_is_each_trials_own(classes: int, shared: bool) -> N
         assert_close(out.grad[k], mine.grad, **TOL[torch.float64], msg=f"trial {k}: gradient")
 
 
-def test_forward_checks_each_input_shape_once_and_still_refuses_a_wrong_one(monkeypatch) -> None:  # noqa: ANN001
+def test_forward_checks_each_input_shape_once_and_still_refuses_a_wrong_one(monkeypatch) -> None:
     """The input-shape check runs at the first call of a graph with given shapes, not at every
     step; a batch not seen yet is checked, and a wrong feature size still gets its clear error
     after the graph has run many times."""

@@ -27,7 +27,7 @@ def data(rows: int = 256, dtype: torch.dtype = torch.float32) -> tuple[torch.Ten
 def mlp(width: int = 32, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 3)).to(dtype)  # fmt: skip
+                               torch.nn.Linear(width, 3)).to(dtype)
 
 
 def evaluate(run: hydro.Run) -> torch.Tensor:
@@ -44,7 +44,7 @@ def train(run: hydro.Run) -> None:
     """Adam with a cosine schedule, per-trial batches, gradient accumulation over two
     micro-batches and clipping per trial: what a user's loop does."""
     opt = run.register(hydro.optim.Adam(run.model.parameters(), lr=run.hparam("lr"),
-                                        betas=(run.hparam("beta1", 0.9), 0.999)))  # fmt: skip
+                                        betas=(run.hparam("beta1", 0.9), 0.999)))
     sched = run.register(hydro.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=run.steps))
     for _ in run:
         opt.zero_grad()
@@ -72,7 +72,7 @@ def slow_train(run: hydro.Run) -> None:
     at = int(os.environ.get("HYDRO_TEST_BLOCK_AT", "0"))
     marker = os.environ.get("HYDRO_TEST_MARKER", "")
     opt = run.register(hydro.optim.SGD(run.model.parameters(), lr=run.hparam("lr"),
-                                       momentum=0.9))  # fmt: skip
+                                       momentum=0.9))
     for _ in run:
         x, y = run.batch()
         loss = hydro.trial_loss(F.cross_entropy, run.model(x, shared=False), y, shared=False)

@@ -31,7 +31,7 @@ def test_a_record_is_kept_for_its_key_only(folder):
     others = {compile_record.key(["def forward(y): ..."], 16, "cpu", True),
               compile_record.key(["def forward(x): ..."], 8, "cpu", True),
               compile_record.key(["def forward(x): ..."], 16, "cuda:0", True),
-              compile_record.key(["def forward(x): ..."], 16, "cpu", "max-autotune")}  # fmt: skip
+              compile_record.key(["def forward(x): ..."], 16, "cpu", "max-autotune")}
     assert k not in others and len(others) == 4
     assert compile_record.load(k) is None  # miss
     assert compile_record.store(k, 11.5, 1.42)
@@ -45,7 +45,7 @@ def test_a_record_is_kept_for_its_key_only(folder):
     assert compile_record.load(other) is None
     bad = [{"version": 1, "key": k, "compile_s": "soon"},
            {"version": 1, "key": k, "compile_s": -3, "speedup": 1},
-           {"version": 0, "key": k, "compile_s": 3, "speedup": 1}]  # fmt: skip
+           {"version": 0, "key": k, "compile_s": 3, "speedup": 1}]
     for text in ["{", *map(json.dumps, bad)]:
         path.write_text(text)
         assert compile_record.load(k) is None  # corrupt, impossible or of an older format
@@ -77,7 +77,7 @@ def test_auto_decides_from_the_record_and_says_so(folder):
     for _ in range(1 + compiling.MEASURED_STEPS):
         again.step()
     assert lines[1].endswith(f"; compile measured here before, speed-up assumed "
-                             f"(x{compiling.SPEEDUP:.2f})")  # fmt: skip
+                             f"(x{compiling.SPEEDUP:.2f})")
 
 
 def test_inductor_caches_go_to_the_checked_folder(folder, monkeypatch):

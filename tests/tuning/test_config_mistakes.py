@@ -44,7 +44,7 @@ def _no_trial_asked(project) -> None:
         (lambda c: c.replace("  steps: 4\n", "  steps: 4\n  steps: 8\n"),
          "tune.yaml: key 'steps' is given twice (lines 9 and 10); keep one"),
     ],
-)  # fmt: skip
+)
 def test_a_key_given_twice_is_refused_naming_both_lines(project, capsys, edit, message):
     (project / "tune.yaml").write_text(edit(CONFIG))
     assert message in _refused(capsys, ["tune", "tune.yaml"])
@@ -63,7 +63,7 @@ def test_study_must_be_a_name(project, capsys, value):
 def test_a_deadline_that_passes_before_the_first_trial_is_a_config_error(project, capsys):
     (project / "tune.yaml").write_text(CONFIG)
     last = _refused(capsys, ["tune", "tune.yaml", "--no-progress", "--policy", "deadline",
-                             "--deadline", "0.0001", "--executor", "local"])  # fmt: skip
+                             "--deadline", "0.0001", "--executor", "local"])
     assert "the deadline of 0.0001 s passed " in last, last
     assert "before its first trial was asked" in last, last
     _no_trial_asked(project)

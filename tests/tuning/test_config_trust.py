@@ -17,7 +17,7 @@ from hydro.errors import ConfigError
 from hydro.tuning import config
 from hydro.tuning.trust import is_own_code, resolve_callable
 from tests import toy
-from tests.test_names import _refused
+from tests.tuning.test_config_names import _refused
 
 EXTRA = """
 from sympy import sympify  # a re-export: its home is sympy, not this module
@@ -29,7 +29,7 @@ CONFIG = toy.config("toymod")
 class Pwn:
     """Pickled, it runs ``touch pwned`` when it is loaded."""
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         import os
 
         return (os.system, ("touch pwned",))
@@ -61,14 +61,14 @@ def _write(project, data: str, args: str, top: str = "") -> None:
         ("torch.utils.cpp_extension:load_inline",
          "{name: x, cpp_sources: 'int f() { return 0; }'}", "torch"),
     ],
-)  # fmt: skip
+)
 def test_an_installed_package_the_config_does_not_trust_is_refused(project, capsys, data, args,
-                                                                   package):  # fmt: skip
+                                                                   package):
     _write(project, data, args)
     err = _refused(capsys, ["tune", "tune.yaml"])
     assert f"tune.yaml: task.data: '{data}' names the installed package '{package}', which this " \
         f"config does not trust: add 'trust: [{package}]' to the config or pass --trust " \
-        f"{package}." in err, err  # fmt: skip
+        f"{package}." in err, err
     assert not (project / "pwned").exists()
     assert not (project / "toy.db").exists()  # refused before the study was opened
 
@@ -84,13 +84,13 @@ def test_trusting_a_package_lets_a_config_name_it(project, capsys):
     made = config.load
     (project / "tune.yaml").write_text("trust: [torch.nn]\n" + CONFIG.replace(
         "  model: toymod:model\n", "  model: torch.nn:Linear\n  model_args: {in_features: 8, "
-        "out_features: 3}\n"))  # fmt: skip
+        "out_features: 3}\n"))
     cfg = made("tune.yaml")
     assert isinstance(cfg.task.model(), torch.nn.Linear)
     # --trust adds to the config's list, and an entry covers its submodules only
     (project / "tune.yaml").write_text(CONFIG.replace(
         "  model: toymod:model\n", "  model: torch.nn:Linear\n  model_args: {in_features: 8, "
-        "out_features: 3}\n"))  # fmt: skip
+        "out_features: 3}\n"))
     with pytest.raises(ConfigError, match="names the installed package 'torch'"):
         made("tune.yaml")
     assert isinstance(made("tune.yaml", trust=["torch"]).task.model(), torch.nn.Linear)
@@ -108,7 +108,7 @@ def test_trusting_a_package_lets_a_config_name_it(project, capsys):
         ("trust: 3\n", "trust must be a list of package names"),
         ("trust: ['torch; rm -rf']\n", "is not a package name"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_trust_list_is_one_line(project, capsys, top, message):
     (project / "tune.yaml").write_text(top + CONFIG)
     assert message in _refused(capsys, ["tune", "tune.yaml"])

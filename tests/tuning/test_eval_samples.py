@@ -39,7 +39,7 @@ def test_the_subsample_is_fixed_and_a_part_of_the_split():
     assert torch.equal(got, want)
     # data that cannot be indexed: its first batches
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(726)),
-                                         batch_size=64)  # fmt: skip
+                                         batch_size=64)
     assert sum(len(b[1]) for b in val_sample(loader, 100)) == 128
 
 
@@ -70,7 +70,7 @@ def test_a_search_reports_subsampled_steps_and_whole_final_values():
     def run(samples):
         study = optuna.create_study(pruner=optuna.pruners.NopPruner())
         hydro.tune(_task(eval_samples=samples), SPACE, n_trials=4, ratio=2, fuse=2, seed=3,
-                   study=study, progress=False)  # fmt: skip
+                   study=study, progress=False)
         return sorted(study.trials, key=lambda t: t.params["lr"])
 
     plain, sampled = run(None), run(SAMPLE_BLOCK)
@@ -79,9 +79,9 @@ def test_a_search_reports_subsampled_steps_and_whole_final_values():
     steps = [4, 8]
     assert all(set(t.intermediate_values) >= {*steps, 12} for t in sampled)
     assert any(a.intermediate_values[s] != b.intermediate_values[s]
-               for a, b in zip(plain, sampled) for s in steps)  # fmt: skip
+               for a, b in zip(plain, sampled) for s in steps)
     assert all(a.intermediate_values[12] == b.intermediate_values[12]
-               for a, b in zip(plain, sampled))  # fmt: skip
+               for a, b in zip(plain, sampled))
 
 
 def test_eval_samples_is_checked():
@@ -100,7 +100,7 @@ def test_a_config_sets_it_and_refuses_it_beside_your_own_loop(tmp_path, monkeypa
     toy.project(tmp_path, monkeypatch, "toymod", toy.source(), text)
     assert config.load("tune.yaml").task.eval_samples == 64
     (tmp_path / "tune.yaml").write_text(text.replace("  eval_samples", "  train: toymod:model\n"
-                                                     "  eval_samples"))  # fmt: skip
+                                                     "  eval_samples"))
     with pytest.raises(ConfigError, match="remove task.eval_samples"):
         config.load("tune.yaml")
 
@@ -124,7 +124,7 @@ def test_the_size_follows_the_trials_own_noise_not_the_common_one():
     # NOISE of the trials' spread (0.1 * std(0..7) = 0.245) from
     # k = 1 / ((NOISE * 0.245 / noise)**2 + 1/400) blocks on: about 4, 57 and 204
     chosen = [choose_blocks(*_landscape(8, 400, spread=0.1, noise=s, seed=1)) for s in
-              (0.05, 0.2, 0.5)]  # fmt: skip
+              (0.05, 0.2, 0.5)]
     assert 2 <= chosen[0] <= 12 and 30 <= chosen[1] <= 120 and 120 <= chosen[2] <= 300, chosen
     # at the chosen size the subsample ranks the trials as the whole split does
     means, sizes = _landscape(8, 400, spread=0.1, noise=0.2, seed=2)
@@ -144,7 +144,7 @@ def test_the_size_cannot_be_told_from_one_trial_equal_trials_or_nan():
 def _search(samples, study=None, **kw):
     study = study or optuna.create_study(pruner=optuna.pruners.NopPruner())
     hydro.tune(_task(eval_samples=samples), SPACE, n_trials=6, ratio=2, fuse=3, seed=3,
-               study=study, progress=False, **kw)  # fmt: skip
+               study=study, progress=False, **kw)
     return study, sorted(study.trials, key=lambda t: t.number)
 
 

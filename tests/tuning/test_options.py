@@ -39,9 +39,9 @@ def test_every_option_with_a_flag_is_a_flag_of_hydro_tune_with_its_help():
         assert meta["help"].replace("%", "%%") in action.help
         assert action.default is None  # the config's value wins unless the flag is given
     args = parser.parse_args(["tune", "x.yaml", "--trials", "3", "--ratio", "auto",
-                              "--matmul-precision", "high", "--force-resume"])  # fmt: skip
+                              "--matmul-precision", "high", "--force-resume"])
     assert (args.n_trials, args.ratio, args.matmul_precision, args.force_resume) == \
-        (3, "auto", "high", True)  # fmt: skip
+        (3, "auto", "high", True)
 
 
 @pytest.mark.parametrize(("changes", "words"), [
@@ -53,7 +53,7 @@ def test_every_option_with_a_flag_is_a_flag_of_hydro_tune_with_its_help():
     ({"policy": "nope"}, "nope"),
     ({"study": 3}, "study must be a name"),
     ({"catch": [3]}, "catch must hold exception classes"),
-])  # fmt: skip
+])
 def test_bad_options_are_one_clear_error(changes, words):
     with pytest.raises(ConfigError, match=words):
         TuneOptions(**changes).validate()
@@ -62,7 +62,7 @@ def test_bad_options_are_one_clear_error(changes, words):
 def test_the_defaults_are_one_set():
     opts = TuneOptions()
     assert (opts.n_trials, opts.ratio, opts.fuse, opts.seed, opts.compile) == \
-        (32, "auto", "auto", 0, False)  # fmt: skip
+        (32, "auto", "auto", 0, False)
 
 
 def test_an_option_reaches_the_workers(tmp_path):
@@ -71,10 +71,10 @@ def test_an_option_reaches_the_workers(tmp_path):
     x, y = loops.data()
     train = functools.partial(loops.precision_train, path=str(out))
     loop = Loop(train=train, model=loops.mlp(), steps=2, train_data=(x, y),
-                val_data=(x, y), batch_size=16)  # fmt: skip
+                val_data=(x, y), batch_size=16)
     before = torch.get_float32_matmul_precision()
     hydro.tune(loop, {"lr": __import__("optuna").distributions.FloatDistribution(1e-3, 1e-1)},
                n_trials=2, fuse=2, ratio=2, executor="local", matmul_precision="medium",
-               storage="sqlite:///:memory:")  # fmt: skip
+               storage="sqlite:///:memory:")
     assert out.read_text() == "medium"
     assert torch.get_float32_matmul_precision() == before  # set in the worker, not here

@@ -36,7 +36,7 @@ def _loop(**kw: object) -> Loop:
     x, y = loops.data(dtype=torch.float64)
     base = {"train": loops.train, "model": loops.mlp(dtype=torch.float64), "steps": 6,
             "eval_every": 2, "train_data": (x[:192], y[:192]), "val_data": (x[192:], y[192:]),
-            "batch_size": 16, "checkpoint_every": 0}  # fmt: skip
+            "batch_size": 16, "checkpoint_every": 0}
     return Loop(**{**base, **kw})
 
 
@@ -46,7 +46,7 @@ def test_fused_loop_equals_each_trial_alone_step_by_step_refills_included():
     loops.RECORD = {}
     try:
         result = hydro.tune(loop, SPACE, n_trials=7, fuse=3, ratio=2, study=study,
-                            first_group=0)  # fmt: skip
+                            first_group=0)
         fused = loops.RECORD
         trials = result.study.trials
         assert {t.state.name for t in trials} == {"COMPLETE", "PRUNED"}
@@ -87,7 +87,7 @@ def test_sixteen_slots_stay_full_while_trials_remain(executor):
     loop = _loop(train=loops.train, steps=8, eval_every=2)
     result = hydro.tune(loop, SPACE, n_trials=40, fuse=16, ratio=2, first_group=0,
                         storage="sqlite:///:memory:", executor=executor,
-                        pruner=optuna.pruners.MedianPruner(n_startup_trials=2))  # fmt: skip
+                        pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
     states = [t["state"] for t in result.trials]
     assert "FAIL" not in states and len(states) == 40
     assert executor == "local" or states.count("PRUNED") > 0  # workers report side by side
@@ -105,18 +105,18 @@ def test_a_dataloader_feeds_each_trial_its_own_loader():
     train = torch.utils.data.TensorDataset(x[:192], y[:192])
     loader = torch.utils.data.DataLoader(train, batch_size=24, shuffle=True, collate_fn=collate)
     loop = Loop(train=loops.train, model=loops.mlp(dtype=torch.float64), steps=4,
-                train_data=loader, val_data=(x[192:], y[192:]))  # fmt: skip
+                train_data=loader, val_data=(x[192:], y[192:]))
     assert loop.batch_size == 24  # the loader's
     space = {**SPACE, "batch_size": optuna.distributions.CategoricalDistribution([8, 24])}
     result = hydro.tune(loop, space, n_trials=4, fuse=2, ratio=2,
-                        storage="sqlite:///:memory:")  # fmt: skip
+                        storage="sqlite:///:memory:")
     assert len(result.trials) == 4
     sizes = {t["batch_size"] for t in result.trials}
     # the collate function ran at each trial's own batch size (and 2 for capture's example)
     assert set(calls) - {2} == sizes
     task = hydro.Task(model=loops.mlp(), train_data=torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(*loops.data()), batch_size=48), val_data=loops.data(),
-        steps=2)  # fmt: skip
+        steps=2)
     assert task.batch_size == 48
     assert next(task.train_batches(48, seed=0))[0].shape == (48, 8)
 
@@ -136,11 +136,11 @@ def test_a_training_function_that_breaks_its_contract_is_one_clear_error():
 
     for fn, words in ((no_report, "did not call run.report"),
                       (returns_early, "returned while trial"),
-                      (no_loop, "returned before its first step")):  # fmt: skip
+                      (no_loop, "returned before its first step")):
         with pytest.raises(ConfigError, match=words):
             hydro.tune(fn, SPACE, model=loops.mlp(), steps=4, eval_every=4,
                        example_inputs=(loops.data()[0],),
-                       n_trials=2, fuse=2, ratio=2, storage="sqlite:///:memory:")  # fmt: skip
+                       n_trials=2, fuse=2, ratio=2, storage="sqlite:///:memory:")
     with pytest.raises(ConfigError, match="needs the model"):
         hydro.tune(no_report, SPACE, steps=4)
     with pytest.raises(ConfigError, match="give the training steps"):
@@ -149,10 +149,10 @@ def test_a_training_function_that_breaks_its_contract_is_one_clear_error():
         hydro.tune(no_report, SPACE, model=loops.mlp(), steps=2, ratoi=2)
     x = loops.data()[0]
     for option, words in (({"verify_top_k": 1}, "verify_top_k trains the full model"),
-                          ({"compile": True}, "compile inside it")):  # fmt: skip
+                          ({"compile": True}, "compile inside it")):
         with pytest.raises(ConfigError, match=words):  # before any trial is asked
             hydro.tune(no_report, SPACE, model=loops.mlp(), steps=2, example_inputs=(x,),
-                       storage="sqlite:///:memory:", **option)  # fmt: skip
+                       storage="sqlite:///:memory:", **option)
     with pytest.raises(ConfigError, match="example inputs for capture"):
         hydro.tune(no_report, SPACE, model=loops.mlp(), steps=2)
 
@@ -187,14 +187,14 @@ def _hydro(folder: Path, *args: str, env: dict | None = None) -> subprocess.Pope
          f"sqlite:///{folder / 'loop.db'}", "--no-progress", *args],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                        **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("executor", ["inline", "local"])
 def test_a_killed_run_resumes_each_trial_from_its_checkpoint(tmp_path, executor):
     marker = tmp_path / "blocked"
     proc = _hydro(tmp_path, "--executor", executor,
-                  env={"HYDRO_TEST_BLOCK_AT": "7", "HYDRO_TEST_MARKER": str(marker)})  # fmt: skip
+                  env={"HYDRO_TEST_BLOCK_AT": "7", "HYDRO_TEST_MARKER": str(marker)})
     deadline = time.monotonic() + 240 * float(os.environ.get("HYDRO_TEST_SLOW", "1"))
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
@@ -247,13 +247,13 @@ def test_ctrl_c_stops_a_training_function_cleanly_and_puts_its_trials_back(tmp_p
     """Ctrl-C lands while the function computes (in its own thread): the run waits for its
     iteration, unwinds it, puts the trials back to WAITING, says so and exits 130."""
     config = _config(tmp_path).read_text().replace("slow_train", "train").replace(
-        "steps: 12", "steps: 100000")  # fmt: skip
+        "steps: 12", "steps: 100000")
     (tmp_path / "tune.yaml").write_text(config)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydro.cli", "tune", str(tmp_path / "tune.yaml"), "--storage",
          f"sqlite:///{tmp_path / 'loop.db'}", "--no-progress"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     storage = f"sqlite:///{tmp_path / 'loop.db'}"
     deadline = time.monotonic() + 240 * float(os.environ.get("HYDRO_TEST_SLOW", "1"))
     while True:  # until the group trains: its trials RUNNING, a checkpoint written

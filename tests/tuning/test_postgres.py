@@ -66,7 +66,7 @@ def _project(folder: Path, url: str, trials: int = TRIALS) -> Path:
     (folder / "toymod.py").write_text(toy.source(extra=LOSS))
     task = "  loss: toymod:loss\n  checkpoint_every: 2\n"
     config = toy.config("toymod", storage=url, trials=trials, steps=8, eval_every=4,
-                        top="pruner: none\n", task=task)  # fmt: skip
+                        top="pruner: none\n", task=task)
     (folder / "tune.yaml").write_text(config)
     return folder
 
@@ -79,10 +79,10 @@ def _tune(folder: Path, log: Path, **env: str) -> subprocess.Popen:
     """``hydro tune`` as a user runs it, on the local executor, trial checkpoints in a folder
     both tuners see (a database server has no file for them to sit beside)."""
     cmd = [sys.executable, "-m", "hydro.cli", "tune", "tune.yaml", "--executor", "local",
-           "--checkpoint-dir", "ckpt", "--no-progress"]  # fmt: skip
+           "--checkpoint-dir", "ckpt", "--no-progress"]
     with open(log, "a") as out:
         return subprocess.Popen(cmd, cwd=folder, env=_env(**env), stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+                                stderr=subprocess.STDOUT)
 
 
 def _in_folder(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
@@ -95,7 +95,7 @@ def _in_folder(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
 def _running(storage: optuna.storages.BaseStorage, pid: int) -> list[int]:
     """The RUNNING trials of study ``toy`` that process ``pid`` holds."""
     trials = optuna.load_study(study_name="toy", storage=storage).get_trials(
-        deepcopy=False, states=(TrialState.RUNNING,))  # fmt: skip
+        deepcopy=False, states=(TrialState.RUNNING,))
     return [t.number for t in trials if t.user_attrs.get("hydro_owner", {}).get("pid") == pid]
 
 
@@ -115,12 +115,12 @@ def test_a_missing_postgres_driver_is_one_line_naming_the_package(tmp_path):
     block = "import sys; sys.modules['psycopg'] = None; from hydro.cli import main; exit(main())"
     done = subprocess.run([sys.executable, "-c", block, "tune", "tune.yaml"], cwd=tmp_path,
                           env=_env(), capture_output=True, text=True,
-                          timeout=patience(120))  # fmt: skip
+                          timeout=patience(120))
     err = done.stderr.strip()
     assert done.returncode == 2, err
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith(f"hydro tune: error: storage '{url}' needs the PostgreSQL driver "
-                          "psycopg"), err  # fmt: skip
+                          "psycopg"), err
     assert "pip install 'hydro-surrogate[postgres]'" in err and "postgresql+psycopg2://" in err
 
 
@@ -128,7 +128,7 @@ def test_a_missing_postgres_driver_is_one_line_naming_the_package(tmp_path):
     ("postgresql+psycopg2://u:secret@127.0.0.1:1/hydro", "psycopg2", "pip install psycopg2-binary"),
     ("mysql+pymysql://u@127.0.0.1:1/hydro", "pymysql", "pip install pymysql"),
     ("mysql://u@127.0.0.1:1/hydro", "MySQLdb", "pip install mysqlclient"),
-])  # fmt: skip
+])
 def test_other_missing_drivers_name_their_package(monkeypatch, capsys, url, module, install):
     monkeypatch.setitem(sys.modules, module, None)  # not installed, whether or not it is
     assert main(["export", "--storage", url, "--study", "hydro"]) == 2
@@ -144,7 +144,7 @@ def test_an_unreachable_server_is_one_line_without_the_password(capsys):
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith("hydro export: error: cannot open Optuna storage "
-                          "'postgresql://u:***@127.0.0.1:1/hydro'"), err  # fmt: skip
+                          "'postgresql://u:***@127.0.0.1:1/hydro'"), err
     assert "secret" not in err
 
 
@@ -157,7 +157,7 @@ def test_two_tuners_creating_a_fresh_database_at_once_both_open_it(postgres, mon
     both_checked = threading.Barrier(2, timeout=patience(30))
     waited: set[int] = set()
 
-    def wait_before_the_first_create(conn, cursor, statement, *args):  # noqa: ANN001, ANN002
+    def wait_before_the_first_create(conn, cursor, statement, *args):
         if statement.lstrip().upper().startswith("CREATE") and threading.get_ident() not in waited:
             waited.add(threading.get_ident())
             both_checked.wait()
@@ -171,7 +171,7 @@ def test_two_tuners_creating_a_fresh_database_at_once_both_open_it(postgres, mon
             storage = open_storage(url)
             optuna.create_study(storage=storage, study_name="s", load_if_exists=True)
             opened.append(storage)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # reported by the test
             errors.append(exc)
 
     try:
@@ -244,7 +244,7 @@ def test_two_tuners_share_a_postgres_study_one_killed_restarted_then_exported(
     configs = [tuple(sorted(t.params.items())) for t in complete]
     counted = [t for t in trials if not is_void(t)]
     assert [(t.number, t.user_attrs.get("fail_reason")) for t in counted
-            if t.state == TrialState.FAIL] == [], text  # fmt: skip
+            if t.state == TrialState.FAIL] == [], text
     assert [t.number for t in trials if not t.state.is_finished()] == [], text  # RUNNING, WAITING
     assert len(configs) == len(set(configs)), f"a configuration trained twice: {configs}"
     assert len(complete) == len(counted) == TRIALS, text  # none lost, the budget exactly
@@ -273,7 +273,7 @@ def test_optuna_dashboard_reads_a_postgres_study(postgres, tmp_path, monkeypatch
     log = tmp_path / "dashboard.log"
     with open(log, "w") as out:
         dash = subprocess.Popen([DASHBOARD, url, "--port", str(port), "--host", "127.0.0.1"],
-                                stdout=out, stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+                                stdout=out, stderr=subprocess.STDOUT, env=_env())
     try:
         deadline = time.monotonic() + patience(60)
         while True:

@@ -59,7 +59,7 @@ def test_other_precisions_are_refused(value, message):
 def test_the_rule_is_torch_gradscalers_per_trial():
     """The same overflow sequence gives each trial the scale torch's own update gives."""
     pattern = torch.tensor([[False, True, False], [False, False, True], [True, False, False],
-                            [False, False, False], [False, True, True]])  # fmt: skip
+                            [False, False, False], [False, True, True]])
     mine = LossScales(3, "cpu", init=1024.0, interval=2)
     theirs = [(torch.full((1,), 1024.0), torch.zeros(1, dtype=torch.int32)) for _ in range(3)]
     for found in pattern:
@@ -117,6 +117,6 @@ def test_a_search_trains_in_fp16_from_a_config(tmp_path, monkeypatch):
     study = optuna.create_study()
     hydro.tune(toy.task(precision="fp16", steps=8, eval_every=4),
                {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)},
-               n_trials=4, ratio=2, fuse=2, seed=1, study=study, progress=False)  # fmt: skip
+               n_trials=4, ratio=2, fuse=2, seed=1, study=study, progress=False)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == 4 and all(t.value == t.value for t in done)  # finite, not NaN

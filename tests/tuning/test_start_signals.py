@@ -19,7 +19,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 
 from tests import toy
-from tests.test_signals import _alive, _descendants
+from tests.tuning.test_signals import _alive, _descendants
 from tests.waiting import patience
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def project(tmp_path):
 
 
 def _start(project: Path, *flags: str, env: dict | None = None, ignore_sigint: bool = False,
-           session: bool = False) -> tuple[subprocess.Popen, Path]:  # fmt: skip
+           session: bool = False) -> tuple[subprocess.Popen, Path]:
     err = project / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
 
@@ -48,7 +48,7 @@ def _start(project: Path, *flags: str, env: dict | None = None, ignore_sigint: b
         proc = subprocess.Popen([sys.executable, "-m", "hydro.cli", "tune", "tune.yaml",
                                  "--no-progress", *flags], cwd=project, env=env, stderr=stderr,
                                 stdout=subprocess.DEVNULL, start_new_session=session,
-                                preexec_fn=background if ignore_sigint else None)  # fmt: skip
+                                preexec_fn=background if ignore_sigint else None)
     return proc, err
 
 
@@ -62,7 +62,7 @@ def _states(project: Path) -> list[TrialState]:
     return [t.state for t in study.trials]
 
 
-def _wait_for(proc: subprocess.Popen, err: Path, ready, seconds: float) -> None:  # noqa: ANN001
+def _wait_for(proc: subprocess.Popen, err: Path, ready, seconds: float) -> None:
     until = time.monotonic() + patience(seconds)
     while not ready():
         assert proc.poll() is None, err.read_text()
@@ -76,7 +76,7 @@ def _stopped(proc: subprocess.Popen, err: Path, code: int, word: str) -> list[st
     assert "Traceback" not in text, text
     # a Ray worker's own output, forwarded with its prefix, may come after the last line
     lines = [line for line in text.splitlines()
-             if line.strip() and not line.lstrip("\x1b[0123456789m").startswith("(")]  # fmt: skip
+             if line.strip() and not line.lstrip("\x1b[0123456789m").startswith("(")]
     assert lines[-1].startswith(f"hydro tune: {word}"), text
     return lines
 
@@ -86,9 +86,9 @@ def _stopped(proc: subprocess.Popen, err: Path, code: int, word: str) -> list[st
     "executor, moment",
     [("inline", 0.3), ("inline", 0.8), ("inline", 1.5), ("inline", "opening"),
      ("local", "opening"), ("local", "second-sigint")],
-)  # fmt: skip
+)
 def test_sigint_at_start_up_stops_with_130_even_if_the_shell_ignored_it(project, moment,
-                                                                       executor):  # fmt: skip
+                                                                       executor):
     proc, err = _start(project, "--executor", executor, ignore_sigint=True)
     try:
         if isinstance(moment, float):  # before any study exists: torch and Hydro loading (a
@@ -126,7 +126,7 @@ def test_sigterm_on_the_ray_executor_requeues_and_leaves_no_ray_process(project)
         if proc.poll() is None:
             proc.kill()
     assert lines[-1] == ("hydro tune: terminated; the finished trials are saved in study 'toy' of "
-                         "sqlite:///toy.db: run the same command again to resume")  # fmt: skip
+                         "sqlite:///toy.db: run the same command again to resume")
     states = _states(project)
     assert TrialState.RUNNING not in states and TrialState.WAITING in states
     assert TrialState.FAIL not in states
@@ -141,7 +141,7 @@ def test_a_ray_that_does_not_start_is_one_line_and_exit_3(project):
     # Ray's session folder under a regular file: its start-up fails, for real, at once
     (project / "not-a-dir").write_text("")
     proc, err = _start(project, "--executor", "ray",
-                       env={"RAY_TMPDIR": str(project / "not-a-dir" / "ray")})  # fmt: skip
+                       env={"RAY_TMPDIR": str(project / "not-a-dir" / "ray")})
     assert proc.wait(timeout=patience(120)) == 3, err.read_text()
     text = err.read_text()
     assert "Traceback" not in text

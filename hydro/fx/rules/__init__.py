@@ -21,13 +21,13 @@ from hydro.fx.rules import (
     recurrent,
     shape,
     weight_norm,
-)  # fmt: skip
+)
 
 Rule = Callable[[Any, Any, Any], None]
 
 RULES: dict[str, Rule] = {}
 for _family in (linear, conv, norm, embedding, attention, shape, weight_norm, elementwise,
-                recurrent):  # fmt: skip
+                recurrent):
     RULES.update(_family.RULES)
 
 __all__ = ["RULES", "Rule"]

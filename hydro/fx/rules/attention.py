@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import TensorSyms, bound
 
 
-def sdpa(a, node, out) -> None:  # noqa: ANN001
+def sdpa(a, node, out) -> None:
     b = bound(node)
     q, k, v = (a.syms_of(b[n]) for n in ("query", "key", "value"))
     a.union(q[-1], k[-1], node)

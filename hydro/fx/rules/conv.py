@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import TensorSyms, bound
 
 
-def conv(a, node, out) -> None:  # noqa: ANN001
+def conv(a, node, out) -> None:
     b = bound(node)
     transposed = bool(b.get("transposed", False)) or "transpose" in str(node.target)
     x, w = a.syms_of(b["input"]), a.syms_of(b["weight"])
@@ -42,10 +42,10 @@ RULES = {
     name: conv
     for name in ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
                  "conv_transpose2d", "conv_transpose3d", "_convolution")
-}  # fmt: skip
+}
 
 
-def pool(a, node, out) -> None:  # noqa: ANN001
+def pool(a, node, out) -> None:
     """Pooling and resampling: channels pass through, spatial sizes are fixed."""
     x = a.syms_of(node.args[0])
     name = a.name(node)
@@ -66,4 +66,4 @@ RULES.update({
                  "_adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
                  "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d",
                  "upsample_nearest3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa")
-})  # fmt: skip
+})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import TensorSyms, bound
 
 
-def reduction(a, node, out) -> None:  # noqa: ANN001
+def reduction(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b.get("self", node.args[0]))
     dims = b.get("dim")
@@ -29,4 +29,4 @@ RULES = {
     for name in ("sum", "mean", "amax", "amin", "max", "min", "std", "var", "norm",
                  "logsumexp", "prod", "argmax", "argmin", "nansum", "nanmean", "var_mean",
                  "std_mean", "linalg_vector_norm")
-}  # fmt: skip
+}

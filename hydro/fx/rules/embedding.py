@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import bound
 
 
-def embedding(a, node, out) -> None:  # noqa: ANN001
+def embedding(a, node, out) -> None:
     b = bound(node)
     w, idx = a.syms_of(b["weight"]), a.syms_of(b["indices"])
     a.fix_syms([w[0]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import TensorSyms, bound
 
 
-def linear(a, node, out) -> None:  # noqa: ANN001
+def linear(a, node, out) -> None:
     b = bound(node)
     x, w = a.syms_of(b["input"]), a.syms_of(b["weight"])
     a.union(x[-1], w[1], node)
@@ -16,7 +16,7 @@ def linear(a, node, out) -> None:  # noqa: ANN001
     a.use_param(b["weight"], node, (1,), (0,), act=0)
 
 
-def addmm(a, node, out) -> None:  # noqa: ANN001
+def addmm(a, node, out) -> None:
     b = bound(node)
     bias, x, w = a.syms_of(b["self"]), a.syms_of(b["mat1"]), a.syms_of(b["mat2"])
     a.union(x[-1], w[0], node)
@@ -26,7 +26,7 @@ def addmm(a, node, out) -> None:  # noqa: ANN001
     a.use_param(b["mat2"], node, (0,), (1,), act=1)
 
 
-def matmul(a, node, out) -> None:  # noqa: ANN001
+def matmul(a, node, out) -> None:
     x, y = a.syms_of(node.args[0]), a.syms_of(node.args[1])
     if len(x) == 1 and len(y) == 1:
         a.union(x[0], y[0], node)
@@ -44,7 +44,7 @@ def matmul(a, node, out) -> None:  # noqa: ANN001
         a.use_param(node.args[1], node, (0,), (1,), act=0)
 
 
-def outer(a, node, out) -> None:  # noqa: ANN001
+def outer(a, node, out) -> None:
     """``outer(x, y)[i, j] = x[i] * y[j]`` (rotary angles: positions x frequencies)."""
     x, y = a.syms_of(node.args[0]), a.syms_of(node.args[1])
     a.union(out[0], x[0], node)
@@ -52,4 +52,4 @@ def outer(a, node, out) -> None:  # noqa: ANN001
 
 
 RULES = {"linear": linear, "addmm": addmm, "mm": matmul, "bmm": matmul, "matmul": matmul,
-         "outer": outer, "ger": outer}  # fmt: skip
+         "outer": outer, "ger": outer}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydro.fx.rules.common import bound
 
 
-def batch_norm(a, node, out) -> None:  # noqa: ANN001
+def batch_norm(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b["input"])
     a.tie_all(out, x, node)
@@ -14,7 +14,7 @@ def batch_norm(a, node, out) -> None:  # noqa: ANN001
             a.union(a.syms_of(b[key])[0], x[1], node)
 
 
-def layer_norm(a, node, out) -> None:  # noqa: ANN001
+def layer_norm(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b["input"])
     a.tie_all(out, x, node)
@@ -24,7 +24,7 @@ def layer_norm(a, node, out) -> None:  # noqa: ANN001
             a.tie_all(a.syms_of(b[key]), x[len(x) - k :], node)
 
 
-def group_norm(a, node, out) -> None:  # noqa: ANN001
+def group_norm(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b["input"])
     a.tie_all(out, x, node)
@@ -37,4 +37,4 @@ RULES = {
     "batch_norm": batch_norm, "_native_batch_norm_legit_no_training": batch_norm,
     "instance_norm": batch_norm, "layer_norm": layer_norm, "rms_norm": layer_norm,
     "group_norm": group_norm,
-}  # fmt: skip
+}

@@ -44,7 +44,7 @@ def layout(n_params: int, layers: int, dirs: int, has_biases: bool) -> tuple[int
     raise ValueError(f"{n_params} weights for {layers} layers x {dirs} directions")
 
 
-def _layer(a, node, gates, syms, hidden, out, x_in, has_biases, proj) -> list:  # noqa: ANN001
+def _layer(a, node, gates, syms, hidden, out, x_in, has_biases, proj) -> list:
     """Relate one layer-direction's weights (``syms``: their symbols in ``params`` order);
     ``(index, fan-in dims, fan-out dims)`` of each weight matrix, for its muP role."""
     w_ih, w_hh = syms[0], syms[1]
@@ -64,13 +64,13 @@ def _layer(a, node, gates, syms, hidden, out, x_in, has_biases, proj) -> list:  
     return roles
 
 
-def sequence(a, node, out) -> None:  # noqa: ANN001
+def sequence(a, node, out) -> None:
     """``lstm.input``/``gru.input``/``rnn_*.input``: a stack of recurrent layers over a sequence."""
     b = bound(node)
     if "input" not in b:
         raise ScaleError(f"node '{node.name}' ({node.target}): a packed sequence "
                          "(nn.utils.rnn.pack_padded_sequence) has no width rule; pad the "
-                         "batch and pass the padded tensor")  # fmt: skip
+                         "batch and pass the padded tensor")
     gates = GATES[op_name(node)]
     x = a.syms_of(b["input"])
     hx = b["hx"] if isinstance(b["hx"], (list, tuple)) else [b["hx"]]
@@ -80,7 +80,7 @@ def sequence(a, node, out) -> None:  # noqa: ANN001
         per, proj = layout(len(params), layers, dirs, b["has_biases"])
     except ValueError as exc:
         raise ScaleError(f"node '{node.name}' ({node.target}): an unexpected list of "
-                         f"weights ({exc})") from exc  # fmt: skip
+                         f"weights ({exc})") from exc
     syms = [a.syms_of(p) for p in params]
     if not all(isinstance(s, TensorSyms) for s in syms):
         return
@@ -91,7 +91,7 @@ def sequence(a, node, out) -> None:  # noqa: ANN001
             i = (layer * dirs + d) * per
             group = syms[i : i + per]
             roles = _layer(a, node, gates, group, hidden, h_out, x[-1] if layer == 0 else None,
-                           b["has_biases"], proj)  # fmt: skip
+                           b["has_biases"], proj)
             if layer > 0:  # the layer below's output, both directions side by side
                 _times(a, node, group[0][1], h_out, dirs)
             for k, fan_in, fan_out in roles:
@@ -110,7 +110,7 @@ def sequence(a, node, out) -> None:  # noqa: ANN001
             a.tie_all(state, h0, node)
 
 
-def cell(a, node, out) -> None:  # noqa: ANN001
+def cell(a, node, out) -> None:
     """``lstm_cell``/``gru_cell``/``rnn_*_cell``: one step of one layer."""
     b = bound(node)
     name = op_name(node).removesuffix("_cell")

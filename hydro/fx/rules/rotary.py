@@ -26,7 +26,7 @@ class RotaryTable:
     def __str__(self) -> str:
         return (f"rotary table rebuilt for head dim {self.new_head_dim} (base "
                 f"{format_base(self.base)}): '{self.name}', head dim {self.head_dim} -> "
-                f"{self.new_head_dim}")  # fmt: skip
+                f"{self.new_head_dim}")
 
 
 def format_base(base: float) -> str:

@@ -11,31 +11,31 @@ from hydro.fx.rules.common import IntSym, TensorSyms, bound, is_int, op_name
 SIZE_ARG = {"view": "size", "reshape": "shape", "_unsafe_view": "size", "expand": "size",
             "new_ones": "size", "new_zeros": "size", "new_empty": "size", "new_full": "size",
             "zeros": "size", "ones": "size", "empty": "size", "full": "size", "rand": "size",
-            "randn": "size"}  # fmt: skip
+            "randn": "size"}
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def sym_size(a, node, out) -> None:  # noqa: ANN001
+def sym_size(a, node, out) -> None:
     x = a.syms_of(node.args[0])
     a.replace(node, IntSym(x[node.args[1]]))
 
 
-def getitem(a, node, out) -> None:  # noqa: ANN001
+def getitem(a, node, out) -> None:
     x = a.syms_of(node.args[0])
     if isinstance(x, (tuple, list)) and not isinstance(x, TensorSyms):
         a.replace(node, x[node.args[1]])
 
 
-def reshape(a, node, out) -> None:  # noqa: ANN001
+def reshape(a, node, out) -> None:
     x = a.syms_of(node.args[0])
     if isinstance(x, TensorSyms) and isinstance(out, TensorSyms):
         a.reshape(x, out, node)
         size_args(a, node, out)
 
 
-def size_args(a, node, out) -> None:  # noqa: ANN001
+def size_args(a, node, out) -> None:
     """Tie output dimensions to the ints (``x.size(0)``...) their sizes were given as."""
     key = SIZE_ARG.get(a.name(node))
     sizes = bound(node).get(key) if key else None
@@ -48,7 +48,7 @@ def size_args(a, node, out) -> None:  # noqa: ANN001
 
 
 TRANSPOSES = ("permute", "transpose", "t", "swapaxes", "swapdims", "numpy_T", "mT", "mH",
-              "adjoint")  # fmt: skip
+              "adjoint")
 
 
 def transpose_perm(node: Any, rank: int) -> list[int]:
@@ -69,46 +69,46 @@ def transpose_perm(node: Any, rank: int) -> list[int]:
     return perm
 
 
-def permute(a, node, out) -> None:  # noqa: ANN001
+def permute(a, node, out) -> None:
     x = a.syms_of(node.args[0])
     for o, i in enumerate(transpose_perm(node, len(x))):
         a.union(out[o], x[i], node)
 
 
-def expand(a, node, out) -> None:  # noqa: ANN001
+def expand(a, node, out) -> None:
     a.broadcast(out, [a.syms_of(node.args[0])], node)
     size_args(a, node, out)
 
 
-def cat(a, node, out) -> None:  # noqa: ANN001
+def cat(a, node, out) -> None:
     b = bound(node)
     parts = [a.syms_of(t) for t in b["tensors"]]
     parts = [p for p in parts if isinstance(p, TensorSyms) and len(p) == len(out)]
     dim = b.get("dim", 0) % len(out)
     for p in parts:
         a.tie_all([s for i, s in enumerate(out) if i != dim],
-                  [s for i, s in enumerate(p) if i != dim], node)  # fmt: skip
+                  [s for i, s in enumerate(p) if i != dim], node)
     a.sum(node, out[dim], [p[dim] for p in parts])
 
 
-def stack(a, node, out) -> None:  # noqa: ANN001
+def stack(a, node, out) -> None:
     b = bound(node)
     dim = b.get("dim", 0) % len(out)
     for t in b["tensors"]:
         a.tie_all([s for i, s in enumerate(out) if i != dim], a.syms_of(t), node)
 
 
-def split(a, node, out) -> None:  # noqa: ANN001
+def split(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b.get("dim", 0) % len(x)
     for o in out:
         a.tie_all([s for i, s in enumerate(o) if i != dim],
-                  [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
+                  [s for i, s in enumerate(x) if i != dim], node)
         a.part(node, o[dim], x[dim])
 
 
-def unbind(a, node, out) -> None:  # noqa: ANN001
+def unbind(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b.get("dim", 0) % len(x)
@@ -117,7 +117,7 @@ def unbind(a, node, out) -> None:  # noqa: ANN001
         a.tie_all(o, [s for i, s in enumerate(x) if i != dim], node)
 
 
-def select(a, node, out) -> None:  # noqa: ANN001
+def select(a, node, out) -> None:
     from hydro.fx.pins import Select  # pins imports the rules' helpers
 
     b = bound(node)
@@ -130,16 +130,16 @@ def select(a, node, out) -> None:  # noqa: ANN001
     a.tie_all(out, [s for i, s in enumerate(x) if i != dim], node)
 
 
-def slice_(a, node, out) -> None:  # noqa: ANN001
+def slice_(a, node, out) -> None:
     b = bound(node)
     x = a.syms_of(b["self"])
     dim = b.get("dim", 0) % len(x)
     a.tie_all([s for i, s in enumerate(out) if i != dim],
-              [s for i, s in enumerate(x) if i != dim], node)  # fmt: skip
+              [s for i, s in enumerate(x) if i != dim], node)
     a.part(node, out[dim], x[dim], sliced=True)
 
 
-def index(a, node, out) -> None:  # noqa: ANN001
+def index(a, node, out) -> None:
     """``x[i, j]`` with index tensors: indexed dimensions are read by value, the others move as
     NumPy's advanced indexing moves them (never matched by size)."""
     b = bound(node)
@@ -173,7 +173,7 @@ def index(a, node, out) -> None:  # noqa: ANN001
             a.tables.add(x[i])
 
 
-def repeat(a, node, out) -> None:  # noqa: ANN001
+def repeat(a, node, out) -> None:
     """``x.repeat(*reps)``: a dimension repeated ``r`` times is ``r`` times the input's (a
     product, so ``slopes.repeat(B, 1, 1)`` of ``[H, 1, T]`` is ``B * H`` as a ``B * H`` reshape
     is: BLOOM's ALiBi); ``r = 1`` passes it through; leading new dimensions are the counts."""
@@ -196,7 +196,7 @@ def repeat(a, node, out) -> None:  # noqa: ANN001
             a.product(node, [o], [sym.sym, i])
 
 
-def pad(a, node, out) -> None:  # noqa: ANN001
+def pad(a, node, out) -> None:
     """Padding changes the last ``len(pad) // 2`` dimensions; the others pass through."""
     b = bound(node)
     x = a.syms_of(b.get("self", b.get("input", node.args[0])))
@@ -205,12 +205,12 @@ def pad(a, node, out) -> None:  # noqa: ANN001
     for o, i in list(zip(out, x))[: len(x) - padded]:
         a.union(o, i, node)
     for o, i, (lo, hi) in zip(out[len(x) - padded :], x[len(x) - padded :],
-                              reversed(list(zip(widths[::2], widths[1::2])))):  # fmt: skip
+                              reversed(list(zip(widths[::2], widths[1::2])))):
         if lo == 0 and hi == 0:
             a.union(o, i, node)
 
 
-def loss(a, node, out) -> None:  # noqa: ANN001
+def loss(a, node, out) -> None:
     """A classification loss: ``reduction='none'`` gives the target's shape; reduced, a scalar."""
     b = bound(node)
     target = a.syms_of(b.get("target"))
@@ -226,7 +226,7 @@ def loss(a, node, out) -> None:  # noqa: ANN001
 _EXPONENTIALS = ("pow", "exp", "exp2", "float_power")
 
 
-def arange(a, node, out) -> None:  # noqa: ANN001
+def arange(a, node, out) -> None:
     b = bound(node)
     end = a.syms_of(b.get("end"))
     if isinstance(end, IntSym) and end.sym is not None:
@@ -253,7 +253,7 @@ def _feeds_exponential(node: Any) -> bool:
     return False
 
 
-def identity(a, node, out) -> None:  # noqa: ANN001
+def identity(a, node, out) -> None:
     x = a.syms_of(node.args[0])
     if isinstance(x, TensorSyms) and isinstance(out, TensorSyms):
         a.tie_all(out, x, node)
@@ -279,6 +279,6 @@ RULES = {
     "repeat": repeat, "pad": pad, "constant_pad_nd": pad, "reflection_pad1d": pad,
     "reflection_pad2d": pad, "replication_pad1d": pad, "replication_pad2d": pad,
     "cross_entropy_loss": loss, "nll_loss": loss, "nll_loss_nd": loss, "nll_loss2d": loss,
-}  # fmt: skip
+}
 # Python's own operators on ints (sizes computed from ``x.size(0)``): their values are not widths
 INT_RULES = {name: _int_op for name in ("mul", "add", "sub", "floordiv", "truediv", "neg")}

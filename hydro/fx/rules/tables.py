@@ -55,7 +55,7 @@ class Table:
                                    f"from {_num(a['start'])} step {_num(a['step'])}"),
             "identity": lambda a: f"identity x {_num(a['scale'])}",
             "constant": lambda a: f"constant {_num(a['value'])}",
-        }[self.kind](self.args)  # fmt: skip
+        }[self.kind](self.args)
         return f"'{self.name}': {what}, rebuilt at the surrogate's size"
 
     def build(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -132,14 +132,14 @@ def recognize(name: str, t: torch.Tensor, shrinking: list[int]) -> Table | None:
         return Table(name, "constant", (), {"value": float(x.flatten()[0])})
     big = [d for d in range(x.dim()) if x.shape[d] > 1]
     for found in (_identity(x, t, shrinking, big), _sequence(x, t, shrinking, big),
-                  _sinusoid(x, t, shrinking, big)):  # fmt: skip
+                  _sinusoid(x, t, shrinking, big)):
         if found is not None:
             kind, dims, args = found
             return Table(name, kind, dims, args)
     return None
 
 
-def _identity(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
+def _identity(x, t, shrinking, big) -> tuple | None:
     if len(big) != 2 or sorted(big) != sorted(shrinking) or x.shape[big[0]] != x.shape[big[1]]:
         return None
     m = x.reshape(x.shape[big[0]], x.shape[big[1]])
@@ -149,7 +149,7 @@ def _identity(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
     return "identity", (big[0], big[1]), {"scale": c}
 
 
-def _sequence(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
+def _sequence(x, t, shrinking, big) -> tuple | None:
     if len(shrinking) > 2:
         return None
     for k in shrinking:
@@ -164,18 +164,18 @@ def _sequence(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
             n = y.numel()
             want = start + step * torch.arange(n, dtype=torch.float64)
             if step == 0.0 or not _close(line, want.log() if log else want, t,
-                                         max(1.0, float(line.abs().max()))):  # fmt: skip
+                                         max(1.0, float(line.abs().max()))):
                 continue
             integral = abs(step - round(step)) < 1e-6 and abs(start - round(start)) < 1e-6
             if integral:
                 start, step = float(round(start)), float(round(step))
             keep = "step" if integral else "ends"
             return "sequence", (k,), {"start": start, "step": step, "log": log, "keep": keep,
-                                      "end": start + step * (n - 1)}  # fmt: skip
+                                      "end": start + step * (n - 1)}
     return None
 
 
-def _sinusoid(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
+def _sinusoid(x, t, shrinking, big) -> tuple | None:
     if len(big) != 2 or len([d for d in big if d in shrinking]) != 1:
         return None
     w = next(d for d in big if d in shrinking)
@@ -190,7 +190,7 @@ def _sinusoid(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
     # rows of the table give the frequencies
     zero_rows = [int(r) for r in torch.nonzero((grid == 0).all(1)).flatten()]
     first = next((r for r in range(positions - 1)
-                  if r not in zero_rows and r + 1 not in zero_rows), None)  # fmt: skip
+                  if r not in zero_rows and r + 1 not in zero_rows), None)
     if first is None or len(zero_rows) > 2:
         return None
     for interleaved in (True, False):
@@ -203,7 +203,7 @@ def _sinusoid(x, t, shrinking, big) -> tuple | None:  # noqa: ANN001
         step = torch.atan2(s[first + 1], c[first + 1]) - torch.atan2(s[first], c[first])
         freq = torch.remainder(step + math.pi, 2 * math.pi) - math.pi  # the angle's increment
         if not (abs(float(freq[0]) - 1.0) < 1e-3 and bool((freq[1:] > 0).all())
-                and bool((freq[1:] < freq[:-1]).all())):  # fmt: skip
+                and bool((freq[1:] < freq[:-1]).all())):
             continue
         q = float(freq[-1]) ** (1.0 / (half - 1))  # the geometric ratio, from the last entry
         found = []

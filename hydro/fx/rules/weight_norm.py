@@ -19,7 +19,7 @@ from hydro.fx.rules.common import bound
 _OP = torch.ops.aten._weight_norm.default
 
 
-def weight_norm(a, node, out) -> None:  # noqa: ANN001
+def weight_norm(a, node, out) -> None:
     b = bound(node)
     v, g = a.syms_of(b["v"]), a.syms_of(b["g"])
     a.tie_all(out, v, node)
@@ -52,7 +52,7 @@ def layer_path(name: str) -> str:
     """The module path of a weight, through either weight-normalization naming
     (``fc.weight_v``, ``conv.parametrizations.weight.original1``)."""
     for suffix in (".parametrizations.weight.original1", ".parametrizations.weight.original0",
-                   ".weight_v", ".weight_g", ".weight"):  # fmt: skip
+                   ".weight_v", ".weight_g", ".weight"):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
