@@ -116,6 +116,11 @@ class _Stream:
         self._guard(self._groups)
         self.faults.check(end=True)
 
+    def phase(self, text: str) -> None:
+        """Say what the run does before its first trained step (:meth:`Progress.phase`)."""
+        if self.bar is not None:
+            self.bar.phase(text)
+
     def devices(self) -> list[str]:
         """Where this source's groups train, one entry per group that trains at once."""
         return [self.device]
@@ -131,6 +136,7 @@ class _Stream:
         if params is None:
             raise RuntimeError(f"fuse='auto': key {key[0]!r} is sized from a trial's parameters")
         finished, _ = counts(self.study)
+        self.phase("capturing the model, measuring its memory (fuse auto)")
         sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
                            remaining=self.n_trials - finished, memory=self.fuse_memory,
                            depth=self.depth, seed=self.seed)  # fmt: skip
@@ -192,6 +198,7 @@ class _Stream:
             # a group's membership changes only at its own turn: these are the trials this
             # round trains
             live, asking = sum(g.group.n for g in self.live.values()), self.asking
+            self.phase("first fused step" + (" (torch.compile)" if self.compile is True else ""))
             play_round(self.live, fuse=self.size, checkpoints=self.checkpoints,
                        every=self.every, fault=self._fault)  # fmt: skip
             if refill:
@@ -249,6 +256,7 @@ class _Stream:
                     for t, params in fits:
                         self.live[key].add(t, params)
                 else:
+                    self.phase(f"capturing the model, fusing a group of {len(fits)} trials")
                     self.live[key] = start_group(self, fits, refill=self.refills)
             except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
                 members = self._members(key)
