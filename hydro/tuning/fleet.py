@@ -149,7 +149,7 @@ class _Fleet(_Stream):
         """A worker's request: ``start``, ``report`` or ``refill`` (see :class:`_Remote`)."""
         kind = payload[0]
         if kind == "start":
-            self.phase("workers up: capturing the model, training to the first evaluation")
+            self.phase("workers up: capturing the model and training to the first evaluation")
             if name not in self.logs:
                 self._split(name)
             return {

@@ -136,7 +136,7 @@ class _Stream:
         if params is None:
             raise RuntimeError(f"fuse='auto': key {key[0]!r} is sized from a trial's parameters")
         finished, _ = counts(self.study)
-        self.phase("capturing the model, measuring its memory (fuse auto)")
+        self.phase("capturing the model to measure its memory (fuse auto)")
         sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
                            remaining=self.n_trials - finished, memory=self.fuse_memory,
                            depth=self.depth, seed=self.seed)  # fmt: skip
@@ -256,7 +256,7 @@ class _Stream:
                     for t, params in fits:
                         self.live[key].add(t, params)
                 else:
-                    self.phase(f"capturing the model, fusing a group of {len(fits)} trials")
+                    self.phase(f"capturing the model and fusing a group of {len(fits)} trials")
                     self.live[key] = start_group(self, fits, refill=self.refills)
             except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
                 members = self._members(key)

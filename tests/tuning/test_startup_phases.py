@@ -57,7 +57,7 @@ def test_an_inline_run_says_it_captures_and_fuses_first(capsys, tmp_path):
     lines = _lines(capsys.readouterr().err)
     phases = [line.split("elapsed ")[1].split(", ", 1)[1].rsplit(", best", 1)[0]
               for line in lines]  # fmt: skip
-    assert phases[:3] == ["eta ?", "capturing the model, fusing a group of 2 trials",
+    assert phases[:3] == ["eta ?", "capturing the model and fusing a group of 2 trials",
                           "first fused step"]  # fmt: skip
     assert not any("capturing" in p or "first fused" in p for p in phases[3:])
 
@@ -69,6 +69,6 @@ def test_an_executor_run_says_its_workers_start(capsys, tmp_path):
     lines = _lines(err)
     said = [line for line in lines if "worker" in line]
     assert said and ", starting 1 worker, best -" in said[0], err
-    assert any("workers up: capturing the model, training to the first evaluation" in line
+    assert any("workers up: capturing the model and training to the first evaluation" in line
                for line in said), err  # fmt: skip
     assert "eta" in lines[-1] and "worker" not in lines[-1]
