@@ -263,3 +263,31 @@ def test_a_malformed_file_is_named(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="is not a Hydro export: it holds list"):
         hydro.recipe(str(bad), torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(("optimizer", "scheduler", "warmup"), [
+    ("adamw", "cosine", 3), ("adamw", "cosine", 0), ("adam", "linear", 2), ("sgd", "step", 0),
+    ("sgd", "step", 4), ("adamw", "none", 2),
+])  # fmt: skip
+def test_the_recipe_is_each_trial_own_schedule(optimizer, scheduler, warmup):
+    """The learning rate of every step is what Hydro's fused optimizer gave the trial."""
+    from hydro.tuning.group import _optimizer, _scheduler
+
+    params = {"lr": 0.02, "warmup": warmup, "weight_decay": 0.05}
+    recipe = {"optimizer": optimizer, "scheduler": scheduler, "steps": 12, "batch_size": 4}
+    data = {"training": training(params, recipe)}
+    opt, sched = hydro.recipe(data, torch.nn.Linear(6, 3))
+    xy = (torch.randn(4, 6), torch.zeros(4, dtype=torch.long))
+    task = hydro.Task(model=torch.nn.Linear(6, 3), train_data=xy, val_data=xy, steps=12,
+                      optimizer=optimizer, scheduler=scheduler)  # fmt: skip
+    fused = hydro.fuse([torch.nn.Linear(6, 3)])
+    hopt = _optimizer(task, fused, [params])
+    hsched = _scheduler(task, hopt, [params])
+    for step in range(12):
+        theirs = float(hopt.param_groups[0]["lr"][0])
+        assert opt.param_groups[0]["lr"] == pytest.approx(theirs, rel=1e-9, abs=1e-15), step
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sched.step()
+        if hsched is not None:
+            hsched.step()
