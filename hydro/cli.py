@@ -373,7 +373,7 @@ def versions() -> str:
 class _Version(argparse.Action):
     """``--version``: print :func:`versions` and exit (read when asked, not when parsing)."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:  # noqa: A002
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
@@ -385,45 +385,76 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hydro", description="Hydro: tune hyperparameters on fused muP surrogates."
     )
-    parser.add_argument("--version", action=_Version, help="print the versions of Hydro, "
-                        "torch and Optuna, and exit")  # fmt: skip
-    parser.add_argument("--debug", action="store_true",
-                        help="show tracebacks on errors (default: off)")
+    parser.add_argument(
+        "--version", action=_Version, help="print the versions of Hydro, torch and Optuna, and exit"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks on errors (default: off)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tune", help="tune a model described by a YAML config (resumable)")
     p.add_argument("config", help="the YAML config file (see docs/tuning.md)")
     _option_flags(p)
-    p.add_argument("--steps", type=_count(1), help="training steps per trial, overriding the "
-                   "config's task.steps (default: the config's task.steps)")  # fmt: skip
-    p.add_argument("--no-cache", dest="cache", action="store_const", const=False,
-                   help="capture the model afresh and write nothing to the capture cache "
-                   "(HYDRO_CACHE=0 does the same; default: the config's task.cache, else the "
-                   "cache is used)")  # fmt: skip
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar or lines, no table of the best trials (default: "
-                   "progress on)")  # fmt: skip
-    p.add_argument("--trust", action="append", default=[], metavar="PACKAGE",
-                   help="an installed package whose callables the config may name, besides "
-                   "your own code (repeatable; adds to the config's trust list; docs/cli.md, "
-                   "'A config is code'; default: the config's trust list only)")  # fmt: skip
-    p.add_argument("-o", "--output", help="also export the best hyperparameters here "
-                   "(default: no export; `hydro export` writes one later)")  # fmt: skip
+    p.add_argument(
+        "--steps",
+        type=_count(1),
+        help="training steps per trial, overriding the "
+        "config's task.steps (default: the config's task.steps)",
+    )
+    p.add_argument(
+        "--no-cache",
+        dest="cache",
+        action="store_const",
+        const=False,
+        help="capture the model afresh and write nothing to the capture cache "
+        "(HYDRO_CACHE=0 does the same; default: the config's task.cache, else the "
+        "cache is used)",
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar or lines, no table of the best trials (default: progress on)",
+    )
+    p.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="an installed package whose callables the config may name, besides "
+        "your own code (repeatable; adds to the config's trust list; docs/cli.md, "
+        "'A config is code'; default: the config's trust list only)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        help="also export the best hyperparameters here "
+        "(default: no export; `hydro export` writes one later)",
+    )
     p.set_defaults(func=cmd_tune)
 
     where = "Optuna storage URL (default: the only *.db file in the current directory)"
     p = sub.add_parser("export", help="write a study's best hyperparameters (YAML or JSON)")
     p.add_argument("--storage", help=where)
     p.add_argument("--study", help="study name (default: the storage's only study)")
-    p.add_argument("-o", "--output", default="best.yaml",
-                   help="the file to write, JSON if it ends in .json (default: %(default)s)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="best.yaml",
+        help="the file to write, JSON if it ends in .json (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="an HTML page or a PNG/PDF/SVG figure of a study")
     p.add_argument("--storage", help=where)
     p.add_argument("--study", help="study name (default: the storage's only study)")
-    p.add_argument("-o", "--output", default="report.html",
-                   help=".html, .png, .pdf or .svg (default: %(default)s)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="report.html",
+        help=".html, .png, .pdf or .svg (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
@@ -436,36 +467,65 @@ def build_parser() -> argparse.ArgumentParser:
         help="width divisor, or 'auto': the largest within the width floors (at most 4 with "
         "attention) (default: %(default)s)",
     )
-    p.add_argument("--head-policy", default="keep_head_dim",
-                   choices=["keep_head_dim", "keep_head_count"],
-                   help="attention at a smaller width keeps each head's size (fewer heads) or the "
-                   "number of heads (default: %(default)s)")  # fmt: skip
-    p.add_argument("--depth-ratio", type=int, default=1,
-                   help="keep every k-th repeated block (default: %(default)s)")
-    p.add_argument("--depth-alpha", type=float, default=1.0,
-                   help="1: CompleteP, 0.5: Depth-muP (default: %(default)s)")
+    p.add_argument(
+        "--head-policy",
+        default="keep_head_dim",
+        choices=["keep_head_dim", "keep_head_count"],
+        help="attention at a smaller width keeps each head's size (fewer heads) or the "
+        "number of heads (default: %(default)s)",
+    )
+    p.add_argument(
+        "--depth-ratio",
+        type=int,
+        default=1,
+        help="keep every k-th repeated block (default: %(default)s)",
+    )
+    p.add_argument(
+        "--depth-alpha",
+        type=float,
+        default=1.0,
+        help="1: CompleteP, 0.5: Depth-muP (default: %(default)s)",
+    )
     p.add_argument("--json", help="also write the plan as JSON to this file (default: none)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("coord-check", help="activation sizes over widths: does muP hold?")
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
-    p.add_argument("--ratios", default="1,2,4,8",
-                   help="width divisors to compare, separated by commas (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8,
-                   help="training steps at each width (default: %(default)s)")
+    p.add_argument(
+        "--ratios",
+        default="1,2,4,8",
+        help="width divisors to compare, separated by commas (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=8, help="training steps at each width (default: %(default)s)"
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
-                   help="the optimizer (default: %(default)s)")
-    p.add_argument("--parametrization", default="mup", choices=["mup", "sp"],
-                   help="muP relative to the model, or standard (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the models and the data (default: %(default)s)")
-    p.add_argument("--threshold", type=float, default=2.0,
-                   help="pass when the worst hidden layer's spread (largest / smallest mean "
-                   "activation across widths) at the last step is below this "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("-o", "--output", default="coord_check.png",
-                   help="plot file, PNG (default: %(default)s)")
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=["adam", "sgd"],
+        help="the optimizer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--parametrization",
+        default="mup",
+        choices=["mup", "sp"],
+        help="muP relative to the model, or standard (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the models and the data (default: %(default)s)"
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=2.0,
+        help="pass when the worst hidden layer's spread (largest / smallest mean "
+        "activation across widths) at the last step is below this "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "-o", "--output", default="coord_check.png", help="plot file, PNG (default: %(default)s)"
+    )
     p.set_defaults(func=cmd_coord_check)
     return parser
 

@@ -94,15 +94,17 @@ class Recipe(tuple):
     model_settings: dict[str, Any]
     training: dict[str, Any]
 
-    def __new__(cls, optimizer: Any, scheduler: Any, **rest: Any) -> Recipe:  # noqa: D102
+    def __new__(cls, optimizer: Any, scheduler: Any, **rest: Any) -> Recipe:
         made = super().__new__(cls, (optimizer, scheduler))
         made.__dict__.update(optimizer=optimizer, scheduler=scheduler, **rest)
         return made
 
     def __repr__(self) -> str:
         kind = type(self.optimizer).__name__
-        return (f"Recipe({kind}, {self.training.get('scheduler')} over {self.steps} steps, "
-                f"warmup {self.warmup}, batch size {self.batch_size})")  # fmt: skip
+        return (
+            f"Recipe({kind}, {self.training.get('scheduler')} over {self.steps} steps, "
+            f"warmup {self.warmup}, batch size {self.batch_size})"
+        )
 
 
 def recipe(best: Any, model: Any, steps: int | None = None) -> Recipe:
@@ -148,21 +150,31 @@ def recipe(best: Any, model: Any, steps: int | None = None) -> Recipe:
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise ConfigError(f"steps must be a positive integer, got {total!r}")
     if train["warmup"] >= total:
-        raise ConfigError(f"{where}: training.warmup {train['warmup']} must be shorter than the "
-                          f"steps ({total}): train more steps")  # fmt: skip
+        raise ConfigError(
+            f"{where}: training.warmup {train['warmup']} must be shorter than the "
+            f"steps ({total}): train more steps"
+        )
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[kind]
     try:
         optimizer = cls(params, **args)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: training.optimizer_args do not fit torch.optim."
-                          f"{cls.__name__}: {exc}") from exc  # fmt: skip
+        raise ConfigError(
+            f"{where}: training.optimizer_args do not fit torch.optim.{cls.__name__}: {exc}"
+        ) from exc
     schedule = LRFactor(train["scheduler"], total, train["warmup"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     settings = {k: train[k] for k in MODEL_SETTINGS if train.get(k) is not None}
-    return Recipe(optimizer, scheduler, steps=total, warmup=train["warmup"],
-                  batch_size=train.get("batch_size"), grad_clip=train.get("grad_clip"),
-                  model_settings=settings, training=dict(train))  # fmt: skip
+    return Recipe(
+        optimizer,
+        scheduler,
+        steps=total,
+        warmup=train["warmup"],
+        batch_size=train.get("batch_size"),
+        grad_clip=train.get("grad_clip"),
+        model_settings=settings,
+        training=dict(train),
+    )
 
 
 def read_export(best: Any) -> tuple[dict[str, Any], str]:
@@ -185,8 +197,10 @@ def read_export(best: Any) -> tuple[dict[str, Any], str]:
         where = f"study {best.study.study_name!r}"
         data = export_data(best.study, getattr(best, "verification", None))
     else:
-        raise ConfigError(f"hydro.recipe reads an export: a path to best.yaml, the dict loaded "
-                          f"from it or a TuneResult, got {type(best).__name__}")  # fmt: skip
+        raise ConfigError(
+            f"hydro.recipe reads an export: a path to best.yaml, the dict loaded "
+            f"from it or a TuneResult, got {type(best).__name__}"
+        )
     _check(data, where)
     return data, where
 
@@ -200,8 +214,10 @@ def _load(path: str) -> Any:
                 return json.load(f)
             return yaml.safe_load(f)
     except FileNotFoundError as exc:
-        raise ConfigError(f"export file {path!r} does not exist: write it with `hydro export "
-                          "-o best.yaml` or result.export('best.yaml')") from exc  # fmt: skip
+        raise ConfigError(
+            f"export file {path!r} does not exist: write it with `hydro export "
+            "-o best.yaml` or result.export('best.yaml')"
+        ) from exc
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path} is not a readable export (invalid YAML/JSON): {exc}") from exc
 
@@ -217,39 +233,53 @@ def _check(data: Any, where: str) -> None:
     """Refuse what is not an export this Hydro can read, naming the key."""
     hint = "write it with `hydro export` or result.export(path)"
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} is not a Hydro export: it holds {type(data).__name__}, not "
-                          f"a mapping with 'training'; {hint}")  # fmt: skip
+        raise ConfigError(
+            f"{where} is not a Hydro export: it holds {type(data).__name__}, not "
+            f"a mapping with 'training'; {hint}"
+        )
     prov = data.get("provenance")
     written = prov.get("hydro_version") if isinstance(prov, Mapping) else None
     if written is not None:
         ours, theirs = _version(__version__), _version(written)
         if theirs is None or (ours is not None and theirs[:2] > ours[:2]):
-            raise ConfigError(f"{where}: provenance.hydro_version {written!r}: written by a "
-                              f"newer or unknown Hydro than this one ({__version__}); upgrade "
-                              "Hydro to read it")  # fmt: skip
+            raise ConfigError(
+                f"{where}: provenance.hydro_version {written!r}: written by a "
+                f"newer or unknown Hydro than this one ({__version__}); upgrade "
+                "Hydro to read it"
+            )
     train = data.get("training")
     if not isinstance(train, Mapping):
-        raise ConfigError(f"{where} has no 'training' section (keys: "
-                          f"{', '.join(map(str, data)) or 'none'}): not a Hydro export; "
-                          f"{hint}")  # fmt: skip
+        raise ConfigError(
+            f"{where} has no 'training' section (keys: "
+            f"{', '.join(map(str, data)) or 'none'}): not a Hydro export; "
+            f"{hint}"
+        )
     if "loop" in train and "optimizer" not in train:
-        raise ConfigError(f"{where}: this export comes from your own training function "
-                          f"({train['loop']}), which chose its optimizer and schedule itself: "
-                          "read its 'hyperparameters' and train as that function does")  # fmt: skip
-    missing = [k for k in ("optimizer", "optimizer_args", "scheduler", "warmup", "steps")
-               if k not in train]  # fmt: skip
+        raise ConfigError(
+            f"{where}: this export comes from your own training function "
+            f"({train['loop']}), which chose its optimizer and schedule itself: "
+            "read its 'hyperparameters' and train as that function does"
+        )
+    missing = [
+        k for k in ("optimizer", "optimizer_args", "scheduler", "warmup", "steps") if k not in train
+    ]
     if missing:
         raise ConfigError(f"{where}: training lacks {', '.join(missing)}; {hint}")
     if train["optimizer"] not in OPTIMIZERS:
-        raise ConfigError(f"{where}: training.optimizer {train['optimizer']!r} is not one of "
-                          f"{', '.join(OPTIMIZERS)}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: training.optimizer {train['optimizer']!r} is not one of "
+            f"{', '.join(OPTIMIZERS)}"
+        )
     if train["scheduler"] not in SCHEDULERS:
-        raise ConfigError(f"{where}: training.scheduler {train['scheduler']!r} is not one of "
-                          f"{', '.join(SCHEDULERS)}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: training.scheduler {train['scheduler']!r} is not one of "
+            f"{', '.join(SCHEDULERS)}"
+        )
     args = train["optimizer_args"]
     if not isinstance(args, Mapping) or not _number(args.get("lr")):
-        raise ConfigError(f"{where}: training.optimizer_args must be a mapping with a number "
-                          f"'lr', got {args!r}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: training.optimizer_args must be a mapping with a number 'lr', got {args!r}"
+        )
     for key in ("warmup", "steps"):
         value = train[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -23,8 +23,16 @@ DEFAULT_STORAGE = "sqlite:///hydro.db"
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 
 
-def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None = "",  # noqa: A002
-         kind: str = "", choices: Sequence[str] | None = None, none: str = "") -> Any:  # fmt: skip
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = "",
+    config: str | None = "",
+    kind: str = "",
+    choices: Sequence[str] | None = None,
+    none: str = "",
+) -> Any:
     """A field of :class:`TuneOptions`: its default and its row of the options table.
 
     ``flag``/``config``: the CLI flag and the config key (``""``: derived from the name;
@@ -32,8 +40,14 @@ def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None =
     (:data:`PARSERS`). ``none``: what a default of ``None`` stands for (the storage, the
     sampler... used when none is given), said by :meth:`TuneOptions.shown`.
     """
-    meta = {"help": help, "flag": flag, "config": config, "kind": kind, "choices": choices,
-            "none": none}  # fmt: skip
+    meta = {
+        "help": help,
+        "flag": flag,
+        "config": config,
+        "kind": kind,
+        "choices": choices,
+        "none": none,
+    }
     return field(default=default, metadata=meta)
 
 

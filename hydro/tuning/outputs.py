@@ -29,8 +29,18 @@ from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
 
-__all__ = ["TuneResult", "best_trial", "check_writable", "export", "export_data",
-           "header", "open_study", "spearman", "training", "verify"]  # fmt: skip
+__all__ = [
+    "TuneResult",
+    "best_trial",
+    "check_writable",
+    "export",
+    "export_data",
+    "header",
+    "open_study",
+    "spearman",
+    "training",
+    "verify",
+]
 
 
 @dataclass
@@ -191,8 +201,10 @@ def header(path: str) -> str:
         '# hydro.recipe("best.yaml", model) builds your full '
     """
     name = os.path.basename(path).replace('"', "")
-    return (f'# hydro.recipe("{name}", model) builds your full model\'s optimizer and LR '
-            "schedule from this file (docs/how-to/use-the-export.md)\n")
+    return (
+        f'# hydro.recipe("{name}", model) builds your full model\'s optimizer and LR '
+        "schedule from this file (docs/how-to/use-the-export.md)\n"
+    )
 
 
 def export(
@@ -213,8 +225,11 @@ def export(
     path = check_writable(path, "export file")
     data = export_data(study, verification)
     # the whole text first, then one rename: an existing file is never left truncated
-    text = json.dumps(data, indent=2) if path.endswith(".json") else \
-        header(path) + yaml.safe_dump(data, sort_keys=False)  # fmt: skip
+    text = (
+        json.dumps(data, indent=2)
+        if path.endswith(".json")
+        else header(path) + yaml.safe_dump(data, sort_keys=False)
+    )
     write_text(path, text)
     return data
 

@@ -239,8 +239,15 @@ class Progress:
             self.bar.refresh()
             return
         # news: what changed besides the clocks (elapsed, the ETA's countdown)
-        news = (self.done, self.done_trials, self.best, self.interim, self.text, self.occupancy,
-                self.doing)  # fmt: skip
+        news = (
+            self.done,
+            self.done_trials,
+            self.best,
+            self.interim,
+            self.text,
+            self.occupancy,
+            self.doing,
+        )
         last = self._line
         if last is not None and not force and not (left is not None and self._no_eta):
             moved = self.done - last[1] >= self.line_fraction * self.total

@@ -22,7 +22,7 @@ from hydro.tuning.options import DEFAULT_STORAGE, TuneOptions
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _subcommand(name: str):  # noqa: ANN202
+def _subcommand(name: str):
     return build_parser()._subparsers._group_actions[0].choices[name]
 
 
@@ -30,8 +30,11 @@ def _helps(name: str) -> dict[str, str]:
     """Flag -> its help line as `hydro NAME --help` prints it (wrapping undone)."""
     parser = _subcommand(name)
     formatter = parser._get_formatter()
-    return {a.option_strings[-1]: " ".join(formatter._expand_help(a).split())
-            for a in parser._actions if a.option_strings and a.help}  # fmt: skip
+    return {
+        a.option_strings[-1]: " ".join(formatter._expand_help(a).split())
+        for a in parser._actions
+        if a.option_strings and a.help
+    }
 
 
 def test_version_names_hydro_torch_and_optuna(capsys):
@@ -45,15 +48,23 @@ def test_version_names_hydro_torch_and_optuna(capsys):
 
 
 def test_version_as_a_module_answers_without_importing_torch():
-    code = ("import sys; from hydro.cli import main\n"
-            "try:\n    main(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
-            "assert 'torch' not in sys.modules and 'optuna' not in sys.modules")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    code = (
+        "import sys; from hydro.cli import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "assert 'torch' not in sys.modules and 'optuna' not in sys.modules"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"hydro {__version__} (torch ")
-    done = subprocess.run([sys.executable, "-m", "hydro.cli", "--version"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "hydro.cli", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and f"optuna {optuna.__version__}" in done.stdout, done.stderr
 
 
@@ -65,7 +76,7 @@ def test_every_help_line_states_its_default(command):
         assert "(default: " in text or "; default: " in text, f"hydro {command} {flag}: {text}"
 
 
-def _parse(meta: dict, action, shown: str):  # noqa: ANN001, ANN202
+def _parse(meta: dict, action, shown: str):
     """The value a flag would take from the text its help shows as the default."""
     if meta["kind"] == "flag":
         assert shown in ("on", "off")

@@ -26,7 +26,7 @@ def _example(path: Path) -> tuple[dict, torch.nn.Module, tuple]:
     cfg = yaml.safe_load(path.read_text())
     task = cfg["task"]
 
-    def load(spec: str):  # noqa: ANN202
+    def load(spec: str):
         return resolve_callable(spec, "callable", (str(ROOT),), trust=("examples",))
 
     torch.manual_seed(0)

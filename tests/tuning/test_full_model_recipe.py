@@ -27,7 +27,7 @@ from hydro.tuning.trust import resolve_callable
 ROOT = Path(__file__).resolve().parents[2]
 
 # the recipe as docs/tuning.md spelled it out before hydro.recipe (the reference: unchanged)
-OLD_SNIPPET = '''
+OLD_SNIPPET = """
 import math
 
 import torch
@@ -56,7 +56,7 @@ def lr_factor(step: int) -> float:
 
 
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-'''
+"""
 
 EXAMPLES = ["charlm", "cnn", "hf_gpt2"]  # the examples Hydro's own recipe trains
 SCHEDULES = [("cosine", 0), ("cosine", 7), ("linear", 3), ("step", 0), ("step", 5), ("none", 4)]
@@ -91,8 +91,11 @@ def _params(space: dict) -> dict:
 def _export(task: dict, params: dict) -> dict:
     """An export as Hydro writes it for a study of ``task`` whose best trial had ``params``."""
     recipe = {k: task[k] for k in ("optimizer", "scheduler", "steps", "batch_size")}
-    return {"hyperparameters": params, "training": training(params, recipe),
-            "provenance": {"study": "x", "trial": 3, "hydro_version": __version__}}  # fmt: skip
+    return {
+        "hyperparameters": params,
+        "training": training(params, recipe),
+        "provenance": {"study": "x", "trial": 3, "hydro_version": __version__},
+    }
 
 
 def _write(path: Path, data: dict) -> None:
@@ -111,7 +114,7 @@ def _reference(folder: Path, model: torch.nn.Module) -> dict:
     return ns
 
 
-def _lrs(opt: torch.optim.Optimizer, sched, steps: int) -> list[float]:  # noqa: ANN001
+def _lrs(opt: torch.optim.Optimizer, sched, steps: int) -> list[float]:
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scheduler.step() without optimizer.step()
@@ -135,8 +138,9 @@ def test_the_recipe_is_the_old_snippet_on_the_examples_full_models(name, tmp_pat
         old = ref["opt"]
         assert type(opt) is type(old) and len(opt.param_groups) == len(old.param_groups) == 1
         for mine, theirs in zip(opt.param_groups, old.param_groups):
-            assert {k: v for k, v in mine.items() if k != "params"} == \
-                {k: v for k, v in theirs.items() if k != "params"}  # fmt: skip
+            assert {k: v for k, v in mine.items() if k != "params"} == {
+                k: v for k, v in theirs.items() if k != "params"
+            }
             assert [p.shape for p in mine["params"]] == [p.shape for p in theirs["params"]]
         assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters()))
         steps = data["training"]["steps"]
@@ -183,14 +187,28 @@ def tuned(tmp_path):
     """A two-trial study of a tiny model and its TuneResult."""
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
-    task = hydro.Task(model=torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                                torch.nn.Linear(64, 3)),
-                      train_data=(x, y), val_data=(x, y), steps=6, eval_every=3,
-                      batch_size=16)  # fmt: skip
-    space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True),
-             "warmup": optuna.distributions.IntDistribution(0, 3)}  # fmt: skip
-    result = hydro.tune(task, space, n_trials=2, fuse=2, ratio=2, progress=False,
-                        storage=f"sqlite:///{tmp_path / 'tiny.db'}", study="tiny")  # fmt: skip
+    task = hydro.Task(
+        model=torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3)),
+        train_data=(x, y),
+        val_data=(x, y),
+        steps=6,
+        eval_every=3,
+        batch_size=16,
+    )
+    space = {
+        "lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True),
+        "warmup": optuna.distributions.IntDistribution(0, 3),
+    }
+    result = hydro.tune(
+        task,
+        space,
+        n_trials=2,
+        fuse=2,
+        ratio=2,
+        progress=False,
+        storage=f"sqlite:///{tmp_path / 'tiny.db'}",
+        study="tiny",
+    )
     return result
 
 
@@ -222,33 +240,50 @@ def _good() -> dict:
     return _export(task, _params(space))
 
 
-def _edit(change) -> dict:  # noqa: ANN001
+def _edit(change) -> dict:
     data = _good()
     change(data)
     return data
 
 
-@pytest.mark.parametrize(("best", "words"), [
-    ("no/such/best.yaml", "export file 'no/such/best.yaml' does not exist"),
-    ([1, 2], "hydro.recipe reads an export"),
-    ({"hyperparameters": {}}, "has no 'training' section (keys: hyperparameters)"),
-    (_edit(lambda d: d["training"].pop("optimizer_args")), "training lacks optimizer_args"),
-    (_edit(lambda d: d["training"].update(optimizer="lion")),
-     "training.optimizer 'lion' is not one of adamw, adam, sgd"),
-    (_edit(lambda d: d["training"].update(scheduler="onecycle")),
-     "training.scheduler 'onecycle' is not one of cosine, linear, step, none"),
-    (_edit(lambda d: d["training"].update(warmup="10")), "training.warmup must be an integer"),
-    (_edit(lambda d: d["training"].update(warmup=200)),
-     "training.warmup 200 must be shorter than the steps (200)"),
-    (_edit(lambda d: d["training"]["optimizer_args"].pop("lr")),
-     "training.optimizer_args must be a mapping with a number 'lr'"),
-    (_edit(lambda d: d["training"]["optimizer_args"].update(momentum=0.9)),
-     "training.optimizer_args do not fit torch.optim.AdamW"),
-    (_edit(lambda d: d["provenance"].update(hydro_version="99.0.0")),
-     "provenance.hydro_version '99.0.0': written by a newer or unknown Hydro"),
-    ({"training": {"loop": "train:train", "steps": 10, "batch_size": 8}},
-     "this export comes from your own training function (train:train)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("best", "words"),
+    [
+        ("no/such/best.yaml", "export file 'no/such/best.yaml' does not exist"),
+        ([1, 2], "hydro.recipe reads an export"),
+        ({"hyperparameters": {}}, "has no 'training' section (keys: hyperparameters)"),
+        (_edit(lambda d: d["training"].pop("optimizer_args")), "training lacks optimizer_args"),
+        (
+            _edit(lambda d: d["training"].update(optimizer="lion")),
+            "training.optimizer 'lion' is not one of adamw, adam, sgd",
+        ),
+        (
+            _edit(lambda d: d["training"].update(scheduler="onecycle")),
+            "training.scheduler 'onecycle' is not one of cosine, linear, step, none",
+        ),
+        (_edit(lambda d: d["training"].update(warmup="10")), "training.warmup must be an integer"),
+        (
+            _edit(lambda d: d["training"].update(warmup=200)),
+            "training.warmup 200 must be shorter than the steps (200)",
+        ),
+        (
+            _edit(lambda d: d["training"]["optimizer_args"].pop("lr")),
+            "training.optimizer_args must be a mapping with a number 'lr'",
+        ),
+        (
+            _edit(lambda d: d["training"]["optimizer_args"].update(momentum=0.9)),
+            "training.optimizer_args do not fit torch.optim.AdamW",
+        ),
+        (
+            _edit(lambda d: d["provenance"].update(hydro_version="99.0.0")),
+            "provenance.hydro_version '99.0.0': written by a newer or unknown Hydro",
+        ),
+        (
+            {"training": {"loop": "train:train", "steps": 10, "batch_size": 8}},
+            "this export comes from your own training function (train:train)",
+        ),
+    ],
+)
 def test_a_malformed_export_names_what_is_wrong(best, words):
     with pytest.raises(ConfigError) as err:
         hydro.recipe(best, torch.nn.Linear(2, 2))
@@ -265,10 +300,17 @@ def test_a_malformed_file_is_named(tmp_path):
         hydro.recipe(str(bad), torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize(("optimizer", "scheduler", "warmup"), [
-    ("adamw", "cosine", 3), ("adamw", "cosine", 0), ("adam", "linear", 2), ("sgd", "step", 0),
-    ("sgd", "step", 4), ("adamw", "none", 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("optimizer", "scheduler", "warmup"),
+    [
+        ("adamw", "cosine", 3),
+        ("adamw", "cosine", 0),
+        ("adam", "linear", 2),
+        ("sgd", "step", 0),
+        ("sgd", "step", 4),
+        ("adamw", "none", 2),
+    ],
+)
 def test_the_recipe_is_each_trial_own_schedule(optimizer, scheduler, warmup):
     """The learning rate of every step is what Hydro's fused optimizer gave the trial."""
     from hydro.tuning.group import _optimizer, _scheduler
@@ -278,8 +320,14 @@ def test_the_recipe_is_each_trial_own_schedule(optimizer, scheduler, warmup):
     data = {"training": training(params, recipe)}
     opt, sched = hydro.recipe(data, torch.nn.Linear(6, 3))
     xy = (torch.randn(4, 6), torch.zeros(4, dtype=torch.long))
-    task = hydro.Task(model=torch.nn.Linear(6, 3), train_data=xy, val_data=xy, steps=12,
-                      optimizer=optimizer, scheduler=scheduler)  # fmt: skip
+    task = hydro.Task(
+        model=torch.nn.Linear(6, 3),
+        train_data=xy,
+        val_data=xy,
+        steps=12,
+        optimizer=optimizer,
+        scheduler=scheduler,
+    )
     fused = hydro.fuse([torch.nn.Linear(6, 3)])
     hopt = _optimizer(task, fused, [params])
     hsched = _scheduler(task, hopt, [params])

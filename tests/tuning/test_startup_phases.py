@@ -44,31 +44,52 @@ def _task() -> hydro.Task:
     torch.manual_seed(0)
     x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
-    return hydro.Task(model=model, train_data=(x, y), val_data=(x, y), steps=4, eval_every=2,
-                      batch_size=16)  # fmt: skip
+    return hydro.Task(
+        model=model, train_data=(x, y), val_data=(x, y), steps=4, eval_every=2, batch_size=16
+    )
 
 
 SPACE = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}
 
 
 def test_an_inline_run_says_it_captures_and_fuses_first(capsys, tmp_path):
-    hydro.tune(_task(), SPACE, n_trials=2, fuse=2, ratio=2, progress=True, first_group=0,
-               storage=f"sqlite:///{tmp_path / 'p.db'}")  # fmt: skip
+    hydro.tune(
+        _task(),
+        SPACE,
+        n_trials=2,
+        fuse=2,
+        ratio=2,
+        progress=True,
+        first_group=0,
+        storage=f"sqlite:///{tmp_path / 'p.db'}",
+    )
     lines = _lines(capsys.readouterr().err)
-    phases = [line.split("elapsed ")[1].split(", ", 1)[1].rsplit(", best", 1)[0]
-              for line in lines]  # fmt: skip
-    assert phases[:3] == ["eta ?", "capturing the model and fusing a group of 2 trials",
-                          "first fused step"]  # fmt: skip
+    phases = [line.split("elapsed ")[1].split(", ", 1)[1].rsplit(", best", 1)[0] for line in lines]
+    assert phases[:3] == [
+        "eta ?",
+        "capturing the model and fusing a group of 2 trials",
+        "first fused step",
+    ]
     assert not any("capturing" in p or "first fused" in p for p in phases[3:])
 
 
 def test_an_executor_run_says_its_workers_start(capsys, tmp_path):
-    hydro.tune(_task(), SPACE, n_trials=2, fuse=2, ratio=2, progress=True, executor="local",
-               storage=f"sqlite:///{tmp_path / 'p.db'}")  # fmt: skip
+    hydro.tune(
+        _task(),
+        SPACE,
+        n_trials=2,
+        fuse=2,
+        ratio=2,
+        progress=True,
+        executor="local",
+        storage=f"sqlite:///{tmp_path / 'p.db'}",
+    )
     err = capsys.readouterr().err
     lines = _lines(err)
     said = [line for line in lines if "worker" in line]
     assert said and ", starting 1 worker, best -" in said[0], err
-    assert any("workers up: capturing the model and training to the first evaluation" in line
-               for line in said), err  # fmt: skip
+    assert any(
+        "workers up: capturing the model and training to the first evaluation" in line
+        for line in said
+    ), err
     assert "eta" in lines[-1] and "worker" not in lines[-1]
