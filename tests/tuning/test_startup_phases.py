@@ -93,3 +93,19 @@ def test_an_executor_run_says_its_workers_start(capsys, tmp_path):
         for line in said
     ), err
     assert "eta" in lines[-1] and "worker" not in lines[-1]
+
+
+def test_the_cli_says_it_captures_to_choose_the_ratio(tmp_path):
+    from hydro.tuning.options import TuneOptions
+    from hydro.tuning.run import run
+
+    said: list[str] = []
+    options = TuneOptions(
+        n_trials=1, fuse=1, ratio="auto", progress=False, storage=f"sqlite:///{tmp_path / 'p.db'}"
+    )
+    run(_task(), SPACE, options, say=said.append)
+    assert said[0].startswith("ratio auto: capturing the model to find the largest ratio")
+    assert said[1].startswith("study 'hydro' in sqlite:///") and "ratio 2 (auto)" in said[1]
+    said.clear()
+    run(_task(), SPACE, options.replace(n_trials=2), say=said.append)  # resumed: its ratio kept
+    assert len(said) == 1 and "ratio 2 (the study's)" in said[0]
