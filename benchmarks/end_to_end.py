@@ -26,7 +26,7 @@ wall and CPU time are those of the search call (data, task and ``tune`` or ``opt
 the process's own (start-up and imports included) are recorded too. ``first eval`` is the time
 from the search's start to the pruner's first call: start-up, capture, build (and compile)
 plus ``eval_every`` steps. Then each method's chosen configuration trains the full model (the
-same loop as plain's objective, the schedule ``docs/tuning.md`` gives for the full model) from
+same loop as plain's objective, the schedule ``docs/evidence/2026-12-tuning.md`` gives for the full model) from
 ``--check-seeds`` seeds, and the mean final validation losses are compared. One table per
 repeat, then medians and ranges.
 
@@ -38,7 +38,7 @@ repeat, then medians and ranges.
     # one repeat (seed 2) on its own: --first-repeat 2 --repeats 1
     # on a GPU (every search and check there; compare wall times): --device cuda
 
-Budgets: ``short`` is the run of ``docs/tuning-evidence.md`` (32 steps, batch 8, evaluation
+Budgets: ``short`` is the run of ``docs/evidence/2026-12-tuning.md`` (32 steps, batch 8, evaluation
 every 8, the first 50,000 characters); ``long`` is the example's own (200 steps, batch 32,
 evaluation every 50, the whole text). Any of ``--steps --batch --eval-every --chars``
 overrides the budget's.
@@ -113,7 +113,7 @@ def model_args(args: argparse.Namespace) -> dict:
 
 def schedule(opt, warmup: int, steps: int):
     """Linear warm-up from lr/(warmup+1), then cosine decay: the full-model recipe of
-    docs/tuning.md (what each surrogate trial trains with)."""
+    docs/evidence/2026-12-tuning.md (what each surrogate trial trains with)."""
     import torch
 
     S = torch.optim.lr_scheduler

@@ -14,7 +14,7 @@ Each grid trains as one fused model (:func:`benchmarks.transfer.fused_grid`, the
 training each point alone). It prints the median validation loss per rate and model, each
 model's best rate and its shift from the full model's, and the Spearman correlation over the
 grid. Not a test; on a busy 2-core CPU, one thread, ``nice``, 2 seeds of 120 steps took 16
-minutes (docs/transfer.md, "Rotary attention")::
+minutes (docs/explanation/transfer.md, "Rotary attention")::
 
     nice python benchmarks/transfer_rotary.py --seeds 2 --steps 120 --warmup 12
 """

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the names the lazy table below p
     from hydro.fusion import FusedModel, fuse, trial_loss
     from hydro.inspection import InspectReport, inspect
     from hydro.scaling import scale
+    from hydro.transfer import Recipe, recipe
     from hydro.tuning import Loop, Run, Task, TuneOptions, TuneResult, tune
 
 from hydro._version import __version__ as __version__  # the leaf setup.cfg reads
@@ -38,6 +39,8 @@ _LAZY = {
     "InspectReport": "hydro.inspection",
     "inspect": "hydro.inspection",
     "scale": "hydro.scaling",
+    "Recipe": "hydro.transfer",
+    "recipe": "hydro.transfer",
     # hydro.tuning.tune is both a submodule and a function: read the function from its module
     "Task": "hydro.tuning.task",
     "Loop": "hydro.tuning.loop",
@@ -69,6 +72,8 @@ __all__ = [
     "StorageError",
     "TraceError",
     "parametrize",
+    "Recipe",
+    "recipe",
     "scale",
 ]
 

@@ -332,12 +332,11 @@ PARSERS: dict[str, Any] = {"count": _count(1), "count0": _count(0), "ratio": _ra
 def _option_flags(p: argparse.ArgumentParser) -> None:
     """One flag per run option that has one (:class:`hydro.tuning.options.TuneOptions`: the
     table the docs print): its help and its default, which the config's value overrides."""
-    for name, default, meta in TuneOptions.rows():
+    for name, _, meta in TuneOptions.rows():
         if not meta["flag"]:
             continue
-        shown = "none" if default is None else str(default).lower() \
-            if isinstance(default, bool) else default
-        text = f"{meta['help']} (default: the config's, else {shown})".replace("%", "%%")
+        text = f"{meta['help']} (default: the config's, else {TuneOptions.shown(name)})"
+        text = text.replace("%", "%%")
         if meta["kind"] == "flag":
             p.add_argument(meta["flag"], dest=name, action="store_const", const=True,
                            default=None, help=text)
@@ -349,41 +348,113 @@ def _option_flags(p: argparse.ArgumentParser) -> None:
                        choices=choices, help=text)
 
 
+def versions() -> str:
+    """One line: the versions of Hydro, torch, Optuna and Python, read from the installed
+    packages' metadata (nothing is imported: it answers at once).
+
+    Example:
+        >>> versions().startswith("hydro ")
+        True
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hydro._version import __version__
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"hydro {__version__} (torch {of('torch')}, optuna {of('optuna')}, Python {python})"
+
+
+class _Version(argparse.Action):
+    """``--version``: print :func:`versions` and exit (read when asked, not when parsing)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(versions())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hydro", description="Hydro: tune hyperparameters on fused muP surrogates."
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument(
+        "--version", action=_Version, help="print the versions of Hydro, torch and Optuna, and exit"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks on errors (default: off)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tune", help="tune a model described by a YAML config (resumable)")
-    p.add_argument("config", help="the YAML config file (see docs/tuning.md)")
+    p.add_argument("config", help="the YAML config file (see docs/reference/config.md)")
     _option_flags(p)
-    p.add_argument("--steps", type=_count(1), help="training steps per trial (overrides the "
-                   "config's task.steps)")
-    p.add_argument("--no-cache", dest="cache", action="store_const", const=False,
-                   help="capture the model afresh and write nothing to the capture cache "
-                   "(overrides the config's task.cache; HYDRO_CACHE=0 does the same)")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar or lines, no table of the best trials")
-    p.add_argument("--trust", action="append", default=[], metavar="PACKAGE",
-                   help="an installed package whose callables the config may name, besides "
-                   "your own code (repeatable; adds to the config's trust list; docs/cli.md, "
-                   "'A config is code')")
-    p.add_argument("-o", "--output", help="also export the best hyperparameters here")
+    p.add_argument(
+        "--steps",
+        type=_count(1),
+        help="training steps per trial, overriding the "
+        "config's task.steps (default: the config's task.steps)",
+    )
+    p.add_argument(
+        "--no-cache",
+        dest="cache",
+        action="store_const",
+        const=False,
+        help="capture the model afresh and write nothing to the capture cache "
+        "(HYDRO_CACHE=0 does the same; default: the config's task.cache, else the "
+        "cache is used)",
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar or lines, no table of the best trials (default: progress on)",
+    )
+    p.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="an installed package whose callables the config may name, besides "
+        "your own code (repeatable; adds to the config's trust list; docs/reference/cli.md, "
+        "'A config is code'; default: the config's trust list only)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        help="also export the best hyperparameters here "
+        "(default: no export; `hydro export` writes one later)",
+    )
     p.set_defaults(func=cmd_tune)
 
     where = "Optuna storage URL (default: the only *.db file in the current directory)"
     p = sub.add_parser("export", help="write a study's best hyperparameters (YAML or JSON)")
     p.add_argument("--storage", help=where)
     p.add_argument("--study", help="study name (default: the storage's only study)")
-    p.add_argument("-o", "--output", default="best.yaml")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="best.yaml",
+        help="the file to write, JSON if it ends in .json (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="an HTML page or a PNG/PDF/SVG figure of a study")
     p.add_argument("--storage", help=where)
     p.add_argument("--study", help="study name (default: the storage's only study)")
-    p.add_argument("-o", "--output", default="report.html", help=".html, .png, .pdf or .svg")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="report.html",
+        help=".html, .png, .pdf or .svg (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("inspect", help="per-layer scaling plan of a model")
@@ -393,28 +464,68 @@ def build_parser() -> argparse.ArgumentParser:
         "--ratio",
         type=_ratio,
         default="auto",
-        help="width divisor, or 'auto' (default): the largest within the width floors (at "
-        "most 4 with attention)",
+        help="width divisor, or 'auto': the largest within the width floors (at most 4 with "
+        "attention) (default: %(default)s)",
     )
-    p.add_argument("--head-policy", default="keep_head_dim",
-                   choices=["keep_head_dim", "keep_head_count"])
-    p.add_argument("--depth-ratio", type=int, default=1, help="keep every k-th repeated block")
-    p.add_argument("--depth-alpha", type=float, default=1.0, help="1: CompleteP, 0.5: Depth-muP")
-    p.add_argument("--json", help="also write the plan as JSON to this file")
+    p.add_argument(
+        "--head-policy",
+        default="keep_head_dim",
+        choices=["keep_head_dim", "keep_head_count"],
+        help="attention at a smaller width keeps each head's size (fewer heads) or the "
+        "number of heads (default: %(default)s)",
+    )
+    p.add_argument(
+        "--depth-ratio",
+        type=int,
+        default=1,
+        help="keep every k-th repeated block (default: %(default)s)",
+    )
+    p.add_argument(
+        "--depth-alpha",
+        type=float,
+        default=1.0,
+        help="1: CompleteP, 0.5: Depth-muP (default: %(default)s)",
+    )
+    p.add_argument("--json", help="also write the plan as JSON to this file (default: none)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("coord-check", help="activation sizes over widths: does muP hold?")
     p.add_argument("model", help="module:callable returning the model (or (model, inputs))")
-    p.add_argument("--ratios", default="1,2,4,8")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    p.add_argument("--parametrization", default="mup", choices=["mup", "sp"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threshold", type=float, default=2.0,
-                   help="pass when the worst hidden layer's spread (largest / smallest mean "
-                   "activation across widths) at the last step is below this")
-    p.add_argument("-o", "--output", default="coord_check.png", help="plot file (PNG)")
+    p.add_argument(
+        "--ratios",
+        default="1,2,4,8",
+        help="width divisors to compare, separated by commas (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=8, help="training steps at each width (default: %(default)s)"
+    )
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=["adam", "sgd"],
+        help="the optimizer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--parametrization",
+        default="mup",
+        choices=["mup", "sp"],
+        help="muP relative to the model, or standard (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the models and the data (default: %(default)s)"
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=2.0,
+        help="pass when the worst hidden layer's spread (largest / smallest mean "
+        "activation across widths) at the last step is below this "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "-o", "--output", default="coord_check.png", help="plot file, PNG (default: %(default)s)"
+    )
     p.set_defaults(func=cmd_coord_check)
     return parser
 
@@ -425,7 +536,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.command == "tune":
         if not os.path.exists(args.config):
             raise ConfigError(f"config file {args.config!r} does not exist: name a YAML config "
-                              "(see docs/tuning.md), e.g. examples/charlm/tune.yaml")
+                              "(see docs/reference/config.md), e.g. examples/charlm/tune.yaml")
         if os.path.isdir(args.config):
             raise ConfigError(f"config file {args.config!r} is a directory: name the YAML file "
                               f"in it, e.g. {args.config}/tune.yaml")

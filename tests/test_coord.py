@@ -1,5 +1,5 @@
 """`hydro coord-check` tells muP from naive narrowing on the examples whose transfer is measured
-(docs/transfer.md), and its plot stays readable on a model with many layers."""
+(docs/explanation/transfer.md), and its plot stays readable on a model with many layers."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 :func:`optimize` (from :mod:`hydro.tuning.engine`) runs a study's trials in fused groups with any
 Optuna sampler, pruner and storage, for a :class:`hydro.Task` or your own training function (a
-:class:`hydro.Loop`, docs/own-loop.md); its options are ``hydro.tune``'s
+:class:`hydro.Loop`, docs/how-to/own-loop.md); its options are ``hydro.tune``'s
 (:class:`hydro.TuneOptions`). A :data:`GroupCallback` instead trains each asked batch of trials
 itself, without Hydro's surrogates. :class:`TransferSampler` starts a study on the full model
 from the best configurations of a surrogate study.

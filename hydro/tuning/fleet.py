@@ -103,6 +103,7 @@ class _Fleet(_Stream):
         fuse = self.fuse_for(key)
         self.capacity[name] = max(len(members), min(fuse, math.floor(room * fuse + 1e-9)))
         self.logs[name] = [[self._assign(t, p, name, slot) for slot, (t, p) in enumerate(members)]]
+        self.phase(f"starting {len(self.logs)} worker{'s' if len(self.logs) > 1 else ''}")
         # with fuse="auto" the placement policy packs by the memory the sizing measured
         return [TrialGroup(name, tuple(t.number for t, _ in members),
                            (self.task.steps,) * len(members),
@@ -148,6 +149,7 @@ class _Fleet(_Stream):
         """A worker's request: ``start``, ``report`` or ``refill`` (see :class:`_Remote`)."""
         kind = payload[0]
         if kind == "start":
+            self.phase("workers up: capturing the model and training to the first evaluation")
             if name not in self.logs:
                 self._split(name)
             return {

@@ -23,15 +23,31 @@ DEFAULT_STORAGE = "sqlite:///hydro.db"
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 
 
-def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None = "",
-         kind: str = "", choices: Sequence[str] | None = None) -> Any:
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = "",
+    config: str | None = "",
+    kind: str = "",
+    choices: Sequence[str] | None = None,
+    none: str = "",
+) -> Any:
     """A field of :class:`TuneOptions`: its default and its row of the options table.
 
     ``flag``/``config``: the CLI flag and the config key (``""``: derived from the name;
     ``None``: none, a Python-only option). ``kind`` names the CLI parser of the value
-    (:data:`PARSERS`).
+    (:data:`PARSERS`). ``none``: what a default of ``None`` stands for (the storage, the
+    sampler... used when none is given), said by :meth:`TuneOptions.shown`.
     """
-    meta = {"help": help, "flag": flag, "config": config, "kind": kind, "choices": choices}
+    meta = {
+        "help": help,
+        "flag": flag,
+        "config": config,
+        "kind": kind,
+        "choices": choices,
+        "none": none,
+    }
     return field(default=default, metadata=meta)
 
 
@@ -39,7 +55,7 @@ def _opt(default: Any, help: str, *, flag: str | None = "", config: str | None =
 class TuneOptions:
     """Everything about a tuning run besides what it trains (:class:`hydro.Task` or your own
     loop) and the search space. Fields are ``hydro.tune``'s keyword arguments; the table in
-    docs/options.md lists them with their config keys and flags.
+    docs/reference/options.md lists them with their config keys and flags.
 
     Example:
         >>> opts = TuneOptions(n_trials=8, fuse=4, ratio=2)
@@ -79,21 +95,21 @@ class TuneOptions:
     )
     storage: Any = _opt(
         None,
-        f"any Optuna storage URL (default {DEFAULT_STORAGE}, a file in "
-        "the working directory); rerunning resumes the study there",
+        "any Optuna storage URL; rerunning resumes the study there",
         kind="str",
+        none=f"{DEFAULT_STORAGE}, a file in the working directory",
     )
     sampler: Any = _opt(
         None,
-        "the Optuna sampler (default TPE with constant_liar); in a "
-        "config or flag its name: tpe, random, cmaes, gp, qmc, grid",
+        "the Optuna sampler; in a config or flag its name: tpe, random, cmaes, gp, qmc, grid",
         kind="str",
+        none="tpe: Optuna's TPE with constant_liar",
     )
     pruner: Any = _opt(
         None,
-        "the Optuna pruner (default median); in a config or flag its "
-        "name: median, asha, hyperband, none",
+        "the Optuna pruner; in a config or flag its name: median, asha, hyperband, none",
         kind="str",
+        none="median",
     )
     executor: Any = _opt(
         None,
@@ -102,6 +118,7 @@ class TuneOptions:
         "local one), or an executor object",
         kind="str",
         choices=("inline", "local", "ray"),
+        none="inline",
     )
     seed: int | None = _opt(
         0, "seeds the sampler, the surrogates' initializations and the data order", kind="int"
@@ -137,35 +154,38 @@ class TuneOptions:
     policy: str = _opt(
         "dynamic",
         "how an executor places groups on its devices: a registered "
-        "placement policy (docs/placement.md)",
+        "placement policy (docs/explanation/placement.md)",
         kind="policy",
     )
     deadline: float | None = _opt(
         None,
         "seconds to the deadline, with policy deadline: no trial is asked after it",
         kind="float",
+        none="no deadline",
     )
     checkpoint_dir: str | None = _opt(
         None,
-        "where trial checkpoints go, a directory per study (default: beside the SQLite file)",
+        "where trial checkpoints go, a directory per study",
         kind="str",
+        none="beside the SQLite file",
     )
     checkpoint_every: int | None = _opt(
         None,
-        "fused steps between trial checkpoints (default the task's, 50; 0: never)",
+        "fused steps between trial checkpoints (0: never)",
         kind="count0",
+        none="the task's checkpoint_every, 50",
     )
     fuse_memory: float | None = _opt(
         None,
-        "with fuse auto: GiB one fused group may use "
-        "(default half the free RAM, 90% of a GPU's free "
-        "memory)",
+        "with fuse auto: GiB one fused group may use",
         kind="float",
+        none="half the free RAM, 90% of a GPU's free memory",
     )
     timeout: float | None = _opt(
         None,
         "stop asking new trials after this many seconds; trials in flight finish; rerun to go on",
         kind="float",
+        none="no timeout",
     )
     compile: bool | str = _opt(
         False,
@@ -178,10 +198,10 @@ class TuneOptions:
     matmul_precision: str | None = _opt(
         None,
         "torch.set_float32_matmul_precision where "
-        "groups train: highest, high (TF32 matmuls on NVIDIA "
-        "GPUs), medium (default: torch's own)",
+        "groups train: highest, high (TF32 matmuls on NVIDIA GPUs), medium",
         kind="str",
         choices=MATMUL_PRECISIONS,
+        none="torch's own",
     )
     world_size: int = _opt(
         1, "with an executor, train each group data parallel on this many devices", kind="count"
@@ -221,18 +241,41 @@ class TuneOptions:
             yield f.name, default, meta
 
     @classmethod
+    def shown(cls, name: str) -> str:
+        """Option ``name``'s default as the CLI's help and the table say it: the value as a flag
+        or config key takes it (``compile``: ``off``), or what ``None`` stands for.
+
+        Example:
+            >>> TuneOptions.shown("n_trials"), TuneOptions.shown("compile")
+            ('32', 'off')
+            >>> TuneOptions.shown("storage")
+            'sqlite:///hydro.db, a file in the working directory'
+        """
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        default, meta = f.default, f.metadata
+        if default is None:
+            return meta["none"] or "none"
+        if isinstance(default, bool):
+            return "on" if default else "off"
+        if default == ():
+            return "none"
+        return str(default)
+
+    @classmethod
     def config_keys(cls) -> dict[str, str]:
         """Config key -> option name."""
         return {m["config"]: name for name, _, m in cls.rows() if m["config"]}
 
     @classmethod
     def table(cls) -> str:
-        """The options as a Markdown table (docs/options.md prints it; a test keeps the two
+        """The options as a Markdown table (docs/reference/options.md prints it; a test keeps the two
         equal): option, default, config key, flag, what it does."""
         rows = ["| option | default | config key | flag | what it does |",
                 "|---|---|---|---|---|"]
         for name, default, m in cls.rows():
             shown = "`()`" if default == () else f"`{default!r}`"
+            if m["none"] or m["kind"] == "compile":  # what None stands for; compile's off
+                shown += f" ({cls.shown(name)})"
             key = f"`{m['config']}`" if m["config"] else "Python only"
             flag = f"`{m['flag']}`" if m["flag"] else ""
             rows.append(f"| `{name}` | {shown} | {key} | {flag} | {m['help']} |")

@@ -29,8 +29,18 @@ from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
 
-__all__ = ["TuneResult", "best_trial", "check_writable", "export", "open_study", "spearman",
-           "training", "verify"]
+__all__ = [
+    "TuneResult",
+    "best_trial",
+    "check_writable",
+    "export",
+    "export_data",
+    "header",
+    "open_study",
+    "spearman",
+    "training",
+    "verify",
+]
 
 
 @dataclass
@@ -182,6 +192,21 @@ def training(params: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def header(path: str) -> str:
+    """The first line of a YAML export at ``path``: a comment on what to do with it (JSON has
+    no comments).
+
+    Example:
+        >>> header("out/best.yaml")[:52]
+        '# hydro.recipe("best.yaml", model) builds your full '
+    """
+    name = os.path.basename(path).replace('"', "")
+    return (
+        f'# hydro.recipe("{name}", model) builds your full model\'s optimizer and LR '
+        "schedule from this file (docs/how-to/use-the-export.md)\n"
+    )
+
+
 def export(
     study: optuna.Study, path: str | os.PathLike, verification: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -189,14 +214,33 @@ def export(
 
     The file is YAML unless ``path`` ends in ``.json``. Besides the searched
     ``hyperparameters`` it holds ``training``: the optimizer with its ``torch.optim`` arguments,
-    the scheduler, warm-up, steps and batch size, ready to train the full model (see
-    docs/tuning.md). Returns what was written.
+    the scheduler, warm-up, steps and batch size, ready to train the full model
+    (:func:`hydro.recipe` builds the optimizer and schedule from it). A YAML file starts with a
+    comment saying so (:func:`header`). Returns what was written.
 
     Raises:
         StudyError: the study has no complete trial.
         ConfigError: ``path`` cannot be written.
     """
     path = check_writable(path, "export file")
+    data = export_data(study, verification)
+    # the whole text first, then one rename: an existing file is never left truncated
+    text = (
+        json.dumps(data, indent=2)
+        if path.endswith(".json")
+        else header(path) + yaml.safe_dump(data, sort_keys=False)
+    )
+    write_text(path, text)
+    return data
+
+
+def export_data(study: optuna.Study, verification: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What :func:`export` writes, as a dict: ``hyperparameters``, ``training``, ``provenance``
+    (and ``verification`` when given).
+
+    Raises:
+        StudyError: the study has no complete trial.
+    """
     best = best_trial(study)
     counts = trial_counts(study)
     recipe = recipe_for(study, best.number)  # the one it trained with, if the study changed
@@ -226,10 +270,6 @@ def export(
         data["provenance"]["searched"] = dict(best.params)
     if verification:
         data["verification"] = verification
-    # the whole text first, then one rename: an existing file is never left truncated
-    text = json.dumps(data, indent=2) if path.endswith(".json") else \
-        yaml.safe_dump(data, sort_keys=False)
-    write_text(path, text)
     return data
 
 

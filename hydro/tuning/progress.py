@@ -17,6 +17,11 @@ On a terminal (or in a notebook) a tqdm bar is redrawn in place; elsewhere (a pi
 CI log) one plain line is written per update, at most every :attr:`Progress.line_seconds`
 seconds or :attr:`Progress.line_fraction` of the run (and once when the first ETA is known),
 so logs stay short.
+
+Before the first trial-step is trained, the ETA's place tells what the run is doing
+(:meth:`Progress.phase`: ``starting 2 workers``, ``capturing the model``...): a start-up that
+takes minutes on a loaded machine (workers importing torch, a first capture, a first compile)
+says so rather than showing ``eta ?``.
 """
 
 from __future__ import annotations
@@ -152,6 +157,7 @@ class Progress:
         self._drawn_at = -float("inf")
         self._line: tuple[float, int, tuple] | None = None  # (time, done, news): last line
         self._no_eta = True  # the last line had no ETA: the first one gets a line of its own
+        self.doing: str | None = None  # the start-up phase (:meth:`phase`), until a step trains
         self.bar = None
         if self.mode == "bar":
             from tqdm.auto import tqdm
@@ -183,6 +189,19 @@ class Progress:
         """Trial ``number`` was told: the study's count of finished trials has it now."""
         self.running.pop(number, None)
         self._read_at = None
+
+    def phase(self, text: str) -> None:
+        """Say what the run is doing before its first trial-step (``starting 2 workers``,
+        ``capturing the model``, ``first fused step``): shown in place of the ETA, with the
+        time elapsed, until a step is trained; ignored from then on."""
+        if self.started_training() or text == self.doing:
+            return
+        self.doing = text
+        self.update(force=True)
+
+    def started_training(self) -> bool:
+        """Whether a trial-step was trained (or a trial finished) in this run."""
+        return self.eta.origin is not None
 
     def note(self, line: str) -> None:
         """Print ``line`` (above the bar, if there is one)."""
@@ -220,7 +239,15 @@ class Progress:
             self.bar.refresh()
             return
         # news: what changed besides the clocks (elapsed, the ETA's countdown)
-        news = (self.done, self.done_trials, self.best, self.interim, self.text, self.occupancy)
+        news = (
+            self.done,
+            self.done_trials,
+            self.best,
+            self.interim,
+            self.text,
+            self.occupancy,
+            self.doing,
+        )
         last = self._line
         if last is not None and not force and not (left is not None and self._no_eta):
             moved = self.done - last[1] >= self.line_fraction * self.total
@@ -239,7 +266,10 @@ class Progress:
         if self.counts_steps or not plain:
             parts.append(f"trials {self.done_trials}/{self.n_trials}")
         parts.append(f"elapsed {clock_text(now - self.started)}")
-        parts.append(f"eta {'?' if left is None else clock_text(left)}")
+        if self.doing is not None and not self.started_training():
+            parts.append(self.doing)  # what the start-up is doing, in the ETA's place
+        else:
+            parts.append(f"eta {'?' if left is None else clock_text(left)}")
         if self.best is not None:
             parts.append(f"best {self.best:.4g}")
         elif self.interim is not None:

@@ -87,6 +87,8 @@ def run(
                            options.pruner)
     auto = options.ratio == "auto"
     recorded = recorded_ratio(study) if auto else None
+    if auto and recorded is None and say is not None:  # a capture: seconds to minutes
+        say("ratio auto: capturing the model to find the largest ratio within its width floors")
     ratio = recorded if recorded is not None else task_ratio(trainer, options.ratio)
     options = options.replace(ratio=ratio, executor=executor)
     name = study.study_name

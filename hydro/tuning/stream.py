@@ -136,6 +136,11 @@ class _Stream:
         self._guard(self._groups)
         self.faults.check(end=True)
 
+    def phase(self, text: str) -> None:
+        """Say what the run does before its first trained step (:meth:`Progress.phase`)."""
+        if self.bar is not None:
+            self.bar.phase(text)
+
     def devices(self) -> list[str]:
         """Where this source's groups train, one entry per group that trains at once."""
         return [self.device]
@@ -151,6 +156,7 @@ class _Stream:
         if params is None:
             raise RuntimeError(f"fuse='auto': key {key[0]!r} is sized from a trial's parameters")
         finished, _ = counts(self.study)
+        self.phase("capturing the model to measure its memory (fuse auto)")
         sizes = fuse_sizes(self.task, params, self.devices(), ratio=self.ratio,
                            remaining=self.n_trials - finished, memory=self.fuse_memory,
                            depth=self.depth, seed=self.seed)
@@ -212,6 +218,7 @@ class _Stream:
             # a group's membership changes only at its own turn: these are the trials this
             # round trains
             live, asking = sum(g.group.n for g in self.live.values()), self.asking
+            self.phase("first fused step" + (" (torch.compile)" if self.compile is True else ""))
             play_round(self.live, fuse=self.size, checkpoints=self.checkpoints,
                        every=self.every, fault=self._fault)
             if refill:
@@ -269,6 +276,7 @@ class _Stream:
                     for t, params in fits:
                         self.live[key].add(t, params)
                 else:
+                    self.phase(f"capturing the model and fusing a group of {len(fits)} trials")
                     self.live[key] = start_group(self, fits, refill=self.refills)
             except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
                 members = self._members(key)

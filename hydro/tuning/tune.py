@@ -33,7 +33,7 @@ def tune(
 
     Args:
         trainer: what to train: a :class:`hydro.Task` (Hydro's training recipe), or your own
-            training function ``train(run)`` (docs/own-loop.md): pass the model as ``model=``
+            training function ``train(run)`` (docs/how-to/own-loop.md): pass the model as ``model=``
             and the loop's settings as keywords (``steps``, ``eval_every``, ``train_data``,
             ``val_data``, ``example_inputs``, ``example_kwargs``, ``batch_size``,
             ``direction``, ``checkpoint_every``; :class:`hydro.tuning.loop.Loop`), or a
@@ -45,7 +45,7 @@ def tune(
         model: with a training function: the target model or a factory returning one.
         options: a :class:`~hydro.tuning.options.TuneOptions`; keyword arguments override it.
         **kwargs: the run's options (:class:`~hydro.tuning.options.TuneOptions`, one table
-            with their defaults in docs/options.md): ``n_trials`` (32), ``ratio`` ("auto"),
+            with their defaults in docs/reference/options.md): ``n_trials`` (32), ``ratio`` ("auto"),
             ``fuse`` ("auto"), ``study`` ("hydro"), ``storage`` (``sqlite:///hydro.db``),
             ``sampler``, ``pruner``, ``executor``, ``seed``, ``verify_top_k``, ``progress``,
             ``device``, ``depth_ratio``, ``depth_alpha``, ``first_group``, ``policy``,

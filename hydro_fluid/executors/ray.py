@@ -169,7 +169,7 @@ class RayExecutor:
             ``"ray://head:10001"``). ``None`` connects to the running Ray of this process, or
             to ``RAY_ADDRESS``, or starts a new local one bound to 127.0.0.1 with no dashboard
             (a Ray cluster runs code for anyone who reaches its ports, so one started here is
-            not reachable from the network; see docs/placement.md); never the cluster
+            not reachable from the network; see docs/explanation/placement.md); never the cluster
             ``ray start`` last left on this machine, which ``"auto"`` joins. A cluster at a loopback
             address (``127.0.0.1:port``) is joined on 127.0.0.1 as well.
         groups_per_device: Groups that share one GPU (each asks for ``1/groups_per_device``).

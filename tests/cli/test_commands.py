@@ -297,13 +297,7 @@ def test_coord_check_same_seed_same_numbers_and_a_verdict(tmp_path, capsys, monk
     assert "verdict: FAIL (sp)" in capsys.readouterr().out
 
 
-def _docs_snippet() -> str:
-    text = (ROOT / "docs" / "how-to" / "tune-your-model.md").read_text()
-    blocks = text.split("```python\n")[1:]
-    return next(b.split("```")[0] for b in blocks if 'yaml.safe_load(f)["training"]' in b)
-
-
-def test_best_yaml_trains_the_full_model_with_the_docs_snippet(project, capsys):
+def test_hydro_tunes_exports_and_the_recipe_schedules_the_full_model_as_the_trials(project, capsys):
     import torch
 
     from hydro.tuning.group import _optimizer, _scheduler
@@ -317,16 +311,11 @@ def test_best_yaml_trains_the_full_model_with_the_docs_snippet(project, capsys):
     assert (train["steps"], train["batch_size"], train["warmup"]) == (10, 32, params["warmup"])
     assert train["optimizer_args"] == {"lr": params["lr"], "weight_decay": 0.01,
                                        "betas": [0.9, 0.9], "eps": 1e-8}
-    snippet = _docs_snippet()
     for scheduler, warmup in [("cosine", params["warmup"]), ("cosine", 0), ("linear", 3),
                               ("step", 0), ("step", 2), ("none", 2)]:
         train.update(scheduler=scheduler, warmup=warmup)
         (project / "best.yaml").write_text(yaml.safe_dump(best))
-        torch.manual_seed(0)
-        ns = {"build_full_model": lambda: torch.nn.Linear(16, 5),
-              "next_batch": lambda b: (torch.randn(b, 16), torch.randint(0, 5, (b,)))}
-        exec(snippet, ns)  # runs the whole training loop of the snippet
-        opt = ns["opt"]
+        opt, sched = hydro.recipe("best.yaml", torch.nn.Linear(16, 5))
         assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.9)
         # Hydro's own schedule for the same trial, step by step
         xy = (torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
@@ -336,8 +325,10 @@ def test_best_yaml_trains_the_full_model_with_the_docs_snippet(project, capsys):
         hopt = _optimizer(task, fused, [{**params, "warmup": warmup}])
         hsched = _scheduler(task, hopt, [{**params, "warmup": warmup}])
         for step in range(train["steps"]):
-            ours = params["lr"] * ns["lr_factor"](step)
+            ours = opt.param_groups[0]["lr"]
             theirs = float(hopt.param_groups[0]["lr"][0])
             assert abs(ours - theirs) <= 1e-9 * params["lr"], (scheduler, warmup, step)
+            opt.step()
+            sched.step()
             if hsched is not None:
                 hsched.step()

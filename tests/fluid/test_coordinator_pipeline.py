@@ -153,5 +153,5 @@ def test_the_examples_in_docs_coordinator_md_run():
     for block in blocks:
         if "run_pipeline" in block:  # the real run is tested in test_coordinator_real.py
             continue
-        exec(compile(block, "docs/coordinator.md", "exec"), scope)
+        exec(compile(block, "docs/how-to/pipeline-bubbles.md", "exec"), scope)
     assert scope["plan"].bubble_use > 0.7

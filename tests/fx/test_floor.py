@@ -94,7 +94,7 @@ def test_auto_on_nanogpt_respects_the_linear_and_head_dim_floors():
 
 def test_auto_stops_at_the_attention_cap_on_a_gpt_whose_floors_allow_more():
     # the README's GPT (width 256, 4 heads of 64): ratio 8 keeps width 32 and head dim 8, both
-    # at their floors, yet transferred worse end to end than ratio 4 (docs/transfer.md)
+    # at their floors, yet transferred worse end to end than ratio 4 (docs/explanation/transfer.md)
     model = gpt(n_layer=1, n_head=4, n_embd=256, block_size=16)
     tokens = (torch.zeros(2, 16, dtype=torch.long),)
     eight = layer_widths(build(model, 8, example_inputs=tokens).plan)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_docs_table_is_the_code_table():
     page = (ROOT / "docs" / "reference" / "options.md").read_text()
     found = re.search(r"<!-- options-table:[^\n]*-->\n(.*?)\n<!-- /options-table -->", page, re.S)
-    assert found, "docs/options.md lost its generated table"
+    assert found, "docs/reference/options.md lost its generated table"
     assert found.group(1) == TuneOptions.table(), "regenerate the table: TuneOptions.table()"
 
 

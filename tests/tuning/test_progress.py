@@ -18,8 +18,10 @@ from tests.tuner_child import SPACE, make_task
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+# before the first trained step a start-up phase ("capturing the model...") takes the ETA's place
 LINE = re.compile(r"trial-steps (\d+)/(\d+) \((\d+)%\), trials (\d+)/(\d+), elapsed \d+:\d\d, "
-                  r"eta (\?|\d+:\d\d), best( -| [^*,\s~]+|~[^*,\s]+\*)(, .*)?$")
+                  r"(?:eta (\?|\d+:\d\d)|[a-z][^,]*), "
+                  r"best( -| [^*,\s~]+|~[^*,\s]+\*)(, .*)?$")
 
 
 def _lines(err: str) -> list[tuple[int, int, int, str, str]]:
@@ -29,7 +31,7 @@ def _lines(err: str) -> list[tuple[int, int, int, str, str]]:
         if line.startswith("trial-steps"):
             m = LINE.match(line)
             assert m, line
-            out.append((int(m[1]), int(m[2]), int(m[4]), m[6], m[7].strip()))
+            out.append((int(m[1]), int(m[2]), int(m[4]), m[6] or "?", m[7].strip()))
     return out
 
 
