@@ -26,7 +26,7 @@ wall and CPU time are those of the search call (data, task and ``tune`` or ``opt
 the process's own (start-up and imports included) are recorded too. ``first eval`` is the time
 from the search's start to the pruner's first call: start-up, capture, build (and compile)
 plus ``eval_every`` steps. Then each method's chosen configuration trains the full model (the
-same loop as plain's objective, the schedule ``docs/evidence/2026-12-tuning.md`` gives for the full model) from
+same loop as plain's objective, with the schedule the trials trained with: ``hydro.recipe``) from
 ``--check-seeds`` seeds, and the mean final validation losses are compared. One table per
 repeat, then medians and ranges.
 

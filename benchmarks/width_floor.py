@@ -30,7 +30,8 @@ wider one that misses is reported in the table: on 7-8 grid points each swap of 
 costs 0.024-0.036 of Spearman, so near the optimum, where losses are close, noise swaps some).
 ``hydro/fx/floor.py`` holds the floors measured here.
 
-Not a test. Sized for a busy, shared 2-core CPU (see docs/explanation/transfer.md for the time taken)::
+Not a test. Sized for a busy, shared 2-core CPU (docs/explanation/transfer.md gives the time
+taken)::
 
     python benchmarks/width_floor.py                    # all kinds, 3 seeds
     python benchmarks/width_floor.py --kinds heads headdim linear2 conv2 --jobs 1

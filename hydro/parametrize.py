@@ -35,8 +35,9 @@ norm gains and biases alike; parameters outside the blocks get none). The weight
 depth factor: AdamW's decay keeps its width rule only, as in the CompleteP authors' reference
 implementation, so at alpha = 1/2 ``lr * weight_decay`` inside the blocks is ``sqrt(L / L_s)``
 times the target's. Not implemented: CompleteP's Adam epsilon rule (``eps`` times ``ratio *
-(L / L_s) ** alpha`` in the surrogate; see docs/explanation/concepts.md for why it does not matter at
-``eps=1e-8``). The factor rides on the parameter's ``infshape`` (:func:`depth_lr_mult`), so it
+(L / L_s) ** alpha`` in the surrogate; see docs/explanation/concepts.md for why it does not
+matter at ``eps=1e-8``). The factor rides on the parameter's ``infshape`` (:func:`depth_lr_mult`),
+so it
 reaches the fused optimizers and ``param_groups`` with the muP ones. ``mup.MuAdam`` does not
 know it; with alpha = 1 (the default) there is nothing to know.
 """

@@ -263,7 +263,8 @@ class Compiler:
                 # Views recomputable in the backward: otherwise AOTAutograd saves a view of an
                 # activation for a matmul's gradient and, the activation itself unsaved, a bool
                 # mask for ReLU's (``le``) that inductor's vectorized CPU kernels store with
-                # masked byte stores, ~15x slower than eager on AVX-512 AMD (docs/explanation/fusion.md)
+                # masked byte stores, ~15x slower than eager on AVX-512 AMD
+                # (docs/explanation/fusion.md)
                 with torch._functorch.config.patch(recompute_views=True):
                     return inner(graph, example)
             finally:

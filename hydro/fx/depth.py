@@ -489,7 +489,8 @@ def warn_deep_cut(plan: DepthPlan, stacklevel: int = 3) -> bool:
     st = deep[0]
     warnings.warn(HydroWarning(
         f"depth_ratio {plan.depth_ratio} keeps {len(st.kept)} of {len(st.blocks)} blocks of "
-        f"'{st.path}' with CompleteP (depth_alpha=1). On the 8-block char GPT of docs/explanation/transfer.md "
+        f"'{st.path}' with CompleteP (depth_alpha=1). On the 8-block char GPT of "
+        "docs/explanation/transfer.md "
         "a CompleteP surrogate at depth ratio 4 chose a learning rate 2.2 doublings above the "
         "target's (40% worse loss), where depth_alpha=0.5 (Depth-muP) chose as well as keeping "
         "every block; use depth_alpha=0.5, or depth_ratio=2."
@@ -524,7 +525,8 @@ def warn_no_cut(plan: DepthPlan, model: nn.Module, stacklevel: int = 3) -> bool:
     warnings.warn(HydroWarning(
         f"depth_ratio {plan.depth_ratio} cut no block of {name}, so the surrogate keeps the "
         f"target's depth: {why}. A block is cut when it is one module holding its residual add, "
-        "or the i-th items of sibling lists run by one loop body in order (docs/explanation/concepts.md, "
+        "or the i-th items of sibling lists run by one loop body in order "
+        "(docs/explanation/concepts.md, "
         "'Depth')"
     ), stacklevel=stacklevel)
     return True

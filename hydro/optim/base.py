@@ -170,8 +170,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             backend name or a backend callable; ``False``: eager; ``"auto"`` (default): compile
             with inductor on CUDA, eager on a CPU (where the eager step is as fast as torch's
             fused kernel run per trial and a 20-90 s compile pays back only after thousands of
-            steps; see docs/explanation/fusion.md). If compiling fails, the step warns once and runs eagerly
-            (same results).
+            steps; see docs/explanation/fusion.md). If compiling fails, the step warns once and
+            runs eagerly (same results).
     """
 
     kind = "adam"  # which muP multipliers apply: "adam" or "sgd"

@@ -8,8 +8,9 @@ group compiles only where the time it would save over the fused steps left is mo
 the compile estimate (:func:`decide`). The decision is said once per key, as one line.
 
 The constants below were measured with ``python benchmarks/fusion.py --compile`` on a 2-core
-CPU under load (docs/explanation/fusion.md, "Compiled fused step"): inductor's compile of a fused training
-step as one graph (forward, backward and the optimizer's update, :mod:`hydro.fusion.step`) is a
+CPU under load (docs/explanation/fusion.md, "Compiled fused step"): inductor's compile of a
+fused training step as one graph (forward, backward and the optimizer's update,
+:mod:`hydro.fusion.step`) is a
 fixed cost (tracing, C++ compilation) plus a cost per node of the fused graph. Inductor's
 on-disk FX graph cache and AOTAutograd's cache make a warm compile (a rerun, a later group of
 the same structure) ~35x cheaper than a cold one on the charlm surrogate (395 to 11 s) and
@@ -36,7 +37,8 @@ from hydro.tuning import compile_record
 COMPILE_BASE_S = 20.0
 COMPILE_PER_NODE_S = 2.5
 # compiled/eager fused step as one graph, about the GPT surrogate's 1.34x (wall and CPU time; its
-# library kernels cap it at 1.62x on a CPU); the MLP anchor's is 2.3-2.5x (docs/explanation/fusion.md)
+# library kernels cap it at 1.62x on a CPU); the MLP anchor's is 2.3-2.5x
+# (docs/explanation/fusion.md)
 SPEEDUP = 1.3
 MEASURED_STEPS = 3  # eager steps timed after the first (which builds the graphs)
 FORMS = "True/'on', False/'off', 'auto', or a torch.compile mode ('default', 'max-autotune', ...)"

@@ -106,7 +106,8 @@ def optimize(
             with a callback that suggests its own parameters.
         n_trials: finished trials (COMPLETE, PRUNED or FAIL) the study should have.
         options: the run's options (:class:`~hydro.tuning.options.TuneOptions`, whose
-            defaults are ``hydro.tune``'s; docs/reference/options.md); keyword arguments override it.
+            defaults are ``hydro.tune``'s; docs/reference/options.md); keyword arguments
+            override it.
             Of them, this function ignores ``study``, ``storage``, ``sampler``, ``pruner``,
             ``verify_top_k`` and ``force_resume`` (the study is given).
     """

@@ -17,8 +17,8 @@ import torch
 __all__ = ["MIN_BLOCKS", "NOISE", "STUDY_ATTR", "choose_blocks", "prefix_means"]
 
 # The own part of a subsample's error, as a fraction of the trials' spread, that "auto" accepts.
-# On the charlm example (docs/evidence/2026-12-tuning.md) 2 blocks of 12 left 0.14-0.43 of the spread
-# and swapped trials; 8 blocks left 0.04-0.07 and kept the ranking.
+# On the charlm example (docs/evidence/2026-12-tuning.md) 2 blocks of 12 left 0.15-0.43 of the
+# spread and swapped trials; 8 blocks left 0.01-0.07 and kept the ranking.
 NOISE = 0.1
 MIN_BLOCKS = 2  # a subsample of one block: its error would be one block's luck
 STUDY_ATTR = "hydro_eval_blocks"

@@ -268,8 +268,8 @@ class TuneOptions:
 
     @classmethod
     def table(cls) -> str:
-        """The options as a Markdown table (docs/reference/options.md prints it; a test keeps the two
-        equal): option, default, config key, flag, what it does."""
+        """The options as a Markdown table (docs/reference/options.md prints it; a test keeps
+        the two equal): option, default, config key, flag, what it does."""
         rows = ["| option | default | config key | flag | what it does |",
                 "|---|---|---|---|---|"]
         for name, default, m in cls.rows():

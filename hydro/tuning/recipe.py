@@ -196,8 +196,8 @@ def _scheduler(
 
 
 def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> Any:
-    """One trial's torch schedule on (stand-in) optimizer ``o``: the one docs/how-to/tune-your-model.md gives
-    for the full model, whatever the other members of its group do."""
+    """One trial's torch schedule on (stand-in) optimizer ``o``: the one :func:`hydro.recipe`
+    builds for the full model, whatever the other members of its group do."""
     if warmup >= steps:
         raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps}): draw "
                           f"warm-ups of at most {steps - 1}, or train more steps")

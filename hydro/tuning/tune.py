@@ -45,8 +45,8 @@ def tune(
         model: with a training function: the target model or a factory returning one.
         options: a :class:`~hydro.tuning.options.TuneOptions`; keyword arguments override it.
         **kwargs: the run's options (:class:`~hydro.tuning.options.TuneOptions`, one table
-            with their defaults in docs/reference/options.md): ``n_trials`` (32), ``ratio`` ("auto"),
-            ``fuse`` ("auto"), ``study`` ("hydro"), ``storage`` (``sqlite:///hydro.db``),
+            with their defaults in docs/reference/options.md): ``n_trials`` (32), ``ratio``
+            ("auto"), ``fuse`` ("auto"), ``study`` ("hydro"), ``storage`` (``sqlite:///hydro.db``),
             ``sampler``, ``pruner``, ``executor``, ``seed``, ``verify_top_k``, ``progress``,
             ``device``, ``depth_ratio``, ``depth_alpha``, ``first_group``, ``policy``,
             ``deadline``, ``checkpoint_dir``, ``checkpoint_every``, ``fuse_memory``,
