@@ -34,16 +34,16 @@ from hydro.fx.widths import HeadPolicy, WidthPlan
 # Narrowest surrogate width (features, channels, head dim) at which the learning-rate optimum
 # transferred in benchmarks/width_floor.py (3 seeds; the tables are in
 # docs/explanation/transfer.md, "Width floor"): an MLP's hidden width 32 transferred and 16 did
-# not; BatchNorm conv channels 8
-# transferred and 4 did not, but the held-out BatchNorm ResNet of issue 11 failed at 8 (and 16
+# not; BatchNorm conv channels 8 transferred and 4 did not, but a held-out BatchNorm ResNet
+# failed at 8 (and 16
 # channels) and transferred at 16 (and 32), so the conv floor takes 16; a head dim of 8, the
 # narrowest measured, transferred (narrower ones were not measured).
 FLOORS: dict[str, int] = {"linear": 32, "conv": 16, "attention": 8}
 MAX_AUTO_RATIO = 64
 # The largest ratio "auto" takes for a model with an attention layer, floors or not: two GPT
-# targets at or above every floor still lost at ratio 8 and transferred at
-# 4
-# (docs/explanation/transfer.md, "ratio='auto'"): the charlm GPT (surrogate width 32) chose worse hyperparameters end to end,
+# targets at or above every floor still lost at ratio 8 and transferred at 4
+# (docs/explanation/transfer.md, "ratio='auto'"): the charlm GPT (surrogate width 32) chose
+# worse hyperparameters end to end,
 # +2.6% full-model loss at 32 steps and +6.2% at 200, and a 512-wide one (width 64) ranked
 # learning rates at Spearman +0.32, against -0.4%, -0.4% and +0.96 at ratio 4.
 MAX_AUTO_RATIO_ATTENTION = 4
