@@ -229,12 +229,34 @@ def task_ratio(task: Any, ratio: Any) -> int:
     An integer is returned as is; ``"auto"`` is chosen (:func:`choose`) on the model the task
     builds with its default arguments, captured on the same example inputs as a group would be.
     """
-    from hydro.fx import cache as _cache
-    from hydro.fx.capture import capture
-
     check_ratio(ratio)
     if ratio != "auto":
         return ratio
+    model, root, args, kwargs = _captured(task)
+    choice, _ = choose(root, args, kwargs)
+    warn_if_full(choice, type(model).__name__)
+    return choice.ratio
+
+
+def task_below_floor(task: Any, ratio: int, head_policy: HeadPolicy = "keep_head_dim"
+                     ) -> list[LayerWidth]:
+    """The layers a study of ``task`` at ``ratio`` takes below their width floor (empty at
+    ratio 1 or where every layer stays at or above it), on the model the task builds with its
+    default arguments: what the study's export and report say of its choice."""
+    check_ratio(ratio)
+    if ratio == 1:
+        return []
+    _, root, args, kwargs = _captured(task)
+    plan = _solve(analysis(root, args, kwargs), ratio, head_policy)
+    return [lw for lw in layer_widths(plan) if lw.below]
+
+
+def _captured(task: Any) -> tuple[torch.nn.Module, torch.nn.Module, tuple, dict]:
+    """The task's default model, its capture (through the task's capture cache) and the example
+    inputs a group captures it on."""
+    from hydro.fx import cache as _cache
+    from hydro.fx.capture import capture
+
     model = task.build_model()
     if hasattr(task, "example"):  # your own training loop: its example inputs
         args, kwargs = task.example()
@@ -242,9 +264,7 @@ def task_ratio(task: Any, ratio: Any) -> int:
         args, kwargs = tuple(task.example_inputs), {}
     else:
         args, kwargs, _ = task.split(next(task.train_batches(2, seed=0)))
-    choice, _ = choose(capture(model, args, kwargs, cache=_cache.for_task(task)), args, kwargs)
-    warn_if_full(choice, type(model).__name__)
-    return choice.ratio
+    return model, capture(model, args, kwargs, cache=_cache.for_task(task)), args, kwargs
 
 
 def warn_if_full(choice: AutoChoice, model_name: str) -> None:
@@ -256,5 +276,5 @@ def warn_if_full(choice: AutoChoice, model_name: str) -> None:
 
 
 __all__ = ["FLOORS", "MAX_AUTO_RATIO", "MAX_AUTO_RATIO_ATTENTION", "AutoChoice", "LayerWidth",
-           "bounding", "check_ratio", "choose", "layer_widths", "task_ratio",
+           "bounding", "check_ratio", "choose", "layer_widths", "task_below_floor", "task_ratio",
            "warn_below"]

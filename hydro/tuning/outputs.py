@@ -25,7 +25,7 @@ from hydro.tuning.fingerprint import recipe_for
 from hydro.tuning.group import group_key
 from hydro.tuning.lockstep import train_group
 from hydro.tuning.options import DEFAULT_STORAGE
-from hydro.tuning.report import is_interrupted, is_surplus, trial_counts
+from hydro.tuning.report import BELOW_FLOOR, is_interrupted, is_surplus, trial_counts
 from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
 
@@ -93,6 +93,12 @@ class TuneResult:
         group (in process or on an executor's workers); ``None`` before any fused step."""
         occ = self.study.user_attrs.get("hydro_occupancy")
         return dict(occ) if occ else None
+
+    @property
+    def below_floor(self) -> list[str]:
+        """The layers the study's ratio took below their width floor (empty: none): its choice
+        may then not be the full model's (:func:`hydro.fx.floor.task_below_floor`)."""
+        return list(self.study.user_attrs.get(BELOW_FLOOR) or [])
 
     def export(self, path: str | os.PathLike) -> dict[str, Any]:
         """Write the best hyperparameters and their provenance to YAML (or JSON by extension)."""
@@ -228,10 +234,21 @@ def export(
     text = (
         json.dumps(data, indent=2)
         if path.endswith(".json")
-        else header(path) + yaml.safe_dump(data, sort_keys=False)
+        else header(path) + _below_floor_comment(data) + yaml.safe_dump(data, sort_keys=False)
     )
     write_text(path, text)
     return data
+
+
+def _below_floor_comment(data: dict[str, Any]) -> str:
+    """A YAML export's second comment line when the study's ratio took layers below their width
+    floor: the first thing a reader of the file sees, besides ``provenance.below_floor``."""
+    below = data["provenance"].get("below_floor")
+    if not below:
+        return ""
+    return (f"# BELOW THE WIDTH FLOOR: ratio {data['provenance'].get('ratio')} took {len(below)} "
+            "layer(s) below their width floor (provenance.below_floor): these values may not "
+            "be the full model's best\n")
 
 
 def export_data(study: optuna.Study, verification: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -266,6 +283,9 @@ def export_data(study: optuna.Study, verification: dict[str, Any] | None = None)
             "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
+    below = study.user_attrs.get(BELOW_FLOOR)
+    if below:  # the study's ratio took layers below their floor (hydro.fx.floor)
+        data["provenance"]["below_floor"] = list(below)
     if params != best.params:  # a space function's fixed or derived values: say what Optuna drew
         data["provenance"]["searched"] = dict(best.params)
     if verification:

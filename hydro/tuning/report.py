@@ -20,6 +20,19 @@ FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 PAGE_SUFFIXES = (".html", ".htm")
 
 
+BELOW_FLOOR = "hydro_below_floor"  # study attribute: the layers its ratio takes below their floor
+
+
+def below_floor_line(ratio: int, below: list[str]) -> str:
+    """What a study says of a ratio that takes layers below their width floor, where its
+    results are read (the top of ``hydro tune``'s output, the export, the report)."""
+    shown = "; ".join(below[:3]) + (f"; and {len(below) - 3} more" if len(below) > 3 else "")
+    return (f"BELOW THE WIDTH FLOOR: ratio {ratio} takes {len(below)} layer(s) below the width "
+            f"at which the best learning rate was measured to transfer ({shown}); the "
+            "surrogate's choice may not be the full model's: a smaller ratio, or ratio auto, "
+            "stays within the floors")
+
+
 def is_interrupted(trial: optuna.trial.FrozenTrial) -> bool:
     """A trial failed only because the process running it stopped (it is asked again)."""
     if trial.state != TrialState.FAIL:
@@ -111,11 +124,16 @@ def write_report(study: optuna.Study, path: str) -> None:
             "trained at each fused step"
             + (f" ({asking:.0%} while trials remained to ask)" if asking is not None else "")
         )
+    below = study.user_attrs.get(BELOW_FLOOR)
+    ratio = next((t.user_attrs.get("ratio") for t in study.get_trials(deepcopy=False)
+                  if t.user_attrs.get("ratio")), "?")
+    warning = (f'<p style="color:firebrick"><b>{html.escape(below_floor_line(ratio, below))}'
+               "</b></p>" if below else "")
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>Hydro study {html.escape(study.study_name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head><body>
-<h1>Study {html.escape(study.study_name)}</h1>
+<h1>Study {html.escape(study.study_name)}</h1>{warning}
 <p>{html.escape(_summary(trial_counts(study)))}<br>{best}</p>
 <img src="data:image/png;base64,{image}" style="max-width:100%">
 <p style="font-size:13px">{_KEY}</p>
@@ -199,7 +217,11 @@ def _figure(study: optuna.Study) -> Any:
         )
     for ax in axes[panels:]:
         ax.axis("off")
-    fig.suptitle(f"study {study.study_name}: {_summary(trial_counts(study))}", fontsize=11)
+    title = f"study {study.study_name}: {_summary(trial_counts(study))}"
+    below = study.user_attrs.get(BELOW_FLOOR)
+    if below:  # the choice was made below the width floor: said where the results are read
+        title += f"\nBELOW THE WIDTH FLOOR: {len(below)} layer(s) under their floor at this ratio"
+    fig.suptitle(title, fontsize=11, color="firebrick" if below else "black")
     fig.tight_layout()
     return fig
 

@@ -47,12 +47,13 @@ def run(
             the study's definition.
         door: ``"python"`` or ``"cli"``: only the wording of the hints in errors.
     """
-    from hydro.fx.floor import task_ratio
+    from hydro.fx.floor import task_below_floor, task_ratio
     from hydro.tuning.engine import check_single_objective, drive, make_executor
     from hydro.tuning.fingerprint import check_study, fingerprint
     from hydro.tuning.group import check_device
     from hydro.tuning.outputs import TuneResult, open_study, task_recipe, verify
     from hydro.tuning.progress import wanted
+    from hydro.tuning.report import BELOW_FLOOR, below_floor_line
     from hydro.tuning.signals import terminate_as_interrupt
 
     if not isinstance(trainer, (Task, Loop)):
@@ -100,8 +101,13 @@ def run(
              "force_hint": "--force-resume"} if door == "cli" else {}
     check_study(study, definition, where=where, force=options.force_resume, **hints)
     study.set_user_attr("hydro_task", task_recipe(trainer))  # export's training recipe
+    # a preflight that could not build the model (searched architecture arguments) cannot say
+    below = [str(lw) for lw in task_below_floor(trainer, ratio)] if built is not None else []
+    study.set_user_attr(BELOW_FLOOR, below)  # the export and the report say it too
     if say is not None:
         say(_opening(study, options, auto, recorded is not None))
+        if below:
+            say(below_floor_line(ratio, below))
     with terminate_as_interrupt():  # SIGTERM stops the run and verification as Ctrl-C does
         drive(study, trainer, space, options)
         result = TuneResult(study, ratio)
