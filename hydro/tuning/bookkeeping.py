@@ -29,6 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import StorageError
 from hydro.tuning.group import GroupInfo, Outcome
+from hydro.tuning.selection import REPLICA_OF
 from hydro.tuning.storage import put_back_if_same
 from hydro_fluid.executors.local import start_ticks
 
@@ -109,7 +110,9 @@ def report_and_ask(trial: optuna.Trial, step: int, value: float, hook=None) -> b
     try:
         if step not in trial._cached_frozen_trial.intermediate_values:
             trial.report(value, step)  # a retried group reports its steps again: once is enough
-        pruned = trial.should_prune()
+        # a seed replica (hydro.tuning.selection) trains to the end: its value is the point
+        pruned = trial._cached_frozen_trial.user_attrs.get(REPLICA_OF) is None \
+            and trial.should_prune()
     except UpdateFinishedTrialError:
         return True  # another process failed it as stale: it is no longer ours to train
     if hook is not None:

@@ -128,6 +128,16 @@ class TuneOptions:
         "afterwards, train the full model with the best k configurations and compare (0: off)",
         kind="count0",
     )
+    replicas: int = _opt(
+        0,
+        "after the search, train each leading configuration this many more times with other "
+        "seeds, and choose the middle of the region their seed noise cannot tell apart "
+        "(0: off, the best trial is the choice)",
+        kind="count0",
+    )
+    leaders: int = _opt(
+        4, "with replicas: how many of the best configurations are replicated", kind="count"
+    )
     progress: bool | None = _opt(
         None,
         "progress on stderr and a table of the best trials; "
@@ -303,6 +313,10 @@ class TuneOptions:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"n_trials must be a positive integer, got {n!r}")
         check_ratio(self.ratio)  # a ScaleError, as hydro.scale's
+        for name, least in (("replicas", 0), ("leaders", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
         self.fuse = check_fuse(self.fuse)
         self.fuse_memory = check_memory(self.fuse_memory)
         self.compile = check_compile(self.compile)

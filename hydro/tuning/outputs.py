@@ -26,6 +26,7 @@ from hydro.tuning.group import group_key
 from hydro.tuning.lockstep import train_group
 from hydro.tuning.options import DEFAULT_STORAGE
 from hydro.tuning.report import BELOW_FLOOR, is_interrupted, is_surplus, trial_counts
+from hydro.tuning.selection import SELECTION
 from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
 
@@ -68,6 +69,19 @@ class TuneResult:
         return trained_params(self.best_trial)
 
     @property
+    def selection(self) -> dict[str, Any] | None:
+        """With ``replicas``: the choice made with the seeds' noise (:mod:`hydro.tuning.selection`:
+        ``chosen``, ``params``, ``mean``, ``noise``, ``best``, ``within``, ``ranges``), else
+        ``None``."""
+        return self.study.user_attrs.get(SELECTION)
+
+    @property
+    def chosen_params(self) -> dict[str, Any]:
+        """The hyperparameters the export gives: with ``replicas``, the choice made with the
+        seeds' noise; else :attr:`best_params`."""
+        return trained_params(chosen_trial(self.study))
+
+    @property
     def best_value(self) -> float:
         """The best surrogate value of the metric."""
         return float(self.best_trial.value)
@@ -103,6 +117,17 @@ class TuneResult:
     def export(self, path: str | os.PathLike) -> dict[str, Any]:
         """Write the best hyperparameters and their provenance to YAML (or JSON by extension)."""
         return export(self.study, path, verification=self.verification)
+
+
+def chosen_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
+    """The trial whose hyperparameters the export gives: the choice made with the seeds' noise
+    where the study has one (:data:`hydro.tuning.selection.SELECTION`), else the best."""
+    selection = study.user_attrs.get(SELECTION)
+    if selection:
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.number == selection["chosen"]:
+                return t
+    return best_trial(study)
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
@@ -258,7 +283,8 @@ def export_data(study: optuna.Study, verification: dict[str, Any] | None = None)
     Raises:
         StudyError: the study has no complete trial.
     """
-    best = best_trial(study)
+    best = chosen_trial(study)
+    selection = study.user_attrs.get(SELECTION)
     counts = trial_counts(study)
     recipe = recipe_for(study, best.number)  # the one it trained with, if the study changed
     params = trained_params(best)  # what trained, fixed values of a space function included
@@ -283,6 +309,13 @@ def export_data(study: optuna.Study, verification: dict[str, Any] | None = None)
             "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
+    if selection:  # chosen with the seeds' noise: the region it could not tell apart, too
+        data["provenance"]["chosen_by"] = "seed noise"
+        data["provenance"]["surrogate_value"] = selection["mean"]
+        data["provenance"]["selection"] = {
+            "noise": selection["noise"], "best_mean_trial": selection["best"],
+            "within_noise_trials": selection["within"]}
+        data["within_noise"] = selection["ranges"]
     below = study.user_attrs.get(BELOW_FLOOR)
     if below:  # the study's ratio took layers below their floor (hydro.fx.floor)
         data["provenance"]["below_floor"] = list(below)

@@ -14,6 +14,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 from optuna.trial import TrialState
 
 from hydro.files import replacing, write_text
+from hydro.tuning.selection import SELECTION
 from hydro.tuning.space import trained_params
 
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
@@ -201,7 +202,8 @@ def _figure(study: optuna.Study) -> Any:
     _history(axes[0], complete, pruned, best, maximize)
     _curves(axes[1], complete, pruned, best)
     for ax, (name, dist) in zip(axes[2:], dists.items()):
-        _param_panel(ax, name, dist, complete, pruned, best)
+        _param_panel(ax, name, dist, complete, pruned, best,
+                     (study.user_attrs.get(SELECTION) or {}).get("ranges", {}).get(name))
     if verification:
         ax = axes[2 + len(dists)]
         pts = [
@@ -426,12 +428,14 @@ def _distributions(trials: list) -> dict[str, BaseDistribution]:
 
 
 def _param_panel(
-    ax: Any, name: str, dist: BaseDistribution, complete: list, pruned: list, best: Any
+    ax: Any, name: str, dist: BaseDistribution, complete: list, pruned: list, best: Any,
+    within: list | None = None,
 ) -> None:
     """Value per ``name``: a log axis for a log distribution, linear otherwise, integer ticks
     for an int one, the choices as categories (in their order, spread a little sideways so
     equal choices do not hide each other); the searched range as the axis limits; a tick
-    along the bottom where each pruned trial sat."""
+    along the bottom where each pruned trial sat; with a choice made with the seeds' noise,
+    the range (or the choices) within noise of the best as a band."""
     from matplotlib.ticker import MaxNLocator
 
     pts = [(t, t.params[name]) for t in complete if name in t.params]
@@ -489,6 +493,13 @@ def _param_panel(
             transform=ax.get_xaxis_transform(),
             label=f"pruned ({len(cut_xs)}): tried here",
         )
+    if within:
+        spans = ([(index[_choice_key(c)] - 0.4, index[_choice_key(c)] + 0.4) for c in choices
+                  if str(c) in within] if kind == "categorical"
+                 else [(float(within[0]), float(within[1]))])
+        for k, (lo, hi) in enumerate(spans):
+            ax.axvspan(lo, hi, color=_BEST, alpha=0.15, lw=0, gid="within",
+                       label="within noise of the best" if k == 0 else None)
     if best is not None and name in best.params:
         bx = xs[[t.number for t, _ in pts].index(best.number)]
         ax.scatter(
@@ -502,7 +513,7 @@ def _param_panel(
             linewidths=0.5,
             label="best",
         )
-    if cut_xs or best is not None:
+    if cut_xs or best is not None or within:
         _legend(ax)
     ax.set(title=f"value per {name} ({kind})", xlabel=name, ylabel="value")
 

@@ -110,12 +110,49 @@ def run(
             say(below_floor_line(ratio, below))
     with terminate_as_interrupt():  # SIGTERM stops the run and verification as Ctrl-C does
         drive(study, trainer, space, options)
+        if options.replicas:
+            replicate(study, trainer, space, options)
         result = TuneResult(study, ratio)
         if options.verify_top_k:
             result.verification = verify(trainer, study, options.verify_top_k,
                                          seed=options.base_seed, device=options.device)
             study.set_user_attr("hydro_verification", result.verification)
     return result
+
+
+def replicate(study: optuna.Study, trainer: Task | Loop, space: Space,
+              options: TuneOptions) -> None:
+    """After the search: ``options.replicas`` more seeds of each of the ``options.leaders``
+    best configurations (trials like any other, fused, never pruned), then the choice with
+    their noise (:mod:`hydro.tuning.selection`), kept in the study's ``hydro_selection``.
+    A rerun adds only the replicas still missing (of the leaders as they stand then)."""
+    from hydro.tuning.engine import drive
+    from hydro.tuning.report import trial_counts
+    from hydro.tuning.selection import REPLICA_OF, SELECTION, configs, leaders, select
+
+    c = trial_counts(study)
+    if c["finished"] < options.n_trials or not c["complete"]:
+        return  # the search stopped early (a timeout, a deadline) or completed nothing
+    trials = study.get_trials(deepcopy=False)
+    made: dict[int, int] = {}
+    for t in trials:
+        of = t.user_attrs.get(REPLICA_OF)
+        if of is not None:
+            made[of] = made.get(of, 0) + 1
+    added = 0
+    for lead in leaders(study, options.leaders):
+        for _ in range(options.replicas - made.get(lead.number, 0)):
+            study.enqueue_trial(dict(lead.params), user_attrs={REPLICA_OF: lead.number})
+            added += 1
+    if added:
+        c = trial_counts(study)
+        drive(study, trainer, space, options.replace(
+            n_trials=c["finished"] + c["interrupted"] + added, first_group=0, timeout=None,
+            deadline=None))
+    chosen = select(configs(study.get_trials(deepcopy=False)),
+                    study.best_trial.distributions,
+                    maximize=study.direction == optuna.study.StudyDirection.MAXIMIZE)
+    study.set_user_attr(SELECTION, chosen.as_dict() if chosen is not None else None)
 
 
 def recorded_ratio(study: optuna.Study) -> int | None:
