@@ -229,8 +229,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"  {key}: {value}")
     if result.verification:
         v = result.verification
-        print(f"verified top {len(v['configs'])} on the full model: winner trial {v['winner']}, "
-              f"rank agreement (Spearman) {v['spearman']}")
+        rho = "n/a" if v["spearman"] is None else f"{v['spearman']:+.2f}"
+        print(f"checked the top {len(v['configs'])} on the full model ({v['steps']} steps): "
+              f"winner trial {v['winner']}, rank agreement (Spearman) {rho}")
+        if v["winner"] is not None and not v.get("agrees", True):
+            print("  the export follows the full model's winner:")
+            for key, value in result.chosen_params.items():
+                print(f"  {key}: {value}")
     if args.output:
         result.export(args.output)
         print(f"wrote {args.output}")
