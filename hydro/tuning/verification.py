@@ -243,8 +243,8 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     None for fewer than 2 points or a constant side.
 
     Example:
-        >>> spearman([1, 2, 3], [10, 30, 20])
-        0.5
+        >>> round(spearman([1, 2, 3], [10, 30, 20]), 6), spearman([1, 2], [5, 5])
+        (0.5, None)
     """
     if len(a) < 2:
         return None
