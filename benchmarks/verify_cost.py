@@ -5,10 +5,10 @@ batch 8, evaluation every 8, the first 50,000 characters, its warm-up range scal
 ``examples/cnn/tune.yaml`` shortened to 60 steps, evaluation every 15, warm-up 0-6) and each
 search seed: one ``hydro.tune`` search as the example's config sets it (ratio 4, 16 fused, 32
 trials, TPE and the median pruner), then :func:`hydro.tuning.verification.verify` at k = 3 and 5,
-with ``verify_steps`` = the task's steps and half of them. Every part runs in this process, one
-after another, on one thread, with Hydro's capture cache off (each search and each check
-captures its model afresh, as a first run does); CPU times are ``time.process_time`` around
-the ``hydro.tune`` call and around each check.
+with ``verify_steps`` = the task's steps and half of them (``--fractions``). Every part runs in
+this process, one after another, on one thread, with Hydro's capture cache off (each search and
+each check captures its model afresh, as a first run does); CPU times are
+``time.process_time`` around the ``hydro.tune`` call and around each check.
 
 For every check it prints its CPU time as a fraction of its search's, whether its winner differs
 from the surrogate's best, and, for a check at the task's full steps, how much better the winner
@@ -42,7 +42,6 @@ SHORT = {"cnn": {"steps": 60, "eval_every": 15, "warmup_high": 6}}
 def example_config(name: str) -> dict[str, Any]:
     """The example's ``tune.yaml`` as a dict, shortened as the module's docstring says."""
     import yaml
-
     from end_to_end import BUDGETS
 
     raw = yaml.safe_load((ROOT / "examples" / name / "tune.yaml").read_text())
@@ -74,7 +73,7 @@ def load(name: str, seed: int) -> Any:
         return config.load(path)
 
 
-def one(name: str, seed: int, ks: list[int], halves: bool) -> dict[str, Any]:
+def one(name: str, seed: int, ks: list[int], fractions: list[float]) -> dict[str, Any]:
     """One search of example ``name`` from ``seed``, then its checks."""
     import optuna
 
@@ -97,7 +96,7 @@ def one(name: str, seed: int, ks: list[int], halves: bool) -> dict[str, Any]:
           f"{search['states']}, {search['trial_steps']} trial-steps, best trial "
           f"{search['best']} ({search['best_value']:.4f})", flush=True)
     checks = []
-    budgets = [steps, steps // 2] if halves else [steps]
+    budgets = [max(1, round(steps * f)) for f in fractions]
     for k in ks:
         for vs in budgets:
             cpu, wall = time.process_time(), time.perf_counter()
@@ -154,7 +153,8 @@ def main() -> None:
     p.add_argument("--examples", nargs="+", default=["charlm", "cnn"], choices=["charlm", "cnn"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--ks", nargs="+", type=int, default=[3, 5])
-    p.add_argument("--no-half", action="store_true", help="check at the task's steps only")
+    p.add_argument("--fractions", nargs="+", type=float, default=[1.0, 0.5],
+                   help="the checks' verify_steps as fractions of the task's steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write every run here (JSON), after each search")
     p.add_argument("--report", nargs="+", help="print saved JSON files' tables")
@@ -174,7 +174,7 @@ def main() -> None:
     rows = []
     for name in args.examples:
         for seed in args.seeds:
-            rows.append(one(name, seed, args.ks, not args.no_half))
+            rows.append(one(name, seed, args.ks, args.fractions))
             if args.out:
                 Path(args.out).write_text(json.dumps({"runs": rows}, indent=1, default=str))
     print()
