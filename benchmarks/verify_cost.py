@@ -17,7 +17,12 @@ is the first of the top k), in the same runs.
 
     python benchmarks/verify_cost.py --seeds 0 1 2 --out benchmarks/results/verify_cost.json
     python benchmarks/verify_cost.py --examples charlm --seeds 0 --ks 3   # a quick look
+    python benchmarks/verify_cost.py --confirm benchmarks/results/verify_cost.json
     python benchmarks/verify_cost.py --report benchmarks/results/verify_cost.json
+
+``--confirm`` trains the surrogate's best and the check's winner of every charlm search whose
+full-length check changed the choice again, by plain PyTorch (``end_to_end.py``'s full-model
+run) from new seeds: a judge independent of the seeds the check itself trained with.
 """
 
 from __future__ import annotations
@@ -117,6 +122,41 @@ def one(name: str, seed: int, ks: list[int], fractions: list[float]) -> dict[str
     return {"example": name, "seed": seed, "steps": steps, "search": search, "checks": checks}
 
 
+def confirm(rows: list[dict[str, Any]], seeds: int) -> list[dict[str, Any]]:
+    """For each charlm search whose full-length check changed the choice: the surrogate's best
+    and the check's winner trained on the full model by plain PyTorch (``end_to_end.py``'s
+    ``full_model_run``, its seeds ``check_seed``: not the seeds the check trained with), the
+    mean final validation loss of each over ``seeds`` seeds."""
+    from end_to_end import BUDGETS, check_seed, full_model_run
+
+    b = BUDGETS["short"]
+    out = []
+    for r in rows:
+        if r["example"] != "charlm":
+            continue
+        for c in r["checks"]:
+            if c["agrees"] or c["steps"] != r["steps"] or c["winner"] is None:
+                continue
+            a = argparse.Namespace(block=64, chars=b["chars"], steps=b["steps"],
+                                   eval_every=b["eval_every"], batch=b["batch"], layers=4,
+                                   heads=4, width=256, device="cpu")
+            params = {row["trial"]: row["params"] for row in c["configs"]}
+            losses = {}
+            for who in ("surrogate_best", "winner"):
+                p = {"dropout": 0.0, "warmup": 0, "weight_decay": 0.0, "beta2": 0.999,
+                     **params[c[who]]}
+                losses[who] = [full_model_run(a, p, seed=check_seed(s, r["seed"]))
+                               for s in range(seeds)]
+            out.append({"seed": r["seed"], "k": c["k"], "surrogate_best": c["surrogate_best"],
+                        "winner": c["winner"], "losses": losses})
+            m = {w: statistics.fmean(v) for w, v in losses.items()}
+            print(f"  confirm seed {r['seed']} k={c['k']}: surrogate's best {c['surrogate_best']} "
+                  f"{m['surrogate_best']:.4f}, winner {c['winner']} {m['winner']:.4f} "
+                  f"({100 * (m['surrogate_best'] - m['winner']) / m['surrogate_best']:+.2f}% "
+                  "better)", flush=True)
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The runs as Markdown: one line per check, then medians per example, k and steps."""
     out = ["| example | seed | search CPU s | k | check steps | check CPU s | check / search "
@@ -158,10 +198,27 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write every run here (JSON), after each search")
     p.add_argument("--report", nargs="+", help="print saved JSON files' tables")
+    p.add_argument("--confirm", metavar="FILE", help="train the changed choices of a saved "
+                   "charlm run again by plain PyTorch from new seeds, adding them to FILE")
+    p.add_argument("--confirm-seeds", type=int, default=2)
     args = p.parse_args()
     if args.report:
-        rows = [r for path in args.report for r in json.loads(Path(path).read_text())["runs"]]
-        print(table(rows))
+        saved = [json.loads(Path(path).read_text()) for path in args.report]
+        print(table([r for d in saved for r in d["runs"]]))
+        for c in (c for d in saved for c in d.get("confirm", [])):
+            m = {w: statistics.fmean(v) for w, v in c["losses"].items()}
+            print(f"confirmed, charlm seed {c['seed']} k={c['k']}: surrogate's best "
+                  f"{m['surrogate_best']:.4f}, check's winner {m['winner']:.4f} over "
+                  f"{len(c['losses']['winner'])} new seeds "
+                  f"({100 * (m['surrogate_best'] - m['winner']) / m['surrogate_best']:+.2f}%)")
+        return
+    if args.confirm:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        saved = json.loads(Path(args.confirm).read_text())
+        saved["confirm"] = confirm(saved["runs"], args.confirm_seeds)
+        Path(args.confirm).write_text(json.dumps(saved, indent=1, default=str))
         return
     os.environ["HYDRO_CACHE"] = "0"  # every search and check captures afresh
     import optuna
