@@ -244,12 +244,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from hydro.tuning.outputs import check_writable, export
+    from hydro.tuning.verification import CHECK
 
     check_writable(args.output, "export file")
     study = _load_study(args.storage, args.study)
     data = export(study, args.output, verification=study.user_attrs.get("hydro_verification"))
     prov = data["provenance"]
-    print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}, value "
+    by = " (the full-model check's winner)" if prov.get("chosen_by") == CHECK else ""
+    print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}{by}, value "
           f"{prov['surrogate_value']:.6g}")
     return 0
 

@@ -191,3 +191,26 @@ def test_verify_steps_is_a_config_key_and_a_flag(tmp_path, monkeypatch):
     assert config_module.load("tune.yaml").options().verify_steps == 2
     args = build_parser().parse_args(["tune", "tune.yaml", "--verify-steps", "3"])
     assert args.verify_steps == 3
+
+
+def test_hydro_tune_checks_and_exports_the_checks_choice(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from hydro.cli import main
+
+    toy.project(tmp_path, monkeypatch, "vmodel", toy.source(), toy.config("vmodel", steps=4))
+    assert main(["tune", "tune.yaml", "-o", "best.yaml", "--verify-top-k", "2",
+                 "--verify-steps", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "checked the top 2 on the full model (2 steps): winner trial" in out
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    v = best["verification"]
+    assert v["steps"] == 2 and len(v["configs"]) == 2
+    assert best["provenance"]["chosen_by"] == CHECK
+    assert best["provenance"]["trial"] == v["winner"]
+    assert best["hyperparameters"] == v["configs"][[c["trial"] for c in v["configs"]]
+                                                   .index(v["winner"])]["params"]
+    assert main(["export", "-o", "again.yaml"]) == 0  # later, from the study's record
+    assert "the full-model check's winner" in capsys.readouterr().out
+    again = yaml.safe_load((tmp_path / "again.yaml").read_text())
+    assert again["hyperparameters"] == best["hyperparameters"]
