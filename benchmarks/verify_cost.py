@@ -123,19 +123,37 @@ def one(name: str, seed: int, ks: list[int], fractions: list[float]) -> dict[str
 
 
 def confirm(rows: list[dict[str, Any]], seeds: int) -> list[dict[str, Any]]:
-    """For each charlm search whose full-length check changed the choice: the surrogate's best
-    and the check's winner trained on the full model by plain PyTorch (``end_to_end.py``'s
-    ``full_model_run``, its seeds ``check_seed``: not the seeds the check trained with), the
-    mean final validation loss of each over ``seeds`` seeds."""
+    """For each search whose full-length check changed the choice (the first such check of a
+    search: every k picks among the same runs): the surrogate's best and the check's winner
+    trained on the full model again from ``seeds`` new seeds (``end_to_end.py``'s
+    ``check_seed``: not the seeds the check trained with), both configurations from the same
+    seeds. charlm trains by plain PyTorch (``end_to_end.py``'s ``full_model_run``); cnn by
+    Hydro's loop at ratio 1 (``train_group``, one configuration at a time)."""
     from end_to_end import BUDGETS, check_seed, full_model_run
+
+    from hydro.tuning.lockstep import train_group
 
     b = BUDGETS["short"]
     out = []
     for r in rows:
-        if r["example"] != "charlm":
-            continue
+        done = set()
         for c in r["checks"]:
             if c["agrees"] or c["steps"] != r["steps"] or c["winner"] is None:
+                continue
+            if (c["surrogate_best"], c["winner"]) in done:
+                continue
+            done.add((c["surrogate_best"], c["winner"]))
+            if r["example"] != "charlm":
+                cfg = load(r["example"], r["seed"])
+                params = {row["trial"]: row["params"] for row in c["configs"]}
+                losses = {who: [train_group(cfg.task, [params[c[who]]], ratio=1,
+                                            seeds=[check_seed(s, r["seed"])])[0][0].value
+                                for s in range(seeds)]
+                          for who in ("surrogate_best", "winner")}
+                out.append({"example": r["example"], "seed": r["seed"], "k": c["k"],
+                            "surrogate_best": c["surrogate_best"], "winner": c["winner"],
+                            "losses": losses})
+                print(f"  confirm {r['example']} seed {r['seed']}: {losses}", flush=True)
                 continue
             a = argparse.Namespace(block=64, chars=b["chars"], steps=b["steps"],
                                    eval_every=b["eval_every"], batch=b["batch"], layers=4,
@@ -147,7 +165,8 @@ def confirm(rows: list[dict[str, Any]], seeds: int) -> list[dict[str, Any]]:
                      **params[c[who]]}
                 losses[who] = [full_model_run(a, p, seed=check_seed(s, r["seed"]))
                                for s in range(seeds)]
-            out.append({"seed": r["seed"], "k": c["k"], "surrogate_best": c["surrogate_best"],
+            out.append({"example": "charlm", "seed": r["seed"], "k": c["k"],
+                        "surrogate_best": c["surrogate_best"],
                         "winner": c["winner"], "losses": losses})
             m = {w: statistics.fmean(v) for w, v in losses.items()}
             print(f"  confirm seed {r['seed']} k={c['k']}: surrogate's best {c['surrogate_best']} "
