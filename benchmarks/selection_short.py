@@ -44,7 +44,7 @@ def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     args = argparse.Namespace(budget="short", ratio=a.ratio, fuse=16, width=256, layers=4, heads=4,
                               block=64, batch=None, steps=None, eval_every=None, chars=None,
-                              device="cpu")  # fmt: skip
+                              device="cpu")
     e2e.fill_budget(args)
     from examples.charlm.data import load
     from examples.charlm.model import gpt
@@ -68,7 +68,7 @@ def main() -> None:
         task = hydro.Task(model=functools.partial(gpt, **e2e.model_args(args)),
                           train_data=data["train"], val_data=data["val"], loss="cross_entropy",
                           optimizer="adamw", scheduler="cosine", steps=args.steps,
-                          eval_every=args.eval_every, batch_size=args.batch)  # fmt: skip
+                          eval_every=args.eval_every, batch_size=args.batch)
         start = time.process_time()
         sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         result = hydro.tune(task, e2e.space(args.steps), n_trials=a.trials, ratio=a.ratio,
@@ -77,7 +77,7 @@ def main() -> None:
         total = time.process_time() - start
         search = [t for t in result.study.get_trials(deepcopy=False)
                   if t.state == optuna.trial.TrialState.COMPLETE
-                  and REPLICA_OF not in t.user_attrs]  # fmt: skip
+                  and REPLICA_OF not in t.user_attrs]
         single = min(search, key=lambda t: t.value)
         chosen = result.chosen_params
         losses = {}
@@ -86,7 +86,7 @@ def main() -> None:
                 losses[name] = losses["best single trial"]
                 continue
             losses[name] = statistics.mean(e2e.full_model_run(args, params, e2e.check_seed(s, seed))
-                                           for s in range(a.check_seeds))  # fmt: skip
+                                           for s in range(a.check_seeds))
         row = {"seed": seed, "search_cpu": total - spent["replicas"],
                "replica_cpu": spent["replicas"], "changed": chosen != dict(single.params),
                "single_lr": single.params["lr"], "chosen_lr": chosen["lr"],

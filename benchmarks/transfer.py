@@ -66,7 +66,7 @@ from examples.charlm.model import gpt
 from hydro.errors import HydroWarning
 from hydro.fusion import fuse, trial_loss
 from hydro.tuning.group import _schedule
-from hydro.tuning.outputs import spearman
+from hydro.tuning.verification import spearman
 
 
 def lr_lambda(warmup: int, steps: int):

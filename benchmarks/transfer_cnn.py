@@ -55,7 +55,7 @@ from benchmarks.transfer import lr_lambda
 from examples.cnn.data import load
 from examples.cnn.model import deep_cnn
 from hydro.errors import HydroWarning
-from hydro.tuning.outputs import spearman
+from hydro.tuning.verification import spearman
 
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 WIDTH, BLOCKS = 64, 4

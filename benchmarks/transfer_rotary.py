@@ -38,7 +38,7 @@ import hydro
 from benchmarks.transfer import fused_grid
 from examples.charlm.data import VOCAB_SIZE, load
 from hydro.errors import HydroWarning
-from hydro.tuning.outputs import spearman
+from hydro.tuning.verification import spearman
 
 
 class RotaryAttention(nn.Module):

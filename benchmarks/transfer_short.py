@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    from hydro.tuning.outputs import spearman as rho
+    from hydro.tuning.verification import spearman as rho
 
     r = rho(a, b)
     return math.nan if r is None else r

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import hydro
 from benchmarks.transfer import lr_lambda
 from hydro.errors import HydroWarning
-from hydro.tuning.outputs import spearman
+from hydro.tuning.verification import spearman
 
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed result files
 

@@ -229,8 +229,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"  {key}: {value}")
     if result.verification:
         v = result.verification
-        print(f"verified top {len(v['configs'])} on the full model: winner trial {v['winner']}, "
-              f"rank agreement (Spearman) {v['spearman']}")
+        rho = "n/a" if v["spearman"] is None else f"{v['spearman']:+.2f}"
+        print(f"checked the top {len(v['configs'])} on the full model ({v['steps']} steps): "
+              f"winner trial {v['winner']}, rank agreement (Spearman) {rho}")
+        if v["winner"] is not None and not v.get("agrees", True):
+            print("  the export follows the full model's winner:")
+            for key, value in result.chosen_params.items():
+                print(f"  {key}: {value}")
     if args.output:
         result.export(args.output)
         print(f"wrote {args.output}")
@@ -239,12 +244,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from hydro.tuning.outputs import check_writable, export
+    from hydro.tuning.verification import CHECK
 
     check_writable(args.output, "export file")
     study = _load_study(args.storage, args.study)
     data = export(study, args.output, verification=study.user_attrs.get("hydro_verification"))
     prov = data["provenance"]
-    print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}, value "
+    by = " (the full-model check's winner)" if prov.get("chosen_by") == CHECK else ""
+    print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}{by}, value "
           f"{prov['surrogate_value']:.6g}")
     return 0
 

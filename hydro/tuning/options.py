@@ -125,8 +125,16 @@ class TuneOptions:
     )
     verify_top_k: int = _opt(
         0,
-        "afterwards, train the full model with the best k configurations and compare (0: off)",
+        "afterwards, train the full model with the best k configurations, fused, and export "
+        "the one it ranks first; both rankings are kept (0: off; 3 recommended)",
         kind="count0",
+    )
+    verify_steps: int | None = _opt(
+        None,
+        "with verify_top_k: the check's training steps, 1 to the task's steps (a shorter "
+        "schedule, warm-up shrunk with it)",
+        kind="count",
+        none="the task's steps",
     )
     replicas: int = _opt(
         0,
@@ -347,6 +355,9 @@ class TuneOptions:
         vk = self.verify_top_k
         if isinstance(vk, bool) or not isinstance(vk, int) or vk < 0:
             raise ConfigError(f"verify_top_k must be an integer >= 0, got {vk!r}")
+        vs = self.verify_steps  # against the task's steps: hydro.tuning.verification.check_steps
+        if vs is not None and (isinstance(vs, bool) or not isinstance(vs, int) or vs < 1):
+            raise ConfigError(f"verify_steps must be a positive number of steps, got {vs!r}")
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")

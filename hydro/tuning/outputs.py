@@ -1,14 +1,13 @@
-"""What a tuning run gives back: :class:`TuneResult`, the export of the best hyperparameters
-for the full model (``best.yaml``), the optional check of the top configurations on the full
-model (:func:`verify`), and the study's storage opened with a clear error."""
+"""What a tuning run gives back: :class:`TuneResult`, the export of the chosen hyperparameters
+for the full model (``best.yaml``; the check of the top configurations on the full model that
+may choose them is :mod:`hydro.tuning.verification`), and the study's storage opened with a
+clear error."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,16 +18,14 @@ from optuna.trial import TrialState
 from hydro._version import __version__
 from hydro.errors import ConfigError, StorageError, StudyError
 from hydro.files import write_text
-from hydro.tuning.bookkeeping import trial_seed
 from hydro.tuning.engine import refuse_directions
 from hydro.tuning.fingerprint import recipe_for
-from hydro.tuning.group import group_key
-from hydro.tuning.lockstep import train_group
 from hydro.tuning.options import DEFAULT_STORAGE
 from hydro.tuning.report import BELOW_FLOOR, is_interrupted, is_surplus, trial_counts
 from hydro.tuning.selection import SELECTION
 from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
+from hydro.tuning.verification import apply_choice, chosen_params
 
 __all__ = [
     "TuneResult",
@@ -38,9 +35,7 @@ __all__ = [
     "export_data",
     "header",
     "open_study",
-    "spearman",
     "training",
-    "verify",
 ]
 
 
@@ -51,7 +46,9 @@ class TuneResult:
     Attributes:
         study: the Optuna study (its storage holds every trial).
         ratio: the surrogate width divisor used.
-        verification: with ``verify_top_k``, the full-model check (see :func:`verify`).
+        verification: with ``verify_top_k``, the full-model check
+            (:func:`hydro.tuning.verification.verify`): both rankings and the full model's
+            winner, which the export follows (:attr:`chosen_params`).
     """
 
     study: optuna.Study
@@ -65,7 +62,9 @@ class TuneResult:
 
     @property
     def best_params(self) -> dict[str, Any]:
-        """The best hyperparameters: use them unchanged on the full model."""
+        """The surrogate's best hyperparameters (Optuna's best trial), usable unchanged on the
+        full model. After a check on the full model (``verify_top_k``) the export follows the
+        check's winner instead: :attr:`chosen_params`."""
         return trained_params(self.best_trial)
 
     @property
@@ -77,9 +76,10 @@ class TuneResult:
 
     @property
     def chosen_params(self) -> dict[str, Any]:
-        """The hyperparameters the export gives: with ``replicas``, the choice made with the
-        seeds' noise; else :attr:`best_params`."""
-        return trained_params(chosen_trial(self.study))
+        """The hyperparameters the export gives: the full-model check's winner when the check
+        ran (and a run finished); else, with ``replicas``, the choice made with the seeds'
+        noise; else :attr:`best_params`."""
+        return chosen_params(self.study, self.verification)
 
     @property
     def best_value(self) -> float:
@@ -119,7 +119,7 @@ class TuneResult:
         return export(self.study, path, verification=self.verification)
 
 
-def chosen_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
+def selected_trial(study: optuna.Study) -> optuna.trial.FrozenTrial:
     """The trial whose hyperparameters the export gives: the choice made with the seeds' noise
     where the study has one (:data:`hydro.tuning.selection.SELECTION`), else the best."""
     selection = study.user_attrs.get(SELECTION)
@@ -278,12 +278,14 @@ def _below_floor_comment(data: dict[str, Any]) -> str:
 
 def export_data(study: optuna.Study, verification: dict[str, Any] | None = None) -> dict[str, Any]:
     """What :func:`export` writes, as a dict: ``hyperparameters``, ``training``, ``provenance``
-    (and ``verification`` when given).
+    (and ``verification`` when given: the full-model check's rankings, whose winner the
+    ``hyperparameters`` and ``training`` then follow:
+    :func:`~hydro.tuning.verification.apply_choice`).
 
     Raises:
         StudyError: the study has no complete trial.
     """
-    best = chosen_trial(study)
+    best = selected_trial(study)
     selection = study.user_attrs.get(SELECTION)
     counts = trial_counts(study)
     recipe = recipe_for(study, best.number)  # the one it trained with, if the study changed
@@ -321,9 +323,7 @@ def export_data(study: optuna.Study, verification: dict[str, Any] | None = None)
         data["provenance"]["below_floor"] = list(below)
     if params != best.params:  # a space function's fixed or derived values: say what Optuna drew
         data["provenance"]["searched"] = dict(best.params)
-    if verification:
-        data["verification"] = verification
-    return data
+    return apply_choice(data, study, verification)  # the check's winner, when it ran
 
 
 def fuse_record(study: optuna.Study) -> dict[str, Any] | None:
@@ -373,66 +373,3 @@ def _refuse_multi_objective(storage: Any, study_name: str) -> None:
         return  # no such study yet: it is created with one direction
     refuse_directions(study_name, directions)
 
-
-def verify(
-    task: Task, study: optuna.Study, top_k: int, *, seed: int = 0, device: str = "cpu"
-) -> dict[str, Any]:
-    """Train the full model with a study's ``top_k`` best configurations and compare.
-
-    The full model is the task's model itself (ratio 1: standard parametrization, unmodified),
-    trained by the same loop, fused where the configurations allow.
-
-    Returns:
-        ``{"configs": [{trial, params, surrogate_value, full_value}...], "winner": trial number,
-        "spearman": rank correlation between surrogate and full-model values}``.
-    """
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    reverse = task.direction == "maximize"
-    top = sorted(complete, key=lambda t: t.value, reverse=reverse)[:top_k]
-    if not top:
-        raise ConfigError("no completed trial to verify")
-    groups: dict[tuple, list] = {}
-    for t in top:
-        groups.setdefault(group_key(trained_params(t), task), []).append(t)
-    full: dict[int, float | None] = {}
-    for members in groups.values():
-        outcomes, _ = train_group(task, [trained_params(t) for t in members], ratio=1,
-                                  seeds=[trial_seed(t, seed) for t in members],
-                                  device=device)
-        for t, o in zip(members, outcomes):
-            full[t.number] = o.value if o.state == "complete" else None
-    rows = [{"trial": t.number, "params": trained_params(t), "surrogate_value": t.value,
-             "full_value": full[t.number]} for t in top]
-    finite = [r for r in rows if r["full_value"] is not None and math.isfinite(r["full_value"])]
-    pick = max if reverse else min
-    winner = pick(finite, key=lambda r: r["full_value"])["trial"] if finite else None
-    rho = spearman([r["surrogate_value"] for r in finite], [r["full_value"] for r in finite])
-    return {"configs": rows, "winner": winner, "spearman": rho}
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman rank correlation (average ranks for ties, NaN ranked worst, as a diverged run);
-    None for fewer than 2 points."""
-    if len(a) < 2:
-        return None
-
-    def ranks(v: Sequence[float]) -> list[float]:
-        v = [math.inf if math.isnan(x) else float(x) for x in v]
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va = sum((x - ma) ** 2 for x in ra) ** 0.5
-    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
-    return cov / (va * vb) if va and vb else None

@@ -3,7 +3,8 @@
 ``hydro.tune(...)`` and ``hydro tune CONFIG`` both build a :class:`TuneOptions` and call it,
 so the two doors share every default and every step: checks, the target model built once,
 the ratio resolved, the study opened and its definition checked, the engine
-(:func:`hydro.tuning.engine.drive`), the optional check on the full model.
+(:func:`hydro.tuning.engine.drive`), the optional check on the full model
+(:mod:`hydro.tuning.verification`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def run(
     from hydro.tuning.engine import check_single_objective, drive, make_executor
     from hydro.tuning.fingerprint import check_study, fingerprint
     from hydro.tuning.group import check_device
-    from hydro.tuning.outputs import TuneResult, open_study, task_recipe, verify
+    from hydro.tuning.outputs import TuneResult, open_study, task_recipe
     from hydro.tuning.progress import wanted
     from hydro.tuning.report import BELOW_FLOOR, below_floor_line
     from hydro.tuning.signals import terminate_as_interrupt
+    from hydro.tuning.verification import check_steps, verify
 
     if not isinstance(trainer, (Task, Loop)):
         raise ConfigError(f"hydro.tune trains a hydro.Task or your own function train(run), got "
@@ -71,6 +73,8 @@ def run(
     if isinstance(trainer, Loop) and options.verify_top_k:  # said now, not after the search
         raise ConfigError("verify_top_k trains the full model with Hydro's recipe: with your "
                           "own loop, train the exported configurations yourself")
+    if isinstance(trainer, Task) and options.verify_top_k:  # a budget it cannot train: now
+        check_steps(options.verify_steps, trainer.steps)
     executor = make_executor(options.executor)
     check_space(space, _names(trainer), steps=trainer.steps if isinstance(trainer, Task) else None)
     try:
@@ -115,7 +119,8 @@ def run(
         result = TuneResult(study, ratio)
         if options.verify_top_k:
             result.verification = verify(trainer, study, options.verify_top_k,
-                                         seed=options.base_seed, device=options.device)
+                                         steps=options.verify_steps, seed=options.base_seed,
+                                         device=options.device)
             study.set_user_attr("hydro_verification", result.verification)
     return result
 

@@ -136,14 +136,14 @@ def select(found: Sequence[Config], distributions: Mapping[str, BaseDistribution
     middle = {name: _mean([_scaled(c.params[name], d) for c in region])
               for name, d in distributions.items()
               if not isinstance(d, CategoricalDistribution)
-              and all(name in c.params for c in region)}  # fmt: skip
+              and all(name in c.params for c in region)}
 
     def distance(c: Config) -> float:
         return sum((_scaled(c.params[name], distributions[name]) - m) ** 2
-                   for name, m in middle.items())  # fmt: skip
+                   for name, m in middle.items())
 
     chosen = min((c for c in region if len(c.values) >= 2),
-                 key=lambda c: (distance(c), sign * c.mean))  # fmt: skip
+                 key=lambda c: (distance(c), sign * c.mean))
     ranges: dict[str, Any] = {}
     for name in sorted({k for c in region for k in c.params}):
         values = [c.params[name] for c in region if name in c.params]

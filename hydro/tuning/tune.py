@@ -47,7 +47,8 @@ def tune(
         **kwargs: the run's options (:class:`~hydro.tuning.options.TuneOptions`, one table
             with their defaults in docs/reference/options.md): ``n_trials`` (32), ``ratio``
             ("auto"), ``fuse`` ("auto"), ``study`` ("hydro"), ``storage`` (``sqlite:///hydro.db``),
-            ``sampler``, ``pruner``, ``executor``, ``seed``, ``verify_top_k``, ``progress``,
+            ``sampler``, ``pruner``, ``executor``, ``seed``, ``verify_top_k``,
+            ``verify_steps``, ``progress``,
             ``device``, ``depth_ratio``, ``depth_alpha``, ``first_group``, ``policy``,
             ``deadline``, ``checkpoint_dir``, ``checkpoint_every``, ``fuse_memory``,
             ``timeout``, ``compile``, ``world_size``, ``force_resume``, ``callbacks``,

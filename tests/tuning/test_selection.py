@@ -59,7 +59,7 @@ def test_maximize_mirrors_and_categoricals_give_their_choices():
     space = {"x": FloatDistribution(0.0, 1.0), "act": CategoricalDistribution(["relu", "gelu"])}
     found = [Config({"x": c.params["x"], "act": "relu" if k % 2 else "gelu"}, c.trials,
                     [-v for v in c.values])
-             for k, c in enumerate(_landscape(flat, noise=0.02, seed=3))]  # fmt: skip
+             for k, c in enumerate(_landscape(flat, noise=0.02, seed=3))]
     s = select(found, space, maximize=True)
     assert abs(s.params["x"] - 0.5) <= 0.1 and s.ranges["act"] == ["gelu", "relu"]
 
@@ -79,12 +79,12 @@ class PruneAfterTheSearch(optuna.pruners.BasePruner):
 def test_a_search_replicates_its_leaders_and_exports_the_choice(tmp_path):
     space = {"lr": FloatDistribution(1e-3, 1e-1, log=True)}
     study = optuna.create_study(pruner=PruneAfterTheSearch(),
-                                sampler=optuna.samplers.RandomSampler(seed=0))  # fmt: skip
+                                sampler=optuna.samplers.RandomSampler(seed=0))
     task = toy.task(width=64, steps=6, eval_every=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = hydro.tune(task, space, n_trials=4, ratio=2, fuse=4, replicas=2, leaders=2,
-                            study=study, progress=False)  # fmt: skip
+                            study=study, progress=False)
     trials = study.get_trials()
     replicas = [t for t in trials if REPLICA_OF in t.user_attrs]
     assert len(trials) == 8 and len(replicas) == 4
