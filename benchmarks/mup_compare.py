@@ -586,10 +586,13 @@ def main() -> None:
     p.add_argument("--lr-lo", type=int, default=-13)
     p.add_argument("--lr-hi", type=int, default=-8)
     p.add_argument("--json", default=str(HERE / "results" / "mup_compare_lr.json"))
-    p.add_argument("--report", help="print a saved grid's table only")
+    p.add_argument("--report", nargs="+",
+                   help="print saved grids' table only (several files: their runs together)")
     args = p.parse_args()
     if args.report:
-        return report(json.loads(Path(args.report).read_text()))
+        saved = [json.loads(Path(f).read_text()) for f in args.report]
+        return report({"config": saved[0]["config"],
+                       "runs": {k: v for s in saved for k, v in s["runs"].items()}})
     if args.train:
         return run_grid(args)
     text = compare(args.ratios)
