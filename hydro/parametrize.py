@@ -18,9 +18,15 @@ fixed     no width dimension                    x 1          x 1            x 1
 ========  ====================================  ===========  =============  ===================
 
 The output layer's input is multiplied by ``output_mult / m`` in the forward pass (the muP readout
-multiplier), which is why its stored weights keep the target's scale. Weight decay follows the
-``mup`` package: it is divided by the learning-rate multiplier, so that ``lr * weight_decay`` (the
-per-step decay of AdamW and of SGD's coupled decay) does not change with width.
+multiplier), which is why its stored weights keep the target's scale. A weight shared by an
+embedding and the readout (tied) is an output and keeps the target's std too, as ``mup``'s README
+recipe leaves it (``mup.init`` after ``set_base_shapes``): ``set_base_shapes(rescale_params=True)``
+alone would shrink a ``MuSharedReadout``'s weight by ``sqrt(m)`` as if it were an ``nn.Linear``,
+but it is also the embedding, whose muP init does not change with width (that shrink lowered the
+best learning rate of a char GPT's ratio-4 surrogate by a doubling: docs/explanation/transfer.md).
+Weight decay follows the ``mup`` package: it is divided by the learning-rate multiplier, so that
+``lr * weight_decay`` (the per-step decay of AdamW and of SGD's coupled decay) does not change
+with width.
 
 These are the rules of ``mup.MuAdam`` / ``mup.MuSGD``; :func:`optimizer_multipliers` returns them
 per parameter so that Hydro's fused optimizers and plain ``torch.optim`` users (through
