@@ -223,7 +223,7 @@ def test_capture_errors_name_module_line_and_fix():
     with pytest.raises(hydro.TraceError) as err:
         hydro.scale(model, 2, example_inputs=(torch.randn(2, 4),))
     msg = str(err.value)
-    assert "module '1' (Branchy)" in msg and "test_scale.py" in msg
+    assert "module '1' (Branchy)" in msg and "test_scaling.py" in msg
     assert "if x.sum() > 0" in msg and "data-dependent control flow" in msg
     assert "torch.where" in msg
     assert isinstance(err.value, ValueError)

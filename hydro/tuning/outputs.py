@@ -25,7 +25,7 @@ from hydro.tuning.report import BELOW_FLOOR, is_interrupted, is_surplus, trial_c
 from hydro.tuning.selection import SELECTION
 from hydro.tuning.space import trained_params
 from hydro.tuning.task import Task
-from hydro.tuning.verification import apply_choice, chosen_params
+from hydro.tuning.verification import CHECK, SURROGATE, chosen_trial
 
 __all__ = [
     "TuneResult",
@@ -280,7 +280,7 @@ def export_data(study: optuna.Study, verification: dict[str, Any] | None = None)
     """What :func:`export` writes, as a dict: ``hyperparameters``, ``training``, ``provenance``
     (and ``verification`` when given: the full-model check's rankings, whose winner the
     ``hyperparameters`` and ``training`` then follow:
-    :func:`~hydro.tuning.verification.apply_choice`).
+    :func:`apply_choice`).
 
     Raises:
         StudyError: the study has no complete trial.
@@ -373,3 +373,45 @@ def _refuse_multi_objective(storage: Any, study_name: str) -> None:
         return  # no such study yet: it is created with one direction
     refuse_directions(study_name, directions)
 
+
+def chosen_params(study: optuna.Study, verification: dict[str, Any] | None) -> dict[str, Any]:
+    """The hyperparameters an export of ``study`` gives: the check's winner when it has one,
+    else the surrogate's choice (with seed replicas, the one made with their noise; else the
+    best trial: :func:`selected_trial`)."""
+    chosen = chosen_trial(study, verification) or selected_trial(study)
+    return trained_params(chosen)
+
+
+def apply_choice(
+    data: dict[str, Any], study: optuna.Study, verification: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Make an export's choice: ``data`` (as :func:`export_data` built it
+    from the surrogate's best) changed in place to follow the check's winner, if any.
+
+    With a winner, ``hyperparameters``, ``training`` and the provenance's ``trial``,
+    ``surrogate_value`` (and ``searched``) become the winner's; ``provenance.chosen_by`` is
+    ``"full-model check"`` and ``provenance.surrogate_best`` keeps what the surrogate alone
+    chose (its trial, value and hyperparameters), the same trial when the two agree. Without a
+    check, or when every checked run diverged, ``chosen_by`` is ``"surrogate"``. The
+    ``verification`` section holds both rankings. Returns ``data``.
+    """
+    prov = data["provenance"]
+    if verification:
+        data["verification"] = verification
+    chosen = chosen_trial(study, verification)
+    if chosen is None:
+        prov.setdefault("chosen_by", SURROGATE)
+        return data
+    prov["surrogate_best"] = {"trial": prov["trial"], "surrogate_value": prov["surrogate_value"],
+                              "hyperparameters": dict(data["hyperparameters"])}
+    prov["chosen_by"] = CHECK
+    if chosen.number != prov["trial"]:
+        params = trained_params(chosen)
+        data["hyperparameters"] = params
+        data["training"] = training(params, recipe_for(study, chosen.number))
+        prov["trial"] = chosen.number
+        prov["surrogate_value"] = chosen.value
+        prov.pop("searched", None)
+        if params != chosen.params:  # a space function's fixed or derived values
+            prov["searched"] = dict(chosen.params)
+    return data

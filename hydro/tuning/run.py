@@ -105,8 +105,15 @@ def run(
              "force_hint": "--force-resume"} if door == "cli" else {}
     check_study(study, definition, where=where, force=options.force_resume, **hints)
     study.set_user_attr("hydro_task", task_recipe(trainer))  # export's training recipe
-    # a preflight that could not build the model (searched architecture arguments) cannot say
-    below = [str(lw) for lw in task_below_floor(trainer, ratio)] if built is not None else []
+    # Said from the capture a group reads from the capture cache next (the same example
+    # shapes): free with the cache; without it, one more capture, which is left to the scale
+    # warning. A preflight that could not build the model (searched architecture arguments)
+    # cannot say, and a ratio "auto" just chose is within every floor.
+    from hydro.fx import cache as _cache
+
+    check = built is not None and not (auto and recorded is None) \
+        and _cache.enabled(_cache.for_task(trainer))
+    below = [str(lw) for lw in task_below_floor(trainer, ratio)] if check else []
     study.set_user_attr(BELOW_FLOOR, below)  # the export and the report say it too
     if say is not None:
         say(_opening(study, options, auto, recorded is not None))

@@ -26,11 +26,9 @@ from hydro.tuning.space import trained_params
 __all__ = [
     "CHECK",
     "SURROGATE",
-    "apply_choice",
     "check_params",
     "check_steps",
     "check_task",
-    "chosen_params",
     "chosen_trial",
     "ranks",
     "spearman",
@@ -167,54 +165,6 @@ def chosen_trial(study: optuna.Study, verification: dict[str, Any] | None) -> Fr
     if winner is None:
         return None
     return next(t for t in study.get_trials(deepcopy=False) if t.number == int(winner))
-
-
-def chosen_params(study: optuna.Study, verification: dict[str, Any] | None) -> dict[str, Any]:
-    """The hyperparameters an export of ``study`` gives: the check's winner when it has one,
-    else the surrogate's choice (with seed replicas, the one made with their noise; else the
-    best trial: :func:`hydro.tuning.outputs.selected_trial`)."""
-    from hydro.tuning.outputs import selected_trial
-
-    chosen = chosen_trial(study, verification) or selected_trial(study)
-    return trained_params(chosen)
-
-
-def apply_choice(
-    data: dict[str, Any], study: optuna.Study, verification: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Make an export's choice: ``data`` (as :func:`hydro.tuning.outputs.export_data` built it
-    from the surrogate's best) changed in place to follow the check's winner, if any.
-
-    With a winner, ``hyperparameters``, ``training`` and the provenance's ``trial``,
-    ``surrogate_value`` (and ``searched``) become the winner's; ``provenance.chosen_by`` is
-    ``"full-model check"`` and ``provenance.surrogate_best`` keeps what the surrogate alone
-    chose (its trial, value and hyperparameters), the same trial when the two agree. Without a
-    check, or when every checked run diverged, ``chosen_by`` is ``"surrogate"``. The
-    ``verification`` section holds both rankings. Returns ``data``.
-    """
-    from hydro.tuning.fingerprint import recipe_for
-    from hydro.tuning.outputs import training
-
-    prov = data["provenance"]
-    if verification:
-        data["verification"] = verification
-    chosen = chosen_trial(study, verification)
-    if chosen is None:
-        prov.setdefault("chosen_by", SURROGATE)
-        return data
-    prov["surrogate_best"] = {"trial": prov["trial"], "surrogate_value": prov["surrogate_value"],
-                              "hyperparameters": dict(data["hyperparameters"])}
-    prov["chosen_by"] = CHECK
-    if chosen.number != prov["trial"]:
-        params = trained_params(chosen)
-        data["hyperparameters"] = params
-        data["training"] = training(params, recipe_for(study, chosen.number))
-        prov["trial"] = chosen.number
-        prov["surrogate_value"] = chosen.value
-        prov.pop("searched", None)
-        if params != chosen.params:  # a space function's fixed or derived values
-            prov["searched"] = dict(chosen.params)
-    return data
 
 
 def ranks(values: Sequence[float]) -> list[float]:

@@ -157,6 +157,7 @@ torch.manual_seed(0)
 pretrained = FineTune().backbone.state_dict()
 """,
     # best.yaml as docs/how-to/tune-your-model.md shows it (fewer steps), and the charlm GPT
+    # (hydro.recipe's two lines there)
     "recipe": _CHARLM
     + """
 import yaml
