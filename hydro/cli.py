@@ -227,6 +227,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"best value {result.best_value:.6g} (trial {result.best_trial.number})")
     for key, value in result.best_params.items():
         print(f"  {key}: {value}")
+    chosen = result.selection
+    if chosen and (result.verification or {}).get("winner") is None:
+        print(f"chosen with the seeds' noise: trial {chosen['chosen']}, mean {chosen['mean']:.6g} "
+              f"over its seeds (noise {chosen['noise']:.3g}; {len(chosen['within'])} "
+              "configuration(s) within noise of the best); the export gives:")
+        for key, value in result.chosen_params.items():
+            span = chosen["ranges"].get(key)
+            print(f"  {key}: {value}" + (f"  (within noise: {span})" if span else ""))
     if result.verification:
         v = result.verification
         rho = "n/a" if v["spearman"] is None else f"{v['spearman']:+.2f}"
@@ -250,7 +258,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     study = _load_study(args.storage, args.study)
     data = export(study, args.output, verification=study.user_attrs.get("hydro_verification"))
     prov = data["provenance"]
-    by = " (the full-model check's winner)" if prov.get("chosen_by") == CHECK else ""
+    by = {CHECK: " (the full-model check's winner)",
+          "seed noise": " (chosen with the seeds' noise)"}.get(prov.get("chosen_by"), "")
     print(f"wrote {args.output}: study '{study.study_name}', trial {prov['trial']}{by}, value "
           f"{prov['surrogate_value']:.6g}")
     return 0

@@ -109,3 +109,18 @@ def test_a_search_replicates_its_leaders_and_exports_the_choice(tmp_path):
     hydro.tune(task, space, n_trials=4, ratio=2, fuse=4, replicas=2, leaders=2, study=study,
                progress=False)
     assert len(study.get_trials()) == 8
+
+
+def test_hydro_tune_says_the_noise_aware_choice_and_export_names_it(tmp_path, monkeypatch, capsys):
+    from hydro.cli import main
+
+    config = toy.config("toymod", trials=4, ratio=2, fuse=4, steps=6, eval_every=2,
+                        top="replicas: 2\nleaders: 2\n")
+    toy.project(tmp_path, monkeypatch, "toymod", toy.source(), config)
+    assert main(["tune", "tune.yaml", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen with the seeds' noise: trial " in out and "(within noise: [" in out
+    assert main(["export", "-o", "best.yaml"]) == 0
+    assert "(chosen with the seeds' noise)" in capsys.readouterr().out
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["provenance"]["chosen_by"] == "seed noise" and "lr" in best["within_noise"]
