@@ -48,6 +48,7 @@ def run(
             the study's definition.
         door: ``"python"`` or ``"cli"``: only the wording of the hints in errors.
     """
+    from hydro.fx import cache as _cache
     from hydro.fx.floor import task_below_floor, task_ratio
     from hydro.tuning.engine import check_single_objective, drive, make_executor
     from hydro.tuning.fingerprint import check_study, fingerprint
@@ -109,8 +110,6 @@ def run(
     # shapes): free with the cache; without it, one more capture, which is left to the scale
     # warning. A preflight that could not build the model (searched architecture arguments)
     # cannot say, and a ratio "auto" just chose is within every floor.
-    from hydro.fx import cache as _cache
-
     check = built is not None and not (auto and recorded is None) \
         and _cache.enabled(_cache.for_task(trainer))
     below = [str(lw) for lw in task_below_floor(trainer, ratio)] if check else []

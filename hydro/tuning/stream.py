@@ -113,22 +113,22 @@ class _Stream:
             if got is None and measured is not None:
                 self.study.set_user_attr(STUDY_ATTR, int(measured))
                 got = int(measured)
-                line = (f"validation subsample of the intermediate evaluations: {got} blocks "
-                        f"of {SAMPLE_BLOCK} samples (measured)")
-                if self.bar is not None:
-                    self.bar.note(line)
-                else:
-                    logging.getLogger("hydro").info(line)
+                self.note(f"validation subsample of the intermediate evaluations: {got} "
+                          f"blocks of {SAMPLE_BLOCK} samples (measured)")
             self.recorded_blocks = got
         return self.recorded_blocks
 
-    def say_compile(self, line: str) -> None:
-        """Say a group's compile decision: on the progress display (else to the ``hydro``
-        logger) and in the study's ``hydro_compile`` user attribute (one line per key)."""
+    def note(self, line: str) -> None:
+        """One line on the progress display, else to the ``hydro`` logger."""
         if self.bar is not None:
             self.bar.note(line)
         else:
             logging.getLogger("hydro").info(line)
+
+    def say_compile(self, line: str) -> None:
+        """Say a group's compile decision: on the progress display (else to the ``hydro``
+        logger) and in the study's ``hydro_compile`` user attribute (one line per key)."""
+        self.note(line)
         lines = list(self.study.user_attrs.get("hydro_compile") or [])
         self.study.set_user_attr("hydro_compile", [*lines, line])
 
