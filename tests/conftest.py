@@ -1,5 +1,6 @@
 """The whole suite captures models into one throwaway capture cache, never the user's; inductor
-compiles in-process; and ``one_thread``, for test modules of tiny tensors."""
+compiles in-process; each of several xdist workers runs torch on one thread; and ``one_thread``,
+for test modules of tiny tensors run without xdist."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ def pytest_configure(config: object) -> None:
     # inductor compiles in the test's own process: its default pool of compile workers (one
     # process per core, each importing torch) would compete with the other xdist worker
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # one xdist worker per core: each on one thread (and so the processes it starts), or
+        # OpenMP threads spin on the core the other worker holds (a float64 depthwise conv of
+        # the timm tests took 18 s on two threads so, against 0.05 s on one)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
     # xdist workers inherit the controller's environment: they share its folder (writes of one
     # key by two workers are atomic replaces of whole files)
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_OWN):

@@ -136,13 +136,13 @@ def _one_line(capsys, alone: bool = True) -> str:
 
 def test_a_lock_held_too_long_is_one_line_and_leaves_no_trial_running(project, capsys,
                                                                        monkeypatch):
-    """Timeout 2 s, lock 3.6 s: the run gives up at its next storage call (after 2 to 2.5 s),
-    then puts its two RUNNING trials back to WAITING once the lock is gone; the same command
-    then finishes the study with them."""
+    """Timeout 2 s, lock 6 s: the run gives up at its next storage call (after 2 to 2.5 s; the
+    4 s to spare let a loaded machine reach that call late), then puts its two RUNNING trials
+    back to WAITING once the lock is gone; the same command then finishes the study with them."""
     import storetoy
 
     monkeypatch.setenv("HYDRO_STORAGE_TIMEOUT", "2")
-    locker = Locker(project / "toy.db", hold=3.6)
+    locker = Locker(project / "toy.db", hold=6.0)
     storetoy.HOOK = locker.loss
     assert main(["tune", "tune.yaml"]) == 3
     line = _one_line(capsys, alone=False)
