@@ -202,7 +202,7 @@ def _schedule(kind: str, steps: int, warmup: int, o: torch.optim.Optimizer) -> A
         raise ConfigError(f"warmup {warmup} must be shorter than steps ({steps}): draw "
                           f"warm-ups of at most {steps - 1}, or train more steps")
     S = torch.optim.lr_scheduler
-    rest = steps - max(warmup, 1)
+    rest = max(1, steps - max(warmup, 1))  # a 1-step run still gets a (never reached) decay
     if kind == "cosine":
         main = S.CosineAnnealingLR(o, T_max=rest)
     elif kind == "linear":

@@ -112,6 +112,15 @@ def test_a_shrunk_warmup_stays_shorter_than_the_check():
     assert check_params({"lr": 0.1}, 5, 50) == {"lr": 0.1}
 
 
+@pytest.mark.parametrize("scheduler", ["cosine", "linear", "step", "none"])
+def test_a_one_step_check_trains_under_every_schedule(scheduler):
+    """``verify_steps=1`` is allowed, so a schedule of one step must build (its decay spans
+    at least one step) and train."""
+    task = toy.task(steps=30, eval_every=30, scheduler=scheduler)
+    v = verify(task, by_hand({3e-3: 0.10, 5e-2: 0.20}), 2, steps=1)
+    assert v["steps"] == 1 and all(c["full_value"] is not None for c in v["configs"])
+
+
 def test_the_export_follows_the_full_models_winner_and_keeps_both_rankings(tmp_path):
     task = toy.task(steps=30, eval_every=30)
     # the surrogate ranks a learning rate that barely trains first, a good one last
