@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning.bookkeeping import trial_seed
+from hydro.tuning.selection import configs
 from hydro.tuning.space import trained_params
 
 __all__ = [
@@ -105,8 +106,9 @@ def verify(
 
     Args:
         task: the study's :class:`hydro.Task`.
-        study: the searched study (its complete trials are ranked by value).
-        top_k: how many of the best configurations to train.
+        study: the searched study. Its complete trials are ranked as configurations: seed
+            replicas (``replicas``) of one configuration are one candidate, by their mean.
+        top_k: how many of the best configurations to train, each once.
         steps: the check's training steps, 1 to the task's steps (``None``: all of them).
         seed: the search's base seed (each trial trains from its own seed, as in the search).
         device: where the full model trains.
@@ -114,7 +116,8 @@ def verify(
     Returns:
         ``{"k", "steps", "configs", "surrogate_best", "winner", "agrees", "spearman"}``:
         ``configs`` in the surrogate's order, each ``{"trial", "params", "surrogate_value",
-        "full_value", "surrogate_rank", "full_rank"}`` (ranks from 1; a run that diverged has
+        "full_value", "surrogate_rank", "full_rank"}`` (``trial``: the configuration's first;
+        ``surrogate_value``: its mean over its seeds; ranks from 1; a run that diverged has
         ``full_value`` and ``full_rank`` ``None``); ``surrogate_best`` and ``winner``: the trial
         numbers ranked first by each (``winner`` ``None`` when every run diverged); ``agrees``:
         whether they are the same; ``spearman``: the rank correlation of the two values over
@@ -131,7 +134,12 @@ def verify(
     n_steps = check_steps(steps, task.steps)
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     reverse = task.direction == "maximize"
-    top: list[FrozenTrial] = sorted(complete, key=lambda t: t.value, reverse=reverse)[:top_k]
+    # configurations, not trials: seed replicas of one configuration are one candidate, ranked
+    # by its mean over seeds and trained once, as its first trial
+    found = sorted(configs(complete), key=lambda c: c.mean, reverse=reverse)[:top_k]
+    first = {t.number: t for t in complete}
+    top: list[FrozenTrial] = [first[c.trials[0]] for c in found]
+    surrogate = {c.trials[0]: c.mean for c in found}
     if not top:
         raise ConfigError("no completed trial to verify: the search finished none")
     short = check_task(task, n_steps)
@@ -150,11 +158,12 @@ def verify(
     finished = [t for t in top if t.number in values]
     order = sorted(finished, key=lambda t: values[t.number], reverse=reverse)
     full_rank = {t.number: i + 1 for i, t in enumerate(order)}
-    rows = [{"trial": t.number, "params": trained_params(t), "surrogate_value": t.value,
+    rows = [{"trial": t.number, "params": trained_params(t),
+             "surrogate_value": surrogate[t.number],
              "full_value": full[t.number], "surrogate_rank": i + 1,
              "full_rank": full_rank.get(t.number)} for i, t in enumerate(top)]
     winner = order[0].number if order else None
-    rho = spearman([float(t.value) for t in finished], [values[t.number] for t in finished])
+    rho = spearman([surrogate[t.number] for t in finished], [values[t.number] for t in finished])
     return {"k": top_k, "steps": n_steps, "configs": rows, "surrogate_best": top[0].number,
             "winner": winner, "agrees": winner == top[0].number, "spearman": rho}
 

@@ -121,6 +121,21 @@ def test_a_one_step_check_trains_under_every_schedule(scheduler):
     assert v["steps"] == 1 and all(c["full_value"] is not None for c in v["configs"])
 
 
+def test_seed_replicas_are_one_candidate_ranked_by_their_mean(groups):
+    """Trials 0 and 3 are one configuration (a replica, as ``replicas`` adds): the check trains
+    the top 2 configurations once each, ranked by their mean over seeds, not 0 and its copy."""
+    study = by_hand({3e-3: 0.10, 5e-2: 0.12, 1e-4: 0.30})
+    study.add_trial(optuna.trial.create_trial(  # trial 3: the first configuration, another seed
+        params={"lr": 3e-3}, distributions={"lr": SPACE["lr"]}, value=0.16,
+        user_attrs={"ratio": 2, "hydro_replica_of": 0}))
+    v = verify(toy.task(steps=30, eval_every=30), study, 2)
+    assert len(groups) == 1 and len(groups[0][1]) == 2
+    assert [c["trial"] for c in v["configs"]] == [1, 0]  # 0.12 before the mean 0.13
+    assert [c["surrogate_value"] for c in v["configs"]] == [0.12, pytest.approx(0.13)]
+    assert v["surrogate_best"] == 1
+    assert sorted(m["lr"] for m in groups[0][1]) == [3e-3, 5e-2]
+
+
 def test_the_export_follows_the_full_models_winner_and_keeps_both_rankings(tmp_path):
     task = toy.task(steps=30, eval_every=30)
     # the surrogate ranks a learning rate that barely trains first, a good one last
