@@ -77,7 +77,7 @@ RATIO, FUSE, K = 4, 16, 3
 FIXED = {"weight_decay": 0.01, "beta2": 0.999, "warmup": 0, "dropout": 0.0}
 MODELS = {
     "charlm": {"width": 256, "layers": 4, "heads": 4, "lr_lo": -12, "lr_hi": -7},
-    "pregpt": {"width": 512, "layers": 2, "heads": 8, "lr_lo": -12, "lr_hi": -7},
+    "pregpt": {"width": 512, "layers": 2, "heads": 8, "lr_lo": -13, "lr_hi": -8},
 }
 
 
@@ -184,7 +184,7 @@ def surrogate_grid(name: str, b: argparse.Namespace, lrs: list[float], seed: int
 
 
 def search(name: str, b: argparse.Namespace, args: argparse.Namespace, lo: int, hi: int,
-           seed: int) -> dict:
+           seed: int, fracs: list[float]) -> dict:
     """One ``hydro.tune`` search with replicas, then the check at each length: the variants'
     learning rates and the CPU times."""
     import optuna
@@ -209,19 +209,24 @@ def search(name: str, b: argparse.Namespace, args: argparse.Namespace, lo: int, 
            "best_value": best.value, "chosen_lr": result.chosen_params["lr"],
            "selection": result.selection, "below_floor": result.below_floor,
            "states": e2e.states(result.study), "checks": {}}
-    for frac in args.verify_fracs:
-        steps = max(1, round(frac * b.steps))
+    for frac in fracs:
+        steps = check_len(frac, b.steps)
         cpu = time.process_time()
         v = verify(t, result.study, K, steps=steps, seed=seed)
-        out["checks"][str(steps)] = {"cpu": time.process_time() - cpu,
+        out["checks"][str(steps)] = {"cpu": time.process_time() - cpu, "search_cpu": search_cpu,
                                      "lr": chosen_params(result.study, v)["lr"],
                                      "winner": v["winner"], "surrogate_best": v["surrogate_best"],
                                      "checked": [r["trial"] for r in v["configs"]],
+                                     "checked_lrs": [r["params"]["lr"] for r in v["configs"]],
                                      "full_values": [r["full_value"] for r in v["configs"]]}
     return out
 
 
 # --- the run ---------------------------------------------------------------------------------
+
+
+def check_len(frac: float, steps: int) -> int:
+    return max(1, round(frac * steps))
 
 
 def lr_key(lr: float) -> str:
@@ -290,11 +295,27 @@ def run_model(name: str, args: argparse.Namespace, saved: dict, save) -> None:
     lo, hi = grid_range(saved, name)
     tunes = saved["tune"].setdefault(name, {})
     for seed in args.search_seeds:
-        if str(seed) not in tunes:
+        x = tunes.get(str(seed))
+        fracs = [f for f in args.verify_fracs
+                 if x is None or str(check_len(f, b.steps)) not in x["checks"]]
+        if x is None or fracs:
             t0 = time.process_time()
-            tunes[str(seed)] = search(name, b, args, lo, hi, seed)
+            new = search(name, b, args, lo, hi, seed, fracs)
+            if x is None:
+                tunes[str(seed)] = x = new
+            else:  # a check length not run yet: the same search again (seeded), then the check
+                same = (new["best_lr"], new["chosen_lr"]) == (x["best_lr"], x["chosen_lr"])
+                x.setdefault("reruns", []).append({"search_cpu": new["search_cpu"],
+                                                   "same_choices": same,
+                                                   "checks": list(new["checks"])})
+                if not same:
+                    print(f"{name} search seed {seed} ran again chose otherwise: "
+                          f"{new['best_lr']}, {new['chosen_lr']} against {x['best_lr']}, "
+                          f"{x['chosen_lr']}; its checks are kept apart", flush=True)
+                    x.setdefault("other_checks", {}).update(new["checks"])
+                else:
+                    x["checks"].update(new["checks"])
             save()
-            x = tunes[str(seed)]
             print(f"{name} search seed {seed}: best trial lr {x['best_lr']:.3g}, chosen "
                   f"{x['chosen_lr']:.3g}, checks "
                   f"{ {k: round(c['lr'], 6) for k, c in x['checks'].items()} }; search "
@@ -435,6 +456,7 @@ def model_report(saved: dict, name: str, cfg: dict) -> str:
         return f"{pow2(lr)}: {'?' if g is None else f'{g:+.2f}%'}"
 
     steps_list = sorted({int(k) for x in tunes.values() for k in x["checks"]})
+    names = ["a", "b"] + [f"c{n}" for n in steps_list]
     say(f"hydro.tune end to end ({cfg['trials']} trials, TPE, ratio {cfg['ratio']}, lr "
         f"alone over 2^{lo}..2^{hi}): each variant's lr and its gap to the full grid's best "
         f"(2^{ref_e}, mean loss {ref:.4f} over seeds {', '.join(map(str, seeds))}):")
@@ -443,43 +465,61 @@ def model_report(saved: dict, name: str, cfg: dict) -> str:
         f"(c) + check k={K}, {n} steps" for n in steps_list) + " |")
     say("|---" * (3 + len(steps_list)) + "|")
     cols: dict[str, list[float]] = {}
-    for seed, x in sorted(tunes.items(), key=lambda kv: int(kv[0])):
-        lrs = [x["best_lr"], x["chosen_lr"]] + [x["checks"][str(n)]["lr"]
-                                                for n in steps_list]
-        names = ["a", "b"] + [f"c{n}" for n in steps_list]
+    ordered = sorted(tunes.items(), key=lambda kv: int(kv[0]))
+    for seed, x in ordered:
+        checks = x["checks"]
+        lrs = [x["best_lr"], x["chosen_lr"]] + [checks[str(n)]["lr"] if str(n) in checks
+                                                else None for n in steps_list]
         for n_, lr in zip(names, lrs):
-            g = gap(lr)
+            g = None if lr is None else gap(lr)
             if g is not None:
                 cols.setdefault(n_, []).append(g)
-        say(f"| {seed} | " + " | ".join(cell(lr) for lr in lrs) + " |")
-    say("| median | " + " | ".join(
-        f"{statistics.median(cols[n]):+.2f}%" if n in cols else ""
-        for n in ["a", "b"] + [f"c{n}" for n in steps_list]) + " |")
+        say(f"| {seed} | " + " | ".join("" if lr is None else cell(lr) for lr in lrs) + " |")
+    say("| median | " + " | ".join(f"{statistics.median(cols[n]):+.2f}%" if n in cols else ""
+                                   for n in names) + " |")
     say()
     say("Targets: (b) median within 1%, (c) within 0.5%.")
     say()
-    say(f"The check's cost (k = {K}; CPU s, capture cache on), against the search's "
-        "(hydro.tune with its replicas):")
+    say("The noise-aware choice: the seed noise it measured, the configurations within it, and "
+        "the lr range they span:")
+    say()
+    say("| search seed | seed noise | configurations within noise | lr range within noise |")
+    say("|---|---|---|---|")
+    for seed, x in ordered:
+        sel = x.get("selection") or {}
+        rng = sel.get("ranges", {}).get("lr")
+        say(f"| {seed} | {sel.get('noise', math.nan):.4f} | {len(sel.get('within', []))} | "
+            + (f"{pow2(rng[0])} to {pow2(rng[1])}" if rng else "") + " |")
+    say()
+    say(f"The check's cost (k = {K}; CPU s, capture cache on), against the search it followed "
+        "(hydro.tune with its replicas; a check added later follows the same seeded search run "
+        "again):")
     say()
     say("| search seed | search CPU s | trials complete / pruned | " + " | ".join(
         f"check {n} steps: CPU s (x search)" for n in steps_list) + " | checked trials "
-        "(winner) |")
+        "(winner per length) |")
     say("|---" * (4 + len(steps_list)) + "|")
     ratios: dict[int, list[float]] = {}
-    for seed, x in sorted(tunes.items(), key=lambda kv: int(kv[0])):
+    for seed, x in ordered:
         cells = []
         for n in steps_list:
-            c = x["checks"][str(n)]
-            ratios.setdefault(n, []).append(c["cpu"] / x["search_cpu"])
-            cells.append(f"{c['cpu']:.1f} ({c['cpu'] / x['search_cpu']:.2f}x)")
+            c = x["checks"].get(str(n))
+            if c is None:
+                cells.append("")
+                continue
+            c.setdefault("search_cpu", x["search_cpu"])  # saved before it was kept
+            ratios.setdefault(n, []).append(c["cpu"] / c["search_cpu"])
+            cells.append(f"{c['cpu']:.1f} ({c['cpu'] / c['search_cpu']:.2f}x of "
+                         f"{c['search_cpu']:.1f})")
         st = x["states"]
-        last = x["checks"][str(steps_list[-1])]
+        checked = next(iter(x["checks"].values()))["checked"]
         say(f"| {seed} | {x['search_cpu']:.1f} | {st.get('COMPLETE', 0)} / "
             f"{st.get('PRUNED', 0)} | " + " | ".join(cells) + " | "
-            + ", ".join(map(str, last["checked"])) + " ("
-            + ", ".join(f"{n}: {x['checks'][str(n)]['winner']}" for n in steps_list) + ") |")
-    say("| median | | | " + " | ".join(f"{statistics.median(ratios[n]):.2f}x"
-                                      for n in steps_list) + " | |")
+            + ", ".join(map(str, checked)) + " ("
+            + ", ".join(f"{n}: {x['checks'][str(n)]['winner']}" for n in steps_list
+                        if str(n) in x["checks"]) + ") |")
+    say("| median | | | " + " | ".join(f"{statistics.median(ratios[n]):.2f}x" if n in ratios
+                                      else "" for n in steps_list) + " | |")
     say()
     return out.getvalue()
 
