@@ -129,11 +129,13 @@ def check_seed(s: int, repeat: int) -> int:
     return 1000 * (s + 1) + repeat
 
 
-def full_model_run(args, params: dict, seed: int, trial=None) -> float:
+def full_model_run(args, params: dict, seed: int, trial=None, build=None) -> float:
     """Train the unmodified full model with plain PyTorch; its final validation loss.
 
     With ``trial`` (plain Optuna's objective) the loss is reported every ``eval_every`` steps
     and the trial pruned when the pruner says so; without, it is evaluated at the end only.
+    ``build``: a factory of another character model to train the same way (default: the
+    charlm GPT of ``args``' shape with ``params["dropout"]``).
     """
     import optuna
     import torch
@@ -146,7 +148,8 @@ def full_model_run(args, params: dict, seed: int, trial=None) -> float:
     data = load(block_size=args.block, max_chars=args.chars)
     data = {k: tuple(t.to(device) for t in v) for k, v in data.items()}
     torch.manual_seed(seed)
-    model = gpt(**model_args(args), dropout=params["dropout"]).to(device)
+    model = (build() if build is not None
+             else gpt(**model_args(args), dropout=params["dropout"])).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=(0.9, params["beta2"]),
                             weight_decay=params["weight_decay"])
     sched = schedule(opt, params["warmup"], args.steps)

@@ -111,31 +111,10 @@ def load_data(chars: int) -> dict:
 
 
 def full_run(name: str, b: argparse.Namespace, lr: float, seed: int) -> float:
-    """The full model's final validation loss at ``lr`` (the module's recipe), from ``seed``."""
-    params = {**FIXED, "lr": lr}
-    if name == "charlm":
-        return e2e.full_model_run(b, params, seed)
-    import torch
-    import torch.nn.functional as F
-
-    data = load_data(b.chars)
-    torch.manual_seed(seed)
-    model = factory(name)()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, FIXED["beta2"]),
-                            weight_decay=FIXED["weight_decay"])
-    sched = e2e.schedule(opt, FIXED["warmup"], b.steps)
-    x, y = data["train"]
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(b.steps):
-        idx = torch.randint(0, len(y), (b.batch,), generator=g)
-        logits = model(x[idx])
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y[idx].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-    value = e2e.evaluate(model, data["val"])
-    return value if math.isfinite(value) else math.inf
+    """The full model's final validation loss at ``lr`` (the module's recipe), from ``seed``:
+    ``end_to_end.full_model_run``'s loop, with pregpt built in place of its GPT."""
+    build = None if name == "charlm" else factory(name)
+    return e2e.full_model_run(b, {**FIXED, "lr": lr}, seed, build=build)
 
 
 def task(name: str, b: argparse.Namespace, eval_every: int):

@@ -23,8 +23,8 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["REPLICA_OF", "SELECTION", "Config", "Selection", "configs", "leaders", "select",
-           "seed_noise"]
+__all__ = ["REPLICA_OF", "SELECTION", "Config", "Selection", "configs", "leaders", "ranked",
+           "select", "seed_noise"]
 
 REPLICA_OF = "hydro_replica_of"  # a replica trial's user attribute: the trial it repeats
 SELECTION = "hydro_selection"  # the study's user attribute: the last choice (Selection.as_dict)
@@ -80,12 +80,15 @@ def configs(trials: Sequence[FrozenTrial]) -> list[Config]:
     return list(out.values())
 
 
+def ranked(trials: Sequence[FrozenTrial], maximize: bool) -> list[Config]:
+    """:func:`configs` of ``trials``, best mean first."""
+    return sorted(configs(trials), key=lambda c: c.mean, reverse=maximize)
+
+
 def leaders(study: optuna.Study, count: int) -> list[FrozenTrial]:
     """The first trials of the ``count`` best configurations by their mean so far."""
-    direction = study.direction
     trials = study.get_trials(deepcopy=False)
-    found = sorted(configs(trials), key=lambda c: c.mean,
-                   reverse=direction == optuna.study.StudyDirection.MAXIMIZE)
+    found = ranked(trials, study.direction == optuna.study.StudyDirection.MAXIMIZE)
     first = {t.number: t for t in trials}
     return [first[c.trials[0]] for c in found[:count]]
 

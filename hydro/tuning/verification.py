@@ -21,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hydro.errors import ConfigError
 from hydro.tuning.bookkeeping import trial_seed
-from hydro.tuning.selection import configs
+from hydro.tuning.selection import ranked
 from hydro.tuning.space import trained_params
 
 __all__ = [
@@ -136,7 +136,7 @@ def verify(
     reverse = task.direction == "maximize"
     # configurations, not trials: seed replicas of one configuration are one candidate, ranked
     # by its mean over seeds and trained once, as its first trial
-    found = sorted(configs(complete), key=lambda c: c.mean, reverse=reverse)[:top_k]
+    found = ranked(complete, reverse)[:top_k]
     first = {t.number: t for t in complete}
     top: list[FrozenTrial] = [first[c.trials[0]] for c in found]
     surrogate = {c.trials[0]: c.mean for c in found}
